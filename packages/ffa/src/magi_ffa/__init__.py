@@ -1,0 +1,3 @@
+"""magi_ffa."""
+
+__all__: list[str] = []

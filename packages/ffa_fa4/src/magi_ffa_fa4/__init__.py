@@ -1,0 +1,3 @@
+"""magi_ffa_fa4."""
+
+__all__: list[str] = []

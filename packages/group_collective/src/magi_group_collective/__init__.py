@@ -1,0 +1,3 @@
+"""magi_group_collective."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""magi_attention."""
+
+__all__: list[str] = []

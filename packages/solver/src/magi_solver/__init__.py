@@ -1,0 +1,3 @@
+"""magi_solver."""
+
+__all__: list[str] = []
