@@ -1,0 +1,166 @@
+"""Slices -> per-row key intervals (MagiAttention's "HSTU function").
+
+For every query row the visible keys are the union, over the slices containing that row, of one half-open
+interval each (global row ``r`` in slice ``(qs, qe, ks, ke, t)``)::
+
+    start = ks + (r - qs      if t has the INV_CAUSAL bit (2) else 0)
+    end   = ke - (qe - r - 1  if t has the CAUSAL bit (1) else 0)
+
+(empty when ``start >= end``). The union is stored as sorted, merged, disjoint, non-touching intervals,
+padded to the smallest width that holds every row. Memory is O(total_q x width); no dense mask is built.
+
+Two implementations with identical results: :func:`row_intervals_reference` (vectorized torch, any device)
+and :func:`row_intervals_triton` (a Triton kernel, rows in blocks; runs under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
+
+__all__ = ["RowIntervals", "row_intervals", "row_intervals_reference", "slice_row_pairs"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowIntervals:
+    """Per-row visible key intervals.
+
+    Attributes:
+        starts: int32 ``[total_q, width]``; row ``r``'s intervals are ``[starts[r, i], ends[r, i])`` for
+            ``i < counts[r]``, sorted by start, disjoint and non-touching; padding slots hold ``0, 0``.
+        ends: int32 ``[total_q, width]``.
+        counts: int32 ``[total_q]``, number of intervals of each row (0 = the row sees no key).
+        width: the smallest interval count covering every row (``max(counts)``, at least 1 so that kernels
+            always have one slot to read).
+        total_k: number of key tokens (every ``end <= total_k``).
+    """
+
+    starts: torch.Tensor
+    ends: torch.Tensor
+    counts: torch.Tensor
+    width: int
+    total_k: int
+
+    @property
+    def total_q(self) -> int:
+        return self.starts.shape[0]
+
+    def to_dense(self) -> torch.Tensor:
+        """Bool ``[total_q, total_k]`` mask (tests and small inspections only)."""
+        cols = torch.arange(self.total_k, device=self.starts.device)
+        hit = (cols[None, None, :] >= self.starts[:, :, None]) & (cols[None, None, :] < self.ends[:, :, None])
+        return hit.any(dim=1)
+
+
+def slice_row_pairs(
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, type_map: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One candidate interval per (row, slice) incidence, empty ones dropped.
+
+    Returns:
+        ``(rows, starts, ends)``, int64 ``[num_pairs]`` each, in slice order (not sorted by row).
+    """
+    qs, qe = q_ranges[:, 0].long(), q_ranges[:, 1].long()
+    ks, ke = k_ranges[:, 0].long(), k_ranges[:, 1].long()
+    t = type_map.long()
+    sq = (qe - qs).clamp(min=0)
+    sid = torch.repeat_interleave(torch.arange(qs.shape[0], device=qs.device), sq)
+    first = torch.cumsum(sq, 0) - sq  # position of each slice's first pair
+    rows = qs[sid] + torch.arange(sid.shape[0], device=qs.device) - first[sid]
+    inv = (t[sid] & 2) != 0
+    cau = (t[sid] & 1) != 0
+    starts = ks[sid] + torch.where(inv, rows - qs[sid], 0)
+    ends = ke[sid] - torch.where(cau, qe[sid] - rows - 1, 0)
+    keep = starts < ends
+    return rows[keep], starts[keep], ends[keep]
+
+
+def _merge_sorted_pairs(
+    rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, total_q: int, total_k: int
+) -> RowIntervals:
+    """Sort (row, start) pairs, merge overlapping/touching intervals per row and pad to a 2-D table."""
+    device = rows.device
+    if rows.numel() == 0:
+        z = torch.zeros(total_q, 1, dtype=torch.int32, device=device)
+        return RowIntervals(z, z.clone(), torch.zeros(total_q, dtype=torch.int32, device=device), 1, total_k)
+    # lexicographic sort by (row, start) with one key: both fit comfortably in int64
+    order = torch.argsort(rows * (total_k + 1) + starts)
+    rows, starts, ends = rows[order], starts[order], ends[order]
+    # segmented running max of `end` within a row: adding row * (total_k + 1) keeps rows separate
+    # because every end lies in [0, total_k], so one global cummax is a per-row cummax.
+    off = rows * (total_k + 1)
+    run_max = torch.cummax(off + ends, 0).values
+    prev = torch.cat([torch.full((1,), -1, dtype=run_max.dtype, device=device), run_max[:-1]])
+    # a new merged interval starts where the row changes or the start lies past every earlier end
+    new = (off + starts) > prev
+    new[0] = True
+    group = torch.cumsum(new.long(), 0) - 1
+    n_groups = int(group[-1]) + 1
+    g_rows = rows[new]
+    g_starts = starts[new]
+    # the merged end is the running max at the last element of each group
+    last = torch.ones_like(new)
+    last[:-1] = new[1:]
+    g_ends = run_max[last] - g_rows * (total_k + 1)
+    counts = torch.bincount(g_rows, minlength=total_q)
+    width = max(int(counts.max()), 1)
+    first_group = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(n_groups, device=device) - first_group[g_rows]
+    st = torch.zeros(total_q, width, dtype=torch.int32, device=device)
+    en = torch.zeros(total_q, width, dtype=torch.int32, device=device)
+    st[g_rows, slot] = g_starts.to(torch.int32)
+    en[g_rows, slot] = g_ends.to(torch.int32)
+    return RowIntervals(st, en, counts.to(torch.int32), width, total_k)
+
+
+def row_intervals_reference(
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike,
+    total_q: int,
+    total_k: int,
+) -> RowIntervals:
+    """Vectorized torch reference: O(sum of slice heights) work, O(total_q x width) output.
+
+    Args:
+        q_ranges: int32 ``[num_slices, 2]`` query ranges (half-open).
+        k_ranges: int32 ``[num_slices, 2]`` key ranges (half-open).
+        attn_type_map: int32 ``[num_slices]`` slice types (0..3), ``None`` = all FULL.
+        total_q: number of query rows.
+        total_k: number of key tokens.
+    """
+    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
+    qr = as_ranges(q_ranges, "q_ranges", device)
+    kr = as_ranges(k_ranges, "k_ranges", device)
+    tm = as_type_map(attn_type_map, qr.shape[0], device)
+    check_slices(qr, kr, tm, total_q, total_k)
+    rows, starts, ends = slice_row_pairs(qr, kr, tm)
+    return _merge_sorted_pairs(rows, starts, ends, total_q, total_k)
+
+
+def row_intervals(
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike,
+    total_q: int,
+    total_k: int,
+    *,
+    use_triton: bool | None = None,
+) -> RowIntervals:
+    """Per-row intervals; the Triton kernel on CUDA (or when forced), the torch reference otherwise.
+
+    Args:
+        q_ranges, k_ranges, attn_type_map, total_q, total_k: as in :func:`row_intervals_reference`.
+        use_triton: force (True) or forbid (False) the Triton kernel; ``None`` picks it on CUDA.
+    """
+    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
+    if use_triton is None:
+        use_triton = device.type == "cuda"
+    if not use_triton:
+        return row_intervals_reference(q_ranges, k_ranges, attn_type_map, total_q, total_k)
+    from ._intervals_triton import row_intervals_triton
+
+    return row_intervals_triton(q_ranges, k_ranges, attn_type_map, total_q, total_k)

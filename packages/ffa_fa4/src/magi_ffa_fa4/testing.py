@@ -1,0 +1,148 @@
+"""Test helpers: dense masks straight from the slice definitions, a dense attention reference, mask
+generators and the tolerance rule. Independent of the interval and block code they check.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map
+
+__all__ = [
+    "assert_close_to_ref",
+    "dense_mask",
+    "random_slices",
+    "ref_attention",
+]
+
+
+def dense_mask(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
+) -> torch.Tensor:
+    """Bool ``[total_q, total_k]``: the union of the slice masks, built slice by slice on the CPU.
+
+    Each slice's block is the study's construction: with ``M = max(sq, sk)``, CAUSAL is
+    ``tril(ones(M, M))[-sq:, -sk:]``, INV_CAUSAL ``triu(ones(M, M))[:sq, :sk]``, BI_CAUSAL both.
+    """
+    qr = as_ranges(q_ranges, "q_ranges", torch.device("cpu")).tolist()
+    kr = as_ranges(k_ranges, "k_ranges", torch.device("cpu")).tolist()
+    tm = as_type_map(attn_type_map, len(qr), torch.device("cpu")).tolist()
+    mask = torch.zeros(total_q, total_k, dtype=torch.bool)
+    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
+        sq, sk = qe - qs, ke - ks
+        if sq <= 0 or sk <= 0:
+            continue
+        big = max(sq, sk)
+        ones = torch.ones(big, big, dtype=torch.bool)
+        block = torch.ones(sq, sk, dtype=torch.bool)
+        if t & 1:
+            block &= torch.tril(ones)[big - sq :, big - sk :]
+        if t & 2:
+            block &= torch.triu(ones)[:sq, :sk]
+        mask[qs:qe, ks:ke] |= block
+    return mask
+
+
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense masked attention in ``dtype`` (differentiable).
+
+    Args:
+        q: ``[total_q, num_heads_q, head_dim]``.
+        k, v: ``[total_k, num_heads_kv, head_dim]``; query head ``h`` uses kv head ``h // (hq // hkv)``.
+        mask: bool ``[total_q, total_k]``, True = visible.
+
+    Returns:
+        ``(out, lse)``: out ``[total_q, num_heads_q, head_dim]`` in ``dtype`` (0 on rows with no key),
+        lse ``[total_q, num_heads_q]`` in ``dtype`` (-inf on rows with no key).
+    """
+    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
+    kf = kf.repeat_interleave(hq // hk, dim=1)
+    vf = vf.repeat_interleave(hq // hk, dim=1)
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    m = mask.to(q.device)[None]
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [h, q]
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]).masked_fill(~m, 0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    return out, lse.transpose(0, 1)
+
+
+def random_slices(
+    rng: random.Random,
+    total_q: int,
+    total_k: int,
+    num_slices: int,
+    *,
+    types: tuple[int, ...] = (0, 1, 2, 3),
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Random, possibly overlapping slices (some empty), with random types."""
+    qr, kr, tm = [], [], []
+    for _ in range(num_slices):
+        a, b = sorted(rng.randrange(total_q + 1) for _ in range(2))
+        c, e = sorted(rng.randrange(total_k + 1) for _ in range(2))
+        qr.append([a, b])
+        kr.append([c, e])
+        tm.append(rng.choice(types))
+    return qr, kr, tm
+
+
+def assert_close_to_ref(
+    name: str,
+    x: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lp: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float = 1e-8,
+    norm_floor: float = 1e-6,
+    max_mismatch: float = 0.75,
+) -> None:
+    """The FFA test rule (study 3.4): ``x`` against the fp64 reference, with the error budget set by how far
+    the same-dtype torch reference ``ref_lp`` is from it.
+
+    (a) ``max|x - ref64| <= max(norm_floor, 2 * max|ref_lp - ref64|)``;
+    (b) the fraction of elements outside ``atol + rtol * |ref64|`` is at most
+        ``clamp(2 * that fraction for ref_lp, 1e-6, max_mismatch)``.
+    Infinite entries must match exactly (same positions, same sign); NaN never passes.
+    """
+    x64, lp64 = x.detach().double(), ref_lp.detach().double()
+    r = ref64.detach().double()
+    if torch.isnan(x64).any():
+        raise AssertionError(f"{name}: NaN in result")
+    inf_x, inf_r = torch.isinf(x64), torch.isinf(r)
+    if not torch.equal(inf_x, inf_r) or not torch.equal(x64[inf_x], r[inf_r]):
+        raise AssertionError(f"{name}: infinite entries differ from the reference")
+    fin = ~inf_r
+    x64, lp64, r = x64[fin], lp64[fin], r[fin]
+    if r.numel() == 0:
+        return
+    err = (x64 - r).abs().max().item()
+    base = (lp64 - r).abs()
+    base = base[torch.isfinite(base)]
+    budget = max(norm_floor, 2.0 * (base.max().item() if base.numel() else 0.0))
+    if not err <= budget:
+        raise AssertionError(f"{name}: max error {err:.3e} > budget {budget:.3e}")
+    tol = atol + rtol * r.abs()
+    frac = ((x64 - r).abs() > tol).double().mean().item()
+    frac_lp = ((lp64 - r).abs() > tol).double().mean().item()
+    allowed = min(max(2.0 * frac_lp, 1e-6), max_mismatch)
+    if not frac <= allowed:
+        raise AssertionError(f"{name}: mismatch ratio {frac:.3e} > allowed {allowed:.3e}")
+    if not math.isfinite(err):
+        raise AssertionError(f"{name}: non-finite error")
