@@ -1,0 +1,17 @@
+"""Thin wrappers over torch.distributed used by dispatch/undispatch (token gathers along dim 0)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renames the tensor form of all_gather; 2.11 only has all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> torch.Tensor:
+    """[n, ...] on every rank -> [world_size * n, ...], rank r's rows at r*n (equal n on every rank)."""
+    x = x.contiguous()
+    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out

@@ -1,0 +1,256 @@
+"""Public API, compatible with MagiAttention's names.
+
+Typical flow::
+
+    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, hq, hkv, d, cp_group)
+    local_x = dispatch(x, key)                       # this rank's tokens
+    q, k, v = project(local_x)                       # [shard, heads, d]
+    out, meta = calc_attn(q, k, v, key)              # distributed attention
+    y = undispatch(out, key)                         # global order again (or keep working locally)
+
+Position-dependent code (RoPE) must use `get_position_ids(key)`: dispatch permutes tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from magi_solver import infer_attn_mask_from_cu_seqlens
+
+from ._mask_input import normalize_mask_types, normalize_ranges
+from ._runtime import RUNTIME_CACHE
+from .config import DistAttnConfig
+from .dispatch import dispatch, undispatch
+from .dist_attn import AttnForwardMeta, calc_attn
+from .key import CpGroup, DistAttnRuntimeKey
+
+__all__ = [
+    "AttnForwardMeta",
+    "DistAttnRuntimeKey",
+    "calc_attn",
+    "clear_cache",
+    "dispatch",
+    "get_most_recent_key",
+    "get_position_ids",
+    "magi_attn_flex_key",
+    "magi_attn_varlen_key",
+    "make_flex_key_for_new_mask_after_dispatch",
+    "undispatch",
+]
+
+
+def _resolve_cp_group(cp_group_or_mesh: Any) -> CpGroup:
+    if cp_group_or_mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            return CpGroup(name="<single-process>", ranks=(0,))
+        cp_group_or_mesh = dist.group.WORLD
+    if cp_group_or_mesh is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"cp_group_or_mesh: this process (global rank {dist.get_rank()}) is not in the given group: "
+            "the key was built for another group"
+        )
+    if _is_device_mesh(cp_group_or_mesh):
+        mesh = cp_group_or_mesh
+        if mesh.ndim == 1:
+            return _group_of(mesh.get_group())
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"cp_group_or_mesh: a DeviceMesh must be 1-D or 2-D (inter, intra), got {mesh.ndim}-D"
+            )
+        flat = _group_of(mesh._flatten().get_group())
+        return CpGroup(flat.name, flat.ranks, tuple(mesh.shape), flat.group, mesh)
+    if isinstance(cp_group_or_mesh, dist.ProcessGroup):
+        return _group_of(cp_group_or_mesh)
+    raise TypeError(
+        f"cp_group_or_mesh must be a ProcessGroup, a DeviceMesh or None, got {type(cp_group_or_mesh).__name__}"
+    )
+
+
+def _is_device_mesh(x: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(x, DeviceMesh)
+
+
+def _group_of(group: dist.ProcessGroup) -> CpGroup:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return CpGroup(name=group.group_name, ranks=ranks, group=group)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_mask_bounds(q_ranges, k_ranges, total_q: int, total_k: int) -> None:
+    if len(q_ranges) != len(k_ranges):
+        raise ValueError(f"q_ranges has {len(q_ranges)} slices but k_ranges has {len(k_ranges)}")
+    for name, ranges, total in (("q_ranges", q_ranges, total_q), ("k_ranges", k_ranges, total_k)):
+        for i, (s, e) in enumerate(ranges):
+            if not 0 <= s <= e <= total:
+                raise ValueError(f"{name}[{i}] = [{s}, {e}) must satisfy 0 <= start <= end <= {total}")
+
+
+def magi_attn_flex_key(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen_q: int,
+    total_seqlen_k: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    cp_group_or_mesh: Any,
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnRuntimeKey:
+    """Plan distributed attention for a mask given as slices and return its key.
+
+    Args:
+        q_ranges, k_ranges: the slices' query and key ranges, half-open `[start, end)` in global token
+            coordinates: lists of pairs, `magi_solver.AttnRanges` or int tensors `[num_slices, 2]`.
+        attn_mask_type: per slice FULL / CAUSAL (bottom-right aligned) / INV_CAUSAL (top-left aligned) /
+            BI_CAUSAL (both), as an `AttnMaskType`, a name, an int code 0-3, or a list of them.
+        total_seqlen_q, total_seqlen_k: sequence lengths; self-attention, so they must be equal.
+        num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
+        cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
+        dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
+
+    The plan is built on first use and cached per group; it is identical on every rank.
+    """
+    q = normalize_ranges(q_ranges, "q_ranges")
+    k = normalize_ranges(k_ranges, "k_ranges")
+    types = normalize_mask_types(attn_mask_type, len(q))
+    total_q = _positive_int(total_seqlen_q, "total_seqlen_q")
+    total_k = _positive_int(total_seqlen_k, "total_seqlen_k")
+    if total_q != total_k:
+        raise NotImplementedError(
+            f"only self-attention is supported: total_seqlen_q ({total_q}) must equal total_seqlen_k ({total_k})"
+        )
+    hq = _positive_int(num_heads_q, "num_heads_q")
+    hkv = _positive_int(num_heads_kv, "num_heads_kv")
+    if hq % hkv:
+        raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hkv})")
+    d = _positive_int(head_dim, "head_dim")
+    _check_mask_bounds(q, k, total_q, total_k)
+    config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
+    if not isinstance(config, DistAttnConfig):
+        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
+    cp_group = _resolve_cp_group(cp_group_or_mesh)
+    cp_group.local_rank()  # raises if this process is not in the group
+    key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config)
+    RUNTIME_CACHE.get(key)  # plan now, so bad masks raise here (the same on every rank)
+    return key
+
+
+def magi_attn_varlen_key(
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    cp_group_or_mesh: Any,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnRuntimeKey:
+    """Key for packed variable-length documents: document i attends within itself.
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: cumulative lengths `[num_docs + 1]` starting at 0 (list or int tensor).
+        causal: causal attention inside each document.
+        window_size: `(left, right)` sliding window inside each document, -1 meaning unbounded.
+    """
+    cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    q_ranges, k_ranges, types = infer_attn_mask_from_cu_seqlens(
+        cu_q, cu_k, causal=causal, window_size=tuple(window_size)
+    )
+    return magi_attn_flex_key(
+        q_ranges,
+        k_ranges,
+        types,
+        cu_q[-1],
+        cu_k[-1],
+        num_heads_q,
+        num_heads_kv,
+        head_dim,
+        cp_group_or_mesh,
+        dist_attn_config,
+    )
+
+
+def _cu_seqlens_list(cu: Any, name: str) -> list[int]:
+    values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+    if len(values) < 2 or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(
+            f"{name} must start at 0 and be non-decreasing with at least 2 entries, got {values}"
+        )
+    return [int(x) for x in values]
+
+
+def make_flex_key_for_new_mask_after_dispatch(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    key_for_dispatch: DistAttnRuntimeKey,
+) -> DistAttnRuntimeKey:
+    """Key for a second mask over tensors already dispatched with `key_for_dispatch` (same token placement)."""
+    if not isinstance(key_for_dispatch, DistAttnRuntimeKey):
+        raise TypeError(
+            f"key_for_dispatch must be a DistAttnRuntimeKey, got {type(key_for_dispatch).__name__}"
+        )
+    base = key_for_dispatch
+    q = normalize_ranges(q_ranges, "q_ranges")
+    k = normalize_ranges(k_ranges, "k_ranges")
+    types = normalize_mask_types(attn_mask_type, len(q))
+    _check_mask_bounds(q, k, base.total_seqlen_q, base.total_seqlen_k)
+    key = DistAttnRuntimeKey(
+        q,
+        k,
+        types,
+        base.total_seqlen_q,
+        base.total_seqlen_k,
+        base.num_heads_q,
+        base.num_heads_kv,
+        base.head_dim,
+        base.cp_group,
+        base.config,
+        dispatch_key=base.root_key,
+    )
+    RUNTIME_CACHE.get(key)
+    return key
+
+
+def get_position_ids(key: DistAttnRuntimeKey) -> torch.Tensor:
+    """Global token index of each local token, int64 `[shard_seqlen]` (padding reuses the last valid id).
+
+    On the device of the cp group's backend (CUDA for NCCL, CPU otherwise).
+    """
+    runtime = RUNTIME_CACHE.get(key)
+    ids = torch.from_numpy(runtime.layout.local_token_ids(runtime.rank).copy())
+    ids.clamp_(max=runtime.layout.total_seqlen - 1)
+    return ids.to(_key_device(key))
+
+
+def _key_device(key: DistAttnRuntimeKey) -> torch.device:
+    group = key.cp_group.group
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | None:
+    """The key most recently planned or used for this group (integrations use it to find the mask)."""
+    return RUNTIME_CACHE.most_recent_key(_resolve_cp_group(cp_group_or_mesh).name)
+
+
+def clear_cache(cp_group_or_mesh: Any = None) -> None:
+    """Drop cached plans: of one group, or of every group when called without an argument."""
+    RUNTIME_CACHE.clear(None if cp_group_or_mesh is None else _resolve_cp_group(cp_group_or_mesh).name)

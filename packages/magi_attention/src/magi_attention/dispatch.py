@@ -1,0 +1,103 @@
+"""dispatch / undispatch: move a global token tensor to the ranks' chunks and back, with autograd.
+
+`dispatch(x, key)` pads `x` (tokens on dim 0) to the planned length and keeps this rank's chunks, in
+ascending chunk order. Its backward all-gathers the local gradients, so every rank receives the full
+gradient of `x` (x is replicated on every rank). `undispatch(local_x, key)` all-gathers the shards and
+restores global order (padding removed); its backward keeps the local part of the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._comm import all_gather_tokens
+from ._runtime import RUNTIME_CACHE, DistAttnRuntime
+from ._sanity import device_of, validate_on_all_ranks
+from .key import DistAttnRuntimeKey
+
+
+def _pad_tokens(x: torch.Tensor, padded: int) -> torch.Tensor:
+    if x.shape[0] == padded:
+        return x
+    return torch.cat([x, x.new_zeros((padded - x.shape[0], *x.shape[1:]))], dim=0)
+
+
+def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+    """Local shards of every rank -> the global tensor in original token order (padding removed)."""
+    layout = runtime.layout
+    meta = runtime.device_meta(local.device)
+    group = runtime.key.cp_group.group
+    gathered = all_gather_tokens(local, group, layout.cp_size)
+    return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
+
+
+def _select_local(x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+    meta = runtime.device_meta(x.device)
+    return _pad_tokens(x, runtime.layout.padded_seqlen).index_select(0, meta.local_ids)
+
+
+class DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+        ctx.runtime = runtime
+        return _select_local(x, runtime)
+
+    @staticmethod
+    def backward(ctx, grad_local: torch.Tensor):
+        return _gather_global(grad_local, ctx.runtime), None
+
+
+class UndispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+        ctx.runtime = runtime
+        return _gather_global(local_x, runtime)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        return _select_local(grad_x, ctx.runtime), None
+
+
+def _check_tokens(x: torch.Tensor, expected: int, name: str, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[0] != expected:
+        got = tuple(x.shape)
+        raise ValueError(f"{name} must have {expected} tokens on dim 0 ({what}), got shape {got}")
+
+
+def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
+    """Keep this rank's tokens of the global tensor `x`.
+
+    Args:
+        x: `[total_seqlen_q, ...]`, the same on every rank of the key's cp group (tokens on dim 0, any
+            trailing shape and dtype).
+        key: from `magi_attn_flex_key` / `magi_attn_varlen_key`.
+
+    Returns:
+        `[shard_seqlen, ...]`: this rank's chunks (ascending chunk id), padding rows zero.
+    """
+    runtime = RUNTIME_CACHE.get(key)
+    validate_on_all_ranks(
+        lambda: _check_tokens(x, key.total_seqlen_q, "x", "the key's total_seqlen_q"),
+        key.cp_group.group,
+        device_of(x),
+    )
+    if key.cp_size == 1:
+        return x
+    return DispatchFunction.apply(x, runtime)
+
+
+def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
+    """Gather every rank's shard back into the global tensor `[total_seqlen_q, ...]` (padding removed)."""
+    runtime = RUNTIME_CACHE.get(key)
+    validate_on_all_ranks(
+        lambda: _check_tokens(
+            local_x, runtime.layout.shard_seqlen, "local_x", "this rank's shard of the key"
+        ),
+        key.cp_group.group,
+        device_of(local_x),
+    )
+    if key.cp_size == 1:
+        return local_x
+    return UndispatchFunction.apply(local_x, runtime)

@@ -1,0 +1,267 @@
+"""The distributed attention forward/backward with multi-stage overlap of compute and communication.
+
+Forward (KV communication): the host stage (local q x local k/v) runs while stage 0's remote K/V is
+fetched by GroupCast; every remote stage accumulates into the same fp32 (fp64 for fp64 inputs) out/lse
+buffers through FFA's merge-into-out mode, while the next stage's K/V is in flight.
+
+Backward: dQ accumulates across stages; each remote stage's partial dK/dV goes back to its owners with
+an async GroupReduce(sum) that overlaps the next stage's compute. The forward's remote K/V is not kept:
+it is fetched again stage by stage, so memory holds at most two stages of remote K/V.
+
+Degree 0: all remote K/V arrives in one blocking GroupCast and one FFA call covers local and remote keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from magi_ffa import ffa_bwd, ffa_fwd, flex_flash_attn_func
+
+from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
+from ._sanity import device_of, validate_on_all_ranks
+from .key import DistAttnRuntimeKey
+
+
+@dataclass(frozen=True, slots=True)
+class AttnForwardMeta:
+    lse: torch.Tensor
+    """`[local_tokens, num_heads_q]` log-sum-exp of each local query row, fp32 (fp64 for fp64 inputs);
+    -inf for rows that see no key."""
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _split_kv(kv: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[t, 2*hkv, d] -> (k, v) views [t, hkv, d] (K and V travel as one tensor: one collective)."""
+    return kv[:, :heads_kv], kv[:, heads_kv:]
+
+
+class _KVFetcher:
+    """Issues the GroupCast of stage i's remote K/V and hands the buffer over when it has arrived."""
+
+    def __init__(self, meta: DeviceMeta, kv_local: torch.Tensor) -> None:
+        self.meta = meta
+        self.kv_local = kv_local
+        self.pending: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def start(self, stage: int) -> None:
+        if stage >= len(self.meta.stages) or stage in self.pending:
+            return
+        shape = (self.meta.remote_tokens[stage], *self.kv_local.shape[1:])
+        buf = self.kv_local.new_empty(shape)
+        work = self.meta.cast_plans[stage].cast(self.kv_local, buf, async_op=True)
+        self.pending[stage] = (buf, work)
+
+    def get(self, stage: int) -> torch.Tensor:
+        self.start(stage)
+        buf, work = self.pending.pop(stage)
+        work.wait()
+        return buf
+
+
+def _fwd_call(q, k, v, slices: KernelSlices, out, lse, scale, softcap) -> None:
+    if slices.num_slices == 0:
+        return
+    ffa_fwd(
+        q,
+        k,
+        v,
+        slices.q_ranges,
+        slices.k_ranges,
+        slices.types,
+        softmax_scale=scale,
+        softcap=softcap,
+        out=out,
+        lse=lse,
+    )
+
+
+def _bwd_call(do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap) -> None:
+    if slices.num_slices == 0:
+        return
+    ffa_bwd(
+        do,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        slices.q_ranges,
+        slices.k_ranges,
+        slices.types,
+        softmax_scale=scale,
+        softcap=softcap,
+        dq=dq,
+        dk=dk,
+        dv=dv,
+    )
+
+
+def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
+    """Returns (out in q.dtype, lse in the accumulation dtype)."""
+    meta = runtime.device_meta(q.device)
+    acc = _acc_dtype(q.dtype)
+    hkv = k.shape[1]
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    kv_local = torch.cat([k, v], dim=1)
+    fetcher = _KVFetcher(meta, kv_local)
+    if runtime.merged_stage:
+        kv_all = torch.cat([kv_local, fetcher.get(0)], dim=0)
+        _fwd_call(q, *_split_kv(kv_all, hkv), meta.merged, out, lse, scale, softcap)
+    else:
+        fetcher.start(0)
+        _fwd_call(q, k, v, meta.host, out, lse, scale, softcap)
+        for i in range(len(meta.stages)):
+            kv_remote = fetcher.get(i)
+            fetcher.start(i + 1)
+            _fwd_call(q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap)
+    return out.to(q.dtype), lse
+
+
+def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float):
+    meta = runtime.device_meta(q.device)
+    acc = _acc_dtype(q.dtype)
+    hkv = k.shape[1]
+    do = do.contiguous()
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
+    kv_local = torch.cat([k, v], dim=1)
+    fetcher = _KVFetcher(meta, kv_local)
+    if runtime.merged_stage:
+        kv_remote = fetcher.get(0)
+        kv_all = torch.cat([kv_local, kv_remote], dim=0)
+        dkv_all = torch.zeros((kv_all.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
+        _bwd_call(
+            do,
+            q,
+            *_split_kv(kv_all, hkv),
+            out,
+            lse,
+            meta.merged,
+            dq,
+            *_split_kv(dkv_all, hkv),
+            scale,
+            softcap,
+        )
+        dkv_local += dkv_all[: k.shape[0]]
+        dkv_remote = dkv_all[k.shape[0] :].contiguous()
+        meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
+    else:
+        fetcher.start(0)
+        _bwd_call(do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap)
+        previous_reduce = None
+        for i in range(len(meta.stages)):
+            kv_remote = fetcher.get(i)
+            fetcher.start(i + 1)
+            dkv_remote = torch.zeros((kv_remote.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
+            _bwd_call(
+                do,
+                q,
+                *_split_kv(kv_remote, hkv),
+                out,
+                lse,
+                meta.stages[i],
+                dq,
+                *_split_kv(dkv_remote, hkv),
+                scale,
+                softcap,
+            )
+            reduce = meta.reduce_plans[i].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=True)
+            if previous_reduce is not None:
+                previous_reduce.wait()
+            previous_reduce = reduce
+        if previous_reduce is not None:
+            previous_reduce.wait()
+    dk, dv = _split_kv(dkv_local, hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class DistAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
+        out, lse = dist_attn_fwd(q, k, v, runtime, scale, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.runtime, ctx.scale, ctx.softcap = runtime, scale, softcap
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = dist_attn_bwd(grad_out, q, k, v, out, lse, ctx.runtime, ctx.scale, ctx.softcap)
+        return dq, dk, dv, None, None, None
+
+
+def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, shard: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be [local_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.shape[0] != shard:
+            raise ValueError(
+                f"{name} has {t.shape[0]} tokens but this rank's shard of the key has {shard}: "
+                "pass the dispatched (local) tensor, e.g. dispatch(x, key)"
+            )
+        if t.shape[2] != key.head_dim:
+            raise ValueError(f"{name} head_dim is {t.shape[2]}, the key says {key.head_dim}")
+    if q.shape[1] != key.num_heads_q:
+        raise ValueError(f"q has {q.shape[1]} heads, the key says num_heads_q={key.num_heads_q}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[1] != key.num_heads_kv:
+            raise ValueError(f"{name} has {t.shape[1]} heads, the key says num_heads_kv={key.num_heads_kv}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def calc_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key: DistAttnRuntimeKey,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, AttnForwardMeta]:
+    """Distributed attention on dispatched tensors.
+
+    Args:
+        q: `[shard_seqlen, num_heads_q, head_dim]`, this rank's dispatched queries.
+        k, v: `[shard_seqlen, num_heads_kv, head_dim]`, this rank's dispatched keys and values
+            (self-attention: the same tokens as q). GQA/MQA: num_heads_q % num_heads_kv == 0.
+        key: the runtime key the tensors were dispatched with.
+        softmax_scale: defaults to head_dim ** -0.5.
+        softcap: if > 0, scores become `softcap * tanh(scores / softcap)`.
+
+    Returns:
+        `(out, meta)`: out `[shard_seqlen, num_heads_q, head_dim]` in q's dtype (rows with no keys are 0),
+        and `meta.lse` `[shard_seqlen, num_heads_q]` fp32 (fp64 for fp64 inputs, -inf for rows with no keys).
+    """
+    runtime = RUNTIME_CACHE.get(key)
+    validate_on_all_ranks(
+        lambda: _validate_calc_attn(q, k, v, key, runtime.layout.shard_seqlen),
+        key.cp_group.group,
+        device_of(q),
+    )
+    scale = key.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    if key.cp_size == 1:
+        return _calc_attn_single(q, k, v, runtime, scale, softcap)
+    out, lse = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap))
+    return out, AttnForwardMeta(lse=lse)
+
+
+def _calc_attn_single(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
+    """cp_size 1: one FFA call on the whole mask, no communication."""
+    host = runtime.device_meta(q.device).host
+    out, lse = flex_flash_attn_func(
+        q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
+    )
+    return out, AttnForwardMeta(lse=lse)

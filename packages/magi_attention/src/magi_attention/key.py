@@ -1,0 +1,72 @@
+"""`DistAttnRuntimeKey`: the hashable identity of one distributed-attention plan.
+
+A key holds the mask (as plain tuples), the shapes, the process group's identity and the config. It
+hashes by value, so equal keys built independently on every rank hit the same cached plan; the group
+object itself is carried along but excluded from equality (ranks' `ProcessGroup` objects are not
+comparable across calls, their names and rank lists are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from .config import DistAttnConfig
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CpGroup:
+    """The context-parallel group a key belongs to (`group` None means single process, cp_size 1)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...] | None = None
+    group: Any = field(default=None, compare=False, hash=False, repr=False)
+    mesh: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def local_rank(self) -> int:
+        """This process's rank inside the group; ValueError if it is not a member."""
+        if self.group is None:
+            return 0
+        rank = dist.get_rank(self.group)
+        if rank < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not in the key's cp group {self.name!r} "
+                f"(ranks {list(self.ranks)}): the key was built for another group"
+            )
+        return rank
+
+
+@dataclass(frozen=True, slots=True)
+class DistAttnRuntimeKey:
+    """Identity of a distributed-attention plan. Build it with `magi_attn_flex_key` / `magi_attn_varlen_key`."""
+
+    q_ranges: Ranges
+    k_ranges: Ranges
+    attn_mask_type: tuple[int, ...]
+    total_seqlen_q: int
+    total_seqlen_k: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    cp_group: CpGroup
+    config: DistAttnConfig
+    dispatch_key: DistAttnRuntimeKey | None = None
+    """For a mask added after dispatch: the key whose dispatch (token placement) this mask reuses."""
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_group.size
+
+    @property
+    def root_key(self) -> DistAttnRuntimeKey:
+        """The key that owns the dispatch (itself unless this mask was made after dispatch)."""
+        return self if self.dispatch_key is None else self.dispatch_key.root_key
