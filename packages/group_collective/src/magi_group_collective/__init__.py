@@ -1,3 +1,20 @@
-"""magi_group_collective."""
+"""magi_group_collective: GroupCast (multicast all-to-all-v) and GroupReduce (its transpose).
 
-__all__: list[str] = []
+See docs/packages/group_collective.md for the semantics and a picture.
+"""
+
+from ._config import GroupCollectiveImpl, ReduceOp
+from ._functional import clear_plan_cache, group_cast, group_reduce
+from ._plan import GroupCastPlan, GroupReducePlan
+from ._work import Work
+
+__all__ = [
+    "GroupCastPlan",
+    "GroupCollectiveImpl",
+    "GroupReducePlan",
+    "ReduceOp",
+    "Work",
+    "clear_plan_cache",
+    "group_cast",
+    "group_reduce",
+]

@@ -1,0 +1,223 @@
+"""Backend interface (one class per implementation) and the all-to-all-v implementation."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ._comm import Comm
+from ._config import GroupCollectiveImpl, ReduceOp
+from ._ops import (
+    ReduceIndex,
+    gather_rows,
+    is_identity,
+    lse_reduce_rows,
+    ranges_index,
+    reduce_rows,
+    scatter_rows,
+)
+from ._tables import CastTables, ReduceTables, offsets
+from ._work import Work
+
+
+class CastRunner(ABC):
+    """Runs one rank's GroupCast for fixed tables; all metadata precomputed."""
+
+    @abstractmethod
+    def run(self, input: torch.Tensor, output: torch.Tensor, async_op: bool) -> Work:
+        """Send ``input`` pieces, write ``output`` pieces (validated by the caller)."""
+
+
+class ReduceRunner(ABC):
+    """Runs one rank's GroupReduce for fixed tables; all metadata precomputed."""
+
+    @abstractmethod
+    def run(
+        self,
+        input: torch.Tensor,
+        output: torch.Tensor,
+        reduce_op: ReduceOp,
+        input_lse: torch.Tensor | None,
+        output_lse: torch.Tensor | None,
+        async_op: bool,
+    ) -> Work:
+        """Send ``input`` pieces, reduce into ``output`` (validated by the caller)."""
+
+
+class Backend(ABC):
+    """An implementation of both collectives. A new one (e.g. the native kernel) subclasses this and
+    registers in :data:`BACKENDS`; plans pick it by :class:`GroupCollectiveImpl`."""
+
+    #: True when the routing of a rank depends on the tables of other ranks (the plan then gathers all
+    #: tables once, collectively, at construction).
+    needs_all_tables: ClassVar[bool] = False
+
+    @abstractmethod
+    def build_cast(
+        self, tables: CastTables, comm: Comm, device: torch.device, all_tables: Sequence[CastTables] | None
+    ) -> CastRunner:
+        """Precompute everything for ``tables`` on ``device``."""
+
+    @abstractmethod
+    def build_reduce(
+        self,
+        tables: ReduceTables,
+        comm: Comm,
+        device: torch.device,
+        all_tables: Sequence[ReduceTables] | None,
+    ) -> ReduceRunner:
+        """Precompute everything for ``tables`` on ``device``."""
+
+
+def a2a(
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    recv_splits: list[int],
+    send_splits: list[int],
+    group,
+    async_op: bool,
+):
+    """``all_to_all_single`` with split lists (the only form gloo supports for uneven sizes)."""
+    return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
+
+
+def chain(first, then, device: torch.device, async_op: bool) -> Work:
+    """Run ``then()`` (which launches the next stage and returns its Work) after ``first`` completes.
+
+    On CUDA, ``first.wait()`` only makes the current stream wait, so the next stage is launched at once;
+    elsewhere the wait blocks the host, so it is deferred into ``Work.wait()`` when ``async_op``.
+    """
+    if device.type == "cuda" or not async_op:
+        first.wait()
+        nxt = then()
+        if not async_op:
+            nxt.wait()
+        return nxt
+    return Work([first], post=lambda: then().wait())
+
+
+def piece_rows(piece_ids: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> tuple[list, list]:
+    """Starts and sizes of the listed pieces (for :func:`ranges_index`)."""
+    return [starts[i] for i in piece_ids], [sizes[i] for i in piece_ids]
+
+
+class _A2AVCast(CastRunner):
+    def __init__(self, tables: CastTables, comm: Comm, device: torch.device):
+        self.group = comm.group
+        in_off, out_off = offsets(tables.input_split_sizes), offsets(tables.output_split_sizes)
+        starts, sizes, self.send_splits = [], [], []
+        for pieces in tables.sends():  # destination-major, piece order within a destination
+            st, sz = piece_rows(pieces, in_off, tables.input_split_sizes)
+            starts += st
+            sizes += sz
+            self.send_splits.append(sum(sz))
+        self.send_idx = ranges_index(starts, sizes, device)
+        starts, sizes, self.recv_splits = [], [], []
+        for pieces in tables.recvs():  # source-major; a source's pieces arrive in its order
+            st, sz = piece_rows(pieces, out_off, tables.output_split_sizes)
+            starts += st
+            sizes += sz
+            self.recv_splits.append(sum(sz))
+        self.recv_idx = ranges_index(starts, sizes, device)
+        # Skip the copy when the layout already is destination-/source-major (no multicast, sorted pieces).
+        self.send_identity = is_identity(self.send_idx, sum(tables.input_split_sizes))
+        self.recv_identity = is_identity(self.recv_idx, sum(tables.output_split_sizes))
+
+    def run(self, input, output, async_op):
+        send = input if self.send_identity and input.is_contiguous() else gather_rows(input, self.send_idx)
+        direct = self.recv_identity and output.is_contiguous()
+        recv = output if direct else output.new_empty((self.recv_idx.numel(), *output.shape[1:]))
+        w = a2a(recv, send, self.recv_splits, self.send_splits, self.group, async_op)
+        post = None if direct else (lambda: scatter_rows(output, self.recv_idx, recv))
+        if not async_op:
+            if post is not None:
+                post()
+            return Work.completed()
+        return Work([w], post, (send, recv))
+
+
+class _A2AVReduce(ReduceRunner):
+    def __init__(self, tables: ReduceTables, comm: Comm, device: torch.device):
+        self.group = comm.group
+        in_off, out_off = offsets(tables.input_split_sizes), offsets(tables.output_split_sizes)
+        starts, sizes, self.send_splits = [], [], []
+        for pieces in tables.sends():
+            st, sz = piece_rows(pieces, in_off, tables.input_split_sizes)
+            starts += st
+            sizes += sz
+            self.send_splits.append(sum(sz))
+        self.send_idx = ranges_index(starts, sizes, device)
+        self.send_identity = is_identity(self.send_idx, sum(tables.input_split_sizes))
+        starts, sizes, self.recv_splits, scale = [], [], [], []
+        for pieces in tables.recvs():
+            st, sz = piece_rows(pieces, out_off, tables.output_split_sizes)
+            starts += st
+            sizes += sz
+            self.recv_splits.append(sum(sz))
+            scale += [1.0 / len(tables.src_indices[j]) for j in pieces]
+        self.red = ReduceIndex.build(ranges_index(starts, sizes, torch.device("cpu")), device)
+        self.avg_weight = torch.repeat_interleave(
+            torch.tensor(scale, dtype=torch.float32), torch.tensor(sizes, dtype=torch.int64)
+        ).to(device)
+
+    def run(self, input, output, reduce_op, input_lse, output_lse, async_op):
+        send = input if self.send_identity and input.is_contiguous() else gather_rows(input, self.send_idx)
+        recv = output.new_empty((self.red.recv_to_out.numel(), *output.shape[1:]))
+        works = [a2a(recv, send, self.recv_splits, self.send_splits, self.group, async_op)]
+        recv_lse = None
+        if reduce_op is ReduceOp.LSE:
+            send_lse = input_lse if self.send_identity and input_lse.is_contiguous() else None
+            if send_lse is None:
+                send_lse = gather_rows(input_lse, self.send_idx)
+            recv_lse = output_lse.new_empty((self.red.recv_to_out.numel(), *output_lse.shape[1:]))
+            works.append(a2a(recv_lse, send_lse, self.recv_splits, self.send_splits, self.group, async_op))
+
+        def post() -> None:
+            if reduce_op is ReduceOp.LSE:
+                lse_reduce_rows(output, output_lse, recv, recv_lse, self.red)
+            else:
+                reduce_rows(output, recv, self.red, self.avg_weight if reduce_op is ReduceOp.AVG else None)
+
+        if not async_op:
+            post()
+            return Work.completed()
+        return Work(works, post, (send, recv, recv_lse))
+
+
+class A2AVBackend(Backend):
+    """Pre-gather (a piece copied once per destination), one ``all_to_all_single``, post-scatter/reduce."""
+
+    def build_cast(self, tables, comm, device, all_tables):
+        return _A2AVCast(tables, comm, device)
+
+    def build_reduce(self, tables, comm, device, all_tables):
+        return _A2AVReduce(tables, comm, device)
+
+
+class NativeBackend(Backend):
+    """Reserved: the symmetric-memory / NVSHMEM kernel of the multi-GPU issue."""
+
+    def _missing(self):
+        raise NotImplementedError(
+            "GroupCollectiveImpl.NATIVE (symmetric-memory kernel) is not implemented yet; it comes with the "
+            "multi-GPU issue. Use impl='a2av' (any backend) or impl='hierarchical' (2-D DeviceMesh)."
+        )
+
+    def build_cast(self, tables, comm, device, all_tables):
+        self._missing()
+
+    def build_reduce(self, tables, comm, device, all_tables):
+        self._missing()
+
+
+def get_backend(impl: GroupCollectiveImpl) -> Backend:
+    """The backend object of ``impl``."""
+    if impl is GroupCollectiveImpl.HIERARCHICAL:
+        from ._hierarchical import HierarchicalBackend
+
+        return HierarchicalBackend()
+    return {GroupCollectiveImpl.A2AV: A2AVBackend, GroupCollectiveImpl.NATIVE: NativeBackend}[impl]()

@@ -1,0 +1,197 @@
+"""Row gather / scatter / reduce used before and after the all-to-all-v.
+
+Every function works on tensors whose dim 0 is tokens and whose trailing dims are flattened into one row
+of ``C`` elements. On CUDA the Triton kernels of ``_triton_kernels`` run (imported lazily); elsewhere
+plain torch index ops do. ``MAGI_GROUP_COLLECTIVE_KERNELS`` (``torch`` | ``triton``, read once) overrides
+the choice, which lets the Triton path be tested on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@lru_cache(maxsize=1)
+def _kernels_override() -> str | None:
+    value = os.environ.get("MAGI_GROUP_COLLECTIVE_KERNELS", "").strip().lower()
+    if value not in ("", "torch", "triton"):
+        raise ValueError(f"MAGI_GROUP_COLLECTIVE_KERNELS must be 'torch' or 'triton', got {value!r}")
+    return value or None
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device`` (CUDA by default)."""
+    override = _kernels_override()
+    if override is not None:
+        return override == "triton"
+    return device.type == "cuda"
+
+
+def ranges_index(starts: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Row ids ``[sum(sizes)]`` int64 of the concatenated ranges ``[start, start + size)``."""
+    if not sizes:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    st = torch.tensor(starts, dtype=torch.int64)
+    sz = torch.tensor(sizes, dtype=torch.int64)
+    total = int(sz.sum())
+    # Row k of range p is start_p + (k - cum_p): subtract each range's shift, repeated over its rows.
+    cum = torch.cumsum(sz, 0) - sz
+    idx = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cum - st, sz)
+    return idx.to(device)
+
+
+def is_identity(idx: torch.Tensor, n: int) -> bool:
+    """True when ``idx`` is ``arange(n)`` (checked once at plan time, on the host)."""
+    return idx.numel() == n and bool(torch.equal(idx.cpu(), torch.arange(n, dtype=idx.dtype)))
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceIndex:
+    """Where each received row is reduced to (device tensors, built once per plan).
+
+    Attributes:
+        recv_to_out: ``[R]`` int64, output row of every received row.
+        touched: ``[T]`` int64, sorted unique output rows that receive anything.
+        recv_to_touched: ``[R]`` int64, position of ``recv_to_out`` in ``touched``.
+        csr_ptr: ``[T + 1]`` int64, received rows of ``touched[t]`` are ``csr_rows[csr_ptr[t]:csr_ptr[t+1]]``.
+        csr_rows: ``[R]`` int64, received rows sorted by target (stable: source order is kept, so the
+            Triton reduction is deterministic).
+    """
+
+    recv_to_out: torch.Tensor
+    touched: torch.Tensor
+    recv_to_touched: torch.Tensor
+    csr_ptr: torch.Tensor
+    csr_rows: torch.Tensor
+
+    @staticmethod
+    def build(recv_to_out: torch.Tensor, device: torch.device) -> ReduceIndex:
+        r2o = recv_to_out.cpu()
+        touched, inverse, counts = torch.unique(r2o, sorted=True, return_inverse=True, return_counts=True)
+        rows = torch.sort(inverse, stable=True).indices
+        ptr = torch.zeros(touched.numel() + 1, dtype=torch.int64)
+        ptr[1:] = torch.cumsum(counts, 0)
+        return ReduceIndex(
+            recv_to_out=r2o.to(device),
+            touched=touched.to(device),
+            recv_to_touched=inverse.to(device),
+            csr_ptr=ptr.to(device),
+            csr_rows=rows.to(device),
+        )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[k] = src[idx[k]]``; ``out`` is allocated when None. Shapes ``[N, ...]`` -> ``[len(idx), ...]``."""
+    if out is None:
+        out = torch.empty((idx.numel(), *src.shape[1:]), dtype=src.dtype, device=src.device)
+    if idx.numel() == 0:
+        return out
+    if use_triton(src.device) and src.is_contiguous() and out.is_contiguous():
+        from ._triton_kernels import copy_rows
+
+        copy_rows(_rows(src), _rows(out), src_idx=idx, dst_idx=None)
+    else:
+        torch.index_select(src, 0, idx, out=out)
+    return out
+
+
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[idx[k]] = src[k]`` (``idx`` has no repeats)."""
+    if idx.numel() == 0:
+        return
+    if use_triton(dst.device) and src.is_contiguous() and dst.is_contiguous():
+        from ._triton_kernels import copy_rows
+
+        copy_rows(_rows(src), _rows(dst), src_idx=None, dst_idx=idx)
+    else:
+        dst.index_copy_(0, idx, src)
+
+
+def reduce_rows(
+    out: torch.Tensor, recv: torch.Tensor, red: ReduceIndex, weight: torch.Tensor | None = None
+) -> None:
+    """``out[recv_to_out[k]] += weight[k] * recv[k]`` over all k, accumulated in fp32 for fp16/bf16.
+
+    ``weight`` is ``[R]`` fp32 (``avg``: 1 / number of sources of the piece) or None (plain sum).
+    ``out`` ``[N_out, ...]`` and ``recv`` ``[R, ...]`` share dtype and trailing shape. Deterministic on
+    CPU (index_add_) and with the Triton kernel (one program per output row, fixed source order).
+    """
+    if recv.shape[0] == 0:
+        return
+    if use_triton(out.device) and out.is_floating_point() and out.is_contiguous():
+        from ._triton_kernels import reduce_rows_csr
+
+        reduce_rows_csr(_rows(out), _rows(recv.contiguous()), red, weight)
+        return
+    src = recv
+    if weight is not None:
+        src = src.to(torch.float32 if src.dtype in _HALF else src.dtype)
+        src = src * weight.to(src.dtype).view(-1, *([1] * (src.dim() - 1)))
+    if out.dtype in _HALF:
+        # One rounding per output element: gather the touched rows, accumulate in fp32, write back.
+        acc = out.index_select(0, red.touched).to(torch.float32)
+        acc.index_add_(0, red.recv_to_touched, src.to(torch.float32))
+        out.index_copy_(0, red.touched, acc.to(out.dtype))
+    else:
+        out.index_add_(0, red.recv_to_out, src.to(out.dtype))
+
+
+def lse_reduce_rows(
+    out: torch.Tensor, out_lse: torch.Tensor, recv: torch.Tensor, recv_lse: torch.Tensor, red: ReduceIndex
+) -> None:
+    """Merge received partial attention results into ``out`` / ``out_lse`` in place.
+
+    ``out`` ``[N_out, H, ...]``, ``out_lse`` ``[N_out, H]`` fp32, ``recv`` ``[R, H, ...]``, ``recv_lse``
+    ``[R, H]`` fp32. For an output row with terms ``(o_0, l_0) = (out, out_lse)`` and the received
+    ``(o_k, l_k)``: ``lse = log Σ exp(l_k)``, ``out = Σ exp(l_k - lse) · o_k``. A term with ``l = -inf``
+    has weight 0 (its ``o`` is ignored, even NaN); a row whose terms are all ``-inf`` keeps ``out`` and
+    gets ``lse = -inf``.
+    """
+    if recv.shape[0] == 0:
+        return
+    if use_triton(out.device) and out.is_contiguous() and out_lse.is_contiguous():
+        from ._triton_kernels import lse_reduce_rows_csr
+
+        H = out_lse.shape[1]
+        lse_reduce_rows_csr(
+            out.reshape(out.shape[0], H, -1),
+            out_lse,
+            recv.contiguous().reshape(recv.shape[0], H, -1),
+            recv_lse.contiguous(),
+            red,
+        )
+        return
+    ninf = float("-inf")
+    tidx, ridx = red.touched, red.recv_to_touched
+    # Weights in the accumulation dtype (fp64 data gets fp64 weights even though lse is stored fp32).
+    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse0 = out_lse.index_select(0, tidx).to(acc_dtype)  # [T, H]
+    lse_k = recv_lse.to(acc_dtype)  # [R, H]
+    m = lse0.clone()
+    m.scatter_reduce_(0, ridx.view(-1, 1).expand_as(lse_k), lse_k, "amax", include_self=True)
+    m_safe = torch.where(m == ninf, torch.zeros_like(m), m)
+    s = torch.exp(lse0 - m_safe)
+    s.index_add_(0, ridx, torch.exp(lse_k - m_safe.index_select(0, ridx)))
+    lse = m_safe + torch.log(s)  # s == 0 exactly when every term is -inf: lse = -inf, no NaN
+    empty = lse == ninf
+    lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
+    o0 = out.index_select(0, tidx)
+    tail = [1] * (out.dim() - 2)
+    zero = torch.zeros((), dtype=acc_dtype, device=out.device)
+    w0 = torch.exp(lse0 - lse_safe).view(*lse0.shape, *tail)
+    acc = torch.where(w0 > 0, o0.to(acc_dtype) * w0, zero)
+    wk = torch.exp(lse_k - lse_safe.index_select(0, ridx)).view(*lse_k.shape, *tail)
+    acc.index_add_(0, ridx, torch.where(wk > 0, recv.to(acc_dtype) * wk, zero))
+    new = torch.where(empty.view(*empty.shape, *tail), o0, acc.to(out.dtype))
+    out.index_copy_(0, tidx, new)
+    out_lse.index_copy_(0, tidx, lse.to(out_lse.dtype))

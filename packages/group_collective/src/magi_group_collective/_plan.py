@@ -1,0 +1,287 @@
+"""GroupCastPlan / GroupReducePlan: validate tables once, precompute index tensors, run the collective."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._backend import CastRunner, ReduceRunner, get_backend
+from ._comm import Comm, default_device, resolve_comm
+from ._config import GroupCollectiveImpl, ReduceOp, env_debug, env_impl, parse_impl, parse_reduce_op
+from ._tables import CastTables, ReduceTables, cross_check
+from ._work import Work
+
+
+def _resolve_impl(impl: object, comm: Comm) -> GroupCollectiveImpl:
+    chosen = parse_impl(impl) if impl is not None else env_impl()
+    if chosen is None:
+        chosen = GroupCollectiveImpl.HIERARCHICAL if comm.mesh_shape is not None else GroupCollectiveImpl.A2AV
+    if chosen is GroupCollectiveImpl.HIERARCHICAL and comm.mesh_shape is None:
+        raise ValueError(
+            "impl 'hierarchical' needs `group` to be a 2-D DeviceMesh (inter, intra); got a flat group. "
+            "Pass a 2-D mesh or impl='a2av' (MAGI_GROUP_COLLECTIVE_IMPL may have selected it)."
+        )
+    return chosen
+
+
+def _gather_tables(tables, comm: Comm, check: bool) -> list:
+    """All ranks' tables (collective over the flat group); with ``check``, raise on inconsistency."""
+    gathered: list = [None] * comm.world_size
+    dist.all_gather_object(gathered, tables, group=comm.group)
+    if check:
+        problems = cross_check(gathered)
+        if problems:
+            raise ValueError(
+                "group collective tables are inconsistent across ranks (debug mode):\n  "
+                + "\n  ".join(problems)
+            )
+    return gathered
+
+
+class _PlanBase:
+    __slots__ = ("_all_tables", "_comm", "_debug", "_impl", "_transposed", "device", "tables")
+
+    def _setup(self, tables, group, device, impl, debug, all_tables) -> None:
+        self._comm = resolve_comm(group)
+        if tables.world_size != self._comm.world_size:  # pragma: no cover - tables built from comm
+            raise AssertionError("tables validated for another world size")
+        self._impl = _resolve_impl(impl, self._comm)
+        self._debug = env_debug() if debug is None else bool(debug)
+        self.device = torch.device(device) if device is not None else default_device(self._comm)
+        self.tables = tables
+        self._transposed = None
+        backend = get_backend(self._impl)
+        if all_tables is None and (self._debug or backend.needs_all_tables):
+            # Local validation above already passed on this rank; from here every rank must take part.
+            all_tables = _gather_tables(tables, self._comm, check=self._debug)
+        self._all_tables = all_tables
+        return backend
+
+    @property
+    def impl(self) -> GroupCollectiveImpl:
+        """The implementation this plan runs."""
+        return self._impl
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The flat process group whose ranks the tables use."""
+        return self._comm.group
+
+    def _check_tensor_pair(self, input, output, n_in: int, n_out: int) -> None:
+        for name, t in (("input", input), ("output", output)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() < 1:
+                raise ValueError(f"`{name}` must have tokens on dim 0 (ndim >= 1), got a 0-d tensor")
+            if t.device != self.device:
+                raise ValueError(
+                    f"`{name}` is on {t.device} but the plan's index tensors are on {self.device}; "
+                    f"build the plan with device={t.device}"
+                )
+        if input.shape[0] != n_in:
+            raise ValueError(f"`input` has {input.shape[0]} tokens but sum(input_split_sizes) = {n_in}")
+        if output.shape[0] != n_out:
+            raise ValueError(f"`output` has {output.shape[0]} tokens but sum(output_split_sizes) = {n_out}")
+        if input.dtype != output.dtype:
+            raise TypeError(f"`input` dtype {input.dtype} != `output` dtype {output.dtype}; they must match")
+        if input.shape[1:] != output.shape[1:]:
+            raise ValueError(
+                f"`input` trailing shape {tuple(input.shape[1:])} != `output` trailing shape "
+                f"{tuple(output.shape[1:])}; every token must have the same shape"
+            )
+
+    def _debug_check_call(self, input: torch.Tensor) -> None:
+        """Debug mode: every rank must pass the same dtype and trailing shape (collective)."""
+        meta: list = [None] * self._comm.world_size
+        dist.all_gather_object(meta, (str(input.dtype), tuple(input.shape[1:])), group=self._comm.group)
+        if len(set(meta)) != 1:
+            raise ValueError(f"ranks passed different (dtype, trailing shape): {dict(enumerate(meta))}")
+
+
+class GroupCastPlan(_PlanBase):
+    """GroupCast with fixed tables: validated once, index tensors precomputed on ``device``.
+
+    Args:
+        input_split_sizes: ``n_in`` token counts cutting ``input`` along dim 0.
+        output_split_sizes: ``n_out`` token counts cutting ``output`` along dim 0.
+        dst_indices: per input piece, the list of ranks it goes to (unique; may be empty).
+        src_index: per output piece, the rank it comes from. Pieces from one source arrive in the
+            order the source lists them.
+        group: ProcessGroup (None: default group) or DeviceMesh; a 2-D ``(inter, intra)`` mesh selects
+            the hierarchical implementation unless ``impl`` says otherwise. Table ranks are ranks of the
+            (flattened) group.
+        device: where index tensors live and where ``input`` / ``output`` must be (default: the current
+            CUDA device for NCCL groups, else CPU).
+        impl: :class:`GroupCollectiveImpl` (or its string); None reads ``MAGI_GROUP_COLLECTIVE_IMPL``,
+            then picks by group.
+        debug: cross-check all ranks' tables at construction (collective); None reads
+            ``MAGI_GROUP_COLLECTIVE_DEBUG``.
+
+    Construction validates the tables locally (ValueError/TypeError naming the argument) before any
+    communication. The A2AV plan communicates nothing at construction; the hierarchical plan and debug
+    mode gather all tables once (every rank of the group must then build its plan).
+    """
+
+    def __init__(
+        self,
+        input_split_sizes: Sequence[int],
+        output_split_sizes: Sequence[int],
+        dst_indices: Sequence[Sequence[int]],
+        src_index: Sequence[int],
+        *,
+        group: object = None,
+        device: torch.device | str | None = None,
+        impl: GroupCollectiveImpl | str | None = None,
+        debug: bool | None = None,
+        _all_tables: Sequence[CastTables] | None = None,
+    ) -> None:
+        world = resolve_comm(group).world_size
+        tables = CastTables.build(input_split_sizes, output_split_sizes, dst_indices, src_index, world)
+        backend = self._setup(tables, group, device, impl, debug, _all_tables)
+        self._group_arg = group
+        self._runner: CastRunner = backend.build_cast(tables, self._comm, self.device, self._all_tables)
+        self._n_in = sum(tables.input_split_sizes)
+        self._n_out = sum(tables.output_split_sizes)
+
+    __slots__ = ("_group_arg", "_n_in", "_n_out", "_runner")
+
+    def cast(self, input: torch.Tensor, output: torch.Tensor, *, async_op: bool = False) -> Work:
+        """Send ``input`` ``[n_in_tokens, ...]`` pieces; write ``output`` ``[n_out_tokens, ...]`` pieces.
+
+        ``output`` is overwritten piece by piece (every output row has a source). Same dtype and trailing
+        shape on both; any dtype. With ``async_op`` the returned :class:`Work` must be waited before
+        ``output`` is read. Records no autograd graph (use :func:`group_cast` for autograd).
+        """
+        self._check_tensor_pair(input, output, self._n_in, self._n_out)
+        if self._debug:
+            self._debug_check_call(input)
+        with torch.no_grad():
+            return self._runner.run(input, output, bool(async_op))
+
+    def transpose(self) -> GroupReducePlan:
+        """The GroupReducePlan with transposed tables (same group, device and impl; no communication)."""
+        if self._transposed is None:
+            t = self.tables.transpose()
+            all_t = None if self._all_tables is None else [x.transpose() for x in self._all_tables]
+            self._transposed = GroupReducePlan(
+                t.input_split_sizes, t.output_split_sizes, t.dst_index, t.src_indices,
+                group=self._group_arg, device=self.device, impl=self._impl, debug=self._debug,
+                _all_tables=all_t,
+            )  # fmt: skip
+        return self._transposed
+
+
+class GroupReducePlan(_PlanBase):
+    """GroupReduce with fixed tables: validated once, index tensors precomputed on ``device``.
+
+    Args:
+        input_split_sizes: ``n_in`` token counts cutting ``input`` along dim 0.
+        output_split_sizes: ``n_out`` token counts cutting ``output`` along dim 0.
+        dst_index: per input piece, the single rank it goes to.
+        src_indices: per output piece, the ranks whose pieces are reduced into it (unique; may be empty).
+        group, device, impl, debug: as in :class:`GroupCastPlan`.
+    """
+
+    def __init__(
+        self,
+        input_split_sizes: Sequence[int],
+        output_split_sizes: Sequence[int],
+        dst_index: Sequence[int],
+        src_indices: Sequence[Sequence[int]],
+        *,
+        group: object = None,
+        device: torch.device | str | None = None,
+        impl: GroupCollectiveImpl | str | None = None,
+        debug: bool | None = None,
+        _all_tables: Sequence[ReduceTables] | None = None,
+    ) -> None:
+        world = resolve_comm(group).world_size
+        tables = ReduceTables.build(input_split_sizes, output_split_sizes, dst_index, src_indices, world)
+        backend = self._setup(tables, group, device, impl, debug, _all_tables)
+        self._group_arg = group
+        self._runner: ReduceRunner = backend.build_reduce(tables, self._comm, self.device, self._all_tables)
+        self._n_in = sum(tables.input_split_sizes)
+        self._n_out = sum(tables.output_split_sizes)
+        self._avg_scale = None
+
+    __slots__ = ("_avg_scale", "_group_arg", "_n_in", "_n_out", "_runner")
+
+    def reduce(
+        self,
+        input: torch.Tensor,
+        output: torch.Tensor,
+        *,
+        reduce_op: ReduceOp | str = "sum",
+        async_op: bool = False,
+        input_lse: torch.Tensor | None = None,
+        output_lse: torch.Tensor | None = None,
+    ) -> Work:
+        """Send ``input`` ``[n_in_tokens, ...]`` pieces; reduce them into ``output`` ``[n_out_tokens, ...]``.
+
+        The result accumulates onto what ``output`` holds (see :class:`ReduceOp` for sum/avg/lse). For
+        ``"lse"``: ``input``/``output`` are ``[tokens, heads, ...]`` floating, ``input_lse``/``output_lse``
+        are ``[tokens, heads]`` fp32 (``-inf`` = no contribution yet), and ``output``/``output_lse`` are
+        updated in place. Records no autograd graph (use :func:`group_reduce` for autograd).
+        """
+        op = parse_reduce_op(reduce_op)
+        self._check_tensor_pair(input, output, self._n_in, self._n_out)
+        _validate_reduce_extras(op, input, output, input_lse, output_lse)
+        if self._debug:
+            self._debug_check_call(input)
+        with torch.no_grad():
+            return self._runner.run(input, output, op, input_lse, output_lse, bool(async_op))
+
+    def avg_row_scale(self) -> torch.Tensor:
+        """``[n_out_tokens]`` fp32: 1 / number of sources of each output row's piece (0 if none)."""
+        if self._avg_scale is None:
+            per_piece = [1.0 / len(s) if s else 0.0 for s in self.tables.src_indices]
+            self._avg_scale = torch.repeat_interleave(
+                torch.tensor(per_piece, dtype=torch.float32),
+                torch.tensor(self.tables.output_split_sizes, dtype=torch.int64),
+            ).to(self.device)
+        return self._avg_scale
+
+    def transpose(self) -> GroupCastPlan:
+        """The GroupCastPlan with transposed tables (same group, device and impl; no communication)."""
+        if self._transposed is None:
+            t = self.tables.transpose()
+            all_t = None if self._all_tables is None else [x.transpose() for x in self._all_tables]
+            self._transposed = GroupCastPlan(
+                t.input_split_sizes, t.output_split_sizes, t.dst_indices, t.src_index,
+                group=self._group_arg, device=self.device, impl=self._impl, debug=self._debug,
+                _all_tables=all_t,
+            )  # fmt: skip
+        return self._transposed
+
+
+def _validate_reduce_extras(op: ReduceOp, input, output, input_lse, output_lse) -> None:
+    if input.dtype == torch.bool or input.is_complex():
+        raise TypeError(f"group_reduce does not reduce {input.dtype} tensors; use a real numeric dtype")
+    if op is not ReduceOp.SUM and not input.is_floating_point():
+        raise TypeError(f"reduce_op '{op}' needs a floating dtype, got {input.dtype}")
+    if op is not ReduceOp.LSE:
+        if input_lse is not None or output_lse is not None:
+            raise ValueError(
+                f"`input_lse`/`output_lse` are only used with reduce_op='lse', got reduce_op='{op}'"
+            )
+        return
+    if input_lse is None or output_lse is None:
+        raise ValueError("reduce_op='lse' needs both `input_lse` and `output_lse` ([tokens, heads] fp32)")
+    if input.dim() < 2:
+        raise ValueError(
+            f"reduce_op='lse' needs `input` of shape [tokens, heads, ...], got {tuple(input.shape)}"
+        )
+    for name, lse, data in (("input_lse", input_lse, input), ("output_lse", output_lse, output)):
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(lse).__name__}")
+        if lse.dtype != torch.float32:
+            raise TypeError(f"`{name}` must be float32, got {lse.dtype}")
+        want = tuple(data.shape[:2])
+        if tuple(lse.shape) != want:
+            raise ValueError(
+                f"`{name}` must have shape [tokens, heads] = {list(want)}, got {list(lse.shape)}"
+            )
+        if lse.device != data.device:
+            raise ValueError(f"`{name}` is on {lse.device} but its data tensor is on {data.device}")

@@ -1,0 +1,227 @@
+"""GroupCast / GroupReduce on gloo: one launch of the ranks per world size runs a battery of checks.
+
+Payloads encode their origin (``src_rank * 10_000 + token``) so receivers check routing by value;
+references are an all-gather followed by plain indexing (``magi_group_collective.testing``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from magi_group_collective.testing import run_ranks
+
+CASES_PER_WORLD = 6
+
+
+def _payload(rank: int, n: int, trailing: tuple[int, ...], dtype):
+    import torch
+
+    base = rank * 10_000 + torch.arange(n, dtype=torch.float64)
+    extra = torch.arange(max(1, int(torch.tensor(trailing).prod())) if trailing else 1, dtype=torch.float64)
+    x = base.view(-1, *([1] * len(trailing))) + extra.view(1, *trailing) / 64 if trailing else base
+    return x.to(dtype)
+
+
+def _all(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _cast_checks(rank, W, tabs, t, mod, torch):
+    """Bit-exact cast: plan sync/async, functional (cached + fresh), several dtypes and shapes."""
+    n_in, n_out = sum(t.input_split_sizes), sum(t.output_split_sizes)
+    for trailing, dtype in (((), torch.float64), ((3,), torch.bfloat16), ((2, 4), torch.int32)):
+        x = _payload(rank, n_in, trailing, dtype)
+        if dtype == torch.bfloat16:  # random bit patterns: any value must arrive bit-exact
+            x = torch.randint(-(2**15), 2**15, (n_in, *trailing), dtype=torch.int16).view(torch.bfloat16)
+        ref = mod.testing.reference_cast(tabs, _all(x), rank)
+        plan = mod.GroupCastPlan(*t.args())
+        for path in ("plan-sync", "plan-async", "functional", "functional-async", "fresh"):
+            out = torch.full((n_out, *trailing), 7, dtype=dtype)
+            if dtype.is_floating_point:
+                out.fill_(float("nan"))
+            if path == "plan-sync":
+                w = plan.cast(x, out)
+                assert w.is_completed()
+            elif path == "plan-async":
+                w = plan.cast(x, out, async_op=True)
+                w.wait()
+            elif path == "functional":
+                mod.group_cast(x, out, *t.args())
+            elif path == "functional-async":
+                mod.group_cast(x, out, *t.args(), async_op=True).wait()
+            else:
+                mod.clear_plan_cache()
+                mod.group_cast(x, out, *t.args(), group=None, async_op=False)
+            assert torch.equal(out.view(torch.int16) if dtype == torch.bfloat16 else out, ref.view(torch.int16)
+                               if dtype == torch.bfloat16 else ref), f"cast {path} {dtype} {trailing}"  # fmt: skip
+
+
+def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
+    """Reduce sum/avg/lse with transposed tables against the fp64 reference; returns the results."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    in_sizes, out_sizes, dst_index, src_indices = t.transpose_args()
+    n_in, n_out = sum(in_sizes), sum(out_sizes)
+    plan = mod.GroupReducePlan(in_sizes, out_sizes, dst_index, src_indices, group=group, impl=impl)
+    results = {}
+    for op, dtype, tol in (("sum", torch.float64, 1e-12), ("avg", torch.float32, 1e-5),
+                           ("sum", torch.bfloat16, 3e-2), ("lse", torch.float32, 1e-5),
+                           ("lse", torch.float64, 1e-12)):  # fmt: skip
+        shape = (2, 3) if op == "lse" else (5,)
+        x = torch.randn((n_in, *shape), generator=gen, dtype=torch.float64).to(dtype)
+        out0 = torch.randn((n_out, *shape), generator=gen, dtype=torch.float64).to(dtype)
+        x_lse = out_lse0 = None
+        if op == "lse":
+            x_lse = torch.randn((n_in, 2), generator=gen, dtype=torch.float32) * 3
+            x_lse[torch.rand((n_in, 2), generator=gen) < 0.3] = float("-inf")
+            out_lse0 = torch.randn((n_out, 2), generator=gen, dtype=torch.float32) * 3
+            out_lse0[torch.rand((n_out, 2), generator=gen) < 0.4] = float("-inf")
+            out0[out_lse0 == float("-inf")] = float("nan")  # "nothing yet": must be ignored, never leak
+        ref, ref_lse = mod.testing.reference_reduce(
+            tabs, _all(x), out0, rank, op, None if x_lse is None else _all(x_lse), out_lse0
+        )
+        for asyn in (False, True):
+            out = out0.clone()
+            out_lse = None if out_lse0 is None else out_lse0.clone()
+            w = plan.reduce(x, out, reduce_op=op, async_op=asyn, input_lse=x_lse, output_lse=out_lse)
+            w.wait()
+            scale = 1 + ref.abs().nan_to_num(0)
+            err = ((out.double() - ref).abs() / scale).nan_to_num(0).max().item() if out.numel() else 0.0
+            assert err <= tol, f"reduce {op} {dtype} async={asyn}: max rel err {err}"
+            assert torch.equal(out.isnan(), ref.isnan()), f"reduce {op}: NaN pattern differs"
+            if op == "lse":
+                assert torch.allclose(out_lse.double(), ref_lse, atol=1e-5, rtol=1e-5), "lse values"
+                assert not out_lse.isnan().any(), "lse must never be NaN"
+            results[(op, str(dtype), asyn)] = (out, out_lse)
+        # functional API gives the same bits as the plan
+        out = out0.clone()
+        out_lse = None if out_lse0 is None else out_lse0.clone()
+        if impl is None:
+            mod.group_reduce(x, out, in_sizes, out_sizes, dst_index, src_indices, reduce_op=op,
+                             input_lse=x_lse, output_lse=out_lse)  # fmt: skip
+            assert torch.equal(out.nan_to_num(3.5), results[(op, str(dtype), False)][0].nan_to_num(3.5))
+    return results
+
+
+def _adjoint_and_autograd(rank, W, tabs, t, mod, torch):
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(99 + rank)
+    n_in, n_out = sum(t.input_split_sizes), sum(t.output_split_sizes)
+    x = torch.randn((n_in, 3), generator=gen, dtype=torch.float64)
+    y = torch.randn((n_out, 3), generator=gen, dtype=torch.float64)
+    cx = torch.empty_like(y)
+    mod.group_cast(x, cx, *t.args())
+    ry = torch.zeros_like(x)
+    mod.group_reduce(y, ry, *t.transpose_args())
+    dots = torch.tensor([(cx * y).sum().item(), (x * ry).sum().item()], dtype=torch.float64)
+    dist.all_reduce(dots)
+    assert abs(dots[0] - dots[1]) <= 1e-9 * (1 + dots.abs().max()), f"<cast x, y> != <x, reduce y>: {dots}"
+
+    # autograd through cast: d<cast(x), w>/dx = reduce_sum(w)
+    xg = x.clone().requires_grad_(True)
+    out = torch.empty_like(y)
+    mod.group_cast(xg, out, *t.args())
+    (out * y).sum().backward()
+    assert torch.allclose(xg.grad, ry, atol=1e-12), "cast backward != transposed reduce(sum)"
+
+    # autograd through reduce (sum and avg) onto an output that requires grad too
+    for op in ("sum", "avg"):
+        yg = y.clone().requires_grad_(True)
+        base = torch.randn_like(x).requires_grad_(True)
+        acc = base * 1.0
+        mod.group_reduce(yg, acc, *t.transpose_args(), reduce_op=op)
+        w = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        (acc * w).sum().backward()
+        assert torch.equal(base.grad, w), f"reduce {op}: grad of the accumulated output must pass through"
+        scale = torch.ones(n_in, dtype=torch.float64)
+        if op == "avg":
+            off = 0
+            for size, dsts in zip(t.input_split_sizes, t.dst_indices):
+                scale[off : off + size] = 1.0 / max(1, len(dsts))
+                off += size
+        ref = mod.testing.reference_cast(tabs, _all(w * scale[:, None]), rank)
+        assert torch.allclose(yg.grad, ref, atol=1e-12), f"reduce {op} backward != transposed cast"
+
+
+def _bad_inputs(rank, W, mod, torch):
+    """Local errors raise on the calling rank before any communication (no collective involved)."""
+    good = ([2, 1], [1], [[0], [W - 1]], [0])
+    bad_tables = [
+        (([2, 1], [1], [[0]], [0]), ValueError, "dst_indices"),
+        (([2, 1], [1], [[0], [W]], [0]), ValueError, "out of range"),
+        (([2, 1], [1], [[0], [0, 0]], [0]), ValueError, "twice"),
+        (([2, -1], [1], [[0], [0]], [0]), ValueError, "input_split_sizes"),
+        (([2, 1], [1], [[0], [0]], [-1]), ValueError, "src_index"),
+        (([2, 1.0], [1], [[0], [0]], [0]), TypeError, "input_split_sizes"),
+    ]
+    for args, exc, words in bad_tables:
+        with pytest.raises(exc, match=words):
+            mod.GroupCastPlan(*args)
+    plan = mod.GroupCastPlan(*good)
+    x, out = torch.zeros(3, 2), torch.zeros(1, 2)
+    for a, b, exc, words in (
+        (torch.zeros(4, 2), out, ValueError, "sum\\(input_split_sizes\\)"),
+        (x, torch.zeros(2, 2), ValueError, "sum\\(output_split_sizes\\)"),
+        (x, torch.zeros(1, 2, dtype=torch.float64), TypeError, "dtype"),
+        (x, torch.zeros(1, 3), ValueError, "trailing shape"),
+        (x.to("meta"), out, ValueError, "device"),
+    ):
+        with pytest.raises(exc, match=words):
+            plan.cast(a, b)
+    with pytest.raises(ValueError, match="sum\\(input_split_sizes\\)"):
+        mod.group_cast(torch.zeros(5, 2), out, *good)
+    rplan = plan.transpose()
+    y, acc = torch.zeros(1, 2, 3), torch.zeros(3, 2, 3)
+    lse_y, lse_acc = torch.zeros(1, 2), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="reduce_op"):
+        rplan.reduce(y, acc, reduce_op="max")
+    with pytest.raises(ValueError, match="output_lse"):
+        rplan.reduce(y, acc, reduce_op="lse", input_lse=lse_y)
+    with pytest.raises(TypeError, match="float32"):
+        rplan.reduce(y, acc, reduce_op="lse", input_lse=lse_y.double(), output_lse=lse_acc)
+    with pytest.raises(ValueError, match="shape"):
+        rplan.reduce(y, acc, reduce_op="lse", input_lse=lse_y, output_lse=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="only used"):
+        rplan.reduce(y, acc, reduce_op="sum", input_lse=lse_y)
+    with pytest.raises(TypeError, match="floating"):
+        rplan.reduce(y.long(), acc.long(), reduce_op="avg")
+    with pytest.raises(NotImplementedError, match="lse"):
+        mod.group_reduce(y.clone().requires_grad_(True), acc, [1], [3], [0], [[0]], reduce_op="lse",
+                         input_lse=lse_y, output_lse=lse_acc)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="multi-GPU"):
+        mod.GroupCastPlan(*good, impl="native")
+    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+        mod.GroupCastPlan(*good, impl="hierarchical")
+    with pytest.raises(ValueError, match="impl"):
+        mod.GroupCastPlan(*good, impl="nccl")
+
+
+def battery(rank: int, W: int, seed: int) -> int:
+    import torch
+
+    import magi_group_collective as mod
+    import magi_group_collective.testing
+
+    checks = 0
+    for case in range(CASES_PER_WORLD):
+        tabs = mod.testing.random_cast_tables(W, seed * 100 + case)
+        t = tabs[rank]
+        _cast_checks(rank, W, tabs, t, mod, torch)
+        _reduce_checks(rank, W, tabs, t, mod, torch)
+        _adjoint_and_autograd(rank, W, tabs, t, mod, torch)
+        checks += 1
+    _bad_inputs(rank, W, mod, torch)
+    # after local errors on every rank, the group still works (nobody entered a collective)
+    tabs = mod.testing.random_cast_tables(W, seed)
+    _cast_checks(rank, W, tabs, tabs[rank], mod, torch)
+    return checks
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8], ids=lambda w: f"world{w}")
+def test_battery(world_size: int) -> None:
+    counts = run_ranks(world_size, __file__, "battery", world_size)
+    assert counts == [CASES_PER_WORLD] * world_size
