@@ -1,11 +1,14 @@
-"""magi_ffa_fa4: the FFA API on FlashAttention-4's CuTe DSL kernels (Hopper sm90; Blackwell sm100 untested).
+"""magi_ffa_fa4: the FFA API on FlashAttention-4's CuTe DSL kernels (validated on Hopper sm90; the same code
+selects FA4's sm100 kernels on Blackwell, where it has not run).
 
 The metadata parts (row intervals, tile classes, block lists) need only torch and Triton; the attention entry
 point needs ``flash-attn-4`` and raises an ImportError saying what to install when it is missing.
 """
 
+from ._plan import clear_plan_cache
 from ._validation import AttnType
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
+from .interface import fa4_available, flex_flash_attn_func
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
 
 __all__ = [
@@ -15,6 +18,9 @@ __all__ = [
     "RowIntervals",
     "block_classes",
     "build_block_meta",
+    "clear_plan_cache",
+    "fa4_available",
+    "flex_flash_attn_func",
     "row_intervals",
     "row_intervals_reference",
 ]

@@ -1,0 +1,207 @@
+"""``flex_flash_attn_func`` on FlashAttention-4: slices -> cached plan -> FA4 block-sparse + mask_mod.
+
+Forward and backward both run FA4's kernels (``flash_attn.cute.interface._flash_attn_fwd`` /
+``_flash_attn_bwd``) with: the forward q->k block lists (Full tiles unmasked, Partial tiles masked by the
+interval mask_mod, Empty tiles skipped), the backward k->q lists, and the intervals as the aux tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._plan import Plan, get_plan
+from ._validation import RangesLike, TypeMapLike
+
+INSTALL_HINT = (
+    "magi_ffa_fa4.flex_flash_attn_func needs FlashAttention-4 (CuTe DSL). Install it with "
+    '`pip install "magi-ffa-fa4"` (or `pip install "magi-attention[fa4]"`), which pulls '
+    "`flash-attn-4==4.0.0b36` and `nvidia-cutlass-dsl[cu13]`; or install those two pinned names directly: "
+    '`pip install flash-attn-4==4.0.0b36 "nvidia-cutlass-dsl[cu13]"`.'
+)
+
+
+def fa4_available() -> bool:
+    """True when flash-attn-4 and the CuTe DSL import (says nothing about a usable GPU)."""
+    try:
+        _fa4()
+    except ImportError:
+        return False
+    return True
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import interface as fa4_interface
+
+        from . import _fa4_mask  # noqa: F401  (imports cutlass)
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    return fa4_interface
+
+
+def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3:
+            raise ValueError(f"`{name}` must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"`q` dtype must be float16 or bfloat16 for FA4, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"`k` and `v` must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k/v ({k.shape[2]}) must match")
+    if q.shape[2] > 128 or q.shape[2] % 8 != 0:
+        raise ValueError(
+            f"head_dim must be a multiple of 8 and at most 128 on this backend, got {q.shape[2]}"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"num_heads_q ({q.shape[1]}) must be a multiple of num_heads_kv ({k.shape[1]})")
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else softmax_scale
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+        raise ValueError(f"`softmax_scale` must be a positive float or None, got {softmax_scale!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap >= 0:
+        raise ValueError(f"`softcap` must be a float >= 0 (0 disables), got {softcap!r}")
+    if not q.is_cuda or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one CUDA device, got {q.device}, {k.device}, {v.device}")
+    if (out is None) != (lse is None):
+        raise ValueError("`out` and `lse` must be given together (accumulate mode) or both be None")
+    if out is not None:
+        if out.shape != q.shape or out.dtype not in (q.dtype, torch.float32) or out.device != q.device:
+            raise ValueError(
+                f"`out` must be {q.dtype} or float32 with q's shape {tuple(q.shape)} on {q.device}, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if lse.shape != q.shape[:2] or lse.dtype != torch.float32 or lse.device != q.device:
+            raise ValueError(
+                f"`lse` must be float32 of shape {tuple(q.shape[:2])} on {q.device}, "
+                f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}"
+            )
+    return float(scale)
+
+
+class _FA4Func(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan, scale: float, softcap: float):
+        fa = _fa4()
+        q4, k4, v4 = q[None], k[None], v[None]
+        # tests set MAGI_FFA_FA4_POISON=1 so that any element the kernel does not write shows up as NaN
+        poison = torch.full_like(q4, float("nan")) if os.environ.get("MAGI_FFA_FA4_POISON") == "1" else None
+        # a block row with no tile at all may be skipped by the kernel: pre-set its lse to -inf
+        lse_buf = None
+        if plan.has_empty_rows:
+            lse_buf = torch.full(
+                (1, q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device
+            )
+        out4, lse3, *_ = fa._flash_attn_fwd(
+            q4,
+            k4,
+            v4,
+            softmax_scale=scale,
+            softcap=softcap,
+            mask_mod=plan.mask_mod,
+            block_sparse_tensors=plan.fwd_bst,
+            aux_tensors=[plan.bounds],
+            return_lse=True,
+            out=poison,
+            lse=lse_buf,
+        )
+        if plan.has_empty_rows:
+            # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
+            out4.masked_fill_(torch.isneginf(lse3).transpose(1, 2)[..., None], 0.0)
+        ctx.save_for_backward(q4, k4, v4, out4, lse3)
+        ctx.plan, ctx.scale, ctx.softcap = plan, scale, softcap
+        ctx.set_materialize_grads(False)
+        return out4[0], lse3[0].t()
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        fa = _fa4()
+        q4, k4, v4, out4, lse3 = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        if dout is None:
+            dout = torch.zeros_like(out4[0])
+        dq, dk, dv = fa._flash_attn_bwd(
+            q4,
+            k4,
+            v4,
+            out4,
+            dout[None],
+            lse3,
+            ctx.scale,
+            False,
+            ctx.softcap,
+            mask_mod=plan.mask_mod,
+            aux_tensors=[plan.bounds],
+            block_sparse_tensors=plan.bwd_bst,
+            dlse=None if dlse is None else dlse.t()[None].contiguous(),
+        )[:3]
+        return dq[0], dk[0], dv[0], None, None, None
+
+
+def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor):
+    """Log-sum-exp merge of two partial results; rows -inf in both stay (0, -inf)."""
+    lse_new = torch.logaddexp(lse_acc, l)
+    safe = torch.where(torch.isneginf(lse_new), 0.0, lse_new)
+    w_acc = torch.exp(lse_acc - safe)[..., None]
+    w_new = torch.exp(l - safe)[..., None]
+    merged = out_acc.float() * w_acc + o.float() * w_new
+    return merged, lse_new
+
+
+def flex_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike = None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention whose mask is the union of slices, on FlashAttention-4 kernels (fwd + bwd).
+
+    Args:
+        q: ``[total_q, num_heads_q, head_dim]`` fp16/bf16 on CUDA (head_dim <= 128, multiple of 8).
+        k: ``[total_k, num_heads_kv, head_dim]``, same dtype; ``num_heads_q % num_heads_kv == 0`` (query head
+            ``h`` uses kv head ``h // (num_heads_q // num_heads_kv)``).
+        v: ``[total_k, num_heads_kv, head_dim]``.
+        q_ranges: int32 ``[num_slices, 2]`` half-open query ranges (tensor or list of pairs).
+        k_ranges: int32 ``[num_slices, 2]`` half-open key ranges.
+        attn_type_map: int32 ``[num_slices]``: 0 FULL, 1 CAUSAL (bottom-right aligned), 2 INV_CAUSAL (top-left
+            aligned), 3 BI_CAUSAL; None = all FULL. Slices may overlap; the mask is their union.
+        softmax_scale: score scale, default ``head_dim ** -0.5``.
+        softcap: ``cap * tanh(s / cap)`` on the scaled scores when > 0.
+        out: optional accumulator ``[total_q, num_heads_q, head_dim]`` (q's dtype or fp32), given with
+            ``lse``; the result is merged into it in place (log-sum-exp weighting) and returned.
+        lse: optional fp32 ``[total_q, num_heads_q]`` accumulator, given with ``out``.
+
+    Returns:
+        ``(out, lse)``: out ``[total_q, num_heads_q, head_dim]`` in q's dtype (or the given ``out``), lse fp32
+        ``[total_q, num_heads_q]`` (natural log). Rows that see no key get out 0 and lse -inf.
+        Differentiable with respect to q, k and v (gradients also flow through lse).
+    """
+    _fa4()  # first, so that a machine without FA4 is told what to install
+    scale = _check_inputs(q, k, v, softmax_scale, softcap, out, lse)
+    plan = get_plan(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        o = torch.zeros_like(q)
+        l = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        # keep the graph connected so backward returns zeros rather than None
+        o = o + 0.0 * q.sum() if q.requires_grad else o
+    else:
+        o, l = _FA4Func.apply(q, k, v, plan, scale, float(softcap))
+        l = l.contiguous()
+    if out is None:
+        return o, l
+    merged, lse_new = _merge(out, lse, o, l)
+    out.copy_(merged)
+    lse.copy_(lse_new)
+    return out, lse

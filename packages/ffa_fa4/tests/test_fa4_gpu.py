@@ -1,0 +1,130 @@
+"""FA4 forward/backward against the dense fp64 reference (H200 / any sm90+ GPU with flash-attn-4).
+
+Skipped on CPU CI. Rule of the FFA tests (study 3.4): error within 2x the same-dtype torch reference's error.
+Every case uses fresh random inputs and poisons FA4's output buffer with NaN (MAGI_FFA_FA4_POISON=1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import magi_ffa_fa4
+from magi_ffa_fa4.testing import assert_close_to_ref, dense_mask, random_slices, ref_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not magi_ffa_fa4.fa4_available(), reason="needs flash-attn-4"),
+]
+
+RTOL = {"out": 0.05, "lse": 1e-3, "dq": 0.3, "dk": 0.15, "dv": 0.05}  # bf16 values of the FFA tests
+
+
+def _docs(total: int, seed: int) -> list[tuple[int, int]]:
+    rng, out, s = random.Random(seed), [], 0
+    while s < total:
+        e = min(total, s + rng.randrange(total // 8, total // 2))
+        out.append((s, e))
+        s = e
+    return out
+
+
+def _mask_case(name: str, total: int, seed: int):
+    if name == "full":
+        return [[0, total]], [[0, total]], [0]
+    if name == "causal":
+        return [[0, total]], [[0, total]], [1]
+    if name == "varlen_causal":
+        d = _docs(total, seed)
+        return [list(x) for x in d], [list(x) for x in d], [1] * len(d)
+    if name == "sliding_window":  # causal window of w keys per row: a causal head + a bi-causal band
+        w = 200
+        return [[0, w], [w, total]], [[0, w], [1, total]], [1, 3]
+    if name == "varlen_block_causal":
+        qr, kr = [], []
+        for s, e in _docs(total, seed):
+            for b in range(s, e, 128):
+                qr.append([b, min(b + 128, e)])
+                kr.append([s, min(b + 128, e)])
+        return qr, kr, [0] * len(qr)
+    if name == "random_overlap":  # all four types, overlaps, rows that see nothing
+        return random_slices(random.Random(seed), total, total, 9)
+    raise AssertionError(name)
+
+
+def _run(name: str, total: int, hq: int, hk: int, d: int, seed: int, monkeypatch) -> None:
+    monkeypatch.setenv("MAGI_FFA_FA4_POISON", "1")
+    torch.manual_seed(seed)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    qr, kr, tm = _mask_case(name, total, seed)
+    q = torch.randn(total, hq, d, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True)
+    do = torch.randn(total, hq, d, device=dev, dtype=dt)
+    qr_t = torch.tensor(qr, dtype=torch.int32, device=dev).reshape(-1, 2)
+    kr_t = torch.tensor(kr, dtype=torch.int32, device=dev).reshape(-1, 2)
+    tm_t = torch.tensor(tm, dtype=torch.int32, device=dev)
+    out, lse = magi_ffa_fa4.flex_flash_attn_func(q, k, v, qr_t, kr_t, tm_t)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    mask = dense_mask(qr, kr, tm, total, total)
+    refs = {}
+    for key, dtype in (("64", torch.float64), ("lp", dt)):
+        o, l = ref_attention(q, k, v, mask, dtype=dtype)
+        g = torch.autograd.grad(o, (q, k, v), do.to(dtype))
+        refs[key] = (o, l, *g)
+    for i, (nm, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))):
+        assert_close_to_ref(f"{name}/{nm}", x, refs["64"][i], refs["lp"][i], rtol=RTOL[nm])
+    empty = ~mask.any(1).to(dev)
+    assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+
+
+CASES = [
+    pytest.param("full", 1000, 8, 8, 128, id="full-mha-d128"),
+    pytest.param("causal", 1000, 16, 2, 128, id="causal-gqa8-d128"),
+    pytest.param("varlen_causal", 1500, 8, 8, 128, id="varlen_causal-mha-d128"),
+    pytest.param("sliding_window", 1200, 16, 2, 128, id="swa-gqa8-d128"),
+    pytest.param("varlen_block_causal", 1500, 16, 2, 128, id="varlen_block_causal-gqa8-d128"),
+    pytest.param("random_overlap", 777, 8, 8, 128, id="random_overlap-mha-d128"),
+    pytest.param("random_overlap", 901, 16, 2, 128, id="random_overlap-gqa8-d128"),
+]
+
+
+@pytest.mark.parametrize(("name", "total", "hq", "hk", "d"), CASES)
+def test_fa4_matches_reference(name, total, hq, hk, d, monkeypatch) -> None:
+    _run(name, total, hq, hk, d, seed=hash((name, total, hk)) % 1000, monkeypatch=monkeypatch)
+
+
+def test_accumulate_into_out_lse(monkeypatch) -> None:
+    # two disjoint halves of a causal mask merged through out/lse equal the whole mask
+    monkeypatch.setenv("MAGI_FFA_FA4_POISON", "1")
+    torch.manual_seed(3)
+    dev, dt, t = torch.device("cuda"), torch.bfloat16, 600
+    q = torch.randn(t, 8, 128, device=dev, dtype=dt)
+    k = torch.randn(t, 8, 128, device=dev, dtype=dt)
+    v = torch.randn(t, 8, 128, device=dev, dtype=dt)
+    out = torch.zeros(t, 8, 128, device=dev, dtype=torch.float32)
+    lse = torch.full((t, 8), float("-inf"), device=dev)
+    magi_ffa_fa4.flex_flash_attn_func(q, k, v, [[0, t]], [[0, 300]], [0], out=out, lse=lse)
+    magi_ffa_fa4.flex_flash_attn_func(q, k, v, [[300, t]], [[300, t]], [1], out=out, lse=lse)
+    # rows < 300 see keys [0, 300) only; rows >= 300 see [0, 300) + causal part of [300, t)
+    mask = dense_mask([[0, t], [300, t]], [[0, 300], [300, t]], [0, 1], t, t)
+    o64, l64 = ref_attention(q, k, v, mask)
+    olp, llp = ref_attention(q, k, v, mask, dtype=dt)
+    assert_close_to_ref("acc/out", out, o64, olp, rtol=RTOL["out"])
+    assert_close_to_ref("acc/lse", lse, l64, llp, rtol=RTOL["lse"])
+
+
+def test_plan_cache_by_value() -> None:
+    from magi_ffa_fa4 import _plan
+
+    magi_ffa_fa4.clear_plan_cache()
+    dev = torch.device("cuda")
+    a = _plan.get_plan(
+        torch.tensor([[0, 300]], dtype=torch.int32, device=dev), [[0, 300]], [1], 300, 300, dev
+    )
+    b = _plan.get_plan([[0, 300]], torch.tensor([[0, 300]], device=dev), torch.tensor([1]), 300, 300, dev)
+    c = _plan.get_plan([[0, 300]], [[0, 300]], [0], 300, 300, dev)
+    assert a is b and a is not c

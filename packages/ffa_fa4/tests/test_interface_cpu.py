@@ -1,0 +1,84 @@
+"""Entry-point behaviour that needs no GPU: the install hint without FA4, input checks, plan cache keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import magi_ffa_fa4
+from magi_ffa_fa4 import interface
+
+
+@pytest.mark.skipif(magi_ffa_fa4.fa4_available(), reason="flash-attn-4 is installed here")
+def test_missing_fa4_says_what_to_install() -> None:
+    x = torch.randn(4, 1, 8)
+    with pytest.raises(ImportError, match=r"flash-attn-4==4\.0\.0b36.*nvidia-cutlass-dsl\[cu13\]"):
+        magi_ffa_fa4.flex_flash_attn_func(x, x, x, [[0, 4]], [[0, 4]])
+
+
+def test_package_imports_without_fa4() -> None:
+    import sys
+
+    assert "magi_ffa_fa4" in sys.modules
+    if not magi_ffa_fa4.fa4_available():
+        assert "flash_attn" not in sys.modules or sys.modules["flash_attn"] is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        pytest.param({"q": "x"}, TypeError, "`q`", id="q-not-tensor"),
+        pytest.param({"q": torch.randn(4, 8)}, ValueError, "`q` must be 3-D", id="q-2d"),
+        pytest.param({"q": torch.randn(4, 2, 8)}, ValueError, "float16 or bfloat16", id="q-fp32"),
+        pytest.param({"softmax_scale": -1.0}, ValueError, "softmax_scale", id="bad-scale"),
+        pytest.param({"softcap": -1.0}, ValueError, "softcap", id="bad-softcap"),
+    ],
+)
+def test_bad_inputs(kwargs, exc, match) -> None:
+    args = {
+        "q": torch.randn(4, 2, 8, dtype=torch.bfloat16),
+        "k": torch.randn(4, 1, 8, dtype=torch.bfloat16),
+        "v": torch.randn(4, 1, 8, dtype=torch.bfloat16),
+        "softmax_scale": None,
+        "softcap": 0.0,
+        "out": None,
+        "lse": None,
+    }
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        interface._check_inputs(**args)
+
+
+def test_cpu_tensors_rejected_and_heads_checked() -> None:
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="CUDA"):
+        interface._check_inputs(
+            torch.randn(4, 2, 8, dtype=bf),
+            torch.randn(4, 1, 8, dtype=bf),
+            torch.randn(4, 1, 8, dtype=bf),
+            None,
+            0.0,
+            None,
+            None,
+        )
+
+
+def test_merge_matches_union_softmax() -> None:
+    # merging two partial (out, lse) equals attention over the union of their keys; -inf rows stay 0/-inf
+    torch.manual_seed(0)
+    s = torch.randn(5, 3, 12, dtype=torch.float64)
+    v = torch.randn(5, 3, 12, 4, dtype=torch.float64)
+    s[0, :, :6] = float("-inf")
+    s[1] = float("-inf")
+
+    def part(cols):
+        lse = torch.logsumexp(s[..., cols], -1)
+        p = torch.exp(s[..., cols] - torch.where(torch.isinf(lse), 0, lse)[..., None])
+        return (p[..., None] * v[..., cols, :]).sum(-2), lse
+
+    o1, l1 = part(slice(0, 6))
+    o2, l2 = part(slice(6, 12))
+    o, l = interface._merge(o1, l1, o2, l2)
+    ow, lw = part(slice(0, 12))
+    assert torch.allclose(l, lw) and torch.allclose(o.double(), ow.float().double(), atol=1e-6)
+    assert bool(torch.isneginf(l[1]).all()) and bool((o[1] == 0).all())
