@@ -89,6 +89,8 @@ def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
             w = plan.reduce(x, out, reduce_op=op, async_op=asyn, input_lse=x_lse, output_lse=out_lse)
             w.wait()
             scale = 1 + ref.abs().nan_to_num(0)
+            if impl is not None and op == "lse":  # the partial lse of the pre-reduction is stored fp32
+                tol = max(tol, 1e-6)
             err = ((out.double() - ref).abs() / scale).nan_to_num(0).max().item() if out.numel() else 0.0
             assert err <= tol, f"reduce {op} {dtype} async={asyn}: max rel err {err}"
             assert torch.equal(out.isnan(), ref.isnan()), f"reduce {op}: NaN pattern differs"
@@ -200,6 +202,70 @@ def _bad_inputs(rank, W, mod, torch):
         mod.GroupCastPlan(*good, impl="nccl")
 
 
+def _hier_checks(rank, W, mesh_shape, seed, mod, torch):
+    """Hierarchical on a 2-D mesh: cast bit-identical to the flat impl, reduce == reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("inter", "intra"))
+    for case in range(3):
+        tabs = mod.testing.random_cast_tables(W, seed * 100 + 50 + case)
+        t = tabs[rank]
+        n_in, n_out = sum(t.input_split_sizes), sum(t.output_split_sizes)
+        x = _payload(rank, n_in, (2,), torch.float64)
+        flat = torch.full((n_out, 2), float("nan"), dtype=torch.float64)
+        hier = flat.clone()
+        mod.GroupCastPlan(*t.args()).cast(x, flat)
+        plan = mod.GroupCastPlan(*t.args(), group=mesh)  # a 2-D mesh selects the hierarchical impl
+        assert plan.impl == mod.GroupCollectiveImpl.HIERARCHICAL
+        plan.cast(x, hier, async_op=True).wait()
+        assert torch.equal(flat, hier), f"hierarchical cast {mesh_shape} != flat"
+        hier.fill_(float("nan"))
+        mod.group_cast(x, hier, *t.args(), group=mesh)
+        assert torch.equal(flat, hier), f"functional hierarchical cast {mesh_shape} != flat"
+        hier_res = _reduce_checks(rank, W, tabs, t, mod, torch, impl="hierarchical", group=mesh)
+        flat_res = _reduce_checks(rank, W, tabs, t, mod, torch)
+        for key, (out, _lse) in flat_res.items():  # bf16: both already match the fp64 reference
+            if "bfloat16" not in key[1]:
+                assert torch.allclose(out.double(), hier_res[key][0].double(), atol=1e-5, equal_nan=True), key
+        # the transposed plan of a hierarchical cast plan is hierarchical and exchanges nothing more
+        rplan = plan.transpose()
+        assert rplan.impl == mod.GroupCollectiveImpl.HIERARCHICAL
+        y = torch.randn(n_out, 2, dtype=torch.float64)
+        a, b = torch.zeros(n_in, 2, dtype=torch.float64), torch.zeros(n_in, 2, dtype=torch.float64)
+        rplan.reduce(y, a)
+        mod.GroupReducePlan(*t.transpose_args()).reduce(y, b)
+        assert torch.allclose(a, b, atol=1e-12), "transposed hierarchical plan"
+
+
+def _debug_checks(rank, W, mod, torch):
+    """Inconsistent tables: debug mode (and the hierarchical plan) raise on every rank, naming the pair."""
+    tabs = mod.testing.random_cast_tables(W, 4242)
+    t = tabs[0]
+    victim = next((j for j, n in enumerate(t.output_split_sizes) if n > 0), None)
+    assert victim is not None or rank >= 0
+    sizes = list(t.output_split_sizes)
+    if victim is None:  # rank 0 receives nothing: claim one extra piece from rank W-1 instead
+        bad = (t.input_split_sizes, [1], t.dst_indices, [W - 1])
+        pair = f"(sender {W - 1}, receiver 0)"
+    else:
+        sizes[victim] += 1
+        bad = (t.input_split_sizes, sizes, t.dst_indices, t.src_index)
+        pair = f"(sender {t.src_index[victim]}, receiver 0)"
+    mine = bad if rank == 0 else tabs[rank].args()
+    with pytest.raises(ValueError, match=pair.replace("(", "\\(").replace(")", "\\)")):
+        mod.GroupCastPlan(*mine, debug=True)
+    # consistent tables pass the debug check, and a debug call checks dtype/shape agreement too
+    plan = mod.GroupCastPlan(*tabs[rank].args(), debug=True)
+    x = torch.zeros(sum(tabs[rank].input_split_sizes), 2)
+    plan.cast(x, torch.empty(sum(tabs[rank].output_split_sizes), 2))
+    if W % 2 == 0:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, W // 2))
+        with pytest.raises(ValueError, match="inconsistent"):
+            mod.GroupCastPlan(*mine, group=mesh)
+
+
 def battery(rank: int, W: int, seed: int) -> int:
     import torch
 
@@ -215,6 +281,12 @@ def battery(rank: int, W: int, seed: int) -> int:
         _adjoint_and_autograd(rank, W, tabs, t, mod, torch)
         checks += 1
     _bad_inputs(rank, W, mod, torch)
+    _debug_checks(rank, W, mod, torch)
+    if W == 4:
+        _hier_checks(rank, W, (2, 2), seed, mod, torch)
+    if W == 8:
+        _hier_checks(rank, W, (2, 4), seed, mod, torch)
+        _hier_checks(rank, W, (4, 2), seed, mod, torch)
     # after local errors on every rank, the group still works (nobody entered a collective)
     tabs = mod.testing.random_cast_tables(W, seed)
     _cast_checks(rank, W, tabs, tabs[rank], mod, torch)

@@ -117,6 +117,18 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> Non
         dst.index_copy_(0, idx, src)
 
 
+def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """``dst[dst_idx[k]] = src[src_idx[k]]`` (``dst_idx`` has no repeats), in one pass on CUDA."""
+    if src_idx.numel() == 0:
+        return
+    if use_triton(dst.device) and src.is_contiguous() and dst.is_contiguous():
+        from ._triton_kernels import copy_rows
+
+        copy_rows(_rows(src), _rows(dst), src_idx=src_idx, dst_idx=dst_idx)
+    else:
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+
 def reduce_rows(
     out: torch.Tensor, recv: torch.Tensor, red: ReduceIndex, weight: torch.Tensor | None = None
 ) -> None:
