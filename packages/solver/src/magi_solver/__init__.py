@@ -1,3 +1,35 @@
-"""magi_solver."""
+"""magi_solver: pure-Python planning for distributed attention (no torch).
 
-__all__: list[str] = []
+Mask algebra (`AttnRange`, `AttnRanges`, `AttnMaskType`, `AttnSlice`), mask builders, the dispatch solver
+(`solve_dispatch`), and the full plan (`plan_dist_attn`): per-rank host/remote slices, GroupCast/GroupReduce
+arguments and overlap stages.
+"""
+
+from .comm import GroupCastArgs, GroupReduceArgs
+from .dispatch import DispatchAlg, DispatchPlan, chunk_areas, dispatch_lower_bound, solve_dispatch
+from .mask import AttnMaskType, AttnSlice, SliceList
+from .overlap import OverlapMode, estimate_cost_factors, predicted_time
+from .plan import DistAttnPlan, RankPlan, StagePlan, plan_dist_attn
+from .ranges import AttnRange, AttnRanges
+
+__all__ = [
+    "AttnMaskType",
+    "AttnRange",
+    "AttnRanges",
+    "AttnSlice",
+    "DispatchAlg",
+    "DispatchPlan",
+    "DistAttnPlan",
+    "GroupCastArgs",
+    "GroupReduceArgs",
+    "OverlapMode",
+    "RankPlan",
+    "SliceList",
+    "StagePlan",
+    "chunk_areas",
+    "dispatch_lower_bound",
+    "estimate_cost_factors",
+    "plan_dist_attn",
+    "predicted_time",
+    "solve_dispatch",
+]

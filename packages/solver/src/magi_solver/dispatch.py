@@ -1,0 +1,395 @@
+"""Dispatch solver: cut the sequence into chunks and give every rank the same number of chunks, balancing
+the attention work (the mask area of each chunk's rows).
+
+Self-attention: q and k share one sequence and one dispatch. Rank r's local tokens are its chunks in
+ascending chunk id (`DispatchPlan.host_token_ranges(r)`), so the dispatched layout of a global tensor is
+`x[plan.permutation]` split into `cp_size` equal shards.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from .mask import band_area_np, normalize_mask, region_of
+from .ranges import AttnRange, AttnRanges, _check_int
+
+__all__ = [
+    "DispatchAlg",
+    "DispatchPlan",
+    "chunk_areas",
+    "dispatch_lower_bound",
+    "solve_dispatch",
+    "validate_geometry",
+]
+
+
+class DispatchAlg(StrEnum):
+    """How chunks are assigned to ranks.
+
+    MIN_HEAP: largest chunk first to the least-loaded rank that still has room (default).
+    SEQUENTIAL: contiguous blocks of chunks (plain sequence sharding, for comparison).
+    ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
+    AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
+    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication).
+    """
+
+    MIN_HEAP = "min_heap"
+    SEQUENTIAL = "sequential"
+    ZIGZAG = "zigzag"
+    AFFINITY = "affinity"
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchPlan:
+    """Which global chunks each rank holds.
+
+    Attributes:
+        total_seqlen: tokens in the (padded) global sequence.
+        cp_size: number of ranks.
+        chunk_size: tokens per chunk.
+        num_chunks: `total_seqlen // chunk_size`.
+        partitions: per rank, its sorted global chunk ids (all of equal length `num_chunks // cp_size`).
+        chunk_areas: per chunk, the mask area of its rows.
+        rank_areas: per rank, the sum of its chunks' areas.
+        alg: the algorithm that produced the plan.
+        lower_bound: a lower bound on `max(rank_areas)` over every equal-count assignment.
+    """
+
+    total_seqlen: int
+    cp_size: int
+    chunk_size: int
+    num_chunks: int
+    partitions: tuple[tuple[int, ...], ...]
+    chunk_areas: tuple[int, ...]
+    rank_areas: tuple[int, ...]
+    alg: DispatchAlg
+    lower_bound: int
+
+    def __post_init__(self) -> None:
+        per = self.num_chunks // self.cp_size
+        if len(self.partitions) != self.cp_size or any(len(p) != per for p in self.partitions):
+            raise ValueError(
+                f"DispatchPlan needs {self.cp_size} partitions of {per} chunks, got {self.partitions}"
+            )
+        flat = sorted(c for p in self.partitions for c in p)
+        if flat != list(range(self.num_chunks)) or any(list(p) != sorted(p) for p in self.partitions):
+            raise ValueError("DispatchPlan partitions must be sorted and hold every chunk exactly once")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_chunks // self.cp_size
+
+    @property
+    def shard_seqlen(self) -> int:
+        """Local tokens per rank."""
+        return self.chunks_per_rank * self.chunk_size
+
+    @property
+    def imbalance(self) -> float:
+        """max(rank_areas) / mean(rank_areas); 1.0 is perfect (and for an empty mask)."""
+        total = sum(self.rank_areas)
+        return max(self.rank_areas) * self.cp_size / total if total else 1.0
+
+    @property
+    def lower_bound_imbalance(self) -> float:
+        """`lower_bound / mean(rank_areas)`: no equal-count assignment can have a smaller imbalance."""
+        total = sum(self.rank_areas)
+        return self.lower_bound * self.cp_size / total if total else 1.0
+
+    @property
+    def chunk_owner(self) -> tuple[int, ...]:
+        owner = [0] * self.num_chunks
+        for r, part in enumerate(self.partitions):
+            for c in part:
+                owner[c] = r
+        return tuple(owner)
+
+    def host_token_ranges(self, rank: int) -> AttnRanges:
+        """Global token ranges of `rank`'s chunks in local order (adjacent chunks merged)."""
+        return AttnRanges(tuple(AttnRange(s, e) for s, e in self.host_pairs(rank)))
+
+    def host_pairs(self, rank: int) -> list[tuple[int, int]]:
+        cs = self.chunk_size
+        out: list[tuple[int, int]] = []
+        for c in self.partitions[rank]:
+            if out and out[-1][1] == c * cs:
+                out[-1] = (out[-1][0], (c + 1) * cs)
+            else:
+                out.append((c * cs, (c + 1) * cs))
+        return out
+
+    def position_ids(self, rank: int) -> np.ndarray:
+        """int64 `[shard_seqlen]`: the global index of each local token (for RoPE)."""
+        chunks = np.asarray(self.partitions[rank], dtype=np.int64)
+        return (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()
+
+    @property
+    def permutation(self) -> np.ndarray:
+        """int64 `[total_seqlen]`: global token ids in dispatched order (rank 0's tokens, then rank 1's, ...)."""
+        chunks = np.asarray(self.partitions, dtype=np.int64).ravel()
+        return (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()
+
+    @property
+    def unpermutation(self) -> np.ndarray:
+        """Inverse of `permutation`: `dispatched[unpermutation]` is the global order again."""
+        perm = self.permutation
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(perm.size, dtype=np.int64)
+        return inv
+
+
+def validate_geometry(total_seqlen: Any, cp_size: Any, chunk_size: Any) -> tuple[int, int, int]:
+    """Check the sequence / chunk / rank sizes; returns them as ints. Raises ValueError naming the argument."""
+    total_seqlen = _check_int(total_seqlen, "total_seqlen")
+    cp_size = _check_int(cp_size, "cp_size")
+    chunk_size = _check_int(chunk_size, "chunk_size")
+    if total_seqlen <= 0:
+        raise ValueError(f"`total_seqlen` must be positive, got {total_seqlen}")
+    if cp_size <= 0:
+        raise ValueError(f"`cp_size` must be positive, got {cp_size}")
+    if chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
+    if total_seqlen % chunk_size:
+        raise ValueError(
+            f"`chunk_size` = {chunk_size} must divide `total_seqlen` = {total_seqlen}; pad the sequence to a "
+            f"multiple of chunk_size * cp_size = {chunk_size * cp_size}"
+        )
+    num_chunks = total_seqlen // chunk_size
+    if cp_size > num_chunks:
+        raise ValueError(
+            f"`cp_size` = {cp_size} is larger than the chunk count {num_chunks}; use a smaller chunk_size"
+        )
+    if num_chunks % cp_size:
+        raise ValueError(
+            f"`cp_size` = {cp_size} must divide the chunk count {num_chunks} (equal chunks per rank); pad "
+            f"total_seqlen to a multiple of chunk_size * cp_size = {chunk_size * cp_size}"
+        )
+    return total_seqlen, cp_size, chunk_size
+
+
+def _region_arrays(slices: list[tuple[int, int, int, int, int]]) -> np.ndarray:
+    """int64 `[n, 6]` of (qs, qe, ks, ke, lo, hi)."""
+    if not slices:
+        return np.zeros((0, 6), dtype=np.int64)
+    return np.asarray([region_of(*s) for s in slices], dtype=np.int64)
+
+
+def _row_chunk_pairs(regs: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(region index, chunk id) for every chunk whose rows meet a region's rows."""
+    c0 = regs[:, 0] // chunk_size
+    c1 = (regs[:, 1] - 1) // chunk_size
+    counts = c1 - c0 + 1
+    idx = np.repeat(np.arange(len(regs)), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    chunk = c0[idx] + (np.arange(idx.size) - starts)
+    return idx, chunk
+
+
+def chunk_areas(
+    slices: list[tuple[int, int, int, int, int]], total_seqlen: int, chunk_size: int
+) -> np.ndarray:
+    """int64 `[num_chunks]`: mask area of each chunk's rows (vectorised over (slice, chunk) pairs)."""
+    num_chunks = total_seqlen // chunk_size
+    regs = _region_arrays(slices)
+    out = np.zeros(num_chunks, dtype=np.int64)
+    if len(regs) == 0:
+        return out
+    idx, chunk = _row_chunk_pairs(regs, chunk_size)
+    r = regs[idx]
+    area = band_area_np(
+        np.maximum(r[:, 0], chunk * chunk_size),
+        np.minimum(r[:, 1], (chunk + 1) * chunk_size),
+        r[:, 2],
+        r[:, 3],
+        r[:, 4],
+        r[:, 5],
+    )
+    np.add.at(out, chunk, area)
+    return out
+
+
+def dispatch_lower_bound(areas: Any, cp_size: int) -> int:
+    """Lower bound on the max rank load of any assignment with equal chunk counts.
+
+    Two bounds: the mean load (rounded up), and the largest chunk plus the `m - 1` smallest other chunks
+    (its rank holds `m - 1` more chunks).
+    """
+    a = sorted(int(x) for x in areas)
+    m = len(a) // cp_size
+    mean_bound = -(-sum(a) // cp_size)
+    if not a:
+        return 0
+    return max(mean_bound, a[-1] + sum(a[: m - 1]))
+
+
+def _min_heap(areas: list[int], cp_size: int) -> list[list[int]]:
+    cap = len(areas) // cp_size
+    order = sorted(range(len(areas)), key=lambda c: (-areas[c], c))
+    heap = [(0, r) for r in range(cp_size)]
+    parts: list[list[int]] = [[] for _ in range(cp_size)]
+    for c in order:
+        load, r = heapq.heappop(heap)  # full ranks are never pushed back, so r has room
+        parts[r].append(c)
+        if len(parts[r]) < cap:
+            heapq.heappush(heap, (load + areas[c], r))
+    return parts
+
+
+def _zigzag(num_chunks: int, cp_size: int) -> list[list[int]]:
+    per = num_chunks // cp_size
+    if per % 2:
+        raise ValueError(
+            f"alg='zigzag' needs an even number of chunks per rank, got {per} (num_chunks {num_chunks}, "
+            f"cp_size {cp_size}); halve `chunk_size`"
+        )
+    h = per // 2
+    return [
+        list(range(r * h, (r + 1) * h)) + list(range((2 * cp_size - 1 - r) * h, (2 * cp_size - r) * h))
+        for r in range(cp_size)
+    ]
+
+
+def _key_need_matrix(
+    slices: list[tuple[int, int, int, int, int]], num_chunks: int, chunk_size: int
+) -> np.ndarray:
+    """float32 `[num_chunks, num_chunks]`: keys of chunk j needed by the rows of chunk i (overlaps add up)."""
+    need = np.zeros((num_chunks, num_chunks + 1), dtype=np.float32)
+    regs = _region_arrays(slices)
+    if len(regs) == 0:
+        return need[:, :-1]
+    idx, chunk = _row_chunk_pairs(regs, chunk_size)
+    qs, qe, ks, ke, lo, hi = (regs[idx, i] for i in range(6))
+    a = np.maximum(np.maximum(qs, chunk * chunk_size), ks - hi)
+    b = np.minimum(np.minimum(qe, (chunk + 1) * chunk_size), ke - lo)
+    kl = np.maximum(ks, a + lo)
+    kr = np.minimum(ke, b + hi)
+    ok = (a < b) & (kl < kr)
+    chunk, kl, kr = chunk[ok], kl[ok], kr[ok]
+    j0, j1 = kl // chunk_size, (kr - 1) // chunk_size
+    same = j0 == j1
+    np.add.at(need, (chunk[same], j0[same]), (kr - kl)[same])
+    diff = ~same
+    c, j0, j1, kl, kr = chunk[diff], j0[diff], j1[diff], kl[diff], kr[diff]
+    np.add.at(need, (c, j0), (j0 + 1) * chunk_size - kl)
+    np.add.at(need, (c, j1), kr - j1 * chunk_size)
+    # full middle chunks j0+1 .. j1-1 through a difference array along j
+    mid = np.zeros_like(need)
+    np.add.at(mid, (c, j0 + 1), chunk_size)
+    np.add.at(mid, (c, j1), -chunk_size)
+    need += np.cumsum(mid, axis=1)
+    return need[:, :-1]
+
+
+def _affinity(
+    areas: list[int],
+    cp_size: int,
+    slices: list[tuple[int, int, int, int, int]],
+    chunk_size: int,
+    tolerance: float,
+) -> list[list[int]]:
+    """Largest chunk first; among ranks with room whose load stays within `(1 + tolerance) * lower bound`,
+    take the one with the most affinity (keys its rows need, or rows that need its keys); with no such rank,
+    or no affinity anywhere, the least-loaded rank (MIN_HEAP's choice)."""
+    n = len(areas)
+    cap = n // cp_size
+    need = _key_need_matrix(slices, n, chunk_size)
+    sym = need + need.T
+    aff = np.zeros((cp_size, n), dtype=np.float32)
+    loads = np.zeros(cp_size, dtype=np.int64)
+    counts = np.zeros(cp_size, dtype=np.int64)
+    target = dispatch_lower_bound(areas, cp_size) * (1.0 + tolerance)
+    parts: list[list[int]] = [[] for _ in range(cp_size)]
+    for c in sorted(range(n), key=lambda c: (-areas[c], c)):
+        open_ranks = np.flatnonzero(counts < cap)
+        fits = open_ranks[loads[open_ranks] + areas[c] <= target]
+        score = aff[fits, c] if fits.size else np.zeros(0, dtype=np.float32)
+        if fits.size and score.max() > 0:
+            best = fits[score == score.max()]
+        else:
+            best = open_ranks
+        r = int(best[np.argmin(loads[best])])  # least loaded among the best (then lowest id)
+        parts[r].append(c)
+        counts[r] += 1
+        loads[r] += areas[c]
+        aff[r] += sym[c]
+    return parts
+
+
+def solve_dispatch(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    chunk_size: int,
+    alg: str | DispatchAlg = "min_heap",
+    *,
+    affinity_tolerance: float = 0.0,
+) -> DispatchPlan:
+    """Assign the `total_seqlen // chunk_size` chunks to `cp_size` ranks, `num_chunks // cp_size` each.
+
+    Args:
+        q_ranges, k_ranges: per slice `[start, end)` (a list of pairs, an `[n, 2]` array or `AttnRanges`);
+            slices may overlap in q or k but must not share a (q, k) pair.
+        attn_mask_type: one type for all slices or one per slice: `AttnMaskType`, its name, or int code 0-3.
+        total_seqlen: tokens of the sequence (q and k: self-attention); a multiple of `chunk_size`.
+        cp_size: number of ranks; must divide the chunk count.
+        chunk_size: tokens per chunk.
+        alg: a `DispatchAlg` value ("min_heap", "sequential", "zigzag", "affinity").
+        affinity_tolerance: for "affinity", how far above the balance lower bound (as a fraction) a rank's
+            load may grow when it is chosen for affinity rather than for being least loaded.
+
+    Returns:
+        A `DispatchPlan`. Raises `ValueError` (naming the argument or slice) on bad input.
+    """
+    total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_seqlen)
+    return dispatch_slices(
+        slices, total_seqlen, cp_size, chunk_size, alg, affinity_tolerance=affinity_tolerance
+    )
+
+
+def dispatch_slices(
+    slices: list[tuple[int, int, int, int, int]],
+    total_seqlen: int,
+    cp_size: int,
+    chunk_size: int,
+    alg: str | DispatchAlg = "min_heap",
+    *,
+    affinity_tolerance: float = 0.0,
+) -> DispatchPlan:
+    """`solve_dispatch` on already validated `(qs, qe, ks, ke, code)` slices."""
+    try:
+        alg = DispatchAlg(alg)
+    except ValueError:
+        raise ValueError(f"`alg` must be one of {[a.value for a in DispatchAlg]}, got {alg!r}") from None
+    if not affinity_tolerance >= 0.0:
+        raise ValueError(f"`affinity_tolerance` must be >= 0, got {affinity_tolerance}")
+    num_chunks = total_seqlen // chunk_size
+    areas = chunk_areas(slices, total_seqlen, chunk_size).tolist()
+    per = num_chunks // cp_size
+    if alg is DispatchAlg.MIN_HEAP:
+        parts = _min_heap(areas, cp_size)
+    elif alg is DispatchAlg.SEQUENTIAL:
+        parts = [list(range(r * per, (r + 1) * per)) for r in range(cp_size)]
+    elif alg is DispatchAlg.ZIGZAG:
+        parts = _zigzag(num_chunks, cp_size)
+    else:
+        parts = _affinity(areas, cp_size, slices, chunk_size, affinity_tolerance)
+    partitions = tuple(tuple(sorted(p)) for p in parts)
+    return DispatchPlan(
+        total_seqlen=total_seqlen,
+        cp_size=cp_size,
+        chunk_size=chunk_size,
+        num_chunks=num_chunks,
+        partitions=partitions,
+        chunk_areas=tuple(areas),
+        rank_areas=tuple(sum(areas[c] for c in p) for p in partitions),
+        alg=alg,
+        lower_bound=dispatch_lower_bound(areas, cp_size),
+    )

@@ -1,0 +1,83 @@
+"""Overlap solver: split a rank's remote K/V into stages so fetching stage i+1 hides behind computing stage i.
+
+Remote K/V (sorted global ranges) is cut into "overlap chunks" of `min_chunk_size` tokens (at most
+`max_num_chunks` of them; larger chunks when there would be more). `degree` stages group the chunks
+contiguously and near-equally (earlier stages take one chunk more); stages beyond the chunk count stay
+empty. Degree 0 is one merged stage with all remote K/V (fetched at once, no overlap).
+
+Cost model (units are whatever the factors make them; pass seconds per pair and per token to get seconds):
+`calc = calc_cost_factor * area`, `comm = comm_cost_factor * tokens`, and a `d`-stage schedule costs
+`sum_{i<d} max(comm_i, calc_{i-1}) + calc_{d-1}` with `calc_{-1}` = host compute: stage i's fetch runs
+while stage i-1 (or the host stage) computes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+
+__all__ = [
+    "OverlapMode",
+    "estimate_cost_factors",
+    "group_chunks",
+    "overlap_chunk_bounds",
+    "predicted_time",
+]
+
+
+class OverlapMode(StrEnum):
+    """STATIC: the caller's degree. DYNAMIC: the degree in 1..dynamic_max_degree with the least predicted time
+    (the slowest rank's), identical for every rank."""
+
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+def overlap_chunk_bounds(num_tokens: int, min_chunk_size: int, max_num_chunks: int) -> list[int]:
+    """Token offsets `[0, ..., num_tokens]` cutting `num_tokens` remote tokens into overlap chunks."""
+    if num_tokens == 0:
+        return [0]
+    size = min_chunk_size
+    if math.ceil(num_tokens / size) > max_num_chunks:
+        size = math.ceil(num_tokens / max_num_chunks)
+    return [*range(0, num_tokens, size), num_tokens]
+
+
+def group_chunks(num_chunks: int, degree: int) -> list[int]:
+    """Chunk-index boundaries of `degree` contiguous, near-equal groups (`degree + 1` numbers)."""
+    base, extra = divmod(num_chunks, degree)
+    bounds = [0]
+    for i in range(degree):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def predicted_time(host_calc: float, comm: Sequence[float], calc: Sequence[float]) -> float:
+    """Predicted time of a schedule: stage i's fetch overlaps stage i-1's compute (the host stage first)."""
+    t, prev = 0.0, host_calc
+    for c, a in zip(comm, calc):
+        t += max(c, prev)
+        prev = a
+    return t + prev
+
+
+def estimate_cost_factors(
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    *,
+    tflops: float = 400.0,
+    comm_gbps: float = 200.0,
+    bytes_per_elem: int = 2,
+    backward: bool = False,
+) -> tuple[float, float]:
+    """`(calc_cost_factor, comm_cost_factor)` in seconds per mask pair and per remote K/V token.
+
+    Forward FLOPs per pair are `4 * num_heads_q * head_dim` (2.5x that in backward); a token moves K and V,
+    `2 * num_heads_kv * head_dim * bytes_per_elem` bytes (backward also returns dK and dV: twice that).
+    Defaults are H200-like (hundreds of dense bf16 TFLOP/s in an attention kernel, ~200 GB/s all-to-all).
+    """
+    flops = 4.0 * num_heads_q * head_dim * (2.5 if backward else 1.0)
+    nbytes = 2.0 * num_heads_kv * head_dim * bytes_per_elem * (2.0 if backward else 1.0)
+    return flops / (tflops * 1e12), nbytes / (comm_gbps * 1e9)

@@ -1,0 +1,585 @@
+"""The full distributed-attention plan: dispatch, then per rank the host slices, the remote K/V it must fetch
+(stage by stage) with the GroupCast/GroupReduce arguments, and the slices of every stage.
+
+Coordinates:
+* local: a rank's tokens in local order (its chunks in ascending chunk id), `0 .. shard_seqlen`.
+* recv buffer of stage i: the remote keys of that stage, ordered by source rank, then by the source's
+  local order (the order `group_cast` delivers them).
+* merged: `cat([local_kv] + [recv buffer of every stage, in stage order])`.
+
+Invariant (tested densely): every (q, k) pair of the mask is computed exactly once, by the rank owning q,
+either in `host_slices` or in exactly one stage's `remote_slices` (and exactly once in `merged_slices`);
+each stage fetches only keys the rank's rows need and does not hold (zero redundancy).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
+from .dispatch import DispatchPlan, dispatch_slices, validate_geometry
+from .mask import (
+    SliceList,
+    band_area_np,
+    clip_region,
+    decompose_region,
+    normalize_mask,
+    slice_area,
+    tighten_region,
+)
+from .overlap import OverlapMode, group_chunks, overlap_chunk_bounds, predicted_time
+from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
+
+__all__ = ["DistAttnPlan", "RankPlan", "StagePlan", "plan_dist_attn"]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One remote stage of one rank.
+
+    Attributes:
+        cast: this rank's GroupCast args (input: local K/V; output: this stage's recv buffer).
+        reduce: `cast.transpose()`, for the partial dK/dV of the recv buffer.
+        num_remote_tokens: tokens in the recv buffer.
+        remote_k_ranges: global key ranges held in the recv buffer, in buffer order.
+        remote_slices: q in local coordinates, k in recv-buffer coordinates.
+        area: exact mask area of `remote_slices`.
+    """
+
+    cast: GroupCastArgs
+    reduce: GroupReduceArgs
+    num_remote_tokens: int
+    remote_k_ranges: AttnRanges
+    remote_slices: SliceList
+    area: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """Everything one rank runs.
+
+    Attributes:
+        rank: the rank.
+        host_token_ranges: global ranges of the local tokens, in local order.
+        host_slices: q and k in local coordinates (local K/V are the local tokens: self-attention).
+        stages: `num_stages` remote stages (empty ones where this rank has less remote work).
+        merged_slices: q local, k in coordinates of `cat([local_kv] + [stage recv buffers in order])`.
+        host_area: exact mask area of `host_slices`.
+    """
+
+    rank: int
+    host_token_ranges: AttnRanges
+    host_slices: SliceList
+    stages: tuple[StagePlan, ...]
+    merged_slices: SliceList
+    host_area: int
+
+    @property
+    def local_seqlen(self) -> int:
+        return self.host_token_ranges.total_seqlen
+
+    @property
+    def num_remote_tokens(self) -> int:
+        return sum(s.num_remote_tokens for s in self.stages)
+
+    @property
+    def area(self) -> int:
+        return self.host_area + sum(s.area for s in self.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class DistAttnPlan:
+    """The plan of every rank (a pure function of the mask and config: every rank computes the same one).
+
+    Attributes:
+        dispatch: the chunk assignment.
+        ranks: per rank its `RankPlan`.
+        num_stages: remote stages per rank (1 for degree 0, the merged stage).
+        overlap_degree: the degree used (0 = merged; chosen by the cost model in dynamic mode).
+        predicted_times: per rank, the cost model's time of its schedule (see `overlap.predicted_time`).
+    """
+
+    dispatch: DispatchPlan
+    ranks: tuple[RankPlan, ...]
+    num_stages: int
+    overlap_degree: int = 1
+    predicted_times: tuple[float, ...] = ()
+
+    @property
+    def cp_size(self) -> int:
+        return self.dispatch.cp_size
+
+    @property
+    def rank_areas(self) -> tuple[int, ...]:
+        return tuple(r.area for r in self.ranks)
+
+    @property
+    def imbalance(self) -> float:
+        return self.dispatch.imbalance
+
+    @property
+    def remote_tokens_per_rank(self) -> tuple[int, ...]:
+        """K/V tokens each rank fetches (sum over stages; GroupReduce returns as many dK/dV rows)."""
+        return tuple(r.num_remote_tokens for r in self.ranks)
+
+    @property
+    def ring_remote_tokens_per_rank(self) -> tuple[int, ...]:
+        """K/V tokens a ring (zigzag or not) passes through each rank: every other rank's shard."""
+        return (self.dispatch.total_seqlen - self.dispatch.shard_seqlen,) * self.cp_size
+
+    @property
+    def all_gather_remote_tokens_per_rank(self) -> tuple[int, ...]:
+        """K/V tokens an all-gather of K/V brings to each rank (the same count as a ring)."""
+        return (self.dispatch.total_seqlen - self.dispatch.shard_seqlen,) * self.cp_size
+
+    def transfer_matrix(self, stage: int) -> np.ndarray:
+        """int64 `[cp, cp]`: tokens rank `src` (row) sends to rank `dst` (column) in `stage`."""
+        m = np.zeros((self.cp_size, self.cp_size), dtype=np.int64)
+        for dst, rp in enumerate(self.ranks):
+            a = rp.stages[stage].cast
+            for n, src in zip(a.output_split_sizes, a.src_index):
+                m[src, dst] += n
+        return m
+
+    def summary(self) -> dict[str, Any]:
+        """Balance and communication in one dict (used by the demo and the benchmark)."""
+        remote = self.remote_tokens_per_rank
+        ring = self.ring_remote_tokens_per_rank[0]
+        return {
+            "cp_size": self.cp_size,
+            "num_stages": self.num_stages,
+            "overlap_degree": self.overlap_degree,
+            "imbalance": self.imbalance,
+            "lower_bound_imbalance": self.dispatch.lower_bound_imbalance,
+            "remote_tokens_max": max(remote),
+            "remote_tokens_mean": sum(remote) / len(remote),
+            "ring_tokens": ring,
+            "all_gather_tokens": self.all_gather_remote_tokens_per_rank[0],
+            "remote_vs_ring": max(remote) / ring if ring else 0.0,
+            "num_slices_max": max(
+                len(r.host_slices) + sum(len(s.remote_slices) for s in r.stages) for r in self.ranks
+            ),
+        }
+
+
+def _merge_full(slices: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k and touching q."""
+    full = [s for s in slices if s[4] == 0]
+    if len(full) < 2:
+        return sorted(slices)
+    rest = [s for s in slices if s[4] != 0]
+    for key, lo_i, hi_i in (((0, 1), 2, 3), ((2, 3), 0, 1)):
+        full.sort(key=lambda s, key=key, lo_i=lo_i: (s[key[0]], s[key[1]], s[lo_i]))
+        merged: list[list[int]] = []
+        for s in full:
+            p = merged[-1] if merged else None
+            if p and p[key[0]] == s[key[0]] and p[key[1]] == s[key[1]] and p[hi_i] == s[lo_i]:
+                p[hi_i] = s[hi_i]
+            else:
+                merged.append(list(s))
+        full = [tuple(m) for m in merged]  # type: ignore[misc]
+    return sorted(full + rest)
+
+
+def _validate_overlap(
+    overlap_degree: Any,
+    overlap_mode: Any,
+    min_chunk_size: Any,
+    max_num_chunks: Any,
+    dynamic_max_degree: Any,
+    calc_cost_factor: Any,
+    comm_cost_factor: Any,
+) -> tuple[int | None, OverlapMode]:
+    try:
+        mode = OverlapMode(overlap_mode)
+    except ValueError:
+        raise ValueError(
+            f"`overlap_mode` must be one of {[m.value for m in OverlapMode]}, got {overlap_mode!r}"
+        ) from None
+    if overlap_degree is not None:
+        overlap_degree = _check_int(overlap_degree, "overlap_degree")
+        if overlap_degree < 0:
+            raise ValueError(
+                f"`overlap_degree` must be >= 0 (0 = one merged stage) or None, got {overlap_degree}"
+            )
+    for name, v in (
+        ("min_chunk_size", min_chunk_size),
+        ("max_num_chunks", max_num_chunks),
+        ("dynamic_max_degree", dynamic_max_degree),
+    ):
+        if _check_int(v, name) < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {v}")
+    for name, v in (("calc_cost_factor", calc_cost_factor), ("comm_cost_factor", comm_cost_factor)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
+    if overlap_degree is None:
+        mode = OverlapMode.DYNAMIC
+    return overlap_degree, mode
+
+
+def plan_dist_attn(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    chunk_size: int,
+    *,
+    dispatch_alg: str = "min_heap",
+    overlap_degree: int | None = 1,
+    overlap_mode: str = "static",
+    min_chunk_size: int = 512,
+    max_num_chunks: int = 64,
+    dynamic_max_degree: int = 8,
+    calc_cost_factor: float = 1.0,
+    comm_cost_factor: float = 1.0,
+) -> DistAttnPlan:
+    """Plan self-attention with context parallelism over `cp_size` ranks (a pure function).
+
+    Args:
+        q_ranges, k_ranges, attn_mask_type: the mask, as in `solve_dispatch`.
+        total_seqlen: tokens of the padded sequence; a multiple of `chunk_size * cp_size`.
+        cp_size: number of ranks.
+        chunk_size: dispatch chunk size in tokens.
+        dispatch_alg: a `DispatchAlg` value.
+        overlap_degree: 0 = one merged stage (all remote K/V at once); N >= 1 = N remote stages;
+            None = dynamic.
+        overlap_mode: "static" (use `overlap_degree`) or "dynamic" (the degree in 1..`dynamic_max_degree`
+            minimising the slowest rank's predicted time; ties go to the smaller degree).
+        min_chunk_size, max_num_chunks: how remote K/V is cut into overlap chunks before grouping into stages.
+        calc_cost_factor, comm_cost_factor: cost per mask pair and per remote token (see
+            `estimate_cost_factors`); only their ratio matters.
+
+    Returns:
+        A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
+    """
+    total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
+    degree, mode = _validate_overlap(
+        overlap_degree,
+        overlap_mode,
+        min_chunk_size,
+        max_num_chunks,
+        dynamic_max_degree,
+        calc_cost_factor,
+        comm_cost_factor,
+    )
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_seqlen)
+    dispatch = dispatch_slices(slices, total_seqlen, cp_size, chunk_size, dispatch_alg)
+    return _plan(
+        dispatch,
+        slices,
+        degree,
+        mode,
+        int(min_chunk_size),
+        int(max_num_chunks),
+        int(dynamic_max_degree),
+        float(calc_cost_factor),
+        float(comm_cost_factor),
+    )
+
+
+def _clip_rows(
+    dispatch: DispatchPlan, slices: list[tuple[int, int, int, int, int]]
+) -> list[list[tuple[int, ...]]]:
+    """Per rank: its slices clipped to its rows, as tightened regions plus the q offset global -> local."""
+    from .mask import region_of
+
+    cs = dispatch.chunk_size
+    by_chunk: list[list[int]] = [[] for _ in range(dispatch.num_chunks)]
+    regions = []
+    for s in slices:
+        r = tighten_region(*region_of(*s))
+        if r is None:
+            continue
+        i = len(regions)
+        regions.append(r)
+        for c in range(r[0] // cs, (r[1] - 1) // cs + 1):
+            by_chunk[c].append(i)
+    out = []
+    for rank in range(dispatch.cp_size):
+        clipped: list[tuple[int, ...]] = []
+        local = 0
+        for a, b in dispatch.host_pairs(rank):
+            cand = sorted({i for c in range(a // cs, b // cs) for i in by_chunk[c]})
+            for i in cand:
+                r = clip_region(regions[i], a, b, regions[i][2], regions[i][3])
+                if r is not None:
+                    clipped.append((*r, local - a))
+            local += b - a
+        out.append(clipped)
+    return out
+
+
+def _stage_bounds(
+    remote: list[tuple[int, int]],
+    clipped: list[tuple[int, ...]],
+    host_area: int,
+    degree: int | None,
+    min_chunk_size: int,
+    max_num_chunks: int,
+    calc_f: float,
+    comm_f: float,
+    candidates: list[int],
+) -> dict[int, tuple[list[int], float]]:
+    """For each candidate degree: stage boundaries as offsets into the rank's remote tokens, and its cost."""
+    n_tok = sum(e - s for s, e in remote)
+    bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
+    n_chunks = len(bounds) - 1
+    chunk_area = None
+    if len(candidates) > 1 and n_chunks > 0:
+        chunk_area = _overlap_chunk_areas(remote, bounds, clipped)
+    out = {}
+    for d in candidates:
+        if d == 0:
+            out[0] = ([0, n_tok], 0.0)
+            continue
+        g = group_chunks(n_chunks, d)
+        tb = [bounds[i] for i in g]
+        cost = 0.0
+        if chunk_area is not None:
+            ca = np.concatenate([[0], np.cumsum(chunk_area)])
+            calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
+            comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
+            cost = predicted_time(calc_f * host_area, comm, calc)
+        out[d] = (tb, cost)
+    return out
+
+
+def _overlap_chunk_areas(
+    remote: list[tuple[int, int]], bounds: list[int], clipped: list[tuple[int, ...]]
+) -> np.ndarray:
+    """Mask area (this rank's rows) of the keys of each overlap chunk (vectorised over region x piece)."""
+    # cut the remote ranges at the chunk token bounds: pieces (global start, global end, chunk index)
+    pieces: list[tuple[int, int, int]] = []
+    off, ci = 0, 0
+    for s, e in remote:
+        while s < e:
+            while bounds[ci + 1] <= off:
+                ci += 1
+            take = min(e - s, bounds[ci + 1] - off)
+            pieces.append((s, s + take, ci))
+            s += take
+            off += take
+    starts = [p[0] for p in pieces]
+    ri, pi = [], []
+    for i, r in enumerate(clipped):
+        j = max(bisect.bisect_right(starts, r[2]) - 1, 0)
+        while j < len(pieces) and pieces[j][0] < r[3]:
+            if pieces[j][1] > r[2]:
+                ri.append(i)
+                pi.append(j)
+            j += 1
+    areas = np.zeros(len(bounds) - 1, dtype=np.int64)
+    if not ri:
+        return areas
+    reg = np.asarray([c[:6] for c in clipped], dtype=np.int64)[ri]
+    pc = np.asarray(pieces, dtype=np.int64)[pi]
+    a = band_area_np(
+        reg[:, 0],
+        reg[:, 1],
+        np.maximum(reg[:, 2], pc[:, 0]),
+        np.minimum(reg[:, 3], pc[:, 1]),
+        reg[:, 4],
+        reg[:, 5],
+    )
+    np.add.at(areas, pc[:, 2], a)
+    return areas
+
+
+def _cut_tokens(remote: list[tuple[int, int]], tb: list[int]) -> list[list[tuple[int, int]]]:
+    """Split sorted global ranges into stages at the token offsets `tb`."""
+    stages: list[list[tuple[int, int]]] = [[] for _ in range(len(tb) - 1)]
+    off, si = 0, 0
+    for s, e in remote:
+        while s < e:
+            while tb[si + 1] <= off:
+                si += 1
+            take = min(e - s, tb[si + 1] - off)
+            stages[si].append((s, s + take))
+            s += take
+            off += take
+    return stages
+
+
+def _plan(
+    dispatch: DispatchPlan,
+    slices: list[tuple[int, int, int, int, int]],
+    degree: int | None,
+    mode: OverlapMode,
+    min_chunk_size: int,
+    max_num_chunks: int,
+    dynamic_max_degree: int,
+    calc_f: float,
+    comm_f: float,
+) -> DistAttnPlan:
+    cp, cs = dispatch.cp_size, dispatch.chunk_size
+    shard = dispatch.shard_seqlen
+    owner = dispatch.chunk_owner
+    local_pos = [0] * dispatch.num_chunks  # local offset of each chunk inside its owner
+    for part in dispatch.partitions:
+        for i, c in enumerate(part):
+            local_pos[c] = i * cs
+    clipped = _clip_rows(dispatch, slices)
+    host = [dispatch.host_pairs(r) for r in range(cp)]
+    remote = [subtract_pairs(merge_pairs((c[2], c[3]) for c in clipped[r]), host[r]) for r in range(cp)]
+
+    # host slices first: their area feeds the cost model
+    host_maps = []
+    for r in range(cp):
+        m, base = [], 0
+        for a, b in host[r]:
+            m.append((a, b, -1, base))
+            base += b - a
+        host_maps.append(m)
+    if mode is OverlapMode.DYNAMIC:
+        candidates = list(range(1, dynamic_max_degree + 1))
+    else:
+        candidates = [degree if degree is not None else 1]
+    host_area = [_slice_area_over(clipped[r], host_maps[r], None) for r in range(cp)]
+    options = [
+        _stage_bounds(
+            remote[r],
+            clipped[r],
+            host_area[r],
+            degree,
+            min_chunk_size,
+            max_num_chunks,
+            calc_f,
+            comm_f,
+            candidates,
+        )
+        for r in range(cp)
+    ]
+    chosen = min(candidates, key=lambda d: (max(o[d][1] for o in options), d))
+    num_stages = max(chosen, 1)
+    stage_ranges = [_cut_tokens(remote[r], options[r][chosen][0]) for r in range(cp)]
+
+    # per stage, per receiver: runs (global start, global end, src, src local start) in buffer order
+    runs: list[list[list[tuple[int, int, int, int]]]] = []
+    for si in range(num_stages):
+        per_rank = []
+        for r in range(cp):
+            pieces = []
+            for s, e in stage_ranges[r][si]:
+                while s < e:
+                    c = s // cs
+                    t = min(e, (c + 1) * cs)
+                    src, ls = owner[c], local_pos[c] + s - c * cs
+                    p = pieces[-1] if pieces else None
+                    if p and p[2] == src and p[1] == s and p[3] + (p[1] - p[0]) == ls:
+                        pieces[-1] = (p[0], t, src, p[3])
+                    else:
+                        pieces.append((s, t, src, ls))
+                    s = t
+            pieces.sort(key=lambda p: (p[2], p[3]))
+            per_rank.append(pieces)
+        runs.append(per_rank)
+
+    cast_args = []
+    for si in range(num_stages):
+        wants = [[[] for _ in range(cp)] for _ in range(cp)]
+        for dst in range(cp):
+            for s, e, src, ls in runs[si][dst]:
+                w = wants[dst][src]
+                if w and w[-1][1] == ls:
+                    w[-1] = (w[-1][0], ls + e - s)
+                else:
+                    w.append((ls, ls + e - s))
+        cast_args.append(build_cast_args(wants, shard))
+
+    ranks = []
+    for r in range(cp):
+        kmap = list(host_maps[r])
+        bufs = []
+        for si in range(num_stages):
+            base = 0
+            for s, e, _, _ in runs[si][r]:
+                kmap.append((s, e, si, base))
+                base += e - s
+            bufs.append(base)
+        kmap.sort()
+        out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(num_stages + 1)]
+        _slice_over(clipped[r], kmap, out)
+        host_sl = _merge_full(out[num_stages])
+        merged = list(host_sl)
+        offset = shard
+        stages = []
+        for si in range(num_stages):
+            sl = _merge_full(out[si])
+            merged.extend((a, b, c + offset, d + offset, t) for a, b, c, d, t in sl)
+            offset += bufs[si]
+            cast = cast_args[si][r]
+            stages.append(
+                StagePlan(
+                    cast=cast,
+                    reduce=cast.transpose(),
+                    num_remote_tokens=bufs[si],
+                    remote_k_ranges=AttnRanges(tuple(AttnRange(s, e) for s, e, _, _ in runs[si][r])),
+                    remote_slices=SliceList.from_typed(sl),
+                    area=sum(slice_area(*x) for x in sl),
+                )
+            )
+        ranks.append(
+            RankPlan(
+                rank=r,
+                host_token_ranges=dispatch.host_token_ranges(r),
+                host_slices=SliceList.from_typed(host_sl),
+                stages=tuple(stages),
+                merged_slices=SliceList.from_typed(_merge_full(merged)),
+                host_area=host_area[r],
+            )
+        )
+    return DistAttnPlan(
+        dispatch=dispatch,
+        ranks=tuple(ranks),
+        num_stages=num_stages,
+        overlap_degree=chosen,
+        predicted_times=tuple(o[chosen][1] for o in options),
+    )
+
+
+def _slice_over(
+    clipped: list[tuple[int, ...]], kmap: list[tuple[int, int, int, int]], out: list[list[tuple[int, ...]]]
+) -> None:
+    """Cut each clipped region by the key map (sorted global ranges -> (destination, base)); decompose the
+    pieces into typed slices in local q and destination k coordinates; destination -1 (host) goes last."""
+    starts = [m[0] for m in kmap]
+    for qs, qe, ks, ke, lo, hi, qoff in clipped:
+        j = max(bisect.bisect_right(starts, ks) - 1, 0)
+        while j < len(kmap) and kmap[j][0] < ke:
+            gs, ge, dest, base = kmap[j]
+            j += 1
+            if ge <= ks:
+                continue
+            r = clip_region((qs, qe, ks, ke, lo, hi), qs, qe, gs, ge)
+            if r is None:
+                continue
+            kd = base - gs
+            bucket = out[dest]
+            for a, b, c, d, t in decompose_region(r):
+                bucket.append((a + qoff, b + qoff, c + kd, d + kd, t))
+
+
+def _slice_area_over(clipped: list[tuple[int, ...]], kmap: list[tuple[int, int, int, int]], _: None) -> int:
+    """Exact area of the clipped regions inside the key map's ranges (the host ranges)."""
+    if not clipped:
+        return 0
+    reg = np.asarray([c[:6] for c in clipped], dtype=np.int64)
+    total = 0
+    for gs, ge, _, _ in kmap:
+        total += int(
+            band_area_np(
+                reg[:, 0],
+                reg[:, 1],
+                np.maximum(reg[:, 2], gs),
+                np.minimum(reg[:, 3], ge),
+                reg[:, 4],
+                reg[:, 5],
+            ).sum()
+        )
+    return total

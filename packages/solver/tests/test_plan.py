@@ -1,0 +1,212 @@
+"""The full plan: exact coverage (dense), zero redundancy, mutually consistent GroupCast args and their
+exact transpose, overlap stages."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from magi_solver import DistAttnPlan, plan_dist_attn
+from magi_solver.overlap import group_chunks, overlap_chunk_bounds, predicted_time
+from magi_solver.testing import (
+    dense_mask,
+    plan_coverage,
+    random_mask,
+    simulate_group_cast,
+    simulate_group_reduce,
+)
+
+GEOMS = [(1, 8, 2), (2, 4, 2), (3, 4, 2), (5, 2, 2), (4, 4, 1), (6, 2, 2), (7, 4, 1)]  # (cp, chunk, per rank)
+
+
+def check_plan(plan: DistAttnPlan, dense: np.ndarray) -> None:
+    """Every invariant the runtime relies on, checked by value."""
+    total = plan.dispatch.total_seqlen
+    cp = plan.cp_size
+    assert (dense <= 1).all()
+    # exact coverage, split form and merged form
+    assert (plan_coverage(plan) == dense).all(), "host + stage slices do not cover the mask exactly once"
+    assert (plan_coverage(plan, merged=True) == dense).all(), (
+        "merged slices do not cover the mask exactly once"
+    )
+    assert plan.rank_areas == plan.dispatch.rank_areas
+    for rp in plan.ranks:
+        assert len(rp.stages) == plan.num_stages
+        rows = np.asarray(rp.host_token_ranges.token_ids())
+        assert rows.tolist() == plan.dispatch.position_ids(rp.rank).tolist()
+        assert rp.host_area == rp.host_slices.area()
+        needed = set(np.flatnonzero(dense[rows].any(axis=0)).tolist()) - set(rows.tolist())
+        fetched: list[int] = []
+        for st_ in rp.stages:
+            buf = st_.remote_k_ranges.token_ids()
+            assert len(buf) == st_.num_remote_tokens == sum(st_.cast.output_split_sizes)
+            assert st_.area == st_.remote_slices.area()
+            fetched += buf
+            for (a, b), (c, d), _ in st_.remote_slices.typed_pairs():
+                assert 0 <= a < b <= len(rows) and 0 <= c < d <= len(buf)
+        assert len(fetched) == len(set(fetched)), "a key is fetched twice"
+        assert set(fetched) == needed, "remote keys differ from exactly the needed, non-local keys"
+        for (a, b), (c, d), _ in rp.host_slices.typed_pairs():
+            assert 0 <= a < b <= len(rows) and 0 <= c < d <= len(rows)
+    # GroupCast: payload = global token id, so routing is checked by value
+    local = [plan.dispatch.position_ids(r) for r in range(cp)]
+    for si in range(plan.num_stages):
+        casts = [rp.stages[si].cast for rp in plan.ranks]
+        for r, a in enumerate(casts):
+            assert sum(a.input_split_sizes) == plan.dispatch.shard_seqlen
+            assert all(list(d) == sorted(set(d)) and r not in d for d in a.dst_indices)
+        outs = simulate_group_cast(casts, local)
+        for rp, out in zip(plan.ranks, outs):
+            assert out.tolist() == rp.stages[si].remote_k_ranges.token_ids()
+            red = rp.stages[si].reduce
+            assert red.transpose() == rp.stages[si].cast
+            assert (red.input_split_sizes, red.output_split_sizes) == (
+                casts[rp.rank].output_split_sizes,
+                casts[rp.rank].input_split_sizes,
+            )
+        # GroupReduce: each rank sends a partial "dK" = (rank + 1) * 1000 + global id for every fetched token;
+        # each owner must receive the sum over the ranks that fetched each of its tokens
+        parts = [(r + 1) * 1000 + o.astype(np.int64) for r, o in enumerate(outs)]
+        got = simulate_group_reduce(
+            [rp.stages[si].reduce for rp in plan.ranks],
+            parts,
+            [np.zeros(plan.dispatch.shard_seqlen, dtype=np.int64) for _ in range(cp)],
+        )
+        expect = np.zeros(total, dtype=np.int64)
+        for r, o in enumerate(outs):
+            np.add.at(expect, o, (r + 1) * 1000 + o)
+        for r in range(cp):
+            assert got[r].tolist() == expect[local[r]].tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(GEOMS),
+    st.sampled_from([0, 1, 2, 3, None]),
+    st.sampled_from(["min_heap", "sequential", "affinity"]),
+    st.sampled_from([1, 3, 8]),
+)
+def test_plan_exact_on_random_masks(
+    seed: int, geom: tuple[int, int, int], degree: int | None, alg: str, min_chunk: int
+) -> None:
+    cp, chunk, per = geom
+    n = cp * chunk * per
+    q, k, t = random_mask(np.random.default_rng(seed), n)
+    plan = plan_dist_attn(
+        q,
+        k,
+        t,
+        n,
+        cp,
+        chunk,
+        dispatch_alg=alg,
+        overlap_degree=degree,
+        min_chunk_size=min_chunk,
+        max_num_chunks=4,
+        dynamic_max_degree=3,
+        comm_cost_factor=0.5,
+    )
+    assert plan.num_stages == (max(plan.overlap_degree, 1))
+    if degree is not None:
+        assert plan.overlap_degree == degree
+    check_plan(plan, dense_mask(q, k, t, n, n))
+
+
+@pytest.mark.parametrize("mask_type", [0, 1, 2, 3])
+@pytest.mark.parametrize("cp", [3, 5])
+def test_plan_single_type_documents(mask_type: int, cp: int) -> None:
+    n = cp * 4 * 6
+    cu = [0, 7, 30, 31, 55, n]
+    q = [[a, b] for a, b in itertools.pairwise(cu)]
+    k = [[max(0, a - 3), b] for a, b in q]  # k ranges start a little earlier: overlapping k ranges
+    # keep pairs disjoint: slices whose k reaches into the previous document get the rows after it only
+    plan = plan_dist_attn(q, k, mask_type, n, cp, 6, overlap_degree=2, min_chunk_size=4)
+    check_plan(plan, dense_mask(q, k, mask_type, n, n))
+
+
+def test_plan_slices_are_few_for_varlen_causal() -> None:
+    cu = [0, 3000, 3100, 9000, 16384]
+    q = [[a, b] for a, b in itertools.pairwise(cu)]
+    plan = plan_dist_attn(q, q, "causal", 16384, 4, 256, overlap_degree=2)
+    for rp in plan.ranks:
+        # each rank has 16 chunks; a clipped causal document piece needs at most a few slices
+        assert len(rp.host_slices) <= 3 * 16
+        assert len(rp.merged_slices) <= len(rp.host_slices) + sum(len(s.remote_slices) for s in rp.stages)
+
+
+def test_full_mask_merges_into_one_host_slice() -> None:
+    plan = plan_dist_attn([[0, 64]], [[0, 64]], "full", 64, 2, 8, overlap_degree=0)
+    for rp in plan.ranks:
+        assert len(rp.host_slices) == 1 and rp.host_slices.q_ranges[0] == (0, 32)
+        assert len(rp.merged_slices) == 1 and rp.merged_slices.k_ranges[0] == (0, 64)
+        assert rp.num_remote_tokens == 32
+
+
+def test_overlap_helpers() -> None:
+    assert overlap_chunk_bounds(0, 4, 2) == [0]
+    assert overlap_chunk_bounds(10, 4, 8) == [0, 4, 8, 10]
+    assert overlap_chunk_bounds(10, 2, 3) == [0, 4, 8, 10]  # would be 5 chunks > 3: chunks of ceil(10/3)
+    assert group_chunks(5, 2) == [0, 3, 5] and group_chunks(1, 3) == [0, 1, 1, 1]
+    assert predicted_time(4.0, [3.0, 5.0], [2.0, 1.0]) == 4.0 + 5.0 + 1.0
+
+
+def test_dynamic_degree_minimises_the_slowest_rank() -> None:
+    n = 4096
+    q = [[0, n]]
+    plans = {
+        d: plan_dist_attn(
+            q, q, "causal", n, 4, 128, overlap_degree=d, min_chunk_size=128, comm_cost_factor=1000.0
+        )
+        for d in range(1, 5)
+    }
+    dyn = plan_dist_attn(
+        q,
+        q,
+        "causal",
+        n,
+        4,
+        128,
+        overlap_mode="dynamic",
+        min_chunk_size=128,
+        dynamic_max_degree=4,
+        comm_cost_factor=1000.0,
+    )
+    best = min(max(dyn_t for dyn_t in _times(plans[d], 1000.0)) for d in plans)
+    assert max(dyn.predicted_times) == pytest.approx(best)
+    assert dyn.overlap_degree > 1  # comm is expensive here: overlapping must pay
+    assert all(len(rp.stages) == dyn.num_stages for rp in dyn.ranks)
+
+
+def _times(plan: DistAttnPlan, comm_f: float) -> list[float]:
+    return [
+        predicted_time(
+            rp.host_area, [comm_f * s.num_remote_tokens for s in rp.stages], [s.area for s in rp.stages]
+        )
+        for rp in plan.ranks
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"overlap_degree": -1}, "overlap_degree", id="negative-degree"),
+        pytest.param({"overlap_mode": "greedy"}, "overlap_mode", id="bad-mode"),
+        pytest.param({"min_chunk_size": 0}, "min_chunk_size", id="min-chunk"),
+        pytest.param({"max_num_chunks": 0}, "max_num_chunks", id="max-chunks"),
+        pytest.param({"dynamic_max_degree": 0}, "dynamic_max_degree", id="max-degree"),
+        pytest.param({"comm_cost_factor": float("nan")}, "comm_cost_factor", id="nan-cost"),
+        pytest.param({"calc_cost_factor": -1.0}, "calc_cost_factor", id="negative-cost"),
+        pytest.param({"dispatch_alg": "best"}, "alg", id="bad-alg"),
+        pytest.param({"chunk_size": 7}, "chunk_size", id="chunk"),
+    ],
+)
+def test_plan_rejects(kwargs: dict, match: str) -> None:
+    args = {"chunk_size": 8} | kwargs
+    chunk = args.pop("chunk_size")
+    with pytest.raises(ValueError, match=match):
+        plan_dist_attn([[0, 64]], [[0, 64]], "causal", 64, 2, chunk, **args)
