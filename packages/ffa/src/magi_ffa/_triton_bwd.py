@@ -1,0 +1,253 @@
+"""Triton backward kernels of FFA (dq and dkv, split) and their launcher (no autograd).
+
+``ffa_bwd_dq_kernel``: one program per (q head, q block), the forward's walk over slices and key blocks,
+accumulating dq in registers. ``ffa_bwd_dkv_kernel``: one program per (kv head, k block), walking the slices
+that touch its keys, every q head of its GQA group, and the visible q blocks, accumulating dk and dv in
+registers. Each output row block has one owner, so overlapping q or k slices need no atomics and the result
+is bitwise deterministic. Gradients use the final lse (``P = exp(S - lse)``) and ``delta = rowsum(do * out)
+- dlse``; rows with lse -inf give P = 0. Accumulators are fp32 (added to when given).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import Slice
+from ._meta import axis_tiles
+from ._triton_common import LOG2E, alloc, compute_flags, dot_, load_slice, tanh_, tiles_for
+
+
+@triton.jit
+def ffa_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SLICES, BLK_PTR, BLK_IDX, BLK_ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_lt, stride_lh, stride_dqt, stride_dqh,
+    total_q, sm_scale, softcap,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_h = tl.program_id(0)
+    blk = tl.load(BLK_ORDER + tl.program_id(1))
+    hk = pid_h // GROUP
+    m0 = blk * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_j = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < total_q
+    q = tl.load(
+        Q + offs_m[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    do = tl.load(
+        DO + offs_m[:, None] * stride_dot + pid_h * stride_doh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + offs_m * stride_lt + pid_h * stride_lh, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = exp2(s - inf) = 0
+    delta = tl.load(DELTA + offs_m * stride_lt + pid_h * stride_lh, mask=row_ok, other=0.0)
+    qk_scale = sm_scale * LOG2E
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    e0 = tl.load(BLK_PTR + blk)
+    e1 = tl.load(BLK_PTR + blk + 1)
+    for e in range(e0, e1):
+        qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(BLK_IDX + e))
+        r_lo = tl.maximum(qs, m0)
+        r_hi = tl.minimum(qe, m0 + BLOCK_M)
+        hi = tl.where(causal, tl.minimum(ke, r_hi + dk), ke)
+        lo = tl.where(inv, tl.maximum(ks, r_lo + dk_inv), ks)
+        rows_full = (qs <= m0) & (m0 + BLOCK_M <= qe)
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + offs_j
+            col_ok = offs_n < hi
+            kb = tl.load(
+                K + offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                mask=col_ok[:, None],
+                other=0.0,
+            )
+            vt = tl.load(
+                V + offs_n[None, :] * stride_vt + hk * stride_vh + offs_d[:, None],
+                mask=col_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                kb = kb.to(tl.float32)
+                vt = vt.to(tl.float32)
+            s = dot_(q, tl.trans(kb), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            if SOFTCAP:
+                th = tanh_(s * (sm_scale / softcap))
+                s = th * (softcap * LOG2E)
+            else:
+                s = s * qk_scale
+            p = tl.exp2(s - lse2[:, None])
+            full = rows_full & (n0 + BLOCK_N <= hi)
+            full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
+            full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
+            if not full:
+                vis = (offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & col_ok[None, :]
+                vis = vis & (~causal | (offs_n[None, :] <= offs_m[:, None] + dk))
+                vis = vis & (~inv | (offs_n[None, :] >= offs_m[:, None] + dk_inv))
+                p = tl.where(vis, p, 0.0)
+            dp = dot_(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - th * th)
+            dq = dot_(ds.to(kb.dtype), kb, dq, IEEE)
+    dq = dq * sm_scale
+    dq_ptrs = DQ + offs_m[:, None] * stride_dqt + pid_h * stride_dqh + offs_d[None, :]
+    if ACCUM:
+        dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, dq, mask=row_ok[:, None])
+
+
+@triton.jit
+def ffa_bwd_dkv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLICES, BLK_PTR, BLK_IDX, BLK_ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_lt, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    total_k, sm_scale, softcap,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    hk = tl.program_id(0)
+    blk = tl.load(BLK_ORDER + tl.program_id(1))
+    n0 = blk * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_i = tl.arange(0, BLOCK_M)
+    col_ok = offs_n < total_k
+    kb = tl.load(
+        K + offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    vb = tl.load(
+        V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    if UPCAST:
+        kb = kb.to(tl.float32)
+        vb = vb.to(tl.float32)
+    qk_scale = sm_scale * LOG2E
+    dk_acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    e0 = tl.load(BLK_PTR + blk)
+    e1 = tl.load(BLK_PTR + blk + 1)
+    for e in range(e0, e1):
+        qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(BLK_IDX + e))
+        c_lo = tl.maximum(ks, n0)
+        c_hi = tl.minimum(ke, n0 + BLOCK_N)
+        r_lo = tl.where(causal, tl.maximum(qs, c_lo - dk), qs)
+        r_hi = tl.where(inv, tl.minimum(qe, c_hi - dk_inv), qe)
+        cols_full = (ks <= n0) & (n0 + BLOCK_N <= ke)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for m0 in range(r_lo, r_hi, BLOCK_M):
+                offs_m = m0 + offs_i
+                row_ok = offs_m < r_hi
+                qt = tl.load(
+                    Q + offs_m[None, :] * stride_qt + h * stride_qh + offs_d[:, None],
+                    mask=row_ok[None, :],
+                    other=0.0,
+                )
+                do = tl.load(
+                    DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
+                if UPCAST:
+                    qt = qt.to(tl.float32)
+                    do = do.to(tl.float32)
+                lse = tl.load(LSE + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=float("-inf"))
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                delta = tl.load(DELTA + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=0.0)
+                st = dot_(kb, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)  # S^T: [keys, rows]
+                if SOFTCAP:
+                    th = tanh_(st * (sm_scale / softcap))
+                    st = th * (softcap * LOG2E)
+                else:
+                    st = st * qk_scale
+                pt = tl.exp2(st - lse2[None, :])
+                full = cols_full & (m0 + BLOCK_M <= qe)
+                full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
+                full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
+                if not full:
+                    vis = (offs_n[:, None] >= ks) & (offs_n[:, None] < ke) & row_ok[None, :]
+                    vis = vis & (~causal | (offs_n[:, None] <= offs_m[None, :] + dk))
+                    vis = vis & (~inv | (offs_n[:, None] >= offs_m[None, :] + dk_inv))
+                    pt = tl.where(vis, pt, 0.0)
+                dv_acc = dot_(pt.to(do.dtype), do, dv_acc, IEEE)
+                dpt = dot_(vb, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+                dst = pt * (dpt - delta[None, :])
+                if SOFTCAP:
+                    dst = dst * (1.0 - th * th)
+                dk_acc = dot_(dst.to(qt.dtype), tl.trans(qt), dk_acc, IEEE)
+    dk_acc = dk_acc * sm_scale
+    dk_ptrs = DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
+    dv_ptrs = DV + offs_n[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :]
+    if ACCUM:
+        dk_acc += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
+        dv_acc += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
+    tl.store(dk_ptrs, dk_acc, mask=col_ok[:, None])
+    tl.store(dv_ptrs, dv_acc, mask=col_ok[:, None])
+
+
+def triton_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    slices: tuple[Slice, ...],
+    scale: float,
+    softcap: float,
+    *,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch dq and dkv kernels on validated inputs. lse/delta float32 ``[total_q, num_heads_q]`` (delta
+    already zero on rows with lse -inf). Returns float32 dq/dk/dv: the given buffers (added to) or fresh."""
+    q, k, v, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do))
+    delta = delta.contiguous()
+    lse = lse if lse.stride() == delta.stride() else lse.contiguous()  # one stride pair for lse and delta
+    tq, hq, d = q.shape
+    tk, hk, _ = k.shape
+    upcast, ieee = compute_flags(q)
+    interp = not q.is_cuda
+    common = dict(sm_scale=scale, softcap=softcap if softcap > 0 else 1.0, GROUP=hq // hk, HEAD_DIM=d,
+                  SOFTCAP=softcap > 0, UPCAST=upcast, IEEE=ieee)  # fmt: skip
+    bufs = []
+    for buf, ref in ((dq, q), (dk, k), (dv, v)):
+        if buf is not None and buf.stride(-1) != 1:
+            raise ValueError("gradient accumulators must be contiguous in the last dimension for triton")
+        bufs.append(buf if buf is not None else alloc(ref.shape, torch.float32, q.device))
+    gq, gk, gv = bufs
+    if tq and hq:
+        t = tiles_for("dq", d, interp)
+        meta = axis_tiles(slices, tq, t.block_m, "q", str(q.device))
+        ffa_bwd_dq_kernel[(hq, meta.num_blocks)](
+            Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=gq, SLICES=meta.slices, BLK_PTR=meta.ptr,
+            BLK_IDX=meta.idx, BLK_ORDER=meta.order,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
+            stride_lt=delta.stride(0), stride_lh=delta.stride(1), stride_dqt=gq.stride(0), stride_dqh=gq.stride(1),
+            total_q=tq, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ACCUM=dq is not None,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common,
+        )  # fmt: skip
+    if tk and hk:
+        t = tiles_for("dkv", d, interp)
+        meta = axis_tiles(slices, tk, t.block_n, "k", str(q.device))
+        ffa_bwd_dkv_kernel[(hk, meta.num_blocks)](
+            Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=gk, DV=gv, SLICES=meta.slices, BLK_PTR=meta.ptr,
+            BLK_IDX=meta.idx, BLK_ORDER=meta.order,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
+            stride_lt=delta.stride(0), stride_lh=delta.stride(1), stride_dkt=gk.stride(0), stride_dkh=gk.stride(1),
+            stride_dvt=gv.stride(0), stride_dvh=gv.stride(1),
+            total_k=tk, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ACCUM=dk is not None,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common,
+        )  # fmt: skip
+    return gq, gk, gv

@@ -1,0 +1,124 @@
+"""The Triton kernels (fwd, dq, dkv): under TRITON_INTERPRET=1 on CPU tensors, or on a CUDA GPU.
+
+Same checks as the torch path: random slices of all four types with q/k overlaps, empty slices and rows
+without keys, GQA, softcap, accumulate mode, determinism, non-contiguous inputs, poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ffa_test_helpers import check_all, dense_refs
+
+import magi_ffa
+from magi_ffa import testing as T
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
+DEV = "cuda" if CUDA else "cpu"
+SCALE = 8 if CUDA else 1  # the interpreter runs ~10 ms per tile step: tiny shapes on CPU
+DTYPES = [torch.float16, torch.bfloat16] + ([] if CUDA else [torch.float32])
+# small tiles on CPU put several q/k blocks into every slice (boundary and interior tiles both run)
+SMALL = "16,16,4,1"
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("MAGI_FFA_BACKEND", "triton")
+    monkeypatch.setenv("MAGI_FFA_POISON", "1")
+
+
+def _run(q, k, v, qr, kr, tm, do, softcap=0.0, dlse=None):
+    o, l = magi_ffa.ffa_fwd(q, k, v, qr, kr, tm, softcap=softcap)
+    out = o
+    if dlse is None:
+        dq, dk, dv = magi_ffa.ffa_bwd(do, q, k, v, o, l, qr, kr, tm, softcap=softcap)
+    else:  # lse gradient through the autograd entry
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, l = magi_ffa.flex_flash_attn_func(*xs, qr, kr, tm, softcap=softcap)
+        loss = (out.float() * do.float()).sum() + (torch.where(torch.isneginf(l), 0, l) * dlse).sum()
+        dq, dk, dv = torch.autograd.grad(loss, xs)
+    return dict(out=out, lse=l, dq=dq, dk=dk, dv=dv)
+
+
+CASES = [
+    pytest.param(torch.bfloat16, 4, 2, 64, 0, 0.0, None, id="bf16-gqa2-d64"),
+    pytest.param(torch.float16, 2, 2, 32, 1, 0.0, None, id="fp16-mha-d32"),
+    pytest.param(torch.float16, 8, 1, 16, 2, 3.0, None, id="fp16-mqa8-d16-softcap"),
+    pytest.param(torch.bfloat16, 2, 1, 32, 3, 0.0, SMALL, id="bf16-gqa2-small-tiles"),
+    pytest.param(torch.float16, 4, 4, 16, 4, 2.0, SMALL, id="fp16-mha-small-tiles-softcap"),
+    pytest.param(torch.float16, 2, 2, 64, 5, 0.0, "32,16,4,1", id="fp16-d64-tiles32x16"),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hk,d,seed,softcap,tiles", CASES)
+def test_random_slices(monkeypatch, dtype, hq, hk, d, seed, softcap, tiles):
+    if tiles and not CUDA:
+        for kind in ("FWD", "DQ", "DKV"):
+            monkeypatch.setenv(f"MAGI_FFA_TILES_{kind}", tiles)
+    tq, tk = (90 + 23 * seed) * SCALE, (140 - 11 * seed) * SCALE
+    qr, kr, tm = T.random_slices(tq, tk, seed=seed, max_bands=4 if SCALE == 1 else 8)
+    q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, DEV, seed=seed)
+    do = torch.randn(q.shape, device=DEV).to(dtype)
+    got = _run(q, k, v, qr.to(DEV), kr.to(DEV), tm.to(DEV), do, softcap)
+    r64, rlp = dense_refs(q, k, v, qr, kr, tm, softcap=softcap, do=do)
+    check_all(got, r64, rlp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masks_by_type_and_lse_grad(monkeypatch, dtype):
+    """Each type alone (aligned and unaligned sizes, sq > sk and sq < sk) plus the lse gradient; small tiles
+    on CPU, so every slice has interior (unmasked) and boundary tiles."""
+    if not CUDA:
+        for kind in ("FWD", "DQ", "DKV"):
+            monkeypatch.setenv(f"MAGI_FFA_TILES_{kind}", SMALL)
+    s = SCALE
+    qr = [[0, 40 * s], [40 * s, 70 * s], [70 * s, 100 * s], [100 * s, 120 * s], [0, 40 * s]]
+    kr = [[0, 64 * s], [30 * s, 50 * s], [50 * s, 100 * s], [100 * s, 128 * s], [64 * s, 90 * s]]
+    tm = [1, 1, 2, 3, 2]
+    q, k, v = T.random_qkv(128 * s, 128 * s, 2, 1, 32, dtype, DEV, seed=1)
+    do = torch.randn(q.shape, device=DEV).to(dtype)
+    dlse = torch.randn(q.shape[:2], device=DEV)
+    got = _run(q, k, v, qr, kr, tm, do, dlse=dlse)
+    r64, rlp = dense_refs(q, k, v, qr, kr, tm, do=do, dlse=dlse)
+    check_all(got, r64, rlp, dtype)
+
+
+@pytest.mark.parametrize("out_fp32", [True, False], ids=["out_fp32", "out_dtype"])
+def test_accumulate_two_stages(out_fp32):
+    tq, tk = 96 * SCALE, 128 * SCALE
+    qr, kr, tm = T.random_slices(tq, tk, seed=21, max_bands=5)
+    n = qr.shape[0]
+    parts = (slice(0, n // 2), slice(n // 2, n))
+    q, k, v = T.random_qkv(tq, tk, 4, 2, 32, torch.bfloat16, DEV, seed=7)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32 if out_fp32 else q.dtype, device=DEV)
+    lse = torch.full((tq, 4), float("-inf"), device=DEV)
+    for p in parts:
+        magi_ffa.ffa_fwd(q, k, v, qr[p], kr[p], tm[p], out=out, lse=lse)
+    do = torch.randn(q.shape, device=DEV).to(q.dtype)
+    grads = [torch.zeros(t.shape, device=DEV) for t in (q, k, v)]
+    for p in parts:
+        magi_ffa.ffa_bwd(do, q, k, v, out, lse, qr[p], kr[p], tm[p], dq=grads[0], dk=grads[1], dv=grads[2])
+    r64, rlp = dense_refs(q, k, v, qr, kr, tm, do=do)
+    check_all(dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]), r64, rlp, torch.bfloat16)
+
+
+def test_deterministic_noncontiguous_and_empty():
+    tq = 64 * SCALE
+    q, k, v = T.random_qkv(tq, tq, 4, 2, 32, torch.float16, DEV, seed=3)
+    qr, kr, tm = T.random_slices(tq, tq, seed=8)
+    do = torch.randn(q.shape, device=DEV).to(q.dtype)
+    a = _run(q, k, v, qr, kr, tm, do)
+    qn = q.transpose(0, 1).contiguous().transpose(0, 1)
+    vn = torch.cat([v, v], dim=-1)[..., :32]
+    b = _run(qn, k, vn, qr, kr, tm, do)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} not bitwise reproducible"
+    o, l = magi_ffa.ffa_fwd(q, k, v, [], [], None)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(l).all()
+    for g in magi_ffa.ffa_bwd(do, q, k, v, o, l, [], [], None):
+        assert torch.equal(g, torch.zeros_like(g))
