@@ -5,6 +5,16 @@ Mask algebra (`AttnRange`, `AttnRanges`, `AttnMaskType`, `AttnSlice`), mask buil
 arguments and overlap stages.
 """
 
+from .builders import (
+    MaskSpec,
+    make_block_causal_mask,
+    make_global_window_mask,
+    make_prefix_lm_mask,
+    make_shared_question_mask,
+    make_sliding_window_mask,
+    make_varlen_causal_mask,
+    make_varlen_full_mask,
+)
 from .comm import GroupCastArgs, GroupReduceArgs
 from .dispatch import DispatchAlg, DispatchPlan, chunk_areas, dispatch_lower_bound, solve_dispatch
 from .mask import AttnMaskType, AttnSlice, SliceList
@@ -22,6 +32,7 @@ __all__ = [
     "DistAttnPlan",
     "GroupCastArgs",
     "GroupReduceArgs",
+    "MaskSpec",
     "OverlapMode",
     "RankPlan",
     "SliceList",
@@ -29,6 +40,13 @@ __all__ = [
     "chunk_areas",
     "dispatch_lower_bound",
     "estimate_cost_factors",
+    "make_block_causal_mask",
+    "make_global_window_mask",
+    "make_prefix_lm_mask",
+    "make_shared_question_mask",
+    "make_sliding_window_mask",
+    "make_varlen_causal_mask",
+    "make_varlen_full_mask",
     "plan_dist_attn",
     "predicted_time",
     "solve_dispatch",

@@ -13,16 +13,23 @@ while stage i-1 (or the host stage) computes.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from enum import StrEnum
 
+import numpy as np
+
+from .mask import band_area_np
+
 __all__ = [
     "OverlapMode",
+    "cut_tokens",
     "estimate_cost_factors",
     "group_chunks",
     "overlap_chunk_bounds",
     "predicted_time",
+    "stage_options",
 ]
 
 
@@ -81,3 +88,94 @@ def estimate_cost_factors(
     flops = 4.0 * num_heads_q * head_dim * (2.5 if backward else 1.0)
     nbytes = 2.0 * num_heads_kv * head_dim * bytes_per_elem * (2.0 if backward else 1.0)
     return flops / (tflops * 1e12), nbytes / (comm_gbps * 1e9)
+
+
+def stage_options(
+    remote: list[tuple[int, int]],
+    clipped: list[tuple[int, ...]],
+    host_area: int,
+    degree: int | None,
+    min_chunk_size: int,
+    max_num_chunks: int,
+    calc_f: float,
+    comm_f: float,
+    candidates: list[int],
+) -> dict[int, tuple[list[int], float]]:
+    """For each candidate degree: stage boundaries as offsets into the rank's remote tokens, and its cost."""
+    n_tok = sum(e - s for s, e in remote)
+    bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
+    n_chunks = len(bounds) - 1
+    chunk_area = None
+    if len(candidates) > 1 and n_chunks > 0:
+        chunk_area = overlap_chunk_areas(remote, bounds, clipped)
+    out = {}
+    for d in candidates:
+        if d == 0:
+            out[0] = ([0, n_tok], 0.0)
+            continue
+        g = group_chunks(n_chunks, d)
+        tb = [bounds[i] for i in g]
+        cost = 0.0
+        if chunk_area is not None:
+            ca = np.concatenate([[0], np.cumsum(chunk_area)])
+            calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
+            comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
+            cost = predicted_time(calc_f * host_area, comm, calc)
+        out[d] = (tb, cost)
+    return out
+
+
+def overlap_chunk_areas(
+    remote: list[tuple[int, int]], bounds: list[int], clipped: list[tuple[int, ...]]
+) -> np.ndarray:
+    """Mask area (this rank's rows) of the keys of each overlap chunk (vectorised over region x piece)."""
+    # cut the remote ranges at the chunk token bounds: pieces (global start, global end, chunk index)
+    pieces: list[tuple[int, int, int]] = []
+    off, ci = 0, 0
+    for s, e in remote:
+        while s < e:
+            while bounds[ci + 1] <= off:
+                ci += 1
+            take = min(e - s, bounds[ci + 1] - off)
+            pieces.append((s, s + take, ci))
+            s += take
+            off += take
+    starts = [p[0] for p in pieces]
+    ri, pi = [], []
+    for i, r in enumerate(clipped):
+        j = max(bisect.bisect_right(starts, r[2]) - 1, 0)
+        while j < len(pieces) and pieces[j][0] < r[3]:
+            if pieces[j][1] > r[2]:
+                ri.append(i)
+                pi.append(j)
+            j += 1
+    areas = np.zeros(len(bounds) - 1, dtype=np.int64)
+    if not ri:
+        return areas
+    reg = np.asarray([c[:6] for c in clipped], dtype=np.int64)[ri]
+    pc = np.asarray(pieces, dtype=np.int64)[pi]
+    a = band_area_np(
+        reg[:, 0],
+        reg[:, 1],
+        np.maximum(reg[:, 2], pc[:, 0]),
+        np.minimum(reg[:, 3], pc[:, 1]),
+        reg[:, 4],
+        reg[:, 5],
+    )
+    np.add.at(areas, pc[:, 2], a)
+    return areas
+
+
+def cut_tokens(remote: list[tuple[int, int]], tb: list[int]) -> list[list[tuple[int, int]]]:
+    """Split sorted global ranges into stages at the token offsets `tb`."""
+    stages: list[list[tuple[int, int]]] = [[] for _ in range(len(tb) - 1)]
+    off, si = 0, 0
+    for s, e in remote:
+        while s < e:
+            while tb[si + 1] <= off:
+                si += 1
+            take = min(e - s, tb[si + 1] - off)
+            stages[si].append((s, s + take))
+            s += take
+            off += take
+    return stages

@@ -14,25 +14,17 @@ each stage fetches only keys the rank's rows need and does not hold (zero redund
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .dispatch import DispatchPlan, dispatch_slices, validate_geometry
-from .mask import (
-    SliceList,
-    band_area_np,
-    clip_region,
-    decompose_region,
-    normalize_mask,
-    slice_area,
-    tighten_region,
-)
-from .overlap import OverlapMode, group_chunks, overlap_chunk_bounds, predicted_time
+from .mask import SliceList, normalize_mask, slice_area
+from .overlap import OverlapMode, cut_tokens, stage_options
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
 
 __all__ = ["DistAttnPlan", "RankPlan", "StagePlan", "plan_dist_attn"]
@@ -167,25 +159,6 @@ class DistAttnPlan:
         }
 
 
-def _merge_full(slices: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k and touching q."""
-    full = [s for s in slices if s[4] == 0]
-    if len(full) < 2:
-        return sorted(slices)
-    rest = [s for s in slices if s[4] != 0]
-    for key, lo_i, hi_i in (((0, 1), 2, 3), ((2, 3), 0, 1)):
-        full.sort(key=lambda s, key=key, lo_i=lo_i: (s[key[0]], s[key[1]], s[lo_i]))
-        merged: list[list[int]] = []
-        for s in full:
-            p = merged[-1] if merged else None
-            if p and p[key[0]] == s[key[0]] and p[key[1]] == s[key[1]] and p[hi_i] == s[lo_i]:
-                p[hi_i] = s[hi_i]
-            else:
-                merged.append(list(s))
-        full = [tuple(m) for m in merged]  # type: ignore[misc]
-    return sorted(full + rest)
-
-
 def _validate_overlap(
     overlap_degree: Any,
     overlap_mode: Any,
@@ -283,129 +256,6 @@ def plan_dist_attn(
     )
 
 
-def _clip_rows(
-    dispatch: DispatchPlan, slices: list[tuple[int, int, int, int, int]]
-) -> list[list[tuple[int, ...]]]:
-    """Per rank: its slices clipped to its rows, as tightened regions plus the q offset global -> local."""
-    from .mask import region_of
-
-    cs = dispatch.chunk_size
-    by_chunk: list[list[int]] = [[] for _ in range(dispatch.num_chunks)]
-    regions = []
-    for s in slices:
-        r = tighten_region(*region_of(*s))
-        if r is None:
-            continue
-        i = len(regions)
-        regions.append(r)
-        for c in range(r[0] // cs, (r[1] - 1) // cs + 1):
-            by_chunk[c].append(i)
-    out = []
-    for rank in range(dispatch.cp_size):
-        clipped: list[tuple[int, ...]] = []
-        local = 0
-        for a, b in dispatch.host_pairs(rank):
-            cand = sorted({i for c in range(a // cs, b // cs) for i in by_chunk[c]})
-            for i in cand:
-                r = clip_region(regions[i], a, b, regions[i][2], regions[i][3])
-                if r is not None:
-                    clipped.append((*r, local - a))
-            local += b - a
-        out.append(clipped)
-    return out
-
-
-def _stage_bounds(
-    remote: list[tuple[int, int]],
-    clipped: list[tuple[int, ...]],
-    host_area: int,
-    degree: int | None,
-    min_chunk_size: int,
-    max_num_chunks: int,
-    calc_f: float,
-    comm_f: float,
-    candidates: list[int],
-) -> dict[int, tuple[list[int], float]]:
-    """For each candidate degree: stage boundaries as offsets into the rank's remote tokens, and its cost."""
-    n_tok = sum(e - s for s, e in remote)
-    bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
-    n_chunks = len(bounds) - 1
-    chunk_area = None
-    if len(candidates) > 1 and n_chunks > 0:
-        chunk_area = _overlap_chunk_areas(remote, bounds, clipped)
-    out = {}
-    for d in candidates:
-        if d == 0:
-            out[0] = ([0, n_tok], 0.0)
-            continue
-        g = group_chunks(n_chunks, d)
-        tb = [bounds[i] for i in g]
-        cost = 0.0
-        if chunk_area is not None:
-            ca = np.concatenate([[0], np.cumsum(chunk_area)])
-            calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
-            comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
-            cost = predicted_time(calc_f * host_area, comm, calc)
-        out[d] = (tb, cost)
-    return out
-
-
-def _overlap_chunk_areas(
-    remote: list[tuple[int, int]], bounds: list[int], clipped: list[tuple[int, ...]]
-) -> np.ndarray:
-    """Mask area (this rank's rows) of the keys of each overlap chunk (vectorised over region x piece)."""
-    # cut the remote ranges at the chunk token bounds: pieces (global start, global end, chunk index)
-    pieces: list[tuple[int, int, int]] = []
-    off, ci = 0, 0
-    for s, e in remote:
-        while s < e:
-            while bounds[ci + 1] <= off:
-                ci += 1
-            take = min(e - s, bounds[ci + 1] - off)
-            pieces.append((s, s + take, ci))
-            s += take
-            off += take
-    starts = [p[0] for p in pieces]
-    ri, pi = [], []
-    for i, r in enumerate(clipped):
-        j = max(bisect.bisect_right(starts, r[2]) - 1, 0)
-        while j < len(pieces) and pieces[j][0] < r[3]:
-            if pieces[j][1] > r[2]:
-                ri.append(i)
-                pi.append(j)
-            j += 1
-    areas = np.zeros(len(bounds) - 1, dtype=np.int64)
-    if not ri:
-        return areas
-    reg = np.asarray([c[:6] for c in clipped], dtype=np.int64)[ri]
-    pc = np.asarray(pieces, dtype=np.int64)[pi]
-    a = band_area_np(
-        reg[:, 0],
-        reg[:, 1],
-        np.maximum(reg[:, 2], pc[:, 0]),
-        np.minimum(reg[:, 3], pc[:, 1]),
-        reg[:, 4],
-        reg[:, 5],
-    )
-    np.add.at(areas, pc[:, 2], a)
-    return areas
-
-
-def _cut_tokens(remote: list[tuple[int, int]], tb: list[int]) -> list[list[tuple[int, int]]]:
-    """Split sorted global ranges into stages at the token offsets `tb`."""
-    stages: list[list[tuple[int, int]]] = [[] for _ in range(len(tb) - 1)]
-    off, si = 0, 0
-    for s, e in remote:
-        while s < e:
-            while tb[si + 1] <= off:
-                si += 1
-            take = min(e - s, tb[si + 1] - off)
-            stages[si].append((s, s + take))
-            s += take
-            off += take
-    return stages
-
-
 def _plan(
     dispatch: DispatchPlan,
     slices: list[tuple[int, int, int, int, int]],
@@ -424,7 +274,7 @@ def _plan(
     for part in dispatch.partitions:
         for i, c in enumerate(part):
             local_pos[c] = i * cs
-    clipped = _clip_rows(dispatch, slices)
+    clipped = clip_rows(dispatch, slices)
     host = [dispatch.host_pairs(r) for r in range(cp)]
     remote = [subtract_pairs(merge_pairs((c[2], c[3]) for c in clipped[r]), host[r]) for r in range(cp)]
 
@@ -440,9 +290,9 @@ def _plan(
         candidates = list(range(1, dynamic_max_degree + 1))
     else:
         candidates = [degree if degree is not None else 1]
-    host_area = [_slice_area_over(clipped[r], host_maps[r], None) for r in range(cp)]
+    host_area = [host_area_of(clipped[r], host_maps[r]) for r in range(cp)]
     options = [
-        _stage_bounds(
+        stage_options(
             remote[r],
             clipped[r],
             host_area[r],
@@ -457,7 +307,7 @@ def _plan(
     ]
     chosen = min(candidates, key=lambda d: (max(o[d][1] for o in options), d))
     num_stages = max(chosen, 1)
-    stage_ranges = [_cut_tokens(remote[r], options[r][chosen][0]) for r in range(cp)]
+    stage_ranges = [cut_tokens(remote[r], options[r][chosen][0]) for r in range(cp)]
 
     # per stage, per receiver: runs (global start, global end, src, src local start) in buffer order
     runs: list[list[list[tuple[int, int, int, int]]]] = []
@@ -504,13 +354,13 @@ def _plan(
             bufs.append(base)
         kmap.sort()
         out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(num_stages + 1)]
-        _slice_over(clipped[r], kmap, out)
-        host_sl = _merge_full(out[num_stages])
+        slice_over(clipped[r], kmap, out)
+        host_sl = merge_full(out[num_stages])
         merged = list(host_sl)
         offset = shard
         stages = []
         for si in range(num_stages):
-            sl = _merge_full(out[si])
+            sl = merge_full(out[si])
             merged.extend((a, b, c + offset, d + offset, t) for a, b, c, d, t in sl)
             offset += bufs[si]
             cast = cast_args[si][r]
@@ -530,7 +380,7 @@ def _plan(
                 host_token_ranges=dispatch.host_token_ranges(r),
                 host_slices=SliceList.from_typed(host_sl),
                 stages=tuple(stages),
-                merged_slices=SliceList.from_typed(_merge_full(merged)),
+                merged_slices=SliceList.from_typed(merge_full(merged)),
                 host_area=host_area[r],
             )
         )
@@ -541,45 +391,3 @@ def _plan(
         overlap_degree=chosen,
         predicted_times=tuple(o[chosen][1] for o in options),
     )
-
-
-def _slice_over(
-    clipped: list[tuple[int, ...]], kmap: list[tuple[int, int, int, int]], out: list[list[tuple[int, ...]]]
-) -> None:
-    """Cut each clipped region by the key map (sorted global ranges -> (destination, base)); decompose the
-    pieces into typed slices in local q and destination k coordinates; destination -1 (host) goes last."""
-    starts = [m[0] for m in kmap]
-    for qs, qe, ks, ke, lo, hi, qoff in clipped:
-        j = max(bisect.bisect_right(starts, ks) - 1, 0)
-        while j < len(kmap) and kmap[j][0] < ke:
-            gs, ge, dest, base = kmap[j]
-            j += 1
-            if ge <= ks:
-                continue
-            r = clip_region((qs, qe, ks, ke, lo, hi), qs, qe, gs, ge)
-            if r is None:
-                continue
-            kd = base - gs
-            bucket = out[dest]
-            for a, b, c, d, t in decompose_region(r):
-                bucket.append((a + qoff, b + qoff, c + kd, d + kd, t))
-
-
-def _slice_area_over(clipped: list[tuple[int, ...]], kmap: list[tuple[int, int, int, int]], _: None) -> int:
-    """Exact area of the clipped regions inside the key map's ranges (the host ranges)."""
-    if not clipped:
-        return 0
-    reg = np.asarray([c[:6] for c in clipped], dtype=np.int64)
-    total = 0
-    for gs, ge, _, _ in kmap:
-        total += int(
-            band_area_np(
-                reg[:, 0],
-                reg[:, 1],
-                np.maximum(reg[:, 2], gs),
-                np.minimum(reg[:, 3], ge),
-                reg[:, 4],
-                reg[:, 5],
-            ).sum()
-        )
-    return total

@@ -1,0 +1,199 @@
+"""Mask builders: common masks as slice lists. Each returns a `MaskSpec` `(q_ranges, k_ranges, types)`
+(unpacks as a 3-tuple) whose slices share no (q, k) pair; `spec.to_dense(total)` draws it for tests.
+
+Documents are given as `cu_seqlens` (`[0, len_0, len_0 + len_1, ...]`); tokens attend only inside their
+document. Windows are `(left, right)`: row q sees keys `q - left .. q + right` (-1 = unbounded), as in
+FlashAttention's `window_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .mask import AttnMaskType, decompose_region, tighten_region
+from .ranges import AttnRange, AttnRanges, _check_int
+
+__all__ = [
+    "MaskSpec",
+    "make_block_causal_mask",
+    "make_global_window_mask",
+    "make_prefix_lm_mask",
+    "make_shared_question_mask",
+    "make_sliding_window_mask",
+    "make_varlen_causal_mask",
+    "make_varlen_full_mask",
+]
+
+_TYPES = tuple(AttnMaskType)  # by code
+
+
+class MaskSpec(NamedTuple):
+    """A mask as slices: `q_ranges[i]`, `k_ranges[i]`, `types[i]`."""
+
+    q_ranges: AttnRanges
+    k_ranges: AttnRanges
+    types: tuple[AttnMaskType, ...]
+
+    def to_dense(self, total_q: int, total_k: int | None = None) -> np.ndarray:
+        """Bool `[total_q, total_k]` mask (the union of the slices)."""
+        total_k = total_q if total_k is None else total_k
+        out = np.zeros((total_q, total_k), dtype=bool)
+        for q, k, t in zip(self.q_ranges, self.k_ranges, self.types):
+            sq, sk = q.seqlen, k.seqlen
+            i = np.arange(sq)[:, None]
+            j = np.arange(sk)[None, :]
+            m = np.ones((sq, sk), dtype=bool)
+            if t.code & 1:
+                m &= j <= i + sk - sq
+            if t.code & 2:
+                m &= j >= i
+            out[q.start : q.end, k.start : k.end] |= m
+        return out
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.types)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.q: list[AttnRange] = []
+        self.k: list[AttnRange] = []
+        self.t: list[AttnMaskType] = []
+
+    def region(
+        self, qs: int, qe: int, ks: int, ke: int, lo: int | None = None, hi: int | None = None
+    ) -> None:
+        """Add `[qs, qe) x [ks, ke)` with `lo <= k - q <= hi` (None = unbounded) as typed slices."""
+        lo = ks - qe + 1 if lo is None else lo
+        hi = ke - 1 - qs if hi is None else hi
+        r = tighten_region(qs, qe, ks, ke, lo, hi)
+        if r is None:
+            return
+        for a, b, c, d, t in decompose_region(r):
+            self.q.append(AttnRange(a, b))
+            self.k.append(AttnRange(c, d))
+            self.t.append(_TYPES[t])
+
+    def spec(self) -> MaskSpec:
+        return MaskSpec(AttnRanges(tuple(self.q)), AttnRanges(tuple(self.k)), tuple(self.t))
+
+
+def _docs(cu_seqlens: Any) -> list[tuple[int, int]]:
+    return AttnRanges.from_cu_seqlens(cu_seqlens).to_tuples()
+
+
+def _window(window: Any) -> tuple[int | None, int | None]:
+    if not isinstance(window, Sequence) or len(window) != 2:
+        raise ValueError(f"`window` must be a (left, right) pair, got {window!r}")
+    left, right = (_check_int(w, "window") for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"`window` entries must be >= 0, or -1 for unbounded, got {window!r}")
+    return (None if left == -1 else -left), (None if right == -1 else right)
+
+
+def make_varlen_full_mask(cu_seqlens: Sequence[int]) -> MaskSpec:
+    """Each document attends to itself fully: one FULL slice per document."""
+    b = _Builder()
+    for s, e in _docs(cu_seqlens):
+        b.region(s, e, s, e)
+    return b.spec()
+
+
+def make_varlen_causal_mask(cu_seqlens: Sequence[int]) -> MaskSpec:
+    """Causal attention inside each document: one CAUSAL slice per document."""
+    b = _Builder()
+    for s, e in _docs(cu_seqlens):
+        b.region(s, e, s, e, hi=0)
+    return b.spec()
+
+
+def make_sliding_window_mask(cu_seqlens: Sequence[int], window: tuple[int, int]) -> MaskSpec:
+    """Row q of a document sees keys `q - left .. q + right` of that document (at most three slices each).
+
+    `(left, 0)` is causal sliding-window attention; `(-1, 0)` is plain causal; `(-1, -1)` is full.
+    """
+    lo, hi = _window(window)
+    b = _Builder()
+    for s, e in _docs(cu_seqlens):
+        b.region(s, e, s, e, lo, hi)
+    return b.spec()
+
+
+def make_global_window_mask(cu_seqlens: Sequence[int], window: tuple[int, int], num_global: int) -> MaskSpec:
+    """Sliding window plus `num_global` global tokens at the start of each document (attention sinks).
+
+    Row q sees its window and also the document's first `num_global` keys, still subject to the window's
+    right bound (so a causal window stays causal): `k in window(q)  or  (k < start + num_global and
+    k <= q + right)`.
+    """
+    lo, hi = _window(window)
+    g = _check_int(num_global, "num_global")
+    if g < 0:
+        raise ValueError(f"`num_global` must be >= 0, got {g}")
+    b = _Builder()
+    for s, e in _docs(cu_seqlens):
+        m = min(e, s + g)
+        b.region(s, e, s, m, None, hi)  # the global keys: only the right bound applies
+        b.region(s, e, m, e, lo, hi)
+    return b.spec()
+
+
+def make_block_causal_mask(cu_seqlens: Sequence[int], block_size: int) -> MaskSpec:
+    """Block-causal (video / Magi-1): block i of a document sees blocks 0..i of it fully (last block may be short)."""
+    bs = _check_int(block_size, "block_size")
+    if bs <= 0:
+        raise ValueError(f"`block_size` must be positive, got {bs}")
+    b = _Builder()
+    for s, e in _docs(cu_seqlens):
+        for a in range(s, e, bs):
+            b.region(a, min(e, a + bs), s, min(e, a + bs))
+    return b.spec()
+
+
+def make_prefix_lm_mask(cu_seqlens: Sequence[int], prefix_lens: Sequence[int] | int) -> MaskSpec:
+    """Prefix-LM: every row of a document sees the document's prefix bidirectionally, and is causal after it."""
+    docs = _docs(cu_seqlens)
+    if isinstance(prefix_lens, int) or not isinstance(prefix_lens, Sequence):
+        prefix_lens = [prefix_lens] * len(docs)  # type: ignore[list-item]
+    if len(prefix_lens) != len(docs):
+        raise ValueError(f"`prefix_lens` has {len(prefix_lens)} entries for {len(docs)} non-empty documents")
+    b = _Builder()
+    for i, ((s, e), p) in enumerate(zip(docs, prefix_lens)):
+        p = _check_int(p, f"prefix_lens[{i}]")
+        if not 0 <= p <= e - s:
+            raise ValueError(f"`prefix_lens[{i}]` = {p} must lie in [0, {e - s}] (the document length)")
+        b.region(s, e, s, s + p)
+        b.region(s, e, s + p, e, hi=0)
+    return b.spec()
+
+
+def make_shared_question_mask(question_lens: Sequence[int], answer_lens: Sequence[Sequence[int]]) -> MaskSpec:
+    """Shared-question packing: each sample is `[question, answer_0, answer_1, ...]` packed back to back.
+
+    The question is causal; each answer sees the whole question and itself causally, never other answers.
+    """
+    if len(question_lens) != len(answer_lens):
+        raise ValueError(
+            f"`question_lens` ({len(question_lens)}) and `answer_lens` ({len(answer_lens)}) differ in length"
+        )
+    b = _Builder()
+    off = 0
+    for i, (ql, answers) in enumerate(zip(question_lens, answer_lens)):
+        ql = _check_int(ql, f"question_lens[{i}]")
+        if ql <= 0:
+            raise ValueError(f"`question_lens[{i}]` must be positive, got {ql}")
+        q0, q1 = off, off + ql
+        b.region(q0, q1, q0, q1, hi=0)
+        off = q1
+        for j, al in enumerate(answers):
+            al = _check_int(al, f"answer_lens[{i}][{j}]")
+            if al <= 0:
+                raise ValueError(f"`answer_lens[{i}][{j}]` must be positive, got {al}")
+            b.region(off, off + al, q0, q1)
+            b.region(off, off + al, off, off + al, hi=0)
+            off += al
+    return b.spec()
