@@ -293,6 +293,33 @@ def battery(rank: int, W: int, seed: int) -> int:
     return checks
 
 
+def triton_battery(rank: int, W: int, seed: int) -> int:
+    """The same checks with the Triton kernels (the CUDA path) forced on, under the interpreter."""
+    import os
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "1"  # this child only, before the kernels module is imported
+    os.environ["MAGI_GROUP_COLLECTIVE_KERNELS"] = "triton"
+    import torch
+
+    import magi_group_collective as mod
+    import magi_group_collective.testing
+
+    for case in range(2):
+        tabs = mod.testing.random_cast_tables(W, seed * 100 + case)
+        _cast_checks(rank, W, tabs, tabs[rank], mod, torch)
+        _reduce_checks(rank, W, tabs, tabs[rank], mod, torch)
+    _hier_checks(rank, W, (2, W // 2), seed, mod, torch)
+    kernels = sys.modules.get("magi_group_collective._triton_kernels")
+    assert kernels is not None, "the Triton kernels never ran"
+    assert "Interpreted" in type(kernels._copy_rows_kernel).__name__, type(kernels._copy_rows_kernel)
+    return 2
+
+
+def test_battery_triton_kernels() -> None:
+    assert run_ranks(4, __file__, "triton_battery", 7) == [2] * 4
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8], ids=lambda w: f"world{w}")
 def test_battery(world_size: int) -> None:
     counts = run_ranks(world_size, __file__, "battery", world_size)

@@ -148,11 +148,15 @@ class GroupCastPlan(_PlanBase):
     __slots__ = ("_group_arg", "_n_in", "_n_out", "_runner")
 
     def cast(self, input: torch.Tensor, output: torch.Tensor, *, async_op: bool = False) -> Work:
-        """Send ``input`` ``[n_in_tokens, ...]`` pieces; write ``output`` ``[n_out_tokens, ...]`` pieces.
+        """Send ``input`` pieces to their destination sets; write the received pieces into ``output``.
 
-        ``output`` is overwritten piece by piece (every output row has a source). Same dtype and trailing
-        shape on both; any dtype. With ``async_op`` the returned :class:`Work` must be waited before
-        ``output`` is read. Records no autograd graph (use :func:`group_cast` for autograd).
+        Args:
+            input: ``[n_in_tokens, ...]`` any dtype.
+            output: ``[n_out_tokens, ...]`` same dtype and trailing shape; overwritten piece by piece
+                (every output row has a source).
+            async_op: return at once; ``output`` is final only after ``Work.wait()``.
+
+        Records no autograd graph (use :func:`group_cast` for autograd).
         """
         self._check_tensor_pair(input, output, self._n_in, self._n_out)
         if self._debug:
@@ -218,12 +222,19 @@ class GroupReducePlan(_PlanBase):
         input_lse: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
     ) -> Work:
-        """Send ``input`` ``[n_in_tokens, ...]`` pieces; reduce them into ``output`` ``[n_out_tokens, ...]``.
+        """Send ``input`` pieces to one rank each; reduce received pieces into ``output``.
 
-        The result accumulates onto what ``output`` holds (see :class:`ReduceOp` for sum/avg/lse). For
-        ``"lse"``: ``input``/``output`` are ``[tokens, heads, ...]`` floating, ``input_lse``/``output_lse``
-        are ``[tokens, heads]`` fp32 (``-inf`` = no contribution yet), and ``output``/``output_lse`` are
-        updated in place. Records no autograd graph (use :func:`group_reduce` for autograd).
+        Args:
+            input: ``[n_in_tokens, ...]``; for ``"lse"`` ``[n_in_tokens, heads, ...]`` floating.
+            output: ``[n_out_tokens, ...]`` same dtype and trailing shape; the result accumulates onto
+                what it holds (see :class:`ReduceOp` for sum/avg/lse).
+            reduce_op: ``"sum"``, ``"avg"`` or ``"lse"`` (or a :class:`ReduceOp`).
+            async_op: return at once; ``Work.wait()`` completes communication and the reduction.
+            input_lse: ``"lse"`` only: ``[n_in_tokens, heads]`` fp32 log-sum-exp of ``input``.
+            output_lse: ``"lse"`` only: ``[n_out_tokens, heads]`` fp32, updated in place; ``-inf`` means
+                "nothing yet" (the matching ``output`` rows are then ignored, even if NaN).
+
+        Records no autograd graph (use :func:`group_reduce` for autograd).
         """
         op = parse_reduce_op(reduce_op)
         self._check_tensor_pair(input, output, self._n_in, self._n_out)

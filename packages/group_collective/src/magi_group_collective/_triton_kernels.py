@@ -1,0 +1,170 @@
+"""Triton kernels for the CUDA path: row copy (gather/scatter), row reduce, log-sum-exp merge.
+
+Imported lazily (only when ``_ops.use_triton`` says so). Under ``TRITON_INTERPRET=1`` they run on CPU
+tensors, which is how CI tests them. Rows are ``C`` contiguous elements (trailing dims flattened).
+The reductions use one program per output row and read its contributions in a fixed order from a CSR
+(``ReduceIndex``), so they are deterministic and need no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._ops import ReduceIndex
+
+# Copy kernel tile: up to 256 words per row chunk, ~4096 words per program.
+_MAX_BLOCK_C = 256
+_TILE_WORDS = 4096
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src, dst, src_idx, dst_idx, R, C,
+    HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    if HAS_SRC_IDX:
+        s = tl.load(src_idx + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        s = rows.to(tl.int64)
+    if HAS_DST_IDX:
+        d = tl.load(dst_idx + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        d = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = rmask[:, None] & (cols < C)[None, :]
+    x = tl.load(src + s[:, None] * C + cols[None, :], mask=mask)
+    tl.store(dst + d[:, None] * C + cols[None, :], x, mask=mask)
+
+
+def _as_words(x: torch.Tensor, word: int) -> torch.Tensor:
+    """Reinterpret contiguous rows ``[N, C]`` as ``[N, C * itemsize / word]`` integer words."""
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    return x if x.dtype == dtype else x.view(torch.uint8).view(dtype)
+
+
+def copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, *, src_idx: torch.Tensor | None, dst_idx: torch.Tensor | None
+) -> None:
+    """``dst[dst_idx[k]] = src[src_idx[k]]`` for contiguous ``[N, C]`` rows; None = identity.
+
+    Copies bit patterns (rows viewed as the widest aligned integer word), so any dtype is exact.
+    """
+    idx = src_idx if src_idx is not None else dst_idx
+    R = idx.numel()
+    row_bytes = src.shape[1] * src.element_size()
+    if R == 0 or row_bytes == 0:
+        return
+    word = next(
+        w for w in (8, 4, 2, 1) if row_bytes % w == 0 and src.data_ptr() % w == 0 and dst.data_ptr() % w == 0
+    )
+    s, d = _as_words(src, word), _as_words(dst, word)
+    C = row_bytes // word
+    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
+    block_r = max(1, min(64, _TILE_WORDS // block_c))
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _copy_rows_kernel[grid](
+        s, d, idx if src_idx is None else src_idx, idx if dst_idx is None else dst_idx, R, C,
+        HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+    )  # fmt: skip
+
+
+@triton.jit
+def _reduce_rows_kernel(
+    out, recv, touched, ptr, rows, weight, C,
+    HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    o = tl.load(touched + t).to(tl.int64)
+    start = tl.load(ptr + t)
+    end = tl.load(ptr + t + 1)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    acc = tl.load(out + o * C + cols, mask=cmask, other=0).to(ACC)
+    for k in range(start, end):
+        r = tl.load(rows + k).to(tl.int64)
+        x = tl.load(recv + r * C + cols, mask=cmask, other=0).to(ACC)
+        if HAS_W:
+            x = x * tl.load(weight + r).to(ACC)
+        acc += x
+    tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def reduce_rows_csr(
+    out: torch.Tensor, recv: torch.Tensor, red: ReduceIndex, weight: torch.Tensor | None
+) -> None:
+    """``out[touched[t]] += Σ_k weight[r_k] · recv[r_k]`` over the CSR rows ``r_k`` of ``t``; fp32/fp64 acc.
+
+    ``out`` ``[N_out, C]`` and ``recv`` ``[R, C]`` contiguous floating, same dtype; ``weight`` ``[R]`` fp32.
+    """
+    T, C = red.touched.numel(), out.shape[1]
+    if T == 0 or C == 0:
+        return
+    block_c = min(triton.next_power_of_2(C), 1024)
+    _reduce_rows_kernel[(T, triton.cdiv(C, block_c))](
+        out, recv, red.touched, red.csr_ptr, red.csr_rows, weight if weight is not None else red.csr_ptr, C,
+        HAS_W=weight is not None, ACC=_acc_dtype(out.dtype), BLOCK_C=block_c,
+    )  # fmt: skip
+
+
+@triton.jit
+def _lse_reduce_kernel(
+    out, out_lse, recv, recv_lse, touched, ptr, rows, H, D,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    o = tl.load(touched + t).to(tl.int64)
+    start = tl.load(ptr + t)
+    end = tl.load(ptr + t + 1)
+    l0 = tl.load(out_lse + o * H + h).to(ACC)
+    # pass 1: the merged log-sum-exp (max-shifted; -inf terms have weight 0, all -inf gives -inf)
+    m = l0
+    for k in range(start, end):
+        r = tl.load(rows + k).to(tl.int64)
+        m = tl.maximum(m, tl.load(recv_lse + r * H + h).to(ACC))
+    m_safe = tl.where(m == float("-inf"), 0.0, m).to(ACC)
+    s = tl.exp(l0 - m_safe)
+    for k in range(start, end):
+        r = tl.load(rows + k).to(tl.int64)
+        s += tl.exp(tl.load(recv_lse + r * H + h).to(ACC) - m_safe)
+    empty = s == 0
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, s).to(ACC))).to(ACC)
+    lse_safe = tl.where(empty, 0.0, lse).to(ACC)
+    w0 = tl.exp(l0 - lse_safe)
+    # pass 2: weighted sum of the partial outputs, one head_dim chunk at a time
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        o0 = tl.load(out + (o * H + h) * D + cols, mask=cmask, other=0)
+        acc = tl.where(w0 > 0, o0.to(ACC) * w0, 0.0).to(ACC)
+        for k in range(start, end):
+            r = tl.load(rows + k).to(tl.int64)
+            wk = tl.exp(tl.load(recv_lse + r * H + h).to(ACC) - lse_safe)
+            x = tl.load(recv + (r * H + h) * D + cols, mask=cmask, other=0).to(ACC)
+            acc += tl.where(wk > 0, x * wk, 0.0).to(ACC)
+        res = tl.where(empty, o0, acc.to(out.dtype.element_ty))
+        tl.store(out + (o * H + h) * D + cols, res, mask=cmask)
+    tl.store(out_lse + o * H + h, lse.to(tl.float32))
+
+
+def lse_reduce_rows_csr(
+    out: torch.Tensor, out_lse: torch.Tensor, recv: torch.Tensor, recv_lse: torch.Tensor, red: ReduceIndex
+) -> None:
+    """Log-sum-exp merge (see ``_ops.lse_reduce_rows``). ``out`` ``[N_out, H, D]``, ``out_lse`` ``[N_out, H]``
+    fp32, ``recv`` ``[R, H, D]``, ``recv_lse`` ``[R, H]`` fp32, all contiguous."""
+    T, H, D = red.touched.numel(), out.shape[1], out.shape[2]
+    if T == 0 or H == 0:
+        return
+    block_d = min(triton.next_power_of_2(max(D, 1)), 256)
+    _lse_reduce_kernel[(T, H)](
+        out, out_lse, recv, recv_lse, red.touched, red.csr_ptr, red.csr_rows, H, D,
+        ACC=_acc_dtype(out.dtype), BLOCK_D=block_d,
+    )  # fmt: skip
