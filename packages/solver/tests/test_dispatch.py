@@ -17,7 +17,7 @@ from magi_solver.testing import dense_mask, random_mask
 ALGS = [a.value for a in DispatchAlg]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.integers(0, 2**32 - 1),
     st.sampled_from([(1, 4), (2, 4), (3, 4), (5, 2), (4, 6), (2, 8)]),

@@ -47,7 +47,7 @@ typed = st.tuples(
 ).map(lambda t: (t[0], max(t[0] + 1, t[1]), t[2], max(t[2] + 1, t[3]), t[4]))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(regions)
 def test_band_area_tighten_decompose_match_dense(r: tuple[int, ...]) -> None:
     d = _dense_region(r)
@@ -66,7 +66,7 @@ def test_band_area_tighten_decompose_match_dense(r: tuple[int, ...]) -> None:
     assert (_typed_dense(parts) == d).all(), f"decomposition of {t} into {parts} is not exact"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(typed, st.integers(0, N), st.integers(0, N), st.booleans())
 def test_clip_preserves_dense_mask(s: tuple[int, ...], a: int, b: int, along_q: bool) -> None:
     a, b = min(a, b), max(a, b)

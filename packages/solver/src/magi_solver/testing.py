@@ -14,6 +14,7 @@ from .mask import AttnMaskType, SliceList, decompose_region, normalize_mask, tig
 from .plan import DistAttnPlan
 
 __all__ = [
+    "check_plan",
     "dense_mask",
     "plan_coverage",
     "random_mask",
@@ -169,3 +170,65 @@ def plan_coverage(plan: DistAttnPlan, *, merged: bool = False) -> np.ndarray:
             for s, buf in zip(rp.stages, bufs):
                 _slices_to_global(s.remote_slices, q_map, buf, total, out)
     return out
+
+
+def check_plan(plan: DistAttnPlan, dense: np.ndarray) -> None:
+    """Assert every invariant the runtime relies on, by value, against the dense mask `[total, total]`:
+    exact coverage (host + stages and merged), zero-redundancy remote keys, buffer layouts, GroupCast routing
+    (payload = global token id) and GroupReduce sums (the exact transpose)."""
+    total = plan.dispatch.total_seqlen
+    cp = plan.cp_size
+    assert (dense <= 1).all()
+    # exact coverage, split form and merged form
+    assert (plan_coverage(plan) == dense).all(), "host + stage slices do not cover the mask exactly once"
+    assert (plan_coverage(plan, merged=True) == dense).all(), (
+        "merged slices do not cover the mask exactly once"
+    )
+    assert plan.rank_areas == plan.dispatch.rank_areas
+    for rp in plan.ranks:
+        assert len(rp.stages) == plan.num_stages
+        rows = np.asarray(rp.host_token_ranges.token_ids())
+        assert rows.tolist() == plan.dispatch.position_ids(rp.rank).tolist()
+        assert rp.host_area == rp.host_slices.area()
+        needed = set(np.flatnonzero(dense[rows].any(axis=0)).tolist()) - set(rows.tolist())
+        fetched: list[int] = []
+        for st_ in rp.stages:
+            buf = st_.remote_k_ranges.token_ids()
+            assert len(buf) == st_.num_remote_tokens == sum(st_.cast.output_split_sizes)
+            assert st_.area == st_.remote_slices.area()
+            fetched += buf
+            for (a, b), (c, d), _ in st_.remote_slices.typed_pairs():
+                assert 0 <= a < b <= len(rows) and 0 <= c < d <= len(buf)
+        assert len(fetched) == len(set(fetched)), "a key is fetched twice"
+        assert set(fetched) == needed, "remote keys differ from exactly the needed, non-local keys"
+        for (a, b), (c, d), _ in rp.host_slices.typed_pairs():
+            assert 0 <= a < b <= len(rows) and 0 <= c < d <= len(rows)
+    # GroupCast: payload = global token id, so routing is checked by value
+    local = [plan.dispatch.position_ids(r) for r in range(cp)]
+    for si in range(plan.num_stages):
+        casts = [rp.stages[si].cast for rp in plan.ranks]
+        for r, a in enumerate(casts):
+            assert sum(a.input_split_sizes) == plan.dispatch.shard_seqlen
+            assert all(list(d) == sorted(set(d)) and r not in d for d in a.dst_indices)
+        outs = simulate_group_cast(casts, local)
+        for rp, out in zip(plan.ranks, outs):
+            assert out.tolist() == rp.stages[si].remote_k_ranges.token_ids()
+            red = rp.stages[si].reduce
+            assert red.transpose() == rp.stages[si].cast
+            assert (red.input_split_sizes, red.output_split_sizes) == (
+                casts[rp.rank].output_split_sizes,
+                casts[rp.rank].input_split_sizes,
+            )
+        # GroupReduce: each rank sends a partial "dK" = (rank + 1) * 1000 + global id for every fetched token;
+        # each owner must receive the sum over the ranks that fetched each of its tokens
+        parts = [(r + 1) * 1000 + o.astype(np.int64) for r, o in enumerate(outs)]
+        got = simulate_group_reduce(
+            [rp.stages[si].reduce for rp in plan.ranks],
+            parts,
+            [np.zeros(plan.dispatch.shard_seqlen, dtype=np.int64) for _ in range(cp)],
+        )
+        expect = np.zeros(total, dtype=np.int64)
+        for r, o in enumerate(outs):
+            np.add.at(expect, o, (r + 1) * 1000 + o)
+        for r in range(cp):
+            assert got[r].tolist() == expect[local[r]].tolist()
