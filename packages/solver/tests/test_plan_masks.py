@@ -100,3 +100,17 @@ def test_demo_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert "all-gather" in out and out.count("|") > 10
     lens = varlen_doc_lengths(1000, 7, seed=3)
     assert sum(lens) == 1000 and min(lens) >= 1 and len(lens) == 7
+
+
+def test_plan_reuses_a_given_dispatch() -> None:
+    q1, k1, t1 = MASKS["varlen-causal"]
+    q2, k2, t2 = MASKS["swa"]
+    d1 = solve_dispatch(q1, k1, t1, 105, 5, 7)
+    plan = plan_dist_attn(q2, k2, t2, 105, 5, 7, dispatch=d1, overlap_degree=2, min_chunk_size=3)
+    assert plan.dispatch.partitions == d1.partitions
+    assert plan.dispatch.rank_areas != d1.rank_areas  # the new mask's costs
+    check_plan(plan, dense_mask(q2, k2, t2, 105, 105))
+    with pytest.raises(ValueError, match="dispatch"):
+        plan_dist_attn(q2, k2, t2, 105, 3, 7, dispatch=d1)
+    with pytest.raises(TypeError, match="dispatch"):
+        plan_dist_attn(q2, k2, t2, 105, 5, 7, dispatch=d1.partitions)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ __all__ = [
     "DispatchPlan",
     "chunk_areas",
     "dispatch_lower_bound",
+    "redispatch_areas",
     "solve_dispatch",
     "validate_geometry",
 ]
@@ -392,4 +393,24 @@ def dispatch_slices(
         rank_areas=tuple(sum(areas[c] for c in p) for p in partitions),
         alg=alg,
         lower_bound=dispatch_lower_bound(areas, cp_size),
+    )
+
+
+def redispatch_areas(plan: DispatchPlan, slices: list[tuple[int, int, int, int, int]]) -> DispatchPlan:
+    """`plan`'s chunk assignment with the chunk and rank areas of another (validated) mask.
+
+    For a mask built after dispatch (e.g. a different mask on the same dispatched tokens): the tokens stay
+    where they are, only the costs change.
+    """
+    areas = chunk_areas(slices, plan.total_seqlen, plan.chunk_size).tolist()
+    return DispatchPlan(
+        total_seqlen=plan.total_seqlen,
+        cp_size=plan.cp_size,
+        chunk_size=plan.chunk_size,
+        num_chunks=plan.num_chunks,
+        partitions=plan.partitions,
+        chunk_areas=tuple(areas),
+        rank_areas=tuple(sum(areas[c] for c in p) for p in plan.partitions),
+        alg=plan.alg,
+        lower_bound=dispatch_lower_bound(areas, plan.cp_size),
     )

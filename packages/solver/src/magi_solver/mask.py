@@ -366,25 +366,40 @@ def _normalize_types(attn_mask_type: Any, n: int) -> list[int]:
 
 
 def _check_disjoint(slices: list[TypedSlice]) -> None:
+    """Sweep over q: compare each slice with the earlier ones whose rows it meets (numpy when many)."""
     regs = [region_of(*s) for s in slices]
+    arr = np.asarray(regs, dtype=np.int64).reshape(-1, 6)
     order = sorted(range(len(regs)), key=lambda i: regs[i][0])
     active: list[int] = []
     for i in order:
         qs_i, qe_i, ks_i, ke_i, lo_i, hi_i = regs[i]
         active = [j for j in active if regs[j][1] > qs_i]
-        for j in active:
-            _qs_j, qe_j, ks_j, ke_j, lo_j, hi_j = regs[j]
-            a, b = qs_i, min(qe_i, qe_j)  # qs_j <= qs_i by the sweep order
-            c, e = max(ks_i, ks_j), min(ke_i, ke_j)
-            lo, hi = max(lo_i, lo_j), min(hi_i, hi_j)
-            if c >= e:
-                continue
-            d = max(lo, c - b + 1)
-            if d <= min(hi, e - 1 - a):
-                q = max(a, c - d)
-                x, y = sorted((i, j))
-                raise ValueError(
-                    f"slices {x} and {y} both cover the pair (q={q}, k={q + d}); a mask is a union of slices that "
-                    "share no (q, k) pair (the kernels add slices up, so shared pairs would count twice)"
-                )
+        if len(active) > 32:
+            act = np.asarray(active)
+            r = arr[act]
+            b = np.minimum(qe_i, r[:, 1])
+            c, e = np.maximum(ks_i, r[:, 2]), np.minimum(ke_i, r[:, 3])
+            d = np.maximum(np.maximum(lo_i, r[:, 4]), c - b + 1)
+            hit = (c < e) & (d <= np.minimum(np.minimum(hi_i, r[:, 5]), e - 1 - qs_i))
+            cand = act[hit].tolist()[:1]
+        else:
+            cand = active
+        for j in cand:
+            _raise_if_shared(i, j, regs[i], regs[j])
         active.append(i)
+
+
+def _raise_if_shared(i: int, j: int, ri: Region, rj: Region) -> None:
+    a, b = max(ri[0], rj[0]), min(ri[1], rj[1])
+    c, e = max(ri[2], rj[2]), min(ri[3], rj[3])
+    lo, hi = max(ri[4], rj[4]), min(ri[5], rj[5])
+    if a >= b or c >= e:
+        return
+    d = max(lo, c - b + 1)
+    if d <= min(hi, e - 1 - a):
+        q = max(a, c - d)
+        x, y = sorted((i, j))
+        raise ValueError(
+            f"slices {x} and {y} both cover the pair (q={q}, k={q + d}); a mask is a union of slices that "
+            "share no (q, k) pair (the kernels add slices up, so shared pairs would count twice)"
+        )

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
-from .dispatch import DispatchPlan, dispatch_slices, validate_geometry
+from .dispatch import DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
 from .mask import SliceList, normalize_mask, slice_area
 from .overlap import OverlapMode, cut_tokens, stage_options
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
@@ -211,6 +211,7 @@ def plan_dist_attn(
     dynamic_max_degree: int = 8,
     calc_cost_factor: float = 1.0,
     comm_cost_factor: float = 1.0,
+    dispatch: DispatchPlan | None = None,
 ) -> DistAttnPlan:
     """Plan self-attention with context parallelism over `cp_size` ranks (a pure function).
 
@@ -227,6 +228,8 @@ def plan_dist_attn(
         min_chunk_size, max_num_chunks: how remote K/V is cut into overlap chunks before grouping into stages.
         calc_cost_factor, comm_cost_factor: cost per mask pair and per remote token (see
             `estimate_cost_factors`); only their ratio matters.
+        dispatch: reuse this chunk assignment instead of solving one (for a mask built after dispatch: the
+            tokens stay where they are); its sizes must match, and `dispatch_alg` is then ignored.
 
     Returns:
         A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
@@ -242,7 +245,18 @@ def plan_dist_attn(
         comm_cost_factor,
     )
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_seqlen)
-    dispatch = dispatch_slices(slices, total_seqlen, cp_size, chunk_size, dispatch_alg)
+    if dispatch is None:
+        dispatch = dispatch_slices(slices, total_seqlen, cp_size, chunk_size, dispatch_alg)
+    else:
+        if not isinstance(dispatch, DispatchPlan):
+            raise TypeError(f"`dispatch` must be a DispatchPlan or None, got {type(dispatch).__name__}")
+        got = (dispatch.total_seqlen, dispatch.cp_size, dispatch.chunk_size)
+        if got != (total_seqlen, cp_size, chunk_size):
+            raise ValueError(
+                f"`dispatch` was made for (total_seqlen, cp_size, chunk_size) = {got}, "
+                f"not {(total_seqlen, cp_size, chunk_size)}"
+            )
+        dispatch = redispatch_areas(dispatch, slices)
     return _plan(
         dispatch,
         slices,
