@@ -266,6 +266,24 @@ def _debug_checks(rank, W, mod, torch):
             mod.GroupCastPlan(*mine, group=mesh)
 
 
+def _doc_example(rank, mod, torch):
+    """The three-rank picture of docs/packages/group_collective.md, verbatim."""
+    tables = {
+        0: ([2, 1, 2], [], [[1, 2], [], [2]], []),
+        1: ([2], [2], [[2]], [0]),
+        2: ([], [2, 2, 2], [], [1, 0, 0]),
+    }[rank]
+    x = {0: torch.tensor([1.0, 2, 3, 4, 5]), 1: torch.tensor([6.0, 7]), 2: torch.empty(0)}[rank]
+    out = torch.full((sum(tables[1]),), float("nan"))
+    mod.group_cast(x, out, *tables)
+    want = {0: [], 1: [1.0, 2], 2: [6.0, 7, 1, 2, 4, 5]}[rank]  # d, a, c on rank 2
+    assert out.tolist() == want, (rank, out.tolist())
+    back = torch.zeros(x.shape[0])
+    mod.group_reduce(out, back, tables[1], tables[0], tables[3], tables[2])
+    want_back = {0: [2.0, 4, 0, 4, 5], 1: [6.0, 7], 2: []}[rank]  # a from ranks 1 and 2 summed
+    assert back.tolist() == want_back, (rank, back.tolist())
+
+
 def battery(rank: int, W: int, seed: int) -> int:
     import torch
 
@@ -282,6 +300,8 @@ def battery(rank: int, W: int, seed: int) -> int:
         checks += 1
     _bad_inputs(rank, W, mod, torch)
     _debug_checks(rank, W, mod, torch)
+    if W == 3:
+        _doc_example(rank, mod, torch)
     if W == 4:
         _hier_checks(rank, W, (2, 2), seed, mod, torch)
     if W == 8:

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import pickle
 import random
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ def _child(
     try:
         spec = importlib.util.spec_from_file_location(f"_gc_worker_{os.getpid()}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses in the file look their module up
         spec.loader.exec_module(module)
         dist.init_process_group(
             "gloo",

@@ -1,0 +1,233 @@
+"""GroupCast benchmark (magi-group-collective, CPU): bytes per rank against ring / all-gather K/V, and the
+time of a cast against one plain all_to_all_single of the same bytes on gloo.
+
+    .venv/bin/python benchmarks/group_collective_bench.py                 # both tables (docs/benchmarks)
+    .venv/bin/python benchmarks/group_collective_bench.py --json out.json # also JSON rows (git SHA, machine)
+
+Comm plans come from magi-solver (`plan_dist_attn`, one merged stage: overlap_degree=0) on three masks:
+varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
+sliding window of 1024 over the same documents. Bytes assume K and V stacked per token, 8 KV heads x
+head_dim 128 in bf16 (4 KiB per token). "Inter-node" counts tokens leaving a node of 8 ranks: flat
+all-to-all-v sends a piece once per remote destination rank, the hierarchical impl once per remote node.
+
+Timing (gloo on this CPU, `--time-cp` ranks forked on this machine): the cast of each rank's merged-stage
+tables against `all_to_all_single` with the same per-destination split sizes (no pre-gather or
+post-scatter), and the hierarchical impl on a (2, cp/2) mesh. Per iteration the slowest rank's time
+counts; median (p10-p90) over `--iters` after `--warmup`; inputs are prepared outside the timed region.
+GPU (NCCL) timing needs two GPUs or more and belongs to the multi-GPU issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head_dim 128, bf16
+RANKS_PER_NODE = 8
+
+
+def _masks() -> dict[str, Callable[[int], tuple]]:
+    from magi_solver import make_block_causal_mask, make_sliding_window_mask, make_varlen_causal_mask
+    from magi_solver.demo import varlen_doc_lengths
+
+    def cu(n: int) -> list[int]:
+        return np.concatenate([[0], np.cumsum(varlen_doc_lengths(n, 300, seed=0))]).tolist()
+
+    return {
+        "varlen_causal": lambda n: tuple(make_varlen_causal_mask(cu(n))),
+        "block_causal_b4096": lambda n: tuple(make_block_causal_mask(list(range(0, n + 1, n // 8)), 4096)),
+        "swa_causal_w1024": lambda n: tuple(make_sliding_window_mask(cu(n), (1024, 0))),
+    }
+
+
+def cast_tables(mask: str, total: int, cp: int, chunk: int) -> list[tuple]:
+    """Per rank: (input_split_sizes, output_split_sizes, dst_indices, src_index) of the merged stage."""
+    from magi_solver import plan_dist_attn
+
+    plan = plan_dist_attn(*_masks()[mask](total), total, cp, chunk, overlap_degree=0)
+    out = []
+    for rp in plan.ranks:
+        a = rp.stages[0].cast
+        out.append((list(a.input_split_sizes), list(a.output_split_sizes), [list(d) for d in a.dst_indices],
+                    list(a.src_index)))  # fmt: skip
+    return out
+
+
+@dataclass
+class BytesRow:
+    mask: str
+    cp: int
+    sent_max: int
+    sent_mean: float
+    recv_max: int
+    ring: int
+    inter_flat_max: int
+    inter_hier_max: int
+
+
+def bytes_rows(total: int, cps: list[int], chunk: int) -> list[BytesRow]:
+    rows = []
+    for mask in _masks():
+        for cp in cps:
+            tabs = cast_tables(mask, total, cp, chunk)
+            sent, recv, inter_flat, inter_hier = [], [], [], []
+            for s, (ins, outs, dsts, _src) in enumerate(tabs):
+                sent.append(sum(n * len(d) for n, d in zip(ins, dsts)))
+                recv.append(sum(outs))
+                node = s // RANKS_PER_NODE
+                inter_flat.append(
+                    sum(n * sum(d // RANKS_PER_NODE != node for d in ds) for n, ds in zip(ins, dsts))
+                )
+                inter_hier.append(
+                    sum(n * len({d // RANKS_PER_NODE for d in ds} - {node}) for n, ds in zip(ins, dsts))
+                )
+            shard = total // cp
+            rows.append(BytesRow(mask, cp, max(sent), sum(sent) / cp, max(recv), (cp - 1) * shard,
+                                 max(inter_flat), max(inter_hier)))  # fmt: skip
+            print(".", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return rows
+
+
+def _mib(tokens: float) -> str:
+    return f"{tokens * BYTES_PER_TOKEN / 2**20:,.0f}"
+
+
+def bytes_table(rows: list[BytesRow]) -> str:
+    lines = [
+        "| mask | cp | GroupCast sent MiB/rank max (mean) | recv max | ring = all-gather | GroupCast / ring | "
+        "inter-node MiB/rank, flat a2a | hierarchical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.mask} | {r.cp} | {_mib(r.sent_max)} ({_mib(r.sent_mean)}) | {_mib(r.recv_max)} | {_mib(r.ring)} | "
+            f"{r.sent_max / r.ring:.2f} | {_mib(r.inter_flat_max)} | {_mib(r.inter_hier_max)} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# gloo timing: runs inside each forked rank
+
+
+def time_worker(
+    rank: int, world: int, total: int, chunk: int, warmup: int, iters: int, row: list[int]
+) -> list:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from magi_group_collective import GroupCastPlan
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    results = []
+    for mask in _masks():
+        ins, outs, dsts, src = cast_tables(mask, total, world, chunk)[rank]
+        x = torch.randn(sum(ins), *row).to(torch.bfloat16)
+        out = torch.empty(sum(outs), *row, dtype=torch.bfloat16)
+        flat = GroupCastPlan(ins, outs, dsts, src)
+        hier = GroupCastPlan(ins, outs, dsts, src, group=mesh)
+        send_splits = [sum(n for n, d in zip(ins, dsts) if r in d) for r in range(world)]
+        recv_splits = [sum(n for n, s in zip(outs, src) if s == r) for r in range(world)]
+        a2a_in = torch.empty(sum(send_splits), *row, dtype=torch.bfloat16)
+        a2a_out = torch.empty(sum(recv_splits), *row, dtype=torch.bfloat16)
+
+        def plain(a2a_in=a2a_in, a2a_out=a2a_out, recv_splits=recv_splits, send_splits=send_splits):
+            dist.all_to_all_single(a2a_out, a2a_in, recv_splits, send_splits)
+
+        timings = {}
+        for name, fn in (("a2a", plain), ("cast", lambda p=flat, x=x, out=out: p.cast(x, out)),
+                         ("hier", lambda p=hier, x=x, out=out: p.cast(x, out))):  # fmt: skip
+            ts = []
+            for it in range(warmup + iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                if it >= warmup:
+                    ts.append(dt.item() * 1e3)
+            timings[name] = ts
+        mib = max(sum(send_splits), 1) * int(np.prod(row)) * 2 / 2**20
+        all_mib = [0.0] * world
+        dist.all_gather_object(all_mib, mib)
+        results.append((mask, max(all_mib), timings))
+    return results
+
+
+def _stats(ts: list[float]) -> tuple[float, float, float]:
+    return statistics.median(ts), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
+
+
+def time_table(res: list, world: int) -> str:
+    lines = [
+        f"| mask (cp {world}) | sent MiB max | all_to_all_single ms | GroupCast a2av ms | ratio | "
+        "hierarchical (2 x {}) ms |".format(world // 2),
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mask, mib, t in res:
+        a, c, h = _stats(t["a2a"]), _stats(t["cast"]), _stats(t["hier"])
+        lines.append(
+            f"| {mask} | {mib:.1f} | {a[0]:.2f} ({a[1]:.2f}-{a[2]:.2f}) | {c[0]:.2f} ({c[1]:.2f}-{c[2]:.2f}) | "
+            f"{c[0] / a[0]:.2f} | {h[0]:.2f} ({h[1]:.2f}-{h[2]:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--total", type=int, default=1 << 20, help="tokens for the bytes table")
+    p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 64])
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--time-total", type=int, default=1 << 15, help="tokens for the gloo timing")
+    p.add_argument("--time-chunk", type=int, default=512)
+    p.add_argument("--time-cp", type=int, default=8)
+    p.add_argument("--row", type=int, nargs="+", default=[4, 64], help="trailing shape per token (bf16)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--json", default=None, help="write JSON rows here")
+    args = p.parse_args()
+
+    from magi_group_collective.testing import run_ranks
+
+    brows = bytes_rows(args.total, args.cp, args.chunk)
+    per_rank = run_ranks(args.time_cp, __file__, "time_worker", args.time_total, args.time_chunk, args.warmup,
+                         args.iters, args.row, timeout=1800)  # fmt: skip
+    timing = per_rank[0]  # every rank holds the same all-reduced maxima
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    import torch
+
+    machine = (
+        f"{platform.machine()} {__import__('os').cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+    print(
+        f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}"
+    )
+    print(bytes_table(brows))
+    print()
+    print(f"timing: gloo, {args.time_total:,} tokens, chunk {args.time_chunk}, row {args.row} bf16, "
+          f"{args.iters} iters after {args.warmup} warm-up")  # fmt: skip
+    print(time_table(timing, args.time_cp))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
+                       "timing": timing, "args": vars(args)}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
