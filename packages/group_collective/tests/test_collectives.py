@@ -14,12 +14,15 @@ CASES_PER_WORLD = 6
 
 
 def _payload(rank: int, n: int, trailing: tuple[int, ...], dtype):
+    import math
+
     import torch
 
-    base = rank * 10_000 + torch.arange(n, dtype=torch.float64)
-    extra = torch.arange(max(1, int(torch.tensor(trailing).prod())) if trailing else 1, dtype=torch.float64)
-    x = base.view(-1, *([1] * len(trailing))) + extra.view(1, *trailing) / 64 if trailing else base
-    return x.to(dtype)
+    base = rank * 10_000 + torch.arange(n, dtype=torch.float64)  # origin-encoded: src_rank * 10_000 + token
+    if not trailing:
+        return base.to(dtype)
+    extra = torch.arange(math.prod(trailing), dtype=torch.float64).view(1, *trailing) / 64
+    return (base.view(-1, *([1] * len(trailing))) + extra).to(dtype)
 
 
 def _all(obj):
@@ -33,7 +36,12 @@ def _all(obj):
 def _cast_checks(rank, W, tabs, t, mod, torch):
     """Bit-exact cast: plan sync/async, functional (cached + fresh), several dtypes and shapes."""
     n_in, n_out = sum(t.input_split_sizes), sum(t.output_split_sizes)
-    for trailing, dtype in (((), torch.float64), ((3,), torch.bfloat16), ((2, 4), torch.int32)):
+    for trailing, dtype in (
+        ((), torch.float64),
+        ((3,), torch.bfloat16),
+        ((2, 4), torch.int32),
+        ((0,), torch.float32),
+    ):
         x = _payload(rank, n_in, trailing, dtype)
         if dtype == torch.bfloat16:  # random bit patterns: any value must arrive bit-exact
             x = torch.randint(-(2**15), 2**15, (n_in, *trailing), dtype=torch.int16).view(torch.bfloat16)
@@ -222,6 +230,10 @@ def _hier_checks(rank, W, mesh_shape, seed, mod, torch):
         hier.fill_(float("nan"))
         mod.group_cast(x, hier, *t.args(), group=mesh)
         assert torch.equal(flat, hier), f"functional hierarchical cast {mesh_shape} != flat"
+        hier.fill_(float("nan"))
+        a2av_on_mesh = mod.GroupCastPlan(*t.args(), group=mesh, impl="a2av")  # flat impl over the mesh
+        a2av_on_mesh.cast(x, hier)
+        assert a2av_on_mesh.impl == "a2av" and torch.equal(flat, hier), "a2av over a 2-D mesh"
         hier_res = _reduce_checks(rank, W, tabs, t, mod, torch, impl="hierarchical", group=mesh)
         flat_res = _reduce_checks(rank, W, tabs, t, mod, torch)
         for key, (out, _lse) in flat_res.items():  # bf16: both already match the fp64 reference

@@ -8,6 +8,7 @@ the choice, which lets the Triton path be tested on CPU tensors under ``TRITON_I
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -87,7 +88,8 @@ class ReduceIndex:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1)
+    # explicit row length: reshape(n, -1) is ambiguous for tensors with zero elements
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

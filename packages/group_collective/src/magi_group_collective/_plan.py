@@ -147,7 +147,7 @@ class GroupCastPlan(_PlanBase):
 
     __slots__ = ("_group_arg", "_n_in", "_n_out", "_runner")
 
-    def cast(self, input: torch.Tensor, output: torch.Tensor, *, async_op: bool = False) -> Work:
+    def cast(self, input: torch.Tensor, output: torch.Tensor, async_op: bool = False) -> Work:
         """Send ``input`` pieces to their destination sets; write the received pieces into ``output``.
 
         Args:
@@ -216,7 +216,6 @@ class GroupReducePlan(_PlanBase):
         self,
         input: torch.Tensor,
         output: torch.Tensor,
-        *,
         reduce_op: ReduceOp | str = "sum",
         async_op: bool = False,
         input_lse: torch.Tensor | None = None,
