@@ -70,6 +70,19 @@ def _to_bst(lists: BlockLists, block: tuple[int, int]):
     )
 
 
+def r2p_enabled() -> bool:
+    """Row-bitmask masking on sm90 forward tiles (``MAGI_FFA_FA4_R2P=0`` falls back to the per-element
+    mask_mod everywhere). Read when a plan is built; call :func:`clear_plan_cache` after changing it."""
+    return os.environ.get("MAGI_FFA_FA4_R2P", "1") != "0"
+
+
+def _mask_mod(width: int, install, plain, r2p):
+    if not r2p_enabled():
+        return plain(width)
+    install()
+    return r2p(width)
+
+
 def build_plan(
     q_ranges: torch.Tensor,
     k_ranges: torch.Tensor,
@@ -79,7 +92,7 @@ def build_plan(
     device: torch.device,
 ) -> Plan:
     """Build the plan on ``device`` (intervals by the Triton kernel on CUDA)."""
-    from ._fa4_mask import interval_mask_mod
+    from ._fa4_mask import install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p
 
     iv = row_intervals(q_ranges, k_ranges, type_map, total_q, total_k)
     fwd_block, bwd_block = tile_sizes(device)
@@ -98,7 +111,7 @@ def build_plan(
         meta_bwd=meta_bwd,
         fwd_bst=_to_bst(meta_fwd.q2k, fwd_block),
         bwd_bst=_to_bst(meta_bwd.k2q, bwd_block),
-        mask_mod=interval_mask_mod(iv.width),
+        mask_mod=_mask_mod(iv.width, install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p),
         has_empty_rows=meta_fwd.has_empty_rows,
     )
 

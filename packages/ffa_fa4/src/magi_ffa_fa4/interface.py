@@ -31,13 +31,20 @@ def fa4_available() -> bool:
     return True
 
 
+_FA4_MODULE = None
+
+
 def _fa4():
+    global _FA4_MODULE
+    if _FA4_MODULE is not None:
+        return _FA4_MODULE
     try:
         from flash_attn.cute import interface as fa4_interface
 
         from . import _fa4_mask  # noqa: F401  (imports cutlass)
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    _FA4_MODULE = fa4_interface
     return fa4_interface
 
 
@@ -84,36 +91,40 @@ def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
     return float(scale)
 
 
+def _forward(q, k, v, plan: Plan, scale: float, softcap: float):
+    """FA4 forward; returns out ``[1, total_q, hq, d]`` and lse ``[1, hq, total_q]`` (4-D/3-D FA4 layout)."""
+    fa = _fa4()
+    q4, k4, v4 = q[None], k[None], v[None]
+    # tests set MAGI_FFA_FA4_POISON=1 so that any element the kernel does not write shows up as NaN
+    poison = torch.full_like(q4, float("nan")) if os.environ.get("MAGI_FFA_FA4_POISON") == "1" else None
+    # a block row with no tile at all may be skipped by the kernel: pre-set its lse to -inf
+    lse_buf = None
+    if plan.has_empty_rows:
+        lse_buf = torch.full((1, q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    out4, lse3, *_ = fa._flash_attn_fwd(
+        q4,
+        k4,
+        v4,
+        softmax_scale=scale,
+        softcap=softcap,
+        mask_mod=plan.mask_mod,
+        block_sparse_tensors=plan.fwd_bst,
+        aux_tensors=[plan.bounds],
+        return_lse=True,
+        out=poison,
+        lse=lse_buf,
+    )
+    if plan.has_empty_rows:
+        # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
+        out4.masked_fill_(torch.isneginf(lse3).transpose(1, 2)[..., None], 0.0)
+    return out4, lse3
+
+
 class _FA4Func(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, scale: float, softcap: float):
-        fa = _fa4()
-        q4, k4, v4 = q[None], k[None], v[None]
-        # tests set MAGI_FFA_FA4_POISON=1 so that any element the kernel does not write shows up as NaN
-        poison = torch.full_like(q4, float("nan")) if os.environ.get("MAGI_FFA_FA4_POISON") == "1" else None
-        # a block row with no tile at all may be skipped by the kernel: pre-set its lse to -inf
-        lse_buf = None
-        if plan.has_empty_rows:
-            lse_buf = torch.full(
-                (1, q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device
-            )
-        out4, lse3, *_ = fa._flash_attn_fwd(
-            q4,
-            k4,
-            v4,
-            softmax_scale=scale,
-            softcap=softcap,
-            mask_mod=plan.mask_mod,
-            block_sparse_tensors=plan.fwd_bst,
-            aux_tensors=[plan.bounds],
-            return_lse=True,
-            out=poison,
-            lse=lse_buf,
-        )
-        if plan.has_empty_rows:
-            # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
-            out4.masked_fill_(torch.isneginf(lse3).transpose(1, 2)[..., None], 0.0)
-        ctx.save_for_backward(q4, k4, v4, out4, lse3)
+        out4, lse3 = _forward(q, k, v, plan, scale, softcap)
+        ctx.save_for_backward(q[None], k[None], v[None], out4, lse3)
         ctx.plan, ctx.scale, ctx.softcap = plan, scale, softcap
         ctx.set_materialize_grads(False)
         return out4[0], lse3[0].t()
@@ -196,9 +207,12 @@ def flex_flash_attn_func(
         l = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         # keep the graph connected so backward returns zeros rather than None
         o = o + 0.0 * q.sum() if q.requires_grad else o
-    else:
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, l = _FA4Func.apply(q, k, v, plan, scale, float(softcap))
         l = l.contiguous()
+    else:  # no graph needed: skip autograd.Function's bookkeeping (host time per call)
+        out4, lse3 = _forward(q, k, v, plan, scale, float(softcap))
+        o, l = out4[0], lse3[0].t().contiguous()
     if out is None:
         return o, l
     merged, lse_new = _merge(out, lse, o, l)
