@@ -13,22 +13,35 @@ __all__ = ["clip_rows", "host_area_of", "merge_full", "slice_over"]
 
 
 def merge_full(slices: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k and touching q."""
-    full = [s for s in slices if s[4] == 0]
-    if len(full) < 2:
-        return sorted(slices)
+    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k and touching q.
+
+    Output is sorted by (q start, q end, k start); other types pass through unchanged.
+    """
+    full = sorted(s[:4] for s in slices if s[4] == 0)  # (qs, qe, ks, ke): native tuple order
     rest = [s for s in slices if s[4] != 0]
-    for key, lo_i, hi_i in (((0, 1), 2, 3), ((2, 3), 0, 1)):
-        full.sort(key=lambda s, key=key, lo_i=lo_i: (s[key[0]], s[key[1]], s[lo_i]))
-        merged: list[list[int]] = []
+    if len(full) > 1:
+        merged: list[tuple[int, int, int, int]] = []
         for s in full:
-            p = merged[-1] if merged else None
-            if p and p[key[0]] == s[key[0]] and p[key[1]] == s[key[1]] and p[hi_i] == s[lo_i]:
-                p[hi_i] = s[hi_i]
-            else:
-                merged.append(list(s))
-        full = [tuple(m) for m in merged]  # type: ignore[misc]
-    return sorted(full + rest)
+            if merged:
+                p = merged[-1]
+                if p[0] == s[0] and p[1] == s[1] and p[3] == s[2]:
+                    merged[-1] = (p[0], p[1], p[2], s[3])
+                    continue
+            merged.append(s)
+        by_k = sorted((c, d, a, b) for a, b, c, d in merged)  # (ks, ke, qs, qe)
+        merged2: list[tuple[int, int, int, int]] = []
+        for s in by_k:
+            if merged2:
+                p = merged2[-1]
+                if p[0] == s[0] and p[1] == s[1] and p[3] == s[2]:
+                    merged2[-1] = (p[0], p[1], p[2], s[3])
+                    continue
+            merged2.append(s)
+        full = [(a, b, c, d) for c, d, a, b in merged2]
+    out = [(a, b, c, d, 0) for a, b, c, d in full]
+    out.extend(rest)
+    out.sort()
+    return out
 
 
 def clip_rows(
@@ -74,11 +87,19 @@ def slice_over(
             j += 1
             if ge <= ks:
                 continue
+            kd = base - gs
+            bucket = out[dest]
+            a, b = max(ks, gs), min(ke, ge)
+            if a - qe + 1 >= lo and b - 1 - qs <= hi:  # the band cuts nothing here: a FULL rectangle
+                p = bucket[-1] if bucket else None
+                if p and p[4] == 0 and p[0] == qs + qoff and p[1] == qe + qoff and p[3] == a + kd:
+                    bucket[-1] = (p[0], p[1], p[2], b + kd, 0)  # extends the previous piece
+                else:
+                    bucket.append((qs + qoff, qe + qoff, a + kd, b + kd, 0))
+                continue
             r = clip_region((qs, qe, ks, ke, lo, hi), qs, qe, gs, ge)
             if r is None:
                 continue
-            kd = base - gs
-            bucket = out[dest]
             for a, b, c, d, t in decompose_region(r):
                 bucket.append((a + qoff, b + qoff, c + kd, d + kd, t))
 

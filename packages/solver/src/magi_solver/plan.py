@@ -23,7 +23,7 @@ import numpy as np
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .dispatch import DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
-from .mask import SliceList, normalize_mask, slice_area
+from .mask import SliceList, normalize_mask, total_area
 from .overlap import OverlapMode, cut_tokens, stage_options
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
 
@@ -383,9 +383,9 @@ def _plan(
                     cast=cast,
                     reduce=cast.transpose(),
                     num_remote_tokens=bufs[si],
-                    remote_k_ranges=AttnRanges(tuple(AttnRange(s, e) for s, e, _, _ in runs[si][r])),
+                    remote_k_ranges=AttnRanges(tuple(AttnRange._trusted(s, e) for s, e, _, _ in runs[si][r])),
                     remote_slices=SliceList.from_typed(sl),
-                    area=sum(slice_area(*x) for x in sl),
+                    area=total_area(sl),
                 )
             )
         ranks.append(

@@ -30,6 +30,14 @@ class AttnRange:
     start: int
     end: int
 
+    @classmethod
+    def _trusted(cls, start: int, end: int) -> AttnRange:
+        """Build without validation (planner-internal, for ints it produced itself)."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "start", start)
+        object.__setattr__(obj, "end", end)
+        return obj
+
     def __post_init__(self) -> None:
         start = _check_int(self.start, "start")
         end = _check_int(self.end, "end")
