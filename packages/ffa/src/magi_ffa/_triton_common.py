@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # jit code reads only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,14 +23,15 @@ class Tiles:
     num_stages: int
 
 
-# Per kernel, keyed by head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Hopper-first choices:
+# Per kernel, keyed by head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Hopper-first choices, checked
+# with ptxas for register spills at d=128 (sm_90a) and swept on the H200 (docs/benchmarks/ffa.md):
 # fwd: 128 q rows per program keep the wgmma M dimension full; 64 keys keep the fp32 S tile in registers.
-# dq: like fwd (it owns a q block), smaller key tiles because it holds q, do and dq at once.
-# dkv: owns 128 keys (k, v, dk, dv resident), walks q in 64-row tiles.
+# dq: owns a q block and holds q, do and dq at once: 64 x 64 tiles are the largest without spills.
+# dkv: owns a k block (k, v, dk, dv resident) and walks q in 32-row tiles; larger tiles spill.
 _GPU_TILES = {
     "fwd": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 64, 8, 3), 256: Tiles(64, 32, 4, 2)},
-    "dq": {64: Tiles(128, 64, 4, 2), 128: Tiles(128, 64, 8, 2), 256: Tiles(64, 32, 4, 1)},
-    "dkv": {64: Tiles(64, 128, 4, 2), 128: Tiles(64, 128, 8, 2), 256: Tiles(32, 64, 4, 1)},
+    "dq": {64: Tiles(64, 64, 4, 2), 128: Tiles(64, 64, 8, 2), 256: Tiles(32, 32, 4, 1)},
+    "dkv": {64: Tiles(32, 64, 4, 2), 128: Tiles(32, 64, 8, 2), 256: Tiles(16, 32, 4, 1)},
 }
 # The interpreter runs one program at a time at ~10 ms per inner iteration: large tiles, few iterations.
 _INTERP_TILES = Tiles(64, 64, 4, 1)
