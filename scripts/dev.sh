@@ -40,7 +40,7 @@ shift || true
 setup
 case "$cmd" in
   demo)
-    "$PY" -m magi_solver.demo "$@"
+    "$PY" -m magi_attention.demo "$@"
     ;;
   test)
     gpu_present || export TRITON_INTERPRET=1

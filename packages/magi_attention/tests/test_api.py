@@ -56,7 +56,9 @@ def _api_worker(rank: int, world_size: int) -> None:
     assert torch.equal(undispatch(local, causal_key), x)
     pos = get_position_ids(causal_key)
     assert pos.dtype == torch.int64 and pos.shape[0] == local.shape[0]
-    real = pos.numel() if world_size == 1 else int((pos < TOTAL).sum())
+    real = int(
+        (local[:, 1] != 0).sum()
+    )  # padding rows (zeros) come last; every real row of x has x[:, 1] > 0
     assert torch.equal(local[:real, 0], x.detach()[pos[:real], 0]), (
         "position ids must name the dispatched tokens"
     )
@@ -89,7 +91,7 @@ def _api_worker(rank: int, world_size: int) -> None:
         assert meta.lse.dtype == torch.float64
 
     # Bad input: the same clear error on every rank, raised before any collective.
-    _expect_error(ValueError, "tokens", calc_attn, q, k, v, causal_key)  # global, not dispatched
+    _expect_error(ValueError, "tokens", calc_attn, lq[1:], lk[1:], lv[1:], causal_key)
     _expect_error(ValueError, "num_heads_q", calc_attn, lq[:, :1], lk, lv, causal_key)
     _expect_error(ValueError, "num_heads_kv", calc_attn, lq, lk.repeat(1, 2, 1), lv, causal_key)
     _expect_error(ValueError, "x must have", dispatch, x[:10], causal_key)

@@ -24,17 +24,28 @@ RTOL = 1e-9
 
 
 def random_slices(total: int, num: int, seed: int):
-    """Overlapping slices of all four types, some empty, some rows left with no keys."""
+    """Slices of all four types overlapping in q and in k (never sharing a (q, k) pair, which the
+    union semantics forbids), some rows left with no keys.
+
+    The k axis is cut into `num` disjoint segments; each slice takes one segment, and its q range is
+    random, so q ranges overlap freely. A second slice per segment with a disjoint q range makes
+    slices overlap in k too.
+    """
     rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, total), num - 1))
+    k_segments = list(itertools.pairwise([0, *cuts, total]))
     q_ranges, k_ranges, types = [], [], []
-    for _ in range(num):
-        qs = rng.randrange(0, total - 1)
-        qe = rng.randrange(qs, min(total, qs + total // 2) + 1)
-        ks = rng.randrange(0, total - 1)
-        ke = rng.randrange(ks, min(total, ks + total // 2) + 1)
+    for ks, ke in k_segments:
+        qs = rng.randrange(0, total - 20)
+        qe = rng.randrange(qs + 1, min(total, qs + total // 2) + 1)
         q_ranges.append([qs, qe])
         k_ranges.append([ks, ke])
         types.append(rng.randrange(4))
+        if qe < total - 1 and rng.random() < 0.5:  # same keys, later disjoint queries
+            qs2 = rng.randrange(qe, total - 1)
+            q_ranges.append([qs2, rng.randrange(qs2 + 1, total + 1)])
+            k_ranges.append([ks, ke])
+            types.append(rng.randrange(4))
     return q_ranges, k_ranges, types
 
 
@@ -73,6 +84,7 @@ OVERLAPS = {
     "od0": OverlapConfig(degree=0),
     "od1": OverlapConfig(degree=1, min_chunk_size=8),
     "od2": OverlapConfig(degree=2, min_chunk_size=8),
+    "od3": OverlapConfig(degree=3, min_chunk_size=8),
     "dyn": OverlapConfig(degree=None, min_chunk_size=8),
 }
 

@@ -187,7 +187,8 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout) -> DistAttnPlan 
         min_chunk_size=ov.min_chunk_size,
         max_num_chunks=ov.max_num_chunks,
         dynamic_max_degree=ov.max_degree,
-        dispatch=layout.dispatch_plan,
+        # A mask made after dispatch keeps the dispatch of the key it was made from.
+        **({} if key.dispatch_key is None else {"dispatch": layout.dispatch_plan}),
     )
 
 

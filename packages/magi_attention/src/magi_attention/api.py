@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from magi_solver import infer_attn_mask_from_cu_seqlens
+from magi_solver import make_sliding_window_mask
 
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
@@ -169,13 +169,18 @@ def magi_attn_varlen_key(
     """
     cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
-    q_ranges, k_ranges, types = infer_attn_mask_from_cu_seqlens(
-        cu_q, cu_k, causal=causal, window_size=tuple(window_size)
-    )
+    if cu_q != cu_k:
+        raise NotImplementedError("only self-attention is supported: cu_seqlens_q must equal cu_seqlens_k")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}") from None
+    # Causal attention sees no key to the right of the query, whatever the window says.
+    mask = make_sliding_window_mask(cu_q, (left, 0 if causal else right))
     return magi_attn_flex_key(
-        q_ranges,
-        k_ranges,
-        types,
+        mask.q_ranges,
+        mask.k_ranges,
+        mask.types,
         cu_q[-1],
         cu_k[-1],
         num_heads_q,

@@ -129,7 +129,9 @@ def _train(cfg: DemoConfig, dtype: torch.dtype, device: torch.device, group, sho
     for step in steps:
         logits = model(dispatch(inputs[step], key), pos, key)
         # Sum of local token losses, then a sum over ranks: the global mean loss on every rank.
-        local_loss = F.cross_entropy(logits.float(), dispatch(labels[step], key), reduction="none")
+        # fp32 at least for the loss (bf16 on GPUs); fp64 stays fp64 so the CPU check is exact.
+        logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        local_loss = F.cross_entropy(logits, dispatch(labels[step], key), reduction="none")
         loss = local_loss[: _num_real_local_tokens(key)].sum() / cfg.tokens
 
         opt.zero_grad()
@@ -141,7 +143,7 @@ def _train(cfg: DemoConfig, dtype: torch.dtype, device: torch.device, group, sho
             dist.all_reduce(loss, group=group)
         if first_grads is None:
             first_grads = {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
     # The full output gathered back in global order, as a last check of undispatch.
     final = undispatch(model(dispatch(inputs[0], key), pos, key).detach(), key).double().cpu()

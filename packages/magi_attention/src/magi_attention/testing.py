@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -28,7 +29,9 @@ def _worker(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
+        # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles,
+        # which die with this process before the parent reads them.
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, None, value))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, traceback.format_exc(), None))
@@ -74,4 +77,4 @@ def run_distributed(
         failures.append(f"ranks {missing} did not finish within {timeout} s (hung in a collective?)")
     if failures:
         raise AssertionError(f"distributed run (world_size={world_size}) failed:\n" + "\n".join(failures))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
