@@ -154,3 +154,8 @@ def test_solve_dispatch_type_errors() -> None:
         solve_dispatch([[0, 8]], [[0, 8]], 0, 8, 1, 2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="q_ranges"):
         solve_dispatch("0,8", [[0, 8]], 0, 8, 1, 2)
+
+
+def test_affinity_refuses_huge_chunk_counts() -> None:
+    with pytest.raises(ValueError, match="affinity"):
+        solve_dispatch([[0, 8192]], [[0, 8192]], "causal", 8192, 2, 1, alg="affinity")

@@ -36,7 +36,8 @@ class DispatchAlg(StrEnum):
     SEQUENTIAL: contiguous blocks of chunks (plain sequence sharding, for comparison).
     ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
     AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
-    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication).
+    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication);
+    falls back to MIN_HEAP's assignment when that one needs no more (estimated) communication.
     """
 
     MIN_HEAP = "min_heap"
@@ -282,8 +283,13 @@ def _key_need_matrix(
     mid = np.zeros_like(need)
     np.add.at(mid, (c, j0 + 1), chunk_size)
     np.add.at(mid, (c, j1), -chunk_size)
-    need += np.cumsum(mid, axis=1)
+    np.cumsum(mid, axis=1, out=mid)
+    need += mid
+    del mid
     return need[:, :-1]
+
+
+_AFFINITY_MAX_CHUNKS = 4096  # float32 table of 64 MiB
 
 
 def _affinity(
@@ -298,7 +304,12 @@ def _affinity(
     or no affinity anywhere, the least-loaded rank (MIN_HEAP's choice)."""
     n = len(areas)
     cap = n // cp_size
-    need = _key_need_matrix(slices, n, chunk_size)
+    if n > _AFFINITY_MAX_CHUNKS:
+        raise ValueError(
+            f"alg='affinity' keeps a num_chunks x num_chunks affinity table; {n} chunks is more than "
+            f"{_AFFINITY_MAX_CHUNKS}: use a larger `chunk_size` or alg='min_heap'"
+        )
+    need = np.ascontiguousarray(_key_need_matrix(slices, n, chunk_size))
     sym = need + need.T
     aff = np.zeros((cp_size, n), dtype=np.float32)
     loads = np.zeros(cp_size, dtype=np.int64)
@@ -318,7 +329,24 @@ def _affinity(
         counts[r] += 1
         loads[r] += areas[c]
         aff[r] += sym[c]
+    # The greedy can lose to plain min-heap on both counts (e.g. block-causal video, where every late block
+    # needs every earlier one): then min-heap's assignment is strictly better, so return it.
+    heap = _min_heap(areas, cp_size)
+    if _estimated_comm(need, heap) <= _estimated_comm(need, parts):
+        return heap
     return parts
+
+
+def _estimated_comm(need: np.ndarray, parts: list[list[int]]) -> float:
+    """Max over ranks of the remote keys it fetches, at chunk granularity: for each chunk it does not hold,
+    the most keys any of its own chunks needs from it (key sets of one document's rows nest)."""
+    worst = 0.0
+    own = np.zeros(need.shape[1], dtype=bool)
+    for p in parts:
+        own[:] = False
+        own[p] = True
+        worst = max(worst, float(need[p].max(axis=0)[~own].sum()))
+    return worst
 
 
 def solve_dispatch(
