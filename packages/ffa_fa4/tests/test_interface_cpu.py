@@ -82,3 +82,44 @@ def test_merge_matches_union_softmax() -> None:
     ow, lw = part(slice(0, 12))
     assert torch.allclose(l, lw) and torch.allclose(o.double(), ow.float().double(), atol=1e-6)
     assert bool(torch.isneginf(l[1]).all()) and bool((o[1] == 0).all())
+
+
+def test_plan_cache_keys_by_value_and_tracks_in_place_edits(monkeypatch) -> None:
+    from magi_ffa_fa4 import _plan
+
+    built = []
+
+    def fake_build(qr, kr, tm, total_q, total_k, device):
+        built.append((qr.tolist(), kr.tolist(), tm.tolist()))
+        return object()
+
+    monkeypatch.setattr(_plan, "build_plan", fake_build)
+    _plan.clear_plan_cache()
+    cpu = torch.device("cpu")
+    qr = torch.tensor([[0, 8]], dtype=torch.int32)
+    kr = torch.tensor([[0, 8]], dtype=torch.int32)
+    a = _plan.get_plan(qr, kr, None, 8, 8, cpu)
+    assert _plan.get_plan(qr, kr, None, 8, 8, cpu) is a  # same tensors: identity path
+    assert _plan.get_plan([[0, 8]], [[0, 8]], [0], 8, 8, cpu) is a  # same values, other objects
+    assert _plan.get_plan(qr.clone(), kr.clone(), torch.zeros(1, dtype=torch.int64), 8, 8, cpu) is a
+    qr[0, 1] = 6  # in-place edit bumps the version counter: the identity entry must not be reused
+    b = _plan.get_plan(qr, kr, None, 8, 8, cpu)
+    assert b is not a and built[-1][0] == [[0, 6]]
+    assert _plan.get_plan(qr, kr, [1], 8, 8, cpu) is not b  # type map is part of the key
+    assert _plan.get_plan([[0, 6]], [[0, 8]], None, 8, 9, cpu) is not b  # so are the sizes
+    assert len(built) == 4
+    with pytest.raises(ValueError, match="q_ranges"):
+        _plan.get_plan([[0, 9]], [[0, 8]], None, 8, 8, cpu)
+    _plan.clear_plan_cache()
+
+
+def test_public_docstrings_name_every_parameter() -> None:
+    import inspect
+
+    from magi_ffa_fa4 import block_classes, build_block_meta, row_intervals, row_intervals_reference
+
+    for fn in (magi_ffa_fa4.flex_flash_attn_func, block_classes, build_block_meta, row_intervals_reference):
+        doc = inspect.getdoc(fn) or ""
+        for name in inspect.signature(fn).parameters:
+            assert f"{name}:" in doc or f"{name}," in doc, f"{fn.__name__}: `{name}` missing from docstring"
+    assert "use_triton" in (inspect.getdoc(row_intervals) or "")
