@@ -7,6 +7,7 @@ interval mask_mod, Empty tiles skipped), the backward k->q lists, and the interv
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -120,6 +121,19 @@ def _forward(q, k, v, plan: Plan, scale: float, softcap: float):
     return out4, lse3
 
 
+@functools.cache
+def _arch_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _check_arch(device: torch.device) -> None:
+    """FA4 4.0.0b36 runs block sparsity forward and backward on sm90 and sm100/sm110 only (its sm80 tiles do
+    not match the 128-key sparse blocks; sm120 has no block-sparse backward)."""
+    major = _arch_major(device.index if device.index is not None else torch.cuda.current_device())
+    if major not in (9, 10, 11):
+        raise ValueError(f"magi_ffa_fa4 needs a Hopper (sm90) or Blackwell (sm100/sm110) GPU, got sm{major}x")
+
+
 class _FA4Func(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, scale: float, softcap: float):
@@ -201,6 +215,7 @@ def flex_flash_attn_func(
     """
     _fa4()  # first, so that a machine without FA4 is told what to install
     scale = _check_inputs(q, k, v, softmax_scale, softcap, out, lse)
+    _check_arch(q.device)
     plan = get_plan(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
     if q.shape[0] == 0 or k.shape[0] == 0:
         o = torch.zeros_like(q)
