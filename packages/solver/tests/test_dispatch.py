@@ -55,10 +55,13 @@ def test_dispatch_is_equal_count_permutation_with_exact_areas(
 
 def test_min_heap_docstring_counter_example_and_lower_bound() -> None:
     areas = [8, 7, 6, 5, 4, 2, 2, 2]
-    parts = _min_heap(areas, 2)
+    parts = _min_heap(areas, 2, refine=False)
     loads = sorted(sum(areas[c] for c in p) for p in parts)
-    assert loads == [17, 19]  # greedy; the optimum is 18/18
+    assert loads == [17, 19]  # greedy alone; the optimum is 18/18
     assert dispatch_lower_bound(areas, 2) == 18
+    refined = _min_heap(areas, 2)
+    assert sorted(sum(areas[c] for c in p) for p in refined) == [18, 18]  # the swap pass finds it
+    assert sorted(c for p in refined for c in p) == list(range(8)) and all(len(p) == 4 for p in refined)
 
 
 @pytest.mark.parametrize("seed", range(6))

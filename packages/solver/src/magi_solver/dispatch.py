@@ -32,7 +32,8 @@ __all__ = [
 class DispatchAlg(StrEnum):
     """How chunks are assigned to ranks.
 
-    MIN_HEAP: largest chunk first to the least-loaded rank that still has room (default).
+    MIN_HEAP: largest chunk first to the least-loaded rank that still has room, then swaps of one chunk of
+    the most-loaded rank with one of another rank while they lower the maximum (default).
     SEQUENTIAL: contiguous blocks of chunks (plain sequence sharding, for comparison).
     ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
     AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
@@ -229,7 +230,7 @@ def dispatch_lower_bound(areas: Any, cp_size: int) -> int:
     return max(mean_bound, a[-1] + sum(a[: m - 1]))
 
 
-def _min_heap(areas: list[int], cp_size: int) -> list[list[int]]:
+def _min_heap(areas: list[int], cp_size: int, refine: bool = True) -> list[list[int]]:
     cap = len(areas) // cp_size
     order = sorted(range(len(areas)), key=lambda c: (-areas[c], c))
     heap = [(0, r) for r in range(cp_size)]
@@ -239,7 +240,37 @@ def _min_heap(areas: list[int], cp_size: int) -> list[list[int]]:
         parts[r].append(c)
         if len(parts[r]) < cap:
             heapq.heappush(heap, (load + areas[c], r))
+    if refine and cp_size > 1:
+        _refine_swaps(areas, parts)
     return parts
+
+
+_REFINE_MAX_PAIRS = 1 << 22  # entries of the [m, cp, m] swap table per round (32 MiB)
+
+
+def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | None = None) -> None:
+    """Swap one chunk of the most-loaded rank with one chunk of another rank while both end strictly below
+    the old maximum (so the max load never grows); pick the swap that best halves the gap. In place."""
+    a = np.asarray(areas, dtype=np.int64)
+    mat = np.asarray(parts, dtype=np.int64)  # [cp, m] chunk ids
+    if mat.shape[1] ** 2 * mat.shape[0] > _REFINE_MAX_PAIRS:
+        return  # one round would build too large a table; the greedy result stands
+    loads = a[mat].sum(axis=1)
+    for _ in range(max_rounds or 4 * len(parts)):
+        top = int(np.argmax(loads))
+        gap = loads[top] - loads  # per rank: how much the top rank is above it
+        d = a[mat[top]][:, None, None] - a[mat][None, :, :]  # [m(top), cp, m]: area moved top -> rank
+        ok = (d > 0) & (d < gap[None, :, None])
+        if not ok.any():
+            break
+        # best: the new max of the pair, max(top - d, rank + d), as small as possible
+        cost = np.where(ok, np.maximum(loads[top] - d, loads[None, :, None] + d), np.iinfo(np.int64).max)
+        i, r, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+        mat[top, i], mat[r, j] = mat[r, j], mat[top, i]
+        loads[top] -= d[i, r, j]
+        loads[r] += d[i, r, j]
+    for r in range(len(parts)):
+        parts[r] = mat[r].tolist()
 
 
 def _zigzag(num_chunks: int, cp_size: int) -> list[list[int]]:
