@@ -77,10 +77,11 @@ def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
     results = {}
     for op, dtype, tol in (("sum", torch.float64, 1e-12), ("avg", torch.float32, 1e-5),
                            ("sum", torch.bfloat16, 3e-2), ("lse", torch.float32, 1e-5),
-                           ("lse", torch.float64, 1e-12)):  # fmt: skip
+                           ("lse", torch.float64, 1e-12), ("sum", torch.int64, 0.0)):  # fmt: skip
         shape = (2, 3) if op == "lse" else (5,)
-        x = torch.randn((n_in, *shape), generator=gen, dtype=torch.float64).to(dtype)
-        out0 = torch.randn((n_out, *shape), generator=gen, dtype=torch.float64).to(dtype)
+        amp = 1000 if dtype == torch.int64 else 1  # integers: spread values so rounding would show
+        x = (torch.randn((n_in, *shape), generator=gen, dtype=torch.float64) * amp).to(dtype)
+        out0 = (torch.randn((n_out, *shape), generator=gen, dtype=torch.float64) * amp).to(dtype)
         x_lse = out_lse0 = None
         if op == "lse":
             x_lse = torch.randn((n_in, 2), generator=gen, dtype=torch.float32) * 3
