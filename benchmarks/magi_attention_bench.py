@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import random
 import sys
 
@@ -27,6 +28,8 @@ from magi_ffa import ffa_bwd, ffa_fwd, flex_flash_attn_func
 from magi_solver import plan_dist_attn
 
 HQ, HKV, D = 64, 8, 128
+# The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
+DEVICE = os.environ.get("MAGI_BENCH_DEVICE", "cuda")
 NVLINK_BPS, IB_BPS = 450e9, 50e9
 
 
@@ -50,6 +53,21 @@ def make_mask(name: str, total: int):
     return docs, docs, [1 if name == "varlen_causal" else 0] * len(docs)
 
 
+def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds: CUDA events through triton's do_bench, or a host clock on the CPU smoke test."""
+    if DEVICE == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    import statistics
+    import time
+
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _tensors(slices, device):
     n = len(slices.types)
     return (
@@ -61,7 +79,7 @@ def _tensors(slices, device):
 
 def bench_cp1_overhead(total: int, mask: str) -> dict:
     q_ranges, k_ranges, types = make_mask(mask, total)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     q = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16)
@@ -69,8 +87,8 @@ def bench_cp1_overhead(total: int, mask: str) -> dict:
     qr = torch.tensor(q_ranges, dtype=torch.int32, device=dev)
     kr = torch.tensor(k_ranges, dtype=torch.int32, device=dev)
     tr = torch.tensor(types, dtype=torch.int32, device=dev)
-    raw = triton.testing.do_bench(lambda: flex_flash_attn_func(q, k, v, qr, kr, tr), warmup=50, rep=300)
-    ours = triton.testing.do_bench(lambda: calc_attn(q, k, v, key), warmup=50, rep=300)
+    raw = _bench(lambda: flex_flash_attn_func(q, k, v, qr, kr, tr), warmup=50, rep=300)
+    ours = _bench(lambda: calc_attn(q, k, v, key), warmup=50, rep=300)
     return {
         "mask": mask,
         "tokens": total,
@@ -99,16 +117,17 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list) -> tuple[float, f
         for (qr, kr, tr), kk, vv in calls:
             ffa_bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq)
 
-    return triton.testing.do_bench(fwd, warmup=5, rep=40), triton.testing.do_bench(bwd, warmup=5, rep=40)
+    return _bench(fwd, warmup=5, rep=40), _bench(bwd, warmup=5, rep=40)
 
 
 def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
+    chunk = min(2048, tokens_per_gpu // 4)  # MagiAttention's benchmark: chunk 2048, 4 per rank at 8k/GPU
     plan = plan_dist_attn(
-        q_ranges, k_ranges, types, total, cp, 2048, overlap_degree=degree, min_chunk_size=512
+        q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=degree, min_chunk_size=min(512, chunk)
     )
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     shard = total // cp
     q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(shard, HKV, D, device=dev, dtype=torch.bfloat16)
@@ -149,22 +168,64 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     }
 
 
+def check_on_gpu(mask: str, cp: int, total: int = 4096) -> dict:
+    """Every rank's stages with the Triton kernel in bf16 against dense fp64 attention (relative errors)."""
+    from magi_attention.simulate import simulate_dist_attn
+    from magi_ffa.testing import make_attn_mask, ref_attn
+
+    q_ranges, k_ranges, types = make_mask(mask, total)
+    chunk = min(128, total // (4 * cp))
+    plan = plan_dist_attn(q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=2, min_chunk_size=chunk)
+    gen = torch.Generator(device=DEVICE).manual_seed(cp)
+    hq, hkv, d = 8, 2, 128
+    q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
+    do = torch.randn(total, hq, d, device=DEVICE, generator=gen)
+    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    out_ref, lse_ref = ref_attn(
+        qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total).to(DEVICE)
+    )
+    (out_ref * do.double()).sum().backward()
+    refs = (out_ref, lse_ref, qr.grad, kr.grad, vr.grad)
+    errs = {}
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
+        finite = torch.isfinite(r)
+        errs[name] = float((g.double()[finite] - r[finite]).norm() / r[finite].norm())
+        assert not torch.isnan(g).any(), f"{mask} cp{cp}: {name} has NaN"
+    return {"mask": mask, "cp": cp, **errs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--cps", default="8,16,32,64")
     ap.add_argument("--masks", default="full,causal,varlen_full,varlen_causal")
     ap.add_argument("--degree", type=int, default=2)
+    ap.add_argument("--cp1-tokens", type=int, default=32768)
+    ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
+    )
     args = ap.parse_args()
-    props = torch.cuda.get_device_properties(0)
+    name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
-        f"{datetime.date.today()} | {props.name} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
         f"heads {HQ}:{HKV}, d {D}, bf16"
     )
-    results = {"header": header, "cp1": [], "sim": []}
+    results = {"header": header, "check": [], "cp1": [], "sim": []}
+    if args.check:
+        for mask in args.masks.split(","):
+            results["check"].append(check_on_gpu(mask, 8, args.check_tokens))
+        print(
+            "| check (bf16 vs fp64 dense, cp 8 simulated) | out | lse | dq | dk | dv |\n|---|---|---|---|---|---|"
+        )
+        for r in results["check"]:
+            print(
+                f"| {r['mask']} | {r['out']:.1e} | {r['lse']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |"
+            )
     for mask in args.masks.split(","):
-        results["cp1"].append(bench_cp1_overhead(32768, mask))
+        results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask))
     for mask in args.masks.split(","):
         for cp in map(int, args.cps.split(",")):
             results["sim"].append(simulate_cp(mask, cp, args.tokens_per_gpu, args.degree))

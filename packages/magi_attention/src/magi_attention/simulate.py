@@ -1,0 +1,99 @@
+"""Run every rank's share of a plan in one process, with no communication.
+
+Used to check the distributed decomposition with the real kernels on one device (GPU bf16 or CPU fp64)
+and to time each rank's compute for simulated context parallelism. GroupCast is simulated by indexing
+the global K/V with each stage's `remote_k_ranges`; GroupReduce by `index_add_` into the global dK/dV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from magi_ffa import ffa_bwd, ffa_fwd
+from magi_solver import AttnRanges, DistAttnPlan, RankPlan, SliceList
+
+
+def token_index(ranges: AttnRanges, device: torch.device) -> torch.Tensor:
+    """int64 indices of the tokens of `ranges`, in order."""
+    parts = [torch.arange(r.start, r.end, device=device) for r in ranges]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def kernel_ranges(slices: SliceList, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = len(slices.types)
+    return (
+        torch.tensor(slices.q_ranges, dtype=torch.int32, device=device).reshape(n, 2),
+        torch.tensor(slices.k_ranges, dtype=torch.int32, device=device).reshape(n, 2),
+        torch.tensor(slices.types, dtype=torch.int32, device=device).reshape(n),
+    )
+
+
+@dataclass
+class RankCalls:
+    """One rank's kernel calls: (range tensors, K, V) for the host stage, then each remote stage."""
+
+    local_index: torch.Tensor
+    remote_index: list[torch.Tensor]
+    calls: list[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]]
+
+
+def rank_calls(rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor) -> RankCalls:
+    dev = k.device
+    local = token_index(rank_plan.host_token_ranges, dev)
+    remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
+    calls = [(kernel_ranges(rank_plan.host_slices, dev), k[local], v[local])]
+    calls += [
+        (kernel_ranges(s.remote_slices, dev), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)
+    ]
+    return RankCalls(local, remote, calls)
+
+
+def simulate_dist_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    plan: DistAttnPlan,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """Forward and backward of `plan`, rank by rank.
+
+    Args:
+        q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total, heads_kv, d]`.
+        plan: from `magi_solver.plan_dist_attn` for the same padded length.
+
+    Returns:
+        `(out, lse, dq, dk, dv)` in global token order; out/dq/dk/dv in q's dtype, lse fp32 (fp64 for fp64).
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_g = torch.full_like(q, float("nan"))
+    lse_g = torch.full(q.shape[:2], float("nan"), dtype=acc, device=q.device)
+    dq_g = torch.full(q.shape, float("nan"), dtype=acc, device=q.device)
+    dk_g = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_g = torch.zeros(v.shape, dtype=acc, device=v.device)
+    kw = {"softmax_scale": softmax_scale, "softcap": softcap}
+    for rank_plan in plan.ranks:
+        rc = rank_calls(rank_plan, k, v)
+        lq, ldo = q[rc.local_index], do[rc.local_index]
+        out = torch.zeros(lq.shape, dtype=acc, device=q.device)
+        lse = torch.full(lq.shape[:2], float("-inf"), dtype=acc, device=q.device)
+        for (qr, kr, tr), kk, vv in rc.calls:
+            if qr.shape[0]:
+                ffa_fwd(lq, kk, vv, qr, kr, tr, out=out, lse=lse, **kw)
+        out_q = out.to(q.dtype)
+        dq = torch.zeros(lq.shape, dtype=acc, device=q.device)
+        for i, ((qr, kr, tr), kk, vv) in enumerate(rc.calls):
+            dk = torch.zeros(kk.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(vv.shape, dtype=acc, device=v.device)
+            if qr.shape[0]:
+                ffa_bwd(ldo, lq, kk, vv, out_q, lse, qr, kr, tr, dq=dq, dk=dk, dv=dv, **kw)
+            index = rc.local_index if i == 0 else rc.remote_index[i - 1]
+            dk_g.index_add_(0, index, dk)
+            dv_g.index_add_(0, index, dv)
+        out_g[rc.local_index] = out_q
+        lse_g[rc.local_index] = lse
+        dq_g[rc.local_index] = dq
+    return out_g, lse_g, dq_g.to(q.dtype), dk_g.to(k.dtype), dv_g.to(v.dtype)
