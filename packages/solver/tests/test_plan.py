@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from magi_solver import DistAttnPlan, plan_dist_attn
+from magi_solver import DistAttnPlan, estimate_cost_factors, plan_dist_attn
 from magi_solver.overlap import group_chunks, overlap_chunk_bounds, predicted_time
 from magi_solver.testing import check_plan, dense_mask, random_mask
 
@@ -59,6 +59,13 @@ def test_plan_exact_on_random_masks(
     assert plan.num_stages == (max(plan.overlap_degree, 1))
     if degree is not None:
         assert plan.overlap_degree == degree
+    # the cost model's prediction must match the stages actually built
+    if plan.overlap_degree > 0:
+        assert list(plan.predicted_times) == pytest.approx(_times(plan, 0.5))
+    else:
+        assert list(plan.predicted_times) == pytest.approx(
+            [0.5 * rp.num_remote_tokens + rp.area for rp in plan.ranks]
+        )
     check_plan(plan, dense_mask(q, k, t, n, n))
 
 
@@ -89,6 +96,14 @@ def test_full_mask_merges_into_one_host_slice() -> None:
         assert len(rp.host_slices) == 1 and rp.host_slices.q_ranges[0] == (0, 32)
         assert len(rp.merged_slices) == 1 and rp.merged_slices.k_ranges[0] == (0, 64)
         assert rp.num_remote_tokens == 32
+
+
+def test_estimate_cost_factors() -> None:
+    calc, comm = estimate_cost_factors(64, 8, 128, tflops=400.0, comm_gbps=200.0)
+    assert calc == pytest.approx(4 * 64 * 128 / 400e12)
+    assert comm == pytest.approx(2 * 8 * 128 * 2 / 200e9)
+    calc_b, comm_b = estimate_cost_factors(64, 8, 128, backward=True)
+    assert calc_b == pytest.approx(2.5 * calc) and comm_b == pytest.approx(2 * comm)
 
 
 def test_overlap_helpers() -> None:

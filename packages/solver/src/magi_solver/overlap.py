@@ -94,34 +94,29 @@ def stage_options(
     remote: list[tuple[int, int]],
     clipped: list[tuple[int, ...]],
     host_area: int,
-    degree: int | None,
     min_chunk_size: int,
     max_num_chunks: int,
     calc_f: float,
     comm_f: float,
     candidates: list[int],
 ) -> dict[int, tuple[list[int], float]]:
-    """For each candidate degree: stage boundaries as offsets into the rank's remote tokens, and its cost."""
+    """For each candidate degree: stage boundaries (offsets into the rank's sorted remote tokens) and the
+    predicted time of that schedule (degree 0: fetch everything, then compute host and remote together)."""
     n_tok = sum(e - s for s, e in remote)
     bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
     n_chunks = len(bounds) - 1
-    chunk_area = None
-    if len(candidates) > 1 and n_chunks > 0:
-        chunk_area = overlap_chunk_areas(remote, bounds, clipped)
+    chunk_area = overlap_chunk_areas(remote, bounds, clipped) if n_chunks else np.zeros(0, dtype=np.int64)
+    ca = np.concatenate([[0], np.cumsum(chunk_area)])
     out = {}
     for d in candidates:
         if d == 0:
-            out[0] = ([0, n_tok], 0.0)
+            out[0] = ([0, n_tok], comm_f * n_tok + calc_f * (host_area + float(ca[-1])))
             continue
         g = group_chunks(n_chunks, d)
         tb = [bounds[i] for i in g]
-        cost = 0.0
-        if chunk_area is not None:
-            ca = np.concatenate([[0], np.cumsum(chunk_area)])
-            calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
-            comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
-            cost = predicted_time(calc_f * host_area, comm, calc)
-        out[d] = (tb, cost)
+        calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
+        comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
+        out[d] = (tb, predicted_time(calc_f * host_area, comm, calc))
     return out
 
 

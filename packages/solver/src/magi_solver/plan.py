@@ -93,7 +93,8 @@ class DistAttnPlan:
         ranks: per rank its `RankPlan`.
         num_stages: remote stages per rank (1 for degree 0, the merged stage).
         overlap_degree: the degree used (0 = merged; chosen by the cost model in dynamic mode).
-        predicted_times: per rank, the cost model's time of its schedule (see `overlap.predicted_time`).
+        predicted_times: per rank, the cost model's time of its schedule (see `overlap.predicted_time`; for
+            degree 0, remote fetch + all compute in sequence), in the units of the cost factors.
     """
 
     dispatch: DispatchPlan
@@ -310,7 +311,6 @@ def _plan(
             remote[r],
             clipped[r],
             host_area[r],
-            degree,
             min_chunk_size,
             max_num_chunks,
             calc_f,
