@@ -169,3 +169,14 @@ def test_plan_rejects(kwargs: dict, match: str) -> None:
     chunk = args.pop("chunk_size")
     with pytest.raises(ValueError, match=match):
         plan_dist_attn([[0, 64]], [[0, 64]], "causal", 64, 2, chunk, **args)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(("cp", "chunk"), [(3, 8), (4, 6), (6, 4)])
+def test_plan_exact_on_larger_random_masks(seed: int, cp: int, chunk: int) -> None:
+    n = 192
+    q, k, t = random_mask(np.random.default_rng(1000 + seed), n, max_cells=14, raw_slices=10)
+    for degree in (0, 2, None):
+        plan = plan_dist_attn(q, k, t, n, cp, chunk, overlap_degree=degree, min_chunk_size=5, max_num_chunks=6,
+                              dynamic_max_degree=4, comm_cost_factor=3.0)  # fmt: skip
+        check_plan(plan, dense_mask(q, k, t, n, n))
