@@ -293,115 +293,134 @@ def _plan(
     host = [dispatch.host_pairs(r) for r in range(cp)]
     remote = [subtract_pairs(merge_pairs((c[2], c[3]) for c in clipped[r]), host[r]) for r in range(cp)]
 
-    # host slices first: their area feeds the cost model
-    host_maps = []
-    for r in range(cp):
-        m, base = [], 0
-        for a, b in host[r]:
-            m.append((a, b, -1, base))
-            base += b - a
-        host_maps.append(m)
-    if mode is OverlapMode.DYNAMIC:
-        candidates = list(range(1, dynamic_max_degree + 1))
-    else:
-        candidates = [degree if degree is not None else 1]
+    # host areas feed the cost model; the key map sends host keys to destination -1 (local coordinates)
+    host_maps = [_host_map(h) for h in host]
     host_area = [host_area_of(clipped[r], host_maps[r]) for r in range(cp)]
+    candidates = list(range(1, dynamic_max_degree + 1)) if mode is OverlapMode.DYNAMIC else [degree or 0]
     options = [
         stage_options(
-            remote[r],
-            clipped[r],
-            host_area[r],
-            min_chunk_size,
-            max_num_chunks,
-            calc_f,
-            comm_f,
-            candidates,
+            remote[r], clipped[r], host_area[r], min_chunk_size, max_num_chunks, calc_f, comm_f, candidates
         )
         for r in range(cp)
     ]
+    # one degree for every rank: the one whose slowest rank is fastest (ties: the smaller degree)
     chosen = min(candidates, key=lambda d: (max(o[d][1] for o in options), d))
     num_stages = max(chosen, 1)
     stage_ranges = [cut_tokens(remote[r], options[r][chosen][0]) for r in range(cp)]
-
-    # per stage, per receiver: runs (global start, global end, src, src local start) in buffer order
-    runs: list[list[list[tuple[int, int, int, int]]]] = []
-    for si in range(num_stages):
-        per_rank = []
-        for r in range(cp):
-            pieces = []
-            for s, e in stage_ranges[r][si]:
-                while s < e:
-                    c = s // cs
-                    t = min(e, (c + 1) * cs)
-                    src, ls = owner[c], local_pos[c] + s - c * cs
-                    p = pieces[-1] if pieces else None
-                    if p and p[2] == src and p[1] == s and p[3] + (p[1] - p[0]) == ls:
-                        pieces[-1] = (p[0], t, src, p[3])
-                    else:
-                        pieces.append((s, t, src, ls))
-                    s = t
-            pieces.sort(key=lambda p: (p[2], p[3]))
-            per_rank.append(pieces)
-        runs.append(per_rank)
-
-    cast_args = []
-    for si in range(num_stages):
-        wants = [[[] for _ in range(cp)] for _ in range(cp)]
-        for dst in range(cp):
-            for s, e, src, ls in runs[si][dst]:
-                w = wants[dst][src]
-                if w and w[-1][1] == ls:
-                    w[-1] = (w[-1][0], ls + e - s)
-                else:
-                    w.append((ls, ls + e - s))
-        cast_args.append(build_cast_args(wants, shard))
-
-    ranks = []
-    for r in range(cp):
-        kmap = list(host_maps[r])
-        bufs = []
-        for si in range(num_stages):
-            base = 0
-            for s, e, _, _ in runs[si][r]:
-                kmap.append((s, e, si, base))
-                base += e - s
-            bufs.append(base)
-        kmap.sort()
-        out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(num_stages + 1)]
-        slice_over(clipped[r], kmap, out)
-        host_sl = merge_full(out[num_stages])
-        merged = list(host_sl)
-        offset = shard
-        stages = []
-        for si in range(num_stages):
-            sl = merge_full(out[si])
-            merged.extend((a, b, c + offset, d + offset, t) for a, b, c, d, t in sl)
-            offset += bufs[si]
-            cast = cast_args[si][r]
-            stages.append(
-                StagePlan(
-                    cast=cast,
-                    reduce=cast.transpose(),
-                    num_remote_tokens=bufs[si],
-                    remote_k_ranges=AttnRanges(tuple(AttnRange._trusted(s, e) for s, e, _, _ in runs[si][r])),
-                    remote_slices=SliceList.from_typed(sl),
-                    area=total_area(sl),
-                )
-            )
-        ranks.append(
-            RankPlan(
-                rank=r,
-                host_token_ranges=dispatch.host_token_ranges(r),
-                host_slices=SliceList.from_typed(host_sl),
-                stages=tuple(stages),
-                merged_slices=SliceList.from_typed(merge_full(merged)),
-                host_area=host_area[r],
-            )
+    runs = [
+        [_recv_runs(stage_ranges[r][si], owner, local_pos, cs) for r in range(cp)] for si in range(num_stages)
+    ]
+    cast_args = [_cast_args(runs[si], cp, shard) for si in range(num_stages)]
+    ranks = [
+        _rank_plan(
+            dispatch,
+            r,
+            clipped[r],
+            host_maps[r],
+            host_area[r],
+            [runs[si][r] for si in range(num_stages)],
+            [cast_args[si][r] for si in range(num_stages)],
         )
+        for r in range(cp)
+    ]
     return DistAttnPlan(
         dispatch=dispatch,
         ranks=tuple(ranks),
         num_stages=num_stages,
         overlap_degree=chosen,
         predicted_times=tuple(o[chosen][1] for o in options),
+    )
+
+
+def _host_map(host: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Key-map entries (global start, global end, -1, local base) of a rank's own tokens."""
+    out, base = [], 0
+    for a, b in host:
+        out.append((a, b, -1, base))
+        base += b - a
+    return out
+
+
+def _recv_runs(
+    ranges: list[tuple[int, int]], owner: tuple[int, ...], local_pos: list[int], cs: int
+) -> list[tuple[int, int, int, int]]:
+    """A stage's remote keys as runs (global start, global end, source rank, source-local start) in recv
+    buffer order: by source rank, then by the source's local order. A run never crosses a chunk its source
+    does not hold contiguously."""
+    pieces: list[tuple[int, int, int, int]] = []
+    for s, e in ranges:
+        while s < e:
+            c = s // cs
+            t = min(e, (c + 1) * cs)
+            src, ls = owner[c], local_pos[c] + s - c * cs
+            p = pieces[-1] if pieces else None
+            if p and p[2] == src and p[1] == s and p[3] + (p[1] - p[0]) == ls:
+                pieces[-1] = (p[0], t, src, p[3])
+            else:
+                pieces.append((s, t, src, ls))
+            s = t
+    pieces.sort(key=lambda p: (p[2], p[3]))
+    return pieces
+
+
+def _cast_args(runs: list[list[tuple[int, int, int, int]]], cp: int, shard: int) -> list[GroupCastArgs]:
+    """GroupCast args of every rank for one stage, from every receiver's runs."""
+    wants: list[list[list[tuple[int, int]]]] = [[[] for _ in range(cp)] for _ in range(cp)]
+    for dst in range(cp):
+        for s, e, src, ls in runs[dst]:
+            w = wants[dst][src]
+            if w and w[-1][1] == ls:
+                w[-1] = (w[-1][0], ls + e - s)
+            else:
+                w.append((ls, ls + e - s))
+    return build_cast_args(wants, shard)
+
+
+def _rank_plan(
+    dispatch: DispatchPlan,
+    rank: int,
+    clipped: list[tuple[int, ...]],
+    host_map: list[tuple[int, int, int, int]],
+    host_area: int,
+    runs: list[list[tuple[int, int, int, int]]],
+    casts: list[GroupCastArgs],
+) -> RankPlan:
+    """Cut the rank's clipped slices by host keys and every stage's recv buffer; assemble its RankPlan."""
+    num_stages = len(runs)
+    kmap = list(host_map)
+    bufs = []
+    for si, stage_runs in enumerate(runs):
+        base = 0
+        for s, e, _, _ in stage_runs:
+            kmap.append((s, e, si, base))
+            base += e - s
+        bufs.append(base)
+    kmap.sort()
+    out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(num_stages + 1)]
+    slice_over(clipped, kmap, out)
+    host_sl = merge_full(out[num_stages])
+    merged = list(host_sl)
+    offset = dispatch.shard_seqlen
+    stages = []
+    for si in range(num_stages):
+        sl = merge_full(out[si])
+        merged.extend((a, b, c + offset, d + offset, t) for a, b, c, d, t in sl)
+        offset += bufs[si]
+        stages.append(
+            StagePlan(
+                cast=casts[si],
+                reduce=casts[si].transpose(),
+                num_remote_tokens=bufs[si],
+                remote_k_ranges=AttnRanges(tuple(AttnRange._trusted(s, e) for s, e, _, _ in runs[si])),
+                remote_slices=SliceList.from_typed(sl),
+                area=total_area(sl),
+            )
+        )
+    return RankPlan(
+        rank=rank,
+        host_token_ranges=dispatch.host_token_ranges(rank),
+        host_slices=SliceList.from_typed(host_sl),
+        stages=tuple(stages),
+        merged_slices=SliceList.from_typed(merge_full(merged)),
+        host_area=host_area,
     )
