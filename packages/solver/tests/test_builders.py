@@ -18,7 +18,7 @@ from magi_solver.builders import (
     make_varlen_full_mask,
 )
 from magi_solver.mask import normalize_mask
-from magi_solver.testing import dense_mask
+from magi_solver.testing import ascii_mask, dense_mask
 
 CU = [0, 5, 6, 17, 30]
 N = CU[-1]
@@ -136,3 +136,9 @@ def test_shared_question() -> None:
 def test_builders_reject(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_ascii_mask_draws_a_sliding_window() -> None:
+    q, k, t = make_sliding_window_mask([0, 5], (1, 0))
+    assert ascii_mask(q, k, t, 5) == "#....\n##...\n.##..\n..##.\n...##"
+    assert ascii_mask([[0, 2], [0, 2]], [[0, 2], [0, 2]], 0, 2) == "22\n22"

@@ -14,6 +14,7 @@ from .mask import AttnMaskType, SliceList, decompose_region, normalize_mask, tig
 from .plan import DistAttnPlan
 
 __all__ = [
+    "ascii_mask",
     "check_plan",
     "dense_mask",
     "plan_coverage",
@@ -38,6 +39,15 @@ def dense_mask(q_ranges: Any, k_ranges: Any, attn_mask_type: Any, total_q: int, 
             m &= j >= i
         out[qs:qe, ks:ke] += m
     return out
+
+
+def ascii_mask(
+    q_ranges: Any, k_ranges: Any, attn_mask_type: Any, total_q: int, total_k: int | None = None
+) -> str:
+    """The mask as text, one row per query: `#` visible, `.` masked, `2`-`9` a pair covered that many times."""
+    total_k = total_q if total_k is None else total_k
+    d = dense_mask(q_ranges, k_ranges, attn_mask_type, total_q, total_k)
+    return "\n".join("".join("." if v == 0 else "#" if v == 1 else str(min(v, 9)) for v in row) for row in d)
 
 
 def random_mask(
