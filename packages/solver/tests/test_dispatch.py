@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from magi_solver import DispatchAlg, chunk_areas, dispatch_lower_bound, solve_dispatch
-from magi_solver.dispatch import _min_heap
+from magi_solver import DispatchAlg, dispatch_lower_bound, solve_dispatch
+from magi_solver.dispatch import _min_heap, chunk_areas
 from magi_solver.mask import normalize_mask
 from magi_solver.testing import dense_mask, random_mask
 

@@ -16,7 +16,7 @@ from .builders import (
     make_varlen_full_mask,
 )
 from .comm import GroupCastArgs, GroupReduceArgs
-from .dispatch import DispatchAlg, DispatchPlan, chunk_areas, dispatch_lower_bound, solve_dispatch
+from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, solve_dispatch
 from .mask import AttnMaskType, AttnSlice, SliceList
 from .overlap import OverlapMode, estimate_cost_factors, predicted_time
 from .plan import DistAttnPlan, RankPlan, StagePlan, plan_dist_attn
@@ -37,7 +37,6 @@ __all__ = [
     "RankPlan",
     "SliceList",
     "StagePlan",
-    "chunk_areas",
     "dispatch_lower_bound",
     "estimate_cost_factors",
     "make_block_causal_mask",
