@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ffa_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=packages/ffa/src:${PYTHONPATH:-}
 LOG=$OUT/ffa_device.log
-MASKS=${1:-full,causal,varlen_full,varlen_causal,swa_causal_w1024,swa_causal_w4096,varlen_block_causal,random}
+MASKS=${1:-all}; [ "$MASKS" = all ] && MASKS=full,causal,varlen_full,varlen_causal,swa_causal_w1024,swa_causal_w4096,varlen_block_causal,random
 SEQ=${2:-32768}; HEADS=${3:-64:8}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 if ! python3 -c "import pytest" 2>/dev/null && [ -d .ffa_whl ]; then

@@ -25,13 +25,15 @@ class Tiles:
 
 # Per kernel, keyed by head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Hopper-first choices, checked
 # with ptxas for register spills at d=128 (sm_90a) and swept on the H200 (docs/benchmarks/ffa.md):
-# fwd: 128 q rows per program keep the wgmma M dimension full; 64 keys keep the fp32 S tile in registers.
-# dq: owns a q block and holds q, do and dq at once: 64 x 64 tiles are the largest without spills.
-# dkv: owns a k block (k, v, dk, dv resident) and walks q in 32-row tiles; larger tiles spill.
+# fwd: 128 q rows per program keep the wgmma M dimension full; 128 x 128 measured best (459 vs 452 TFLOP/s
+#   for 128 x 64, full mask, 32k, 64:8) despite a small spill.
+# dq: owns a q block and holds q, do and dq at once: 128 x 32 (almost no spill) beat 64 x 64 and 128 x 64.
+# dkv: owns a k block (k, v, dk, dv resident) and walks q in 32-row tiles: 32 x 128 beat 32 x 64 / 64 x 64.
+# d=64 / 256 entries are scaled from these, not measured.
 _GPU_TILES = {
-    "fwd": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 64, 8, 3), 256: Tiles(64, 32, 4, 2)},
-    "dq": {64: Tiles(64, 64, 4, 2), 128: Tiles(64, 64, 8, 2), 256: Tiles(32, 32, 4, 1)},
-    "dkv": {64: Tiles(32, 64, 4, 2), 128: Tiles(32, 64, 8, 2), 256: Tiles(16, 32, 4, 1)},
+    "fwd": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 128, 8, 3), 256: Tiles(64, 32, 4, 2)},
+    "dq": {64: Tiles(128, 32, 4, 2), 128: Tiles(128, 32, 8, 2), 256: Tiles(32, 32, 4, 1)},
+    "dkv": {64: Tiles(32, 128, 4, 2), 128: Tiles(32, 128, 8, 2), 256: Tiles(16, 32, 4, 1)},
 }
 # The interpreter runs one program at a time at ~10 ms per inner iteration: large tiles, few iterations.
 _INTERP_TILES = Tiles(64, 64, 4, 1)
