@@ -7,8 +7,8 @@ Glossary (used in every docstring of this package):
 - ``head_dim``: the per-head feature size, equal for q, k and v.
 - slice ``i``: query rows ``[q_ranges[i, 0], q_ranges[i, 1])`` attend to key rows ``[k_ranges[i, 0],
   k_ranges[i, 1])`` with the shape ``attn_type_map[i]`` (see :class:`AttnType`). The mask is the union of
-  the slices; slices may share query rows or key rows, but a (query, key) pair covered by two slices is
-  counted twice (as in MagiAttention's FFA), so slice *areas* must be disjoint.
+  the slices: slices may share query rows, key rows, and even (query, key) pairs; slices that share pairs
+  are rewritten once per mask into disjoint ones (``_disjoint.py``), so every pair counts once.
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ def _host_slices_cached(blob: bytes, n: int, total_q: int, total_k: int) -> tupl
         s = make_slice(qs, qe, ks, ke, t)
         if s is not None:
             out.append(s)
-    return tuple(out)
+    from ._disjoint import disjoint_slices  # late: _disjoint builds on this module's Slice
+
+    return disjoint_slices(tuple(out))
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
