@@ -49,6 +49,17 @@ def random_slices(total: int, num: int, seed: int):
     return q_ranges, k_ranges, types
 
 
+def shared_pair_slices(total: int, num: int, seed: int):
+    """Unconstrained random slices: they share (q, k) pairs, and the mask is their union."""
+    rng = random.Random(seed)
+    q_ranges, k_ranges = [], []
+    for _ in range(num):
+        qs, ks = rng.randrange(0, total - 1), rng.randrange(0, total - 1)
+        q_ranges.append([qs, rng.randrange(qs + 1, total + 1)])
+        k_ranges.append([ks, rng.randrange(ks + 1, total + 1)])
+    return q_ranges, k_ranges, [rng.randrange(4) for _ in range(num)]
+
+
 def varlen(total: int, seed: int, causal: bool):
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, total), 5))
@@ -73,6 +84,7 @@ def block_causal(total: int, block: int):
 def mask_cases(total: int):
     return {
         "random": random_slices(total, 9, seed=7),
+        "shared_pairs": shared_pair_slices(total, 6, seed=11),
         "varlen_causal": varlen(total, seed=3, causal=True),
         "varlen_full": varlen(total, seed=5, causal=False),
         "sliding_window": sliding_window(total, 24),

@@ -333,9 +333,10 @@ def normalize_mask(
     """Validate a user mask and return it as `(qs, qe, ks, ke, code)` tuples in input order.
 
     Raises `ValueError` naming the offending slice for: ranges outside the sequences, empty or negative
-    ranges, unknown types, a type list of the wrong length, and (with `check_disjoint`) two slices that
-    share a (q, k) pair: the mask is the union of slices and the kernels add up slices, so a shared pair
-    would count twice.
+    ranges, unknown types and a type list of the wrong length. The mask is the union of its slices: with
+    `check_disjoint` (default) slices that share (q, k) pairs are rewritten into disjoint ones covering the
+    same union (`disjoint_union`; input order is kept when nothing is shared), because every consumer adds
+    slices up.
     """
     qp = as_int_pairs(q_ranges, "q_ranges")
     kp = as_int_pairs(k_ranges, "k_ranges")
@@ -354,7 +355,7 @@ def normalize_mask(
                 raise ValueError(f"`{name}[{i}]` = [{s}, {e}) lies outside the sequence [0, {total})")
         out.append((qs, qe, ks, ke, t))
     if check_disjoint:
-        _check_disjoint(out)
+        out = disjoint_union(out)
     return out
 
 
@@ -375,9 +376,56 @@ def _normalize_types(attn_mask_type: Any, n: int) -> list[int]:
     return [AttnMaskType.from_any(t, f"attn_mask_type[{i}]").code for i, t in enumerate(seq)]
 
 
-def _check_disjoint(slices: list[TypedSlice]) -> None:
-    """Sweep over q: compare each slice with the earlier ones whose rows it meets (numpy when many)."""
+def disjoint_union(slices: list[TypedSlice]) -> list[TypedSlice]:
+    """`slices` unchanged when no two share a (q, k) pair; else disjoint typed slices with the same union.
+
+    The mask is the union of its slices, but every consumer (areas, dispatch, the kernels) adds slices
+    up, so shared pairs are cut out of later slices once, here: region minus region is at most six
+    regions (rows above/below, columns left/right, diagonals below/above the band), each re-expressed in
+    the four types by `decompose_region`.
+    """
     regs = [region_of(*s) for s in slices]
+    if not _any_shared_pair(regs):
+        return slices
+    kept: list[Region] = []
+    for r in regs:
+        pieces = [t for t in (tighten_region(*r),) if t is not None]
+        for s in kept:
+            if s[0] >= r[1] or s[1] <= r[0] or s[2] >= r[3] or s[3] <= r[2]:
+                continue  # bounding boxes apart
+            pieces = [piece for p in pieces for piece in _subtract_region(p, s)]
+            if not pieces:
+                break
+        kept.extend(pieces)
+    return [ts for r in kept for ts in decompose_region(r)]
+
+
+def _intersect_regions(a: Region, b: Region) -> Region | None:
+    return tighten_region(
+        max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3]), max(a[4], b[4]), min(a[5], b[5])
+    )
+
+
+def _subtract_region(p: Region, s: Region) -> list[Region]:
+    """Disjoint regions whose union is `p` minus `s`."""
+    if _intersect_regions(p, s) is None:
+        return [p]
+    qs, qe, ks, ke, lo, hi = p
+    mq0, mq1 = max(qs, s[0]), min(qe, s[1])
+    mk0, mk1 = max(ks, s[2]), min(ke, s[3])
+    pieces = (
+        tighten_region(qs, min(qe, s[0]), ks, ke, lo, hi),  # rows above s
+        tighten_region(max(qs, s[1]), qe, ks, ke, lo, hi),  # rows below s
+        tighten_region(mq0, mq1, ks, min(ke, s[2]), lo, hi),  # shared rows, columns left of s
+        tighten_region(mq0, mq1, max(ks, s[3]), ke, lo, hi),  # shared rows, columns right of s
+        tighten_region(mq0, mq1, mk0, mk1, lo, min(hi, s[4] - 1)),  # diagonals below s's band
+        tighten_region(mq0, mq1, mk0, mk1, max(lo, s[5] + 1), hi),  # diagonals above s's band
+    )
+    return [r for r in pieces if r is not None]
+
+
+def _any_shared_pair(regs: list[Region]) -> bool:
+    """Sweep over q: compare each region with the earlier ones whose rows it meets (numpy when many)."""
     arr = np.asarray(regs, dtype=np.int64).reshape(-1, 6)
     order = sorted(range(len(regs)), key=lambda i: regs[i][0])
     active: list[int] = []
@@ -385,31 +433,13 @@ def _check_disjoint(slices: list[TypedSlice]) -> None:
         qs_i, qe_i, ks_i, ke_i, lo_i, hi_i = regs[i]
         active = [j for j in active if regs[j][1] > qs_i]
         if len(active) > 32:
-            act = np.asarray(active)
-            r = arr[act]
+            r = arr[np.asarray(active)]
             b = np.minimum(qe_i, r[:, 1])
             c, e = np.maximum(ks_i, r[:, 2]), np.minimum(ke_i, r[:, 3])
             d = np.maximum(np.maximum(lo_i, r[:, 4]), c - b + 1)
-            hit = (c < e) & (d <= np.minimum(np.minimum(hi_i, r[:, 5]), e - 1 - qs_i))
-            cand = act[hit].tolist()[:1]
-        else:
-            cand = active
-        for j in cand:
-            _raise_if_shared(i, j, regs[i], regs[j])
+            if ((c < e) & (d <= np.minimum(np.minimum(hi_i, r[:, 5]), e - 1 - qs_i))).any():
+                return True
+        elif any(_intersect_regions(regs[i], regs[j]) is not None for j in active):
+            return True
         active.append(i)
-
-
-def _raise_if_shared(i: int, j: int, ri: Region, rj: Region) -> None:
-    a, b = max(ri[0], rj[0]), min(ri[1], rj[1])
-    c, e = max(ri[2], rj[2]), min(ri[3], rj[3])
-    lo, hi = max(ri[4], rj[4]), min(ri[5], rj[5])
-    if a >= b or c >= e:
-        return
-    d = max(lo, c - b + 1)
-    if d <= min(hi, e - 1 - a):
-        q = max(a, c - d)
-        x, y = sorted((i, j))
-        raise ValueError(
-            f"slices {x} and {y} both cover the pair (q={q}, k={q + d}); a mask is a union of slices that "
-            "share no (q, k) pair (the kernels add slices up, so shared pairs would count twice)"
-        )
+    return False
