@@ -229,6 +229,8 @@ def main() -> int:
     for mask in args.masks.split(","):
         for cp in map(int, args.cps.split(",")):
             results["sim"].append(simulate_cp(mask, cp, args.tokens_per_gpu, args.degree))
+            r = results["sim"][-1]
+            print(f"# {mask} cp{cp}: fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
