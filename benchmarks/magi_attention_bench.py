@@ -117,7 +117,7 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list) -> tuple[float, f
         for (qr, kr, tr), kk, vv in calls:
             ffa_bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq)
 
-    return _bench(fwd, warmup=5, rep=40), _bench(bwd, warmup=5, rep=40)
+    return _bench(fwd, warmup=5, rep=25), _bench(bwd, warmup=5, rep=25)
 
 
 def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
