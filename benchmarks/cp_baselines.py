@@ -17,8 +17,10 @@ magi-attention isolates the distribution scheme:
   global K/V is kept between passes, as in magi-attention) and reduce-scatters dK/dV.
 
 Masks are slices ``(q_ranges, k_ranges, types)``: FULL=0, CAUSAL=1 (bottom-right aligned), INV_CAUSAL=2
-(top-left aligned), BI_CAUSAL=3; two slices never share a (q, k) pair. Clipping to token blocks uses
-magi_solver's band-region algebra (no dense mask), so every rank's kernel slices stay few and exact.
+(top-left aligned), BI_CAUSAL=3; the mask is the union of the slices (slices that share (q, k) pairs are
+rewritten into disjoint ones by ``magi_solver.mask.normalize_mask``, as in magi-attention). Clipping to
+token blocks uses magi_solver's band-region algebra (no dense mask), so every rank's kernel slices stay few
+and exact.
 
 Tensors: q ``[local_seqlen, num_heads_q, head_dim]``, k/v ``[local_seqlen, num_heads_kv, head_dim]``, the
 rows of ``plan.token_ranges`` in that order (``shard_tokens`` cuts them from a global tensor). Outputs: out
@@ -216,7 +218,7 @@ def plan_baseline(
         num_heads_q, num_heads_kv: heads (``num_heads_q % num_heads_kv == 0``; Ulysses: both divisible by cp).
 
     Raises:
-        ValueError: a bad argument (named), overlapping slices, or a shape the scheme cannot split.
+        ValueError: a bad argument (named), or a shape the scheme cannot split.
     """
     try:
         system = CPBaseline(system)
