@@ -286,13 +286,14 @@ def shard_tokens(x: torch.Tensor, plan: BaselinePlan) -> torch.Tensor:
 
 # -- local kernel calls -----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=512)
-def _kernel_args(sl: SliceList) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CPU int32 tensors (FFA reads them on the host: no device sync), built once per slice list."""
+def _kernel_args(sl: SliceList) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Ranges as CPU int32 tensors and types as a list, built once per slice list: FFA reads them on the
+    host, and host inputs spare every kernel call a device -> host copy (a sync that would stall the queue)."""
     n = len(sl)
     return (
         torch.tensor(sl.q_ranges, dtype=torch.int32).reshape(n, 2),
         torch.tensor(sl.k_ranges, dtype=torch.int32).reshape(n, 2),
-        torch.tensor(sl.types, dtype=torch.int32).reshape(n),
+        list(sl.types),
     )
 
 

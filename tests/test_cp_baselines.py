@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -261,3 +262,55 @@ def test_cp_bench_smoke_on_gloo(tmp_path: Path, world_size: int, heads: str, mas
     assert meta["world_size"] == world_size and meta["backend"] == "gloo"
     table = (tmp_path / "cp.md").read_text()
     assert table.count("\n| 48 |") == len(rows)
+
+
+def _triton_rank(rank: int, world_size: int, masks: list[str]) -> dict:
+    """fp32 on the Triton kernels (interpreter): the GPU code path, with its strided head views."""
+    os.environ["MAGI_FFA_POISON"] = "1"
+    total, hq, hkv, d = 32, 4, 2, 16
+    errors: dict[str, float] = {}
+    for mname in masks:
+        qr, kr, tm = _masks(total, 5)[mname]
+        q, k, v = random_qkv(total, total, hq, hkv, d, torch.float64, seed=1)
+        do = torch.randn(total, hq, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_ref, lse_ref = ref_attn(*ref_in, make_attn_mask(qr, kr, tm, total, total))
+        (out_ref * do).sum().backward()
+        refs = {"out": out_ref.detach(), "lse": lse_ref.detach()}
+        refs.update({n: t.grad for n, t in zip(("dq", "dk", "dv"), ref_in)})
+        for system in SYSTEMS:
+            plan = cpb.plan_baseline(
+                system, qr, kr, tm, total, world_size, rank, num_heads_q=hq, num_heads_kv=hkv
+            )
+            local = [cpb.shard_tokens(t.float(), plan).requires_grad_() for t in (q, k, v)]
+            out, lse = cpb.baseline_attn(*local, plan)
+            (out * cpb.shard_tokens(do.float(), plan)).sum().backward()
+            got = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+            for name, g in got.items():
+                errors[f"{system.value}/{mname}/{name}"] = _rel(
+                    name, g.detach().double(), refs[name][plan.token_index()]
+                )
+    return errors
+
+
+def test_baselines_on_triton_kernels_fp32() -> None:
+    """The Triton backend (interpreter on CPU) in a fresh process: TRITON_INTERPRET must be set before
+    Triton compiles anything, which this pytest process may already have done without it."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_cp_baselines as t; "
+        "from magi_attention.testing import run_distributed; "
+        "r = run_distributed(t._triton_rank, 2, ['random_a', 'shared_pairs'], timeout=300.0); "
+        "print(max(max(x.values()) for x in r), sum(len(x) for x in r))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MAGI_FFA_BACKEND": "triton", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "tests")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    worst, count = res.stdout.split()[-2:]
+    assert int(count) == 2 * len(SYSTEMS) * 2 * 5
+    assert float(worst) < 2e-5, f"fp32 Triton baselines: worst relative error {worst} vs dense fp64"
