@@ -52,7 +52,7 @@ class DispatchLayout:
 
 @dataclass(slots=True)
 class KernelSlices:
-    """One kernel call's slices as int32 device tensors; `num_slices == 0` means skip the call."""
+    """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
@@ -60,11 +60,13 @@ class KernelSlices:
     num_slices: int
 
     @classmethod
-    def from_slice_list(cls, slices: SliceList, device: torch.device) -> KernelSlices:
+    def from_slice_list(cls, slices: SliceList) -> KernelSlices:
+        # Host tensors on purpose: FFA reads slice geometry on the host (cached by value) and keeps its own
+        # device copy, so CUDA range tensors would only add a device->host sync to every kernel call.
         n = len(slices.types)
-        q = torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2).to(device)
-        k = torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2).to(device)
-        t = torch.tensor(slices.types, dtype=torch.int32).reshape(n).to(device)
+        q = torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2)
+        k = torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2)
+        t = torch.tensor(slices.types, dtype=torch.int32).reshape(n)
         return cls(q, k, t, n)
 
 
@@ -116,7 +118,7 @@ class DistAttnRuntime:
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
             whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
-            host = KernelSlices.from_slice_list(whole, device)
+            host = KernelSlices.from_slice_list(whole)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         cast_plans, reduce_plans = [], []
@@ -135,9 +137,9 @@ class DistAttnRuntime:
         return DeviceMeta(
             local_ids=local_ids,
             unpermutation=unperm,
-            host=KernelSlices.from_slice_list(rank_plan.host_slices, device),
-            merged=KernelSlices.from_slice_list(rank_plan.merged_slices, device),
-            stages=[KernelSlices.from_slice_list(s.remote_slices, device) for s in rank_plan.stages],
+            host=KernelSlices.from_slice_list(rank_plan.host_slices),
+            merged=KernelSlices.from_slice_list(rank_plan.merged_slices),
+            stages=[KernelSlices.from_slice_list(s.remote_slices) for s in rank_plan.stages],
             remote_tokens=[s.num_remote_tokens for s in rank_plan.stages],
             cast_plans=cast_plans,
             reduce_plans=reduce_plans,

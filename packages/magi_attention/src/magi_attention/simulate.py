@@ -21,12 +21,13 @@ def token_index(ranges: AttnRanges, device: torch.device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-def kernel_ranges(slices: SliceList, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_ranges(slices: SliceList) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 host tensors (FFA keeps its own device copy; host ranges avoid a sync per call)."""
     n = len(slices.types)
     return (
-        torch.tensor(slices.q_ranges, dtype=torch.int32, device=device).reshape(n, 2),
-        torch.tensor(slices.k_ranges, dtype=torch.int32, device=device).reshape(n, 2),
-        torch.tensor(slices.types, dtype=torch.int32, device=device).reshape(n),
+        torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2),
+        torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2),
+        torch.tensor(slices.types, dtype=torch.int32).reshape(n),
     )
 
 
@@ -43,7 +44,7 @@ def rank_calls(rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor) -> RankCal
     dev = k.device
     local = token_index(rank_plan.host_token_ranges, dev)
     remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
-    calls = [(kernel_ranges(rank_plan.host_slices, dev), k[local], v[local])]
+    calls = [(kernel_ranges(rank_plan.host_slices), k[local], v[local])]
     calls += [
         (kernel_ranges(s.remote_slices, dev), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)
     ]
