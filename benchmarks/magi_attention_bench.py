@@ -129,13 +129,32 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list) -> tuple[float, f
     return _events_ms(fwd), _events_ms(bwd)
 
 
-def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
     chunk = min(2048, tokens_per_gpu // 4)  # MagiAttention's benchmark: chunk 2048, 4 per rank at 8k/GPU
-    plan = plan_dist_attn(
+    return total, plan_dist_attn(
         q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=degree, min_chunk_size=min(512, chunk)
     )
+
+
+def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+    """What needs no GPU: compute balance and the K/V bytes the busiest rank receives (bf16 K and V)."""
+    _, plan = make_plan(mask, cp, tokens_per_gpu, degree)
+    areas = [r.host_area + sum(s.area for s in r.stages) for r in plan.ranks]
+    worst_bytes = max(sum(s.num_remote_tokens for s in r.stages) for r in plan.ranks) * 2 * HKV * D * 2
+    return {
+        "mask": mask,
+        "cp": cp,
+        "imbalance": max(areas) * cp / sum(areas),
+        "remote_mib": worst_bytes / 2**20,
+        "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
+        "comm_ms_ib": worst_bytes / IB_BPS * 1e3,
+    }
+
+
+def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+    total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
     shard = total // cp
     q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
@@ -213,10 +232,24 @@ def main() -> int:
     ap.add_argument("--cp1-tokens", type=int, default=32768)
     ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plan-only", action="store_true", help="balance and communication only (no GPU needed)")
     ap.add_argument(
         "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
     )
     args = ap.parse_args()
+    if args.plan_only:
+        print(
+            "| mask | cp | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | comm ms @50GB/s |"
+        )
+        print("|---|---|---|---|---|---|")
+        for mask in args.masks.split(","):
+            for cp in map(int, args.cps.split(",")):
+                r = plan_summary(mask, cp, args.tokens_per_gpu, args.degree)
+                print(
+                    f"| {mask} | {cp} | {r['imbalance']:.3f} | {r['remote_mib']:.1f} | {r['comm_ms_nvlink']:.2f}"
+                    f" | {r['comm_ms_ib']:.2f} |"
+                )
+        return 0
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
         f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
