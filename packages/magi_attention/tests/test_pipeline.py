@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from magi_attention._runtime import RUNTIME_CACHE
 from magi_attention.api import calc_attn, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_group_collective import GroupCollectiveImpl
 
 HQ, HKV, D = 4, 2, 8
 RTOL = 1e-9
@@ -163,3 +165,42 @@ ALL_CASES = [(m, o) for m in mask_cases(200) for o in OVERLAPS]
 )
 def test_pipeline_matches_dense_fp64(world_size: int, total: int, chunk: int | None) -> None:
     run_distributed(_pipeline_worker, world_size, total, chunk, ALL_CASES)
+
+
+def _mesh_worker(rank: int, world_size: int, total: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("inter", "intra"))
+    masks = mask_cases(total)
+    for mask_name in ("random", "varlen_causal", "block_causal"):
+        q_ranges, k_ranges, types = masks[mask_name]
+        gen = torch.Generator().manual_seed(zlib.crc32(mask_name.encode()))
+        q = torch.randn(total, HQ, D, dtype=torch.float64, generator=gen)
+        k = torch.randn(total, HKV, D, dtype=torch.float64, generator=gen)
+        v = torch.randn(total, HKV, D, dtype=torch.float64, generator=gen)
+        config = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=10), overlap_config=OVERLAPS["od2"])
+        key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, HQ, HKV, D, mesh, config)
+        assert key.cp_size == world_size and key.cp_group.mesh_shape == (2, world_size // 2)
+        cast_plans = RUNTIME_CACHE.get(key).device_meta(torch.device("cpu")).cast_plans
+        assert all(p.impl == GroupCollectiveImpl.HIERARCHICAL for p in cast_plans)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out_local, _ = calc_attn(dispatch(qg, key), dispatch(kg, key), dispatch(vg, key), key)
+        out = undispatch(out_local, key)
+        out.sum().backward()
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        out_ref, _ = ref_attn(qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total))
+        out_ref.sum().backward()
+        what = f"mesh 2x{world_size // 2}/{mask_name}"
+        for name, got, ref in (
+            ("out", out, out_ref),
+            ("dq", qg.grad, qr.grad),
+            ("dk", kg.grad, kr.grad),
+            ("dv", vg.grad, vr.grad),
+        ):
+            assert _rel_err(got, ref) < RTOL, f"{what}: {name} rel err {_rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("world_size", [4], ids=["mesh2x2"])
+def test_two_level_mesh_uses_hierarchical_collectives(world_size: int) -> None:
+    """A 2-D (inter, intra) DeviceMesh: GroupCast/GroupReduce go hierarchical; results stay exact."""
+    run_distributed(_mesh_worker, world_size, 200)
