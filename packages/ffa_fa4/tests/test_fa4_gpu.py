@@ -95,7 +95,15 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "total", "hq", "hk", "d"), CASES)
 def test_fa4_matches_reference(name, total, hq, hk, d, monkeypatch) -> None:
-    _run(name, total, hq, hk, d, seed=zlib.crc32(f"{name}-{total}-{hk}".encode()) % 1000, monkeypatch=monkeypatch)
+    _run(
+        name,
+        total,
+        hq,
+        hk,
+        d,
+        seed=zlib.crc32(f"{name}-{total}-{hk}".encode()) % 1000,
+        monkeypatch=monkeypatch,
+    )
 
 
 def test_accumulate_into_out_lse(monkeypatch) -> None:

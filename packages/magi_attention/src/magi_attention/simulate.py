@@ -45,9 +45,7 @@ def rank_calls(rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor) -> RankCal
     local = token_index(rank_plan.host_token_ranges, dev)
     remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
     calls = [(kernel_ranges(rank_plan.host_slices), k[local], v[local])]
-    calls += [
-        (kernel_ranges(s.remote_slices, dev), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)
-    ]
+    calls += [(kernel_ranges(s.remote_slices), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)]
     return RankCalls(local, remote, calls)
 
 
