@@ -4,6 +4,7 @@
 #   bash scripts/dev.sh test    every test of every package (CPU; Triton kernels under the interpreter)
 #   bash scripts/dev.sh docs    mkdocs build --strict
 #   bash scripts/dev.sh lint    ruff check + ruff format --check
+#   bash scripts/dev.sh wheels  build each package's wheel on its own (into dist/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -53,8 +54,24 @@ case "$cmd" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     ;;
+  wheels)
+    rm -rf dist && mkdir -p dist
+    for pkg in solver ffa ffa_fa4 group_collective magi_attention; do
+      "$PY" -m pip wheel -q --no-deps -w dist "packages/$pkg"
+    done
+    # The planner must stay installable without torch.
+    "$PY" - <<'PY'
+import glob, sys, zipfile
+whl = zipfile.ZipFile(glob.glob("dist/magi_solver-*.whl")[0])
+meta = next(n for n in whl.namelist() if n.endswith("METADATA"))
+reqs = [l for l in whl.read(meta).decode().splitlines() if l.startswith("Requires-Dist:")]
+if any("torch" in l or "triton" in l for l in reqs):
+    sys.exit(f"magi-solver's wheel must not depend on torch/triton: {reqs}")
+PY
+    ls dist
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test|docs|lint} [args]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|docs|lint|wheels} [args]" >&2
     exit 2
     ;;
 esac
