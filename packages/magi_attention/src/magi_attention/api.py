@@ -163,9 +163,13 @@ def magi_attn_varlen_key(
     """Key for packed variable-length documents: document i attends within itself.
 
     Args:
-        cu_seqlens_q, cu_seqlens_k: cumulative lengths `[num_docs + 1]` starting at 0 (list or int tensor).
-        causal: causal attention inside each document.
+        cu_seqlens_q, cu_seqlens_k: cumulative lengths `[num_docs + 1]` starting at 0 (list or int tensor);
+            self-attention, so they must be equal.
+        num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
+        cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
+        causal: causal attention inside each document (forces the window's right side to 0).
         window_size: `(left, right)` sliding window inside each document, -1 meaning unbounded.
+        dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
     """
     cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
@@ -206,7 +210,12 @@ def make_flex_key_for_new_mask_after_dispatch(
     attn_mask_type: Any,
     key_for_dispatch: DistAttnRuntimeKey,
 ) -> DistAttnRuntimeKey:
-    """Key for a second mask over tensors already dispatched with `key_for_dispatch` (same token placement)."""
+    """Key for a second mask over tensors already dispatched with `key_for_dispatch` (same token placement).
+
+    Args:
+        q_ranges, k_ranges, attn_mask_type: the new mask, in the forms `magi_attn_flex_key` accepts.
+        key_for_dispatch: the key the tensors were dispatched with; shapes, group and config are taken from it.
+    """
     if not isinstance(key_for_dispatch, DistAttnRuntimeKey):
         raise TypeError(
             f"key_for_dispatch must be a DistAttnRuntimeKey, got {type(key_for_dispatch).__name__}"
@@ -236,7 +245,10 @@ def make_flex_key_for_new_mask_after_dispatch(
 def get_position_ids(key: DistAttnRuntimeKey) -> torch.Tensor:
     """Global token index of each local token, int64 `[shard_seqlen]` (padding reuses the last valid id).
 
-    On the device of the cp group's backend (CUDA for NCCL, CPU otherwise).
+    Args:
+        key: the runtime key the tensors are dispatched with.
+
+    Returns a tensor on the device of the cp group's backend (CUDA for NCCL, CPU otherwise).
     """
     runtime = RUNTIME_CACHE.get(key)
     ids = torch.from_numpy(runtime.layout.local_token_ids(runtime.rank).copy())
@@ -252,10 +264,18 @@ def _key_device(key: DistAttnRuntimeKey) -> torch.device:
 
 
 def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | None:
-    """The key most recently planned or used for this group (integrations use it to find the mask)."""
+    """The key most recently planned or used for `cp_group_or_mesh` (integrations use it to find the mask).
+
+    Args:
+        cp_group_or_mesh: the group or mesh the key was built for (None: the default group).
+    """
     return RUNTIME_CACHE.most_recent_key(_resolve_cp_group(cp_group_or_mesh).name)
 
 
 def clear_cache(cp_group_or_mesh: Any = None) -> None:
-    """Drop cached plans: of one group, or of every group when called without an argument."""
+    """Drop cached plans.
+
+    Args:
+        cp_group_or_mesh: drop only this group's plans; None drops every group's.
+    """
     RUNTIME_CACHE.clear(None if cp_group_or_mesh is None else _resolve_cp_group(cp_group_or_mesh).name)

@@ -89,7 +89,15 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
 
 
 def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
-    """Gather every rank's shard back into the global tensor `[total_seqlen_q, ...]` (padding removed)."""
+    """Gather every rank's shard back into the global tensor (padding removed).
+
+    Args:
+        local_x: `[shard_seqlen, ...]`, this rank's tokens (e.g. the output of `calc_attn`, or its lse).
+        key: the key the tensors were dispatched with.
+
+    Returns:
+        `[total_seqlen_q, ...]` in global token order, the same on every rank.
+    """
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
         lambda: _check_tokens(
