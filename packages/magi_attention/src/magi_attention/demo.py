@@ -6,7 +6,7 @@ context parallelism over 4 CPU processes (gloo) when there is no GPU, or over ev
 are. Loss and gradients are checked against a single-process run of the same model; per-rank compute
 balance and communication volume are compared with ring attention and all-gather K/V.
 
-    python -m magi_attention.demo [--tokens 4096] [--steps 4] [--cp 4]
+    python -m magi_attention.demo [--tokens 8192] [--steps 4] [--cp 4]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .testing import run_distributed
 
 @dataclass(frozen=True)
 class DemoConfig:
-    tokens: int = 4096
+    tokens: int = 8192
     steps: int = 4
     vocab: int = 256
     dim: int = 64
