@@ -90,6 +90,21 @@ def _api_worker(rank: int, world_size: int) -> None:
         assert torch.allclose(undispatch(out, key), ref, rtol=1e-10, atol=1e-12), f"{ty} mask after dispatch"
         assert meta.lse.dtype == torch.float64
 
+    # Empty slices hold no pair: they are dropped, at every cp size alike.
+    with_empty = magi_attn_flex_key(
+        [[0, 40], [5, 5], [40, TOTAL]],
+        [[0, 40], [0, 9], [40, TOTAL]],
+        "causal",
+        TOTAL,
+        TOTAL,
+        HQ,
+        HKV,
+        D,
+        group,
+        _config(),
+    )
+    assert with_empty.q_ranges == ((0, 40), (40, TOTAL))
+
     # Bad input: the same clear error on every rank, raised before any collective.
     _expect_error(ValueError, "tokens", calc_attn, lq[1:], lk[1:], lv[1:], causal_key)
     _expect_error(ValueError, "num_heads_q", calc_attn, lq[:, :1], lk, lv, causal_key)

@@ -98,6 +98,12 @@ def _check_mask_bounds(q_ranges, k_ranges, total_q: int, total_k: int) -> None:
                 raise ValueError(f"{name}[{i}] = [{s}, {e}) must satisfy 0 <= start <= end <= {total}")
 
 
+def _drop_empty_slices(q_ranges, k_ranges, types):
+    """Slices with an empty q or k range hold no pair: drop them (the planner rejects empty ranges)."""
+    keep = [i for i, ((qs, qe), (ks, ke)) in enumerate(zip(q_ranges, k_ranges)) if qs < qe and ks < ke]
+    return tuple(q_ranges[i] for i in keep), tuple(k_ranges[i] for i in keep), tuple(types[i] for i in keep)
+
+
 def magi_attn_flex_key(
     q_ranges: Any,
     k_ranges: Any,
@@ -139,6 +145,7 @@ def magi_attn_flex_key(
         raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hkv})")
     d = _positive_int(head_dim, "head_dim")
     _check_mask_bounds(q, k, total_q, total_k)
+    q, k, types = _drop_empty_slices(q, k, types)
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
     if not isinstance(config, DistAttnConfig):
         raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
@@ -225,6 +232,7 @@ def make_flex_key_for_new_mask_after_dispatch(
     k = normalize_ranges(k_ranges, "k_ranges")
     types = normalize_mask_types(attn_mask_type, len(q))
     _check_mask_bounds(q, k, base.total_seqlen_q, base.total_seqlen_k)
+    q, k, types = _drop_empty_slices(q, k, types)
     key = DistAttnRuntimeKey(
         q,
         k,
