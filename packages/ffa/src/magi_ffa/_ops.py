@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 
 import torch
@@ -27,6 +28,30 @@ from ._common import (
 )
 
 __all__ = ["ffa_bwd", "ffa_fwd", "flex_flash_attn_func"]
+
+BWD_IMPL_ENV = "MAGI_FFA_BWD_IMPL"
+
+
+class BwdImpl(enum.StrEnum):
+    """Triton backward implementation: ``split`` (dq kernel + dkv kernel, deterministic, the default) or
+    ``fused`` (one kernel, dq through atomics)."""
+
+    SPLIT = "split"
+    FUSED = "fused"
+
+
+def bwd_impl(deterministic: bool) -> BwdImpl:
+    """The backward to run, from ``MAGI_FFA_BWD_IMPL`` (read on every call; unset or empty = split).
+    ``fused`` is honoured only when ``deterministic`` is False. Raises ValueError on any other value."""
+    raw = os.environ.get(BWD_IMPL_ENV, "").strip().lower()
+    if not raw:
+        return BwdImpl.SPLIT
+    try:
+        impl = BwdImpl(raw)
+    except ValueError:
+        valid = ", ".join(m.value for m in BwdImpl)
+        raise ValueError(f"{BWD_IMPL_ENV}={raw!r} is not valid; use one of: {valid}") from None
+    return BwdImpl.SPLIT if deterministic else impl
 
 
 def _check_triton_ok(q: torch.Tensor) -> None:
@@ -67,7 +92,7 @@ def ffa_fwd(
         attn_type_map: int32 ``[n]`` slice types (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL); None = FULL.
         softmax_scale: score scale, default ``head_dim ** -0.5``.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
-        deterministic: accepted for API parity; both backends are always bitwise deterministic (no atomics).
+        deterministic: accepted for API parity; the forward is always bitwise deterministic (no atomics).
         out: optional accumulator ``[total_q, num_heads_q, head_dim]`` in float32 (float64 for float64 inputs)
             or q's dtype holding a partial result over other keys; merged into in place.
         lse: its log-sum-exp ``[total_q, num_heads_q]`` float32 (float64 for float64 inputs); rows at -inf
@@ -103,9 +128,12 @@ def _bwd_delta(
     dq: torch.Tensor | None,
     dk: torch.Tensor | None,
     dv: torch.Tensor | None,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward given ``delta = rowsum(do * out) - dlse``; accumulates into dq/dk/dv if given, else returns
-    fresh tensors in the input dtype."""
+    fresh tensors in the input dtype. The Triton backward is the split dq + dkv pair unless
+    ``MAGI_FFA_BWD_IMPL=fused`` and not ``deterministic`` (:func:`bwd_impl`)."""
+    impl = bwd_impl(deterministic)  # validated on every backend: a typo never passes silently
     delta = torch.where(torch.isneginf(lse), torch.zeros_like(delta), delta).to(acc_dtype(q.dtype))
     if backend_for(q) == Backend.TORCH:
         grads = reference.bwd_core(do, q, k, v, lse, delta, slices, scale, softcap)
@@ -114,9 +142,15 @@ def _bwd_delta(
             res.append(g.to(ref.dtype) if buf is None else buf.add_(g))
         return res[0], res[1], res[2]
     _check_triton_ok(q)
-    from ._triton_bwd import triton_bwd
+    if impl == BwdImpl.FUSED:
+        from . import _triton_bwd_fused as bwd_mod
 
-    gq, gk, gv = triton_bwd(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
+        launch = bwd_mod.triton_bwd_fused
+    else:
+        from . import _triton_bwd as bwd_mod
+
+        launch = bwd_mod.triton_bwd
+    gq, gk, gv = launch(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
     return (
         gq if dq is not None else gq.to(q.dtype),
         gk if dk is not None else gk.to(k.dtype),
@@ -146,8 +180,9 @@ def ffa_bwd(
 
     Args:
         do: ``[total_q, num_heads_q, head_dim]`` gradient of the final output, q's dtype.
-        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic: as in
-            :func:`ffa_fwd`.
+        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap: as in :func:`ffa_fwd`.
+        deterministic: the default split Triton backward is always bitwise reproducible; with
+            ``MAGI_FFA_BWD_IMPL=fused`` (opt-in, dq via atomics) True keeps the split one.
         out: the FINAL forward output (merged over every stage), q's shape, q's dtype or float32.
         lse: the FINAL lse ``[total_q, num_heads_q]`` float32 (float64 for float64). Gradients use
             ``P = exp(S - lse)`` and ``Delta = rowsum(do * out)``, so they are exact for this call's keys;
@@ -171,7 +206,7 @@ def ffa_bwd(
     validate_grad_buffers(dq, dk, dv, q, k)
     adt = acc_dtype(q.dtype)
     delta = (do.to(adt) * out.to(adt)).sum(-1)
-    return _bwd_delta(do, q, k, v, lse, delta, slices, scale, float(softcap), dq, dk, dv)
+    return _bwd_delta(do, q, k, v, lse, delta, slices, scale, float(softcap), dq, dk, dv, bool(deterministic))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,7 +253,7 @@ def _bwd_op(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    dq, dk, dv = _bwd_delta(do, q, k, v, lse, delta, slices, scale, softcap, None, None, None)
+    dq, dk, dv = _bwd_delta(do, q, k, v, lse, delta, slices, scale, softcap, None, None, None, deterministic)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -279,7 +314,8 @@ def flex_flash_attn_func(
             aligned), 3 BI_CAUSAL; None = all FULL.
         softmax_scale: default ``head_dim ** -0.5``.
         softcap: if > 0, ``softcap * tanh(score / softcap)``.
-        deterministic: accepted; forward and backward are always bitwise reproducible here.
+        deterministic: forward and the default backward are always bitwise reproducible; it matters only with
+            ``MAGI_FFA_BWD_IMPL=fused`` (opt-in fused Triton backward, dq via atomics), which True turns off.
         out: optional previous partial output (q's dtype or float32) to merge into, in place.
         lse: its float32 ``[total_q, num_heads_q]`` log-sum-exp (float64 for float64 inputs).
 

@@ -5,7 +5,9 @@ accumulating dq in registers. ``ffa_bwd_dkv_kernel``: one program per (kv head, 
 that touch its keys, every q head of its GQA group, and the visible q blocks, accumulating dk and dv in
 registers. Each output row block has one owner, so overlapping q or k slices need no atomics and the result
 is bitwise deterministic. Gradients use the final lse (``P = exp(S - lse)``) and ``delta = rowsum(do * out)
-- dlse``; rows with lse -inf give P = 0. Accumulators are fp32 (added to when given).
+- dlse``; rows with lse -inf give P = 0. Accumulators are fp32 (added to when given). The dkv kernel's
+q-range cut (``kblock_rows``), tile step (``dkv_tile``) and launcher prologue (``bwd_setup``) are shared with
+the fused backward (``_triton_bwd_fused``).
 """
 
 from __future__ import annotations
@@ -105,6 +107,67 @@ def ffa_bwd_dq_kernel(
 
 
 @triton.jit
+def kblock_rows(qs, qe, ks, ke, dk, dk_inv, causal, inv, n0, BLOCK_N: tl.constexpr):
+    """Rows ``[r_lo, r_hi)`` of one slice that see any key of the k block at ``n0`` (the q range cut by the
+    slice type), and whether every key of the block lies inside the slice's k range."""
+    c_lo = tl.maximum(ks, n0)
+    c_hi = tl.minimum(ke, n0 + BLOCK_N)
+    r_lo = tl.where(causal, tl.maximum(qs, c_lo - dk), qs)
+    r_hi = tl.where(inv, tl.minimum(qe, c_hi - dk_inv), qe)
+    cols_full = (ks <= n0) & (n0 + BLOCK_N <= ke)
+    return r_lo, r_hi, cols_full
+
+
+@triton.jit
+def dkv_tile(
+    Q, DO, LSE, DELTA, kb, vb, dk_acc, dv_acc, h, m0, n0, r_hi, offs_n, offs_d,
+    qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, stride_lh, sm_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """One (k block, q head h, q tile at m0) step of a k-block walk: adds to dk_acc / dv_acc ``[BLOCK_N, d]``
+    and returns them with ``dS^T`` ``[BLOCK_N, BLOCK_M]`` (unscaled, zero outside the slice), so a
+    fused caller can form this tile's dq. Element masks only when the tile is not inside the slice."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < r_hi
+    qt = tl.load(
+        Q + offs_m[None, :] * stride_qt + h * stride_qh + offs_d[:, None], mask=row_ok[None, :], other=0.0
+    )
+    do = tl.load(
+        DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    if UPCAST:
+        qt = qt.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(DELTA + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=0.0)
+    st = dot_(kb, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)  # S^T: [keys, rows]
+    if SOFTCAP:
+        th = tanh_(st * (sm_scale / softcap))
+        st = th * (softcap * LOG2E)
+    else:
+        st = st * (sm_scale * LOG2E)
+    pt = tl.exp2(st - lse2[None, :])
+    full = cols_full & (m0 + BLOCK_M <= qe)
+    full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
+    full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
+    if not full:
+        vis = (offs_n[:, None] >= ks) & (offs_n[:, None] < ke) & row_ok[None, :]
+        vis = vis & (~causal | (offs_n[:, None] <= offs_m[None, :] + dk))
+        vis = vis & (~inv | (offs_n[:, None] >= offs_m[None, :] + dk_inv))
+        pt = tl.where(vis, pt, 0.0)
+    dv_acc = dot_(pt.to(do.dtype), do, dv_acc, IEEE)
+    dpt = dot_(vb, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+    dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:
+        dst = dst * (1.0 - th * th)
+    dk_acc = dot_(dst.to(qt.dtype), tl.trans(qt), dk_acc, IEEE)
+    return dk_acc, dv_acc, dst
+
+
+@triton.jit
 def ffa_bwd_dkv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, SLICES, BLK_PTR, BLK_IDX, BLK_ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -118,7 +181,6 @@ def ffa_bwd_dkv_kernel(
     n0 = blk * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_i = tl.arange(0, BLOCK_M)
     col_ok = offs_n < total_k
     kb = tl.load(
         K + offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=col_ok[:, None], other=0.0
@@ -129,60 +191,22 @@ def ffa_bwd_dkv_kernel(
     if UPCAST:
         kb = kb.to(tl.float32)
         vb = vb.to(tl.float32)
-    qk_scale = sm_scale * LOG2E
     dk_acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     e0 = tl.load(BLK_PTR + blk)
     e1 = tl.load(BLK_PTR + blk + 1)
     for e in range(e0, e1):
         qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(BLK_IDX + e))
-        c_lo = tl.maximum(ks, n0)
-        c_hi = tl.minimum(ke, n0 + BLOCK_N)
-        r_lo = tl.where(causal, tl.maximum(qs, c_lo - dk), qs)
-        r_hi = tl.where(inv, tl.minimum(qe, c_hi - dk_inv), qe)
-        cols_full = (ks <= n0) & (n0 + BLOCK_N <= ke)
+        r_lo, r_hi, cols_full = kblock_rows(qs, qe, ks, ke, dk, dk_inv, causal, inv, n0, BLOCK_N)
         for g in range(GROUP):
             h = hk * GROUP + g
             for m0 in range(r_lo, r_hi, BLOCK_M):
-                offs_m = m0 + offs_i
-                row_ok = offs_m < r_hi
-                qt = tl.load(
-                    Q + offs_m[None, :] * stride_qt + h * stride_qh + offs_d[:, None],
-                    mask=row_ok[None, :],
-                    other=0.0,
-                )
-                do = tl.load(
-                    DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
-                    mask=row_ok[:, None],
-                    other=0.0,
-                )
-                if UPCAST:
-                    qt = qt.to(tl.float32)
-                    do = do.to(tl.float32)
-                lse = tl.load(LSE + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=float("-inf"))
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                delta = tl.load(DELTA + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=0.0)
-                st = dot_(kb, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)  # S^T: [keys, rows]
-                if SOFTCAP:
-                    th = tanh_(st * (sm_scale / softcap))
-                    st = th * (softcap * LOG2E)
-                else:
-                    st = st * qk_scale
-                pt = tl.exp2(st - lse2[None, :])
-                full = cols_full & (m0 + BLOCK_M <= qe)
-                full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
-                full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
-                if not full:
-                    vis = (offs_n[:, None] >= ks) & (offs_n[:, None] < ke) & row_ok[None, :]
-                    vis = vis & (~causal | (offs_n[:, None] <= offs_m[None, :] + dk))
-                    vis = vis & (~inv | (offs_n[:, None] >= offs_m[None, :] + dk_inv))
-                    pt = tl.where(vis, pt, 0.0)
-                dv_acc = dot_(pt.to(do.dtype), do, dv_acc, IEEE)
-                dpt = dot_(vb, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
-                dst = pt * (dpt - delta[None, :])
-                if SOFTCAP:
-                    dst = dst * (1.0 - th * th)
-                dk_acc = dot_(dst.to(qt.dtype), tl.trans(qt), dk_acc, IEEE)
+                dk_acc, dv_acc, _dst = dkv_tile(
+                    Q, DO, LSE, DELTA, kb, vb, dk_acc, dv_acc, h, m0, n0, r_hi, offs_n, offs_d,
+                    qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, stride_lh, sm_scale, softcap,
+                    BLOCK_M, BLOCK_N, SOFTCAP, UPCAST, IEEE,
+                )  # fmt: skip
     dk_acc = dk_acc * sm_scale
     dk_ptrs = DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + offs_n[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :]
@@ -191,6 +215,45 @@ def ffa_bwd_dkv_kernel(
         dv_acc += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
     tl.store(dk_ptrs, dk_acc, mask=col_ok[:, None])
     tl.store(dv_ptrs, dv_acc, mask=col_ok[:, None])
+
+
+def bwd_setup(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    softcap: float,
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    *,
+    zero_dq: bool,
+) -> tuple:
+    """Shared launcher prologue of the split and fused backward: unit-stride q/k/v/do, one stride pair for
+    lse/delta, the constexpr/scalar kwargs common to the kernels, and float32 (dq, dk, dv) buffers (the given
+    ones, else fresh: dq zero-filled when ``zero_dq`` since atomics add into it, the rest uninitialised)."""
+    q, k, v, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do))
+    delta = delta.contiguous()
+    lse = lse if lse.stride() == delta.stride() else lse.contiguous()  # one stride pair for lse and delta
+    upcast, ieee = compute_flags(q)
+    common = dict(sm_scale=scale, softcap=softcap if softcap > 0 else 1.0, GROUP=q.shape[1] // k.shape[1],
+                  HEAD_DIM=q.shape[2], SOFTCAP=softcap > 0, UPCAST=upcast, IEEE=ieee)  # fmt: skip
+    bufs = []
+    for i, (buf, ref) in enumerate(((dq, q), (dk, k), (dv, v))):
+        if buf is not None and buf.stride(-1) != 1:
+            raise ValueError("gradient accumulators must be contiguous in the last dimension for triton")
+        if buf is None:
+            zero = zero_dq and i == 0
+            buf = (
+                torch.zeros(ref.shape, dtype=torch.float32, device=q.device)
+                if zero
+                else alloc(ref.shape, torch.float32, q.device)
+            )
+        bufs.append(buf)
+    return q, k, v, do, lse, delta, common, tuple(bufs)
 
 
 def triton_bwd(
@@ -210,21 +273,12 @@ def triton_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch dq and dkv kernels on validated inputs. lse/delta float32 ``[total_q, num_heads_q]`` (delta
     already zero on rows with lse -inf). Returns float32 dq/dk/dv: the given buffers (added to) or fresh."""
-    q, k, v, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do))
-    delta = delta.contiguous()
-    lse = lse if lse.stride() == delta.stride() else lse.contiguous()  # one stride pair for lse and delta
+    q, k, v, do, lse, delta, common, (gq, gk, gv) = bwd_setup(
+        do, q, k, v, lse, delta, scale, softcap, dq, dk, dv, zero_dq=False
+    )
     tq, hq, d = q.shape
     tk, hk, _ = k.shape
-    upcast, ieee = compute_flags(q)
     interp = not q.is_cuda
-    common = dict(sm_scale=scale, softcap=softcap if softcap > 0 else 1.0, GROUP=hq // hk, HEAD_DIM=d,
-                  SOFTCAP=softcap > 0, UPCAST=upcast, IEEE=ieee)  # fmt: skip
-    bufs = []
-    for buf, ref in ((dq, q), (dk, k), (dv, v)):
-        if buf is not None and buf.stride(-1) != 1:
-            raise ValueError("gradient accumulators must be contiguous in the last dimension for triton")
-        bufs.append(buf if buf is not None else alloc(ref.shape, torch.float32, q.device))
-    gq, gk, gv = bufs
     if tq and hq:
         t = tiles_for("dq", d, interp)
         meta = axis_tiles(slices, tq, t.block_m, "q", str(q.device))

@@ -29,18 +29,21 @@ class Tiles:
 #   for 128 x 64, full mask, 32k, 64:8) despite a small spill.
 # dq: owns a q block and holds q, do and dq at once: 128 x 32 (almost no spill) beat 64 x 64 and 128 x 64.
 # dkv: owns a k block (k, v, dk, dv resident) and walks q in 32-row tiles: 32 x 128 beat 32 x 64 / 64 x 64.
+# fused (one backward kernel, dq by atomics; MAGI_FFA_BWD_IMPL=fused): the dkv walk plus a [BLOCK_M, d] dq
+#   tile, so it starts from the dkv choice. NOT yet measured or spill-checked: sweep before trusting it.
 # d=64 / 256 entries are scaled from these, not measured.
 _GPU_TILES = {
     "fwd": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 128, 8, 3), 256: Tiles(64, 32, 4, 2)},
     "dq": {64: Tiles(128, 32, 4, 2), 128: Tiles(128, 32, 8, 2), 256: Tiles(32, 32, 4, 1)},
     "dkv": {64: Tiles(32, 128, 4, 2), 128: Tiles(32, 128, 8, 2), 256: Tiles(16, 32, 4, 1)},
+    "fused": {64: Tiles(32, 128, 4, 2), 128: Tiles(32, 128, 8, 2), 256: Tiles(16, 32, 4, 1)},
 }
 # The interpreter runs one program at a time at ~10 ms per inner iteration: large tiles, few iterations.
 _INTERP_TILES = Tiles(64, 64, 4, 1)
 
 
 def tiles_for(kind: str, head_dim: int, interpret: bool) -> Tiles:
-    """Tiles for ``kind`` (fwd, dq, dkv); ``MAGI_FFA_TILES_<KIND>="BM,BN,warps,stages"`` overrides (tests,
+    """Tiles for ``kind`` (fwd, dq, dkv, fused); ``MAGI_FFA_TILES_<KIND>="BM,BN,warps,stages"`` overrides (tests,
     tuning sweeps)."""
     env = os.environ.get(f"MAGI_FFA_TILES_{kind.upper()}")
     if env:
