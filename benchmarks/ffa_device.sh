@@ -12,8 +12,13 @@ if ! python3 -c "import pytest" 2>/dev/null && [ -d .ffa_whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .ffa_whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 t0=$(date +%s)
-timeout ${PYTEST_S:-170} python3 -m pytest packages/ffa/tests/test_triton.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+timeout ${PYTEST_S:-170} python3 -m pytest packages/ffa/tests/test_triton.py packages/ffa/tests/test_triton_bwd_fused.py -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
 echo "pytest: $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+# fused backward (not yet the default) against the split one, same process settings
+for impl in split fused; do
+  MAGI_FFA_BWD_IMPL=$impl timeout ${FUSED_S:-90} python3 benchmarks/ffa_bench.py --kernels ffa --masks full,causal,varlen_causal \
+    --seqlens 32768 --heads 64:8 --out-dir /tmp/bwd_$impl 2>&1 | grep '^{' | sed "s/^/bwd_impl=$impl /" | tee -a "$LOG"
+done
 # tile sweep: fwd BM,BN,warps,stages | dq | dkv  (32k, 64:8, full + causal)
 best=""; bestv=0
 for cfg in "128,64,8,3|64,64,8,2|32,64,8,2" "128,32,8,3|128,32,8,2|32,128,8,2" "128,128,8,3|128,64,8,2|64,64,8,2"; do
