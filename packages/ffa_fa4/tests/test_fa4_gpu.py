@@ -137,3 +137,63 @@ def test_plan_cache_by_value() -> None:
     b = _plan.get_plan([[0, 300]], torch.tensor([[0, 300]], device=dev), torch.tensor([1]), 300, 300, dev)
     c = _plan.get_plan([[0, 300]], [[0, 300]], [0], 300, 300, dev)
     assert a is b and a is not c
+
+
+def _split_keys(qr, kr, tm, cuts):
+    """The slices of each key stage [cuts[i], cuts[i+1]): keys clipped to the stage, in stage-local coordinates
+    (a causal slice cut on the key side keeps its diagonal only for the piece holding the slice's last key,
+    so only FULL slices are cut here; others go whole to the stage holding their key start)."""
+    stages = [([], [], []) for _ in range(len(cuts) - 1)]
+    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
+        for i in range(len(cuts) - 1):
+            lo, hi = cuts[i], cuts[i + 1]
+            if t == 0:
+                a, b = max(ks, lo), min(ke, hi)
+                if a < b:
+                    stages[i][0].append([qs, qe]), stages[i][1].append([a - lo, b - lo]), stages[i][2].append(0)
+            elif lo <= ks < hi:
+                stages[i][0].append([qs, qe]), stages[i][1].append([ks - lo, ke - lo]), stages[i][2].append(t)
+    return stages
+
+
+@pytest.mark.parametrize("hk", [8, 2])
+def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
+    """ffa_fwd merging stage by stage into fp32 out/lse, then ffa_bwd per stage with the FINAL out/lse
+    accumulating into fp32 dq/dk/dv, equals attention over the union (the multi-stage runtime's contract)."""
+    monkeypatch.setenv("MAGI_FFA_FA4_POISON", "1")
+    torch.manual_seed(11 + hk)
+    dev, dt, t, hq, d = torch.device("cuda"), torch.bfloat16, 1100, 8, 128
+    rng = random.Random(hk)
+    qr, kr, tm = random_slices(rng, t, t, 10, types=(0,))
+    qr += [[0, t]]
+    kr += [[700, 1100]]
+    tm += [1]
+    q = torch.randn(t, hq, d, device=dev, dtype=dt)
+    k = torch.randn(t, hk, d, device=dev, dtype=dt)
+    v = torch.randn(t, hk, d, device=dev, dtype=dt)
+    do = torch.randn(t, hq, d, device=dev, dtype=dt)
+    cuts = [0, 300, 700, t]
+    stages = _split_keys(qr, kr, tm, cuts)
+    out, lse = magi_ffa_fa4.ffa_fwd(q, k[: cuts[1]], v[: cuts[1]], *stages[0])
+    out = out.float()
+    for i in range(1, len(stages)):
+        ks = slice(cuts[i], cuts[i + 1])
+        res = magi_ffa_fa4.ffa_fwd(q, k[ks], v[ks], *stages[i], out=out, lse=lse)
+        assert res[0] is out and res[1] is lse
+    out_q = out.to(dt)
+    dq = torch.zeros(q.shape, device=dev)
+    dk, dv = (torch.zeros(x.shape, device=dev) for x in (k, v))
+    for i, st in enumerate(stages):
+        ks = slice(cuts[i], cuts[i + 1])
+        magi_ffa_fa4.ffa_bwd(do, q, k[ks], v[ks], out_q, lse, *st, dq=dq, dk=dk[ks], dv=dv[ks])
+    mask = dense_mask(qr, kr, tm, t, t)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    refs = {}
+    for key, dtype in (("64", torch.float64), ("lp", dt)):
+        o, l = ref_attention(*leaves, mask, dtype=dtype)
+        refs[key] = (o, l, *torch.autograd.grad(o, leaves, do.to(dtype)))
+    for i, (nm, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))):
+        assert_close_to_ref(f"stages/{nm}", x, refs["64"][i], refs["lp"][i], rtol=RTOL[nm])
+    # without accumulators: fresh tensors in the input dtype
+    g = magi_ffa_fa4.ffa_bwd(do, q, k, v, out_q, lse, qr, kr, tm)
+    assert all(x.dtype == dt for x in g)

@@ -117,11 +117,12 @@ def test_overlap_helpers() -> None:
 def test_dynamic_degree_minimises_the_slowest_rank() -> None:
     n = 4096
     q = [[0, n]]
+    # degree 0 (one merged stage) is a dynamic candidate too, so it is part of the minimum
     plans = {
         d: plan_dist_attn(
             q, q, "causal", n, 4, 128, overlap_degree=d, min_chunk_size=128, comm_cost_factor=1000.0
         )
-        for d in range(1, 5)
+        for d in range(0, 5)
     }
     dyn = plan_dist_attn(
         q,
@@ -135,10 +136,25 @@ def test_dynamic_degree_minimises_the_slowest_rank() -> None:
         dynamic_max_degree=4,
         comm_cost_factor=1000.0,
     )
-    best = min(max(dyn_t for dyn_t in _times(plans[d], 1000.0)) for d in plans)
+    best = min(max(plans[d].predicted_times) for d in plans)
     assert max(dyn.predicted_times) == pytest.approx(best)
+    assert dyn.degree_costs == pytest.approx({d: max(p.predicted_times) for d, p in plans.items()})
+    for d in range(1, 5):  # the factor estimate of a pipelined plan, recomputed from its stages
+        assert list(plans[d].predicted_times) == pytest.approx(_times(plans[d], 1000.0))
     assert dyn.overlap_degree > 1  # comm is expensive here: overlapping must pay
     assert all(len(rp.stages) == dyn.num_stages for rp in dyn.ranks)
+
+
+def test_dynamic_degree_is_zero_when_no_rank_needs_remote_keys() -> None:
+    # Every document sits inside one rank's shard: no remote K/V, so every degree costs the same under the
+    # factor estimate and the tie goes to degree 0 (before degree 0 was a candidate this picked 1).
+    cu = [0, 16, 32, 48, 64]
+    q = [[a, b] for a, b in itertools.pairwise(cu)]
+    plan = plan_dist_attn(q, q, "causal", 64, 4, 8, dispatch_alg="sequential", overlap_degree=None,
+                          dynamic_max_degree=3)  # fmt: skip
+    assert plan.remote_tokens_per_rank == (0, 0, 0, 0)
+    assert plan.overlap_degree == 0 and plan.num_stages == 1
+    assert plan.degree_costs == {0: 136.0, 1: 136.0, 2: 136.0, 3: 136.0}  # one 16-token causal document
 
 
 def _times(plan: DistAttnPlan, comm_f: float) -> list[float]:

@@ -5,7 +5,7 @@ distributed runtime calls; ``reference`` is the blockwise torch path; ``testing`
 """
 
 from . import reference, testing
-from ._common import AttnType, Backend, merge_out_lse
+from ._common import AttnType, Backend, merge_out_lse, triton_head_dim_ok
 from ._ops import ffa_bwd, ffa_fwd, flex_flash_attn_func
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "merge_out_lse",
     "reference",
     "testing",
+    "triton_head_dim_ok",
 ]

@@ -299,6 +299,16 @@ def backend_for(q: torch.Tensor) -> Backend:
     return Backend.TORCH
 
 
+def resolve_backend(q: torch.Tensor, backend: Backend | str | None) -> Backend:
+    """An explicit ``backend`` argument wins over ``MAGI_FFA_BACKEND`` and the default of :func:`backend_for`."""
+    if backend is None:
+        return backend_for(q)
+    try:
+        return Backend(str(backend).strip().lower())
+    except ValueError:
+        _fail(f"`backend` must be 'triton', 'torch' or None, got {backend!r}")
+
+
 def triton_head_dim_ok(d: int) -> bool:
     """The Triton kernels tile head_dim in one power-of-two block."""
     return 16 <= d <= 256 and d & (d - 1) == 0

@@ -17,9 +17,9 @@ from ._common import (
     acc_dtype,
     as_ranges,
     as_type_map,
-    backend_for,
     merge_out_lse,
     prepare,
+    resolve_backend,
     triton_head_dim_ok,
     validate_grad_buffers,
     validate_out_lse,
@@ -79,6 +79,7 @@ def ffa_fwd(
     deterministic: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    backend: Backend | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward launcher (no autograd).
 
@@ -97,12 +98,14 @@ def ffa_fwd(
             or q's dtype holding a partial result over other keys; merged into in place.
         lse: its log-sum-exp ``[total_q, num_heads_q]`` float32 (float64 for float64 inputs); rows at -inf
             ignore ``out``'s content.
+        backend: ``"triton"`` or ``"torch"`` to run that path whatever ``MAGI_FFA_BACKEND`` says (a caller
+            that picks its kernels itself); None = ``MAGI_FFA_BACKEND`` or the device/dtype default.
 
     Returns:
         ``(out, lse)``: out in q's dtype (or the given buffer), lse float32 (float64 for float64), natural log;
         rows that no slice reaches have out 0 and lse -inf.
     """
-    if backend_for(q) == Backend.TORCH:
+    if resolve_backend(q, backend) == Backend.TORCH:
         return reference.ffa_fwd(
             q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=softmax_scale, softcap=softcap,
             deterministic=deterministic, out=out, lse=lse,
@@ -129,13 +132,14 @@ def _bwd_delta(
     dk: torch.Tensor | None,
     dv: torch.Tensor | None,
     deterministic: bool,
+    backend: Backend | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward given ``delta = rowsum(do * out) - dlse``; accumulates into dq/dk/dv if given, else returns
     fresh tensors in the input dtype. The Triton backward is the split dq + dkv pair unless
     ``MAGI_FFA_BWD_IMPL=fused`` and not ``deterministic`` (:func:`bwd_impl`)."""
     impl = bwd_impl(deterministic)  # validated on every backend: a typo never passes silently
     delta = torch.where(torch.isneginf(lse), torch.zeros_like(delta), delta).to(acc_dtype(q.dtype))
-    if backend_for(q) == Backend.TORCH:
+    if resolve_backend(q, backend) == Backend.TORCH:
         grads = reference.bwd_core(do, q, k, v, lse, delta, slices, scale, softcap)
         res = []
         for buf, g, ref in ((dq, grads[0], q), (dk, grads[1], k), (dv, grads[2], v)):
@@ -175,6 +179,7 @@ def ffa_bwd(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    backend: Backend | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launcher (no autograd) for the contribution of this call's slices.
 
@@ -190,6 +195,7 @@ def ffa_bwd(
         dq: optional float32 (float64 for float64) accumulator of q's shape, added to in place.
         dk: optional accumulator of k's shape, like dq.
         dv: optional accumulator of v's shape, like dq.
+        backend: as in :func:`ffa_fwd`.
 
     Returns:
         ``(dq, dk, dv)``: the given accumulators, or fresh tensors in the input dtype when None.
@@ -206,7 +212,9 @@ def ffa_bwd(
     validate_grad_buffers(dq, dk, dv, q, k)
     adt = acc_dtype(q.dtype)
     delta = (do.to(adt) * out.to(adt)).sum(-1)
-    return _bwd_delta(do, q, k, v, lse, delta, slices, scale, float(softcap), dq, dk, dv, bool(deterministic))
+    return _bwd_delta(
+        do, q, k, v, lse, delta, slices, scale, float(softcap), dq, dk, dv, bool(deterministic), backend
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ point needs ``flash-attn-4`` and raises an ImportError saying what to install wh
 from ._plan import clear_plan_cache
 from ._validation import AttnType
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
-from .interface import fa4_available, flex_flash_attn_func
+from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
+from .merge import merge_out_lse_
 
 __all__ = [
+    "INSTALL_HINT",
     "AttnType",
     "BlockLists",
     "BlockSparseMeta",
@@ -20,7 +22,11 @@ __all__ = [
     "build_block_meta",
     "clear_plan_cache",
     "fa4_available",
+    "ffa_bwd",
+    "ffa_fwd",
     "flex_flash_attn_func",
+    "head_dim_supported",
+    "merge_out_lse_",
     "row_intervals",
     "row_intervals_reference",
 ]

@@ -14,6 +14,7 @@ import torch
 
 from ._plan import Plan, get_plan
 from ._validation import RangesLike, TypeMapLike
+from .merge import merge_out_lse_
 
 INSTALL_HINT = (
     "magi_ffa_fa4.flex_flash_attn_func needs FlashAttention-4 (CuTe DSL). Install it with "
@@ -49,6 +50,11 @@ def _fa4():
     return fa4_interface
 
 
+def head_dim_supported(head_dim: int) -> bool:
+    """FA4 4.0.0b36's block-sparse path (this backend) takes head dims that are multiples of 8, at most 128."""
+    return 0 < head_dim <= 128 and head_dim % 8 == 0
+
+
 def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -63,7 +69,7 @@ def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
         raise ValueError(f"`k` and `v` must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k/v ({k.shape[2]}) must match")
-    if q.shape[2] > 128 or q.shape[2] % 8 != 0:
+    if not head_dim_supported(q.shape[2]):
         raise ValueError(
             f"head_dim must be a multiple of 8 and at most 128 on this backend, got {q.shape[2]}"
         )
@@ -168,16 +174,6 @@ class _FA4Func(torch.autograd.Function):
         return dq[0], dk[0], dv[0], None, None, None
 
 
-def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor):
-    """Log-sum-exp merge of two partial results; rows -inf in both stay (0, -inf)."""
-    lse_new = torch.logaddexp(lse_acc, l)
-    safe = torch.where(torch.isneginf(lse_new), 0.0, lse_new)
-    w_acc = torch.exp(lse_acc - safe)[..., None]
-    w_new = torch.exp(l - safe)[..., None]
-    merged = out_acc.float() * w_acc + o.float() * w_new
-    return merged, lse_new
-
-
 def flex_flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,7 +226,162 @@ def flex_flash_attn_func(
         o, l = out4[0], lse3[0].t().contiguous()
     if out is None:
         return o, l
-    merged, lse_new = _merge(out, lse, o, l)
-    out.copy_(merged)
-    lse.copy_(lse_new)
-    return out, lse
+    if o.requires_grad or l.requires_grad:
+        # autograd through an accumulating call: the merge must stay in the graph (torch ops)
+        merged, lse_new = _merge_differentiable(out, lse, o, l)
+        out.copy_(merged)
+        lse.copy_(lse_new)
+        return out, lse
+    return merge_out_lse_(out, lse, o, l)
+
+
+def _merge_differentiable(out_acc, lse_acc, o, l):
+    """Log-sum-exp merge with torch ops (kept for the autograd path); rows -inf in both stay (0, -inf)."""
+    lse_new = torch.logaddexp(lse_acc, l)
+    safe = torch.where(torch.isneginf(lse_new), 0.0, lse_new)
+    w_acc = torch.exp(lse_acc - safe)[..., None]
+    w_new = torch.exp(l - safe)[..., None]
+    merged = out_acc.float() * w_acc + o.float() * w_new
+    return merged, lse_new
+
+
+def ffa_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike = None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launcher (no autograd), the contract of ``magi_ffa.ffa_fwd`` on FA4 kernels.
+
+    Args:
+        q: ``[total_q, num_heads_q, head_dim]`` fp16/bf16 on an sm90/sm100 GPU (head_dim <= 128, multiple of 8).
+        k: ``[total_k, num_heads_kv, head_dim]``, same dtype; ``num_heads_q % num_heads_kv == 0``. Any strides
+            with a contiguous last dimension (e.g. a view into a fused K/V buffer).
+        v: like k.
+        q_ranges, k_ranges: int32 ``[num_slices, 2]`` half-open ranges (tensors on the CPU or q's device, or
+            lists); the mask is the union of the slices.
+        attn_type_map: int32 ``[num_slices]``: 0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL; None = all FULL.
+        softmax_scale: score scale, default ``head_dim ** -0.5``.
+        softcap: ``cap * tanh(s / cap)`` on the scaled scores when > 0.
+        deterministic: accepted for parity; the forward is deterministic.
+        out: optional accumulator ``[total_q, num_heads_q, head_dim]`` (float32, or q's dtype for a single
+            final rounding) holding a partial result over other keys, given with ``lse``; this call's result
+            is merged into it in place by one fused kernel (:func:`magi_ffa_fa4.merge.merge_out_lse_`).
+        lse: float32 ``[total_q, num_heads_q]`` accumulator (natural log), given with ``out``; -inf rows
+            ignore ``out``'s content.
+
+    Returns:
+        ``(out, lse)``: the given accumulators, or out in q's dtype and lse float32 ``[total_q, num_heads_q]``.
+        Rows that no slice reaches have out 0 and lse -inf.
+    """
+    _fa4()
+    scale = _check_inputs(q, k, v, softmax_scale, softcap, out, lse)
+    _check_arch(q.device)
+    plan = get_plan(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        if out is not None:
+            return out, lse
+        empty = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        return torch.zeros_like(q), empty
+    out4, lse3 = _forward(q, k, v, plan, scale, float(softcap))
+    if out is None:
+        return out4[0], lse3[0].t().contiguous()
+    return merge_out_lse_(out, lse, out4[0], lse3[0].t())
+
+
+def ffa_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike = None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher (no autograd) for the contribution of this call's slices, the contract of
+    ``magi_ffa.ffa_bwd`` on FA4 kernels.
+
+    Args:
+        do: ``[total_q, num_heads_q, head_dim]`` gradient of the final output, q's dtype.
+        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap: as in :func:`ffa_fwd`.
+        out: the FINAL forward output (merged over every stage), q's shape, q's dtype or float32.
+        lse: the FINAL float32 lse ``[total_q, num_heads_q]``. Gradients use ``P = exp(S - lse)`` and
+            ``Delta = rowsum(do * out)``, so they are exact for this call's keys; rows at -inf contribute 0.
+        deterministic: FA4's deterministic backward (ordered dQ / GQA dK, dV accumulation).
+        dq, dk, dv: optional float32 accumulators of q's / k's / v's shape, added to in place.
+
+    Returns:
+        ``(dq, dk, dv)``: the given accumulators, or fresh tensors in the input dtype.
+    """
+    fa = _fa4()
+    scale = _check_inputs(q, k, v, softmax_scale, softcap, None, None)
+    _check_arch(q.device)
+    _check_bwd_buffers(do, out, lse, q, k, dq, dk, dv)
+    plan = get_plan(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        fresh = [torch.zeros_like(t) for t in (q, k, v)]
+        return tuple(f if b is None else b for f, b in zip(fresh, (dq, dk, dv)))  # type: ignore[return-value]
+    gq, gk, gv = fa._flash_attn_bwd(
+        q[None],
+        k[None],
+        v[None],
+        out.to(q.dtype)[None],
+        do[None],
+        lse.t()[None].contiguous(),
+        softmax_scale=scale,
+        softcap=float(softcap),
+        deterministic=bool(deterministic),
+        mask_mod=plan.mask_mod,
+        aux_tensors=[plan.bounds],
+        block_sparse_tensors=plan.bwd_bst,
+    )[:3]
+    res = []
+    for acc, g in ((dq, gq[0]), (dk, gk[0]), (dv, gv[0])):
+        res.append(g if acc is None else acc.add_(g))
+    return res[0], res[1], res[2]
+
+
+def _check_bwd_buffers(do, out, lse, q, k, dq, dk, dv) -> None:
+    if (
+        not isinstance(do, torch.Tensor)
+        or do.shape != q.shape
+        or do.dtype != q.dtype
+        or do.device != q.device
+    ):
+        raise ValueError(f"`do` must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.shape != q.shape
+        or out.dtype not in (q.dtype, torch.float32)
+        or out.device != q.device
+    ):
+        raise ValueError(f"`out` must be {q.dtype} or float32 with q's shape {tuple(q.shape)} on {q.device}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
+        raise ValueError(
+            f"`lse` must be float32 of shape {tuple(q.shape[:2])}, got {getattr(lse, 'shape', lse)}"
+        )
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+        if buf is None:
+            continue
+        if buf.shape != ref.shape or buf.dtype != torch.float32 or buf.device != ref.device:
+            raise ValueError(
+                f"`{name}` accumulator must be float32 of shape {tuple(ref.shape)} on {ref.device}, "
+                f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            )

@@ -17,9 +17,22 @@ import numpy as np
 import torch
 
 from magi_group_collective import GroupCastPlan, GroupReducePlan
-from magi_solver import DispatchPlan, DistAttnPlan, RankPlan, SliceList, plan_dist_attn, solve_dispatch
+from magi_solver import (
+    PROFILES,
+    DispatchPlan,
+    DistAttnPlan,
+    OverlapCostModel,
+    RankPlan,
+    SliceList,
+    get_profile,
+    load_profile,
+    plan_dist_attn,
+    solve_dispatch,
+)
 
-from .config import OverlapMode
+from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel
+from .config import KernelBackend, OverlapMode
+from .env import cost_profile_override, runtime_dict_size
 from .key import DistAttnRuntimeKey
 
 _MIN_CHUNKS_PER_RANK = 8
@@ -85,15 +98,27 @@ class DeviceMeta:
 
 
 class DistAttnRuntime:
-    """The plan of one key on this rank, plus its device tensors."""
+    """The plan of one key on this rank, its kernel choice, plus its device tensors."""
 
-    def __init__(self, key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None) -> None:
+    def __init__(
+        self,
+        key: DistAttnRuntimeKey,
+        layout: DispatchLayout,
+        plan: DistAttnPlan | None,
+        kernel_choice: KernelChoice,
+    ) -> None:
         self.key = key
         self.layout = layout
         self.plan = plan
+        self.kernel_choice = kernel_choice
         self.rank = key.cp_group.local_rank()
-        self.merged_stage = key.config.overlap_config.degree == 0
+        # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
+        self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
+
+    def kernel(self, dtype: torch.dtype) -> AttnKernel:
+        """The launchers for inputs of `dtype` (same backend on every rank)."""
+        return attn_kernel(self.kernel_choice.backend_for(dtype, self.key.head_dim))
 
     @property
     def rank_plan(self) -> RankPlan | None:
@@ -170,7 +195,27 @@ def build_layout(key: DistAttnRuntimeKey) -> DispatchLayout:
     return DispatchLayout(total, padded, padded // cp, cp, chunk, perm, dplan)
 
 
-def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout) -> DistAttnPlan | None:
+def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
+    """The dynamic overlap's cost model: the configured profile, else MAGI_ATTENTION_COST_PROFILE, else the
+    shipped profile of (rank 0's GPU kind, backend). Sized for 16-bit inputs (the dtype is not in the key)."""
+    name = key.config.overlap_config.cost_profile or cost_profile_override()
+    if name is None:
+        profile = get_profile(choice.gpu_kind, choice.backend.value)
+    elif name in PROFILES:
+        profile = PROFILES[name]
+    elif name.endswith(".json") or os.path.sep in name:
+        profile = load_profile(name)
+    else:
+        raise ValueError(
+            f"cost profile {name!r} is neither a JSON file nor one of {sorted(PROFILES)} "
+            "(OverlapConfig.cost_profile / MAGI_ATTENTION_COST_PROFILE)"
+        )
+    return OverlapCostModel(
+        profile=profile, num_heads_q=key.num_heads_q, num_heads_kv=key.num_heads_kv, head_dim=key.head_dim
+    )
+
+
+def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
     """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
     if key.cp_size == 1:
         return None
@@ -189,6 +234,7 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout) -> DistAttnPlan 
         min_chunk_size=ov.min_chunk_size,
         max_num_chunks=ov.max_num_chunks,
         dynamic_max_degree=ov.max_degree,
+        cost_model=overlap_cost_model(key, choice) if dynamic else None,
         # A mask made after dispatch keeps the dispatch of the key it was made from.
         **({} if key.dispatch_key is None else {"dispatch": layout.dispatch_plan}),
     )
@@ -203,7 +249,7 @@ class RuntimeCache:
 
     @staticmethod
     def capacity() -> int:
-        return int(os.environ.get("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", "1000"))
+        return runtime_dict_size()
 
     def get(self, key: DistAttnRuntimeKey) -> DistAttnRuntime:
         lru = self._by_group.setdefault(key.cp_group.name, OrderedDict())
@@ -216,7 +262,8 @@ class RuntimeCache:
         if layout is None:
             layout = build_layout(root)
             self._layouts[root] = layout
-        runtime = DistAttnRuntime(key, layout, build_plan(key, layout))
+        choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
+        runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
         lru[key] = runtime
         while len(lru) > self.capacity():
             evicted, _ = lru.popitem(last=False)

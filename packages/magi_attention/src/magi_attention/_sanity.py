@@ -8,20 +8,17 @@ flag (a tiny all-reduce, which syncs the host, hence off by default) and all rai
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from .env import sanity_check_enabled
+
 
 def device_of(x: object) -> torch.device:
     """Device for the sanity flag: the tensor's, or the CPU when the argument is not a tensor."""
     return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-
-
-def sanity_check_enabled() -> bool:
-    return os.environ.get("MAGI_ATTENTION_SANITY_CHECK", "0") not in ("", "0", "false", "False")
 
 
 def validate_on_all_ranks(

@@ -28,7 +28,22 @@ class OverlapMode(StrEnum):
     STATIC = "static"
     """Use `OverlapConfig.degree` stages."""
     DYNAMIC = "dynamic"
-    """Choose the degree from a cost model (compute ~ area, communication ~ tokens); same on every rank."""
+    """Choose the degree (0..max_degree) with the least predicted forward + backward time of the slowest rank;
+    the same on every rank."""
+
+
+class KernelBackend(StrEnum):
+    """The attention kernel the runtime computes with (every kernel call of a key, on every rank)."""
+
+    AUTO = "auto"
+    """FA4 when magi-ffa-fa4 and flash-attn-4 import on every rank, the GPUs are sm90/sm100 and dtype and
+    head_dim are supported; else Triton on CUDA GPUs; else torch."""
+    FA4 = "fa4"
+    """magi_ffa_fa4: FlashAttention-4's CuTe DSL kernels (fp16/bf16, head_dim <= 128, Hopper/Blackwell)."""
+    TRITON = "triton"
+    """magi_ffa's Triton kernels (fp16/bf16/fp32, power-of-two head_dim 16..256, any CUDA GPU)."""
+    TORCH = "torch"
+    """magi_ffa's blockwise torch path (any device and dtype, fp64 included; slow)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,41 +68,64 @@ class DispatchConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverlapConfig:
-    degree: int | None = 1
+    degree: int | None = None
     """Remote stages: 0 = fetch all remote K/V at once and run one merged kernel call (no overlap, no
     partial-result merge); N >= 1 = N remote stages, each fetched while the previous one computes.
-    None = dynamic (same as mode=DYNAMIC)."""
-    mode: OverlapMode | str = OverlapMode.STATIC
-    """STATIC uses `degree`; DYNAMIC picks the degree (1..max_degree) from the cost model."""
+    None (the default) = dynamic: the cost model picks 0..max_degree."""
+    mode: OverlapMode | str | None = None
+    """None follows `degree` (None -> DYNAMIC, an int -> STATIC). DYNAMIC ignores `degree`."""
     min_chunk_size: int = 512
     """Remote K/V is cut into chunks of at least this many tokens before being grouped into stages."""
     max_num_chunks: int = 64
     """At most this many remote chunks (chunks grow beyond min_chunk_size to respect it)."""
-    max_degree: int = 8
+    max_degree: int = 4
     """Largest degree the dynamic mode considers."""
+    cost_profile: str | None = None
+    """Cost-model constants for the dynamic mode: a profile name of `magi_solver.PROFILES` (e.g.
+    "h200/fa4") or the path of a JSON file (`magi_solver.CostProfile.to_dict()` format). None = the shipped
+    profile of the GPU kind and kernel backend (or `MAGI_ATTENTION_COST_PROFILE`)."""
 
     def __post_init__(self) -> None:
+        if self.mode is None:
+            object.__setattr__(
+                self, "mode", OverlapMode.DYNAMIC if self.degree is None else OverlapMode.STATIC
+            )
         try:
             object.__setattr__(self, "mode", OverlapMode(self.mode))
         except ValueError:
             valid = ", ".join(m.value for m in OverlapMode)
             raise ValueError(f"OverlapConfig.mode must be one of {valid}, got {self.mode!r}") from None
         if self.degree is None:
-            object.__setattr__(self, "mode", OverlapMode.DYNAMIC)
-        elif not isinstance(self.degree, int) or self.degree < 0:
+            if self.mode == OverlapMode.STATIC:
+                raise ValueError("OverlapConfig: mode='static' needs an int degree (or leave mode unset)")
+        elif isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 0:
             raise ValueError(f"OverlapConfig.degree must be an int >= 0 or None, got {self.degree!r}")
         for name in ("min_chunk_size", "max_num_chunks", "max_degree"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"OverlapConfig.{name} must be a positive int, got {value!r}")
+        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
+            raise TypeError(
+                f"OverlapConfig.cost_profile must be a str or None, got {type(self.cost_profile).__name__}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DistAttnConfig:
     dispatch_config: DispatchConfig = field(default_factory=DispatchConfig)
     overlap_config: OverlapConfig = field(default_factory=OverlapConfig)
+    kernel_backend: KernelBackend | str = KernelBackend.AUTO
+    """The attention kernel of every call (`KernelBackend` or its value). `auto` can be overridden with the
+    environment variable MAGI_ATTENTION_KERNEL_BACKEND (also accepting `ffa` = triton and `sdpa` = torch)."""
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kernel_backend", KernelBackend(self.kernel_backend))
+        except ValueError:
+            valid = ", ".join(b.value for b in KernelBackend)
+            raise ValueError(
+                f"DistAttnConfig.kernel_backend must be one of {valid}, got {self.kernel_backend!r}"
+            ) from None
         if not isinstance(self.dispatch_config, DispatchConfig):
             raise TypeError(
                 f"dispatch_config must be a DispatchConfig, got {type(self.dispatch_config).__name__}"

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from magi_ffa import ffa_bwd, ffa_fwd, flex_flash_attn_func
-
+from ._kernels import AttnKernel
 from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
 from ._sanity import device_of, validate_on_all_ranks
+from .config import KernelBackend
 from .key import DistAttnRuntimeKey
 
 
@@ -63,10 +63,12 @@ class _KVFetcher:
         return buf
 
 
-def _fwd_call(q, k, v, slices: KernelSlices, out, lse, scale, softcap) -> None:
+def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale, softcap):
+    """One forward kernel call; with `out`/`lse` given its result is merged into them, else fresh ones are
+    returned ((None, None) when the call has no slice)."""
     if slices.num_slices == 0:
-        return
-    ffa_fwd(
+        return out, lse
+    return kernel.fwd(
         q,
         k,
         v,
@@ -80,10 +82,10 @@ def _fwd_call(q, k, v, slices: KernelSlices, out, lse, scale, softcap) -> None:
     )
 
 
-def _bwd_call(do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap) -> None:
+def _bwd_call(kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap):
     if slices.num_slices == 0:
-        return
-    ffa_bwd(
+        return dq, dk, dv
+    return kernel.bwd(
         do,
         q,
         k,
@@ -103,32 +105,40 @@ def _bwd_call(do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, so
 
 def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
     """Returns (out in q.dtype, lse in the accumulation dtype)."""
+    kernel = runtime.kernel(q.dtype)
     meta = runtime.device_meta(q.device)
-    acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-    kv_local = torch.cat([k, v], dim=1)
+    kv_local = torch.cat([k, v], dim=1)  # K and V travel as one tensor: one collective per stage
     fetcher = _KVFetcher(meta, kv_local)
     if runtime.merged_stage:
         kv_all = torch.cat([kv_local, fetcher.get(0)], dim=0)
-        _fwd_call(q, *_split_kv(kv_all, hkv), meta.merged, out, lse, scale, softcap)
+        out, lse = _fwd_call(kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap)
     else:
         fetcher.start(0)
-        _fwd_call(q, k, v, meta.host, out, lse, scale, softcap)
+        # The host call writes the accumulator itself (no zero-fill). With one remote stage the merge can
+        # write q's dtype directly (the same single rounding as an fp32 accumulator cast at the end); with
+        # more, intermediate merges stay in fp32.
+        out, lse = _fwd_call(kernel, q, k, v, meta.host, None, None, scale, softcap)
+        if out is not None and len(meta.stages) > 1:
+            out = out.to(_acc_dtype(q.dtype))
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
             fetcher.start(i + 1)
-            _fwd_call(q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap)
+            out, lse = _fwd_call(
+                kernel, q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap
+            )
+    if out is None:  # no slice touches this rank's queries
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
     return out.to(q.dtype), lse
 
 
 def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float):
+    kernel = runtime.kernel(q.dtype)
     meta = runtime.device_meta(q.device)
     acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
     do = do.contiguous()
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
     kv_local = torch.cat([k, v], dim=1)
     fetcher = _KVFetcher(meta, kv_local)
@@ -136,49 +146,37 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
         kv_remote = fetcher.get(0)
         kv_all = torch.cat([kv_local, kv_remote], dim=0)
         dkv_all = torch.zeros((kv_all.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
-        _bwd_call(
-            do,
-            q,
-            *_split_kv(kv_all, hkv),
-            out,
-            lse,
-            meta.merged,
-            dq,
-            *_split_kv(dkv_all, hkv),
-            scale,
-            softcap,
-        )
+        # one call: dq comes back in q's dtype straight from the kernel (no fp32 buffer)
+        dq, _, _ = _bwd_call(
+            kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, *_split_kv(dkv_all, hkv),
+            scale, softcap,
+        )  # fmt: skip
         dkv_local += dkv_all[: k.shape[0]]
         dkv_remote = dkv_all[k.shape[0] :].contiguous()
         meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
+        dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
     else:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         fetcher.start(0)
-        _bwd_call(do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap)
+        _bwd_call(kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap)
         previous_reduce = None
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
             fetcher.start(i + 1)
             dkv_remote = torch.zeros((kv_remote.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
             _bwd_call(
-                do,
-                q,
-                *_split_kv(kv_remote, hkv),
-                out,
-                lse,
-                meta.stages[i],
-                dq,
-                *_split_kv(dkv_remote, hkv),
-                scale,
-                softcap,
-            )
+                kernel, do, q, *_split_kv(kv_remote, hkv), out, lse, meta.stages[i], dq,
+                *_split_kv(dkv_remote, hkv), scale, softcap,
+            )  # fmt: skip
             reduce = meta.reduce_plans[i].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=True)
             if previous_reduce is not None:
                 previous_reduce.wait()
             previous_reduce = reduce
         if previous_reduce is not None:
             previous_reduce.wait()
+        dq = dq.to(q.dtype)
     dk, dv = _split_kv(dkv_local, hkv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class DistAttnFunc(torch.autograd.Function):
@@ -199,7 +197,8 @@ class DistAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, shard: int) -> None:
+def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
+    shard = runtime.layout.shard_seqlen
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -221,6 +220,7 @@ def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, shard: int) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    runtime.kernel_choice.backend_for(q.dtype, key.head_dim)  # an explicit backend that cannot take q's dtype
 
 
 def calc_attn(
@@ -247,7 +247,7 @@ def calc_attn(
     """
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
-        lambda: _validate_calc_attn(q, k, v, key, runtime.layout.shard_seqlen),
+        lambda: _validate_calc_attn(q, k, v, key, runtime),
         key.cp_group.group,
         device_of(q),
     )
@@ -259,9 +259,16 @@ def calc_attn(
 
 
 def _calc_attn_single(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
-    """cp_size 1: one FFA call on the whole mask, no communication."""
+    """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
-    out, lse = flex_flash_attn_func(
-        q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
-    )
+    kernel = runtime.kernel(q.dtype)
+    if kernel.backend == KernelBackend.FA4:
+        import magi_ffa_fa4
+
+        # FA4's own autograd function: the raw kernel's cost, nothing around it
+        out, lse = magi_ffa_fa4.flex_flash_attn_func(
+            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
+        )
+    else:
+        out, lse = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap))
     return out, AttnForwardMeta(lse=lse)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from magi_ffa import ffa_bwd, ffa_fwd
 from magi_solver import AttnRanges, DistAttnPlan, RankPlan, SliceList
+
+from ._kernels import attn_kernel
+from .config import KernelBackend
 
 
 def token_index(ranges: AttnRanges, device: torch.device) -> torch.Tensor:
@@ -57,12 +59,17 @@ def simulate_dist_attn(
     plan: DistAttnPlan,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    *,
+    kernel_backend: KernelBackend | str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward and backward of `plan`, rank by rank.
 
     Args:
         q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total, heads_kv, d]`.
         plan: from `magi_solver.plan_dist_attn` for the same padded length.
+        softmax_scale, softcap: as in `calc_attn`.
+        kernel_backend: "fa4", "triton" or "torch" (a `KernelBackend`); None = triton for CUDA fp16/bf16,
+            torch otherwise.
 
     Returns:
         `(out, lse, dq, dk, dv)` in global token order; out/dq/dk/dv in q's dtype, lse fp32 (fp64 for fp64).
@@ -74,6 +81,11 @@ def simulate_dist_attn(
     dk_g = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv_g = torch.zeros(v.shape, dtype=acc, device=v.device)
     kw = {"softmax_scale": softmax_scale, "softcap": softcap}
+    if kernel_backend is None or KernelBackend(kernel_backend) == KernelBackend.AUTO:
+        low_precision = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        kernel_backend = KernelBackend.TRITON if low_precision else KernelBackend.TORCH
+    kernel = attn_kernel(KernelBackend(kernel_backend))
+    ffa_fwd, ffa_bwd = kernel.fwd, kernel.bwd
     for rank_plan in plan.ranks:
         rc = rank_calls(rank_plan, k, v)
         lq, ldo = q[rc.local_index], do[rc.local_index]

@@ -2,7 +2,8 @@
 
 Mask algebra (`AttnRange`, `AttnRanges`, `AttnMaskType`, `AttnSlice`), mask builders, the dispatch solver
 (`solve_dispatch`), and the full plan (`plan_dist_attn`): per-rank host/remote slices, GroupCast/GroupReduce
-arguments and overlap stages.
+arguments and overlap stages, with the overlap degree priced by a cost model (`OverlapCostModel`, `CostProfile`,
+`get_profile`).
 """
 
 from .builders import (
@@ -16,6 +17,7 @@ from .builders import (
     make_varlen_full_mask,
 )
 from .comm import GroupCastArgs, GroupReduceArgs
+from .cost_model import PROFILES, CostProfile, OverlapCostModel, get_profile, gpu_kind, load_profile
 from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, solve_dispatch
 from .mask import AttnMaskType, AttnSlice, SliceList
 from .overlap import OverlapMode, estimate_cost_factors, predicted_time
@@ -23,22 +25,28 @@ from .plan import DistAttnPlan, RankPlan, StagePlan, plan_dist_attn
 from .ranges import AttnRange, AttnRanges
 
 __all__ = [
+    "PROFILES",
     "AttnMaskType",
     "AttnRange",
     "AttnRanges",
     "AttnSlice",
+    "CostProfile",
     "DispatchAlg",
     "DispatchPlan",
     "DistAttnPlan",
     "GroupCastArgs",
     "GroupReduceArgs",
     "MaskSpec",
+    "OverlapCostModel",
     "OverlapMode",
     "RankPlan",
     "SliceList",
     "StagePlan",
     "dispatch_lower_bound",
     "estimate_cost_factors",
+    "get_profile",
+    "gpu_kind",
+    "load_profile",
     "make_block_causal_mask",
     "make_global_window_mask",
     "make_prefix_lm_mask",

@@ -5,10 +5,11 @@ Remote K/V (sorted global ranges) is cut into "overlap chunks" of `min_chunk_siz
 contiguously and near-equally (earlier stages take one chunk more); stages beyond the chunk count stay
 empty. Degree 0 is one merged stage with all remote K/V (fetched at once, no overlap).
 
-Cost model (units are whatever the factors make them; pass seconds per pair and per token to get seconds):
-`calc = calc_cost_factor * area`, `comm = comm_cost_factor * tokens`, and a `d`-stage schedule costs
-`sum_{i<d} max(comm_i, calc_{i-1}) + calc_{d-1}` with `calc_{-1}` = host compute: stage i's fetch runs
-while stage i-1 (or the host stage) computes.
+The planner prices each candidate degree with a cost model: `cost_model.OverlapCostModel` (seconds, forward
+plus backward, fixed and merge costs included), or, without one, `FactorCostModel`: units are whatever the
+factors make them, `calc = calc_cost_factor * area`, `comm = comm_cost_factor * tokens`, a `d`-stage
+schedule costs `sum_{i<d} max(comm_i, calc_{i-1}) + calc_{d-1}` with `calc_{-1}` = host compute (stage i's
+fetch runs while stage i-1, or the host stage, computes) and degree 0 costs all comm plus all compute.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -23,19 +25,22 @@ import numpy as np
 from .mask import band_area_np
 
 __all__ = [
+    "FactorCostModel",
     "OverlapMode",
+    "StageLayout",
     "cut_tokens",
     "estimate_cost_factors",
     "group_chunks",
     "overlap_chunk_bounds",
     "predicted_time",
+    "stage_layouts",
     "stage_options",
 ]
 
 
 class OverlapMode(StrEnum):
-    """STATIC: the caller's degree. DYNAMIC: the degree in 1..dynamic_max_degree with the least predicted time
-    (the slowest rank's), identical for every rank."""
+    """STATIC: the caller's degree. DYNAMIC: the degree in 0..dynamic_max_degree with the least predicted time
+    (the slowest rank's; ties go to the smaller degree), identical for every rank."""
 
     STATIC = "static"
     DYNAMIC = "dynamic"
@@ -90,6 +95,70 @@ def estimate_cost_factors(
     return flops / (tflops * 1e12), nbytes / (comm_gbps * 1e9)
 
 
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """One rank's remote work cut into the stages of one degree.
+
+    Attributes:
+        token_bounds: stage boundaries as offsets into the rank's sorted remote tokens (`n + 1` numbers).
+        areas: mask area of each stage (this rank's rows).
+        tokens: remote K/V tokens of each stage.
+    """
+
+    token_bounds: list[int]
+    areas: list[int]
+    tokens: list[int]
+
+
+def stage_layouts(
+    remote: list[tuple[int, int]],
+    clipped: list[tuple[int, ...]],
+    min_chunk_size: int,
+    max_num_chunks: int,
+    candidates: Sequence[int],
+) -> dict[int, StageLayout]:
+    """For each candidate degree, how the rank's remote K/V splits into stages (degree 0: one merged stage
+    with all of it)."""
+    n_tok = sum(e - s for s, e in remote)
+    bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
+    n_chunks = len(bounds) - 1
+    chunk_area = overlap_chunk_areas(remote, bounds, clipped) if n_chunks else np.zeros(0, dtype=np.int64)
+    ca = [0, *np.cumsum(chunk_area).tolist()]
+    out = {}
+    for d in candidates:
+        g = [0, n_chunks] if d == 0 else group_chunks(n_chunks, d)
+        tb = [bounds[i] for i in g]
+        areas = [ca[g[i + 1]] - ca[g[i]] for i in range(len(g) - 1)]
+        out[d] = StageLayout(tb, areas, [tb[i + 1] - tb[i] for i in range(len(g) - 1)])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FactorCostModel:
+    """The factor-only estimate (`calc = calc_f * area`, `comm = comm_f * tokens`, forward only, no fixed
+    costs), in the units of the factors. Used when the planner is given no `OverlapCostModel`."""
+
+    calc_f: float
+    comm_f: float
+
+    def total_time(
+        self,
+        degree: int,
+        host_area: float,
+        stage_areas: Sequence[float],
+        stage_tokens: Sequence[float],
+        local_q_tokens: float,
+    ) -> float:
+        """Degree 0: remote fetch then all compute in sequence; else `predicted_time` of the stages."""
+        if degree == 0:
+            return self.comm_f * sum(stage_tokens) + self.calc_f * (host_area + sum(stage_areas))
+        return predicted_time(
+            self.calc_f * host_area,
+            [self.comm_f * t for t in stage_tokens],
+            [self.calc_f * a for a in stage_areas],
+        )
+
+
 def stage_options(
     remote: list[tuple[int, int]],
     clipped: list[tuple[int, ...]],
@@ -101,23 +170,12 @@ def stage_options(
     candidates: list[int],
 ) -> dict[int, tuple[list[int], float]]:
     """For each candidate degree: stage boundaries (offsets into the rank's sorted remote tokens) and the
-    predicted time of that schedule (degree 0: fetch everything, then compute host and remote together)."""
-    n_tok = sum(e - s for s, e in remote)
-    bounds = overlap_chunk_bounds(n_tok, min_chunk_size, max_num_chunks)
-    n_chunks = len(bounds) - 1
-    chunk_area = overlap_chunk_areas(remote, bounds, clipped) if n_chunks else np.zeros(0, dtype=np.int64)
-    ca = np.concatenate([[0], np.cumsum(chunk_area)])
-    out = {}
-    for d in candidates:
-        if d == 0:
-            out[0] = ([0, n_tok], comm_f * n_tok + calc_f * (host_area + float(ca[-1])))
-            continue
-        g = group_chunks(n_chunks, d)
-        tb = [bounds[i] for i in g]
-        calc = [calc_f * float(ca[g[i + 1]] - ca[g[i]]) for i in range(d)]
-        comm = [comm_f * (tb[i + 1] - tb[i]) for i in range(d)]
-        out[d] = (tb, predicted_time(calc_f * host_area, comm, calc))
-    return out
+    factor-only predicted time of that schedule (see `FactorCostModel`)."""
+    model = FactorCostModel(calc_f, comm_f)
+    return {
+        d: (lay.token_bounds, model.total_time(d, host_area, lay.areas, lay.tokens, 0))
+        for d, lay in stage_layouts(remote, clipped, min_chunk_size, max_num_chunks, candidates).items()
+    }
 
 
 def overlap_chunk_areas(

@@ -15,16 +15,17 @@ each stage fetches only keys the rank's rows need and does not hold (zero redund
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
+from .cost_model import OverlapCostModel
 from .dispatch import DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
 from .mask import SliceList, normalize_mask, total_area
-from .overlap import OverlapMode, cut_tokens, stage_options
+from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
 
 __all__ = ["DistAttnPlan", "RankPlan", "StagePlan", "plan_dist_attn"]
@@ -93,8 +94,11 @@ class DistAttnPlan:
         ranks: per rank its `RankPlan`.
         num_stages: remote stages per rank (1 for degree 0, the merged stage).
         overlap_degree: the degree used (0 = merged; chosen by the cost model in dynamic mode).
-        predicted_times: per rank, the cost model's time of its schedule (see `overlap.predicted_time`; for
-            degree 0, remote fetch + all compute in sequence), in the units of the cost factors.
+        predicted_times: per rank, the cost model's time of the chosen schedule: seconds of forward +
+            backward with an `OverlapCostModel`, else the factor-only forward estimate (`FactorCostModel`)
+            in the units of the cost factors.
+        degree_costs: per candidate degree (only the chosen one in static mode), the slowest rank's
+            predicted time, in the same units. Not part of the hash.
     """
 
     dispatch: DispatchPlan
@@ -102,6 +106,7 @@ class DistAttnPlan:
     num_stages: int
     overlap_degree: int = 1
     predicted_times: tuple[float, ...] = ()
+    degree_costs: dict[int, float] = field(default_factory=dict, hash=False)
 
     @property
     def cp_size(self) -> int:
@@ -213,6 +218,7 @@ def plan_dist_attn(
     calc_cost_factor: float = 1.0,
     comm_cost_factor: float = 1.0,
     dispatch: DispatchPlan | None = None,
+    cost_model: OverlapCostModel | None = None,
 ) -> DistAttnPlan:
     """Plan self-attention with context parallelism over `cp_size` ranks (a pure function).
 
@@ -224,18 +230,23 @@ def plan_dist_attn(
         dispatch_alg: a `DispatchAlg` value.
         overlap_degree: 0 = one merged stage (all remote K/V at once); N >= 1 = N remote stages;
             None = dynamic.
-        overlap_mode: "static" (use `overlap_degree`) or "dynamic" (the degree in 1..`dynamic_max_degree`
+        overlap_mode: "static" (use `overlap_degree`) or "dynamic" (the degree in 0..`dynamic_max_degree`
             minimising the slowest rank's predicted time; ties go to the smaller degree).
         min_chunk_size, max_num_chunks: how remote K/V is cut into overlap chunks before grouping into stages.
         calc_cost_factor, comm_cost_factor: cost per mask pair and per remote token (see
-            `estimate_cost_factors`); only their ratio matters.
+            `estimate_cost_factors`) of the factor-only estimate used when `cost_model` is None; only their
+            ratio matters.
         dispatch: reuse this chunk assignment instead of solving one (for a mask built after dispatch: the
             tokens stay where they are); its sizes must match, and `dispatch_alg` is then ignored.
+        cost_model: price schedules in seconds of forward + backward with this model (fixed per-stage,
+            merge and collective costs included) instead of the cost factors.
 
     Returns:
         A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
     """
     total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
+    if cost_model is not None and not isinstance(cost_model, OverlapCostModel):
+        raise TypeError(f"`cost_model` must be an OverlapCostModel or None, got {type(cost_model).__name__}")
     degree, mode = _validate_overlap(
         overlap_degree,
         overlap_mode,
@@ -266,8 +277,7 @@ def plan_dist_attn(
         int(min_chunk_size),
         int(max_num_chunks),
         int(dynamic_max_degree),
-        float(calc_cost_factor),
-        float(comm_cost_factor),
+        cost_model or FactorCostModel(float(calc_cost_factor), float(comm_cost_factor)),
     )
 
 
@@ -279,8 +289,7 @@ def _plan(
     min_chunk_size: int,
     max_num_chunks: int,
     dynamic_max_degree: int,
-    calc_f: float,
-    comm_f: float,
+    cost: OverlapCostModel | FactorCostModel,
 ) -> DistAttnPlan:
     cp, cs = dispatch.cp_size, dispatch.chunk_size
     shard = dispatch.shard_seqlen
@@ -296,17 +305,22 @@ def _plan(
     # host areas feed the cost model; the key map sends host keys to destination -1 (local coordinates)
     host_maps = [_host_map(h) for h in host]
     host_area = [host_area_of(clipped[r], host_maps[r]) for r in range(cp)]
-    candidates = list(range(1, dynamic_max_degree + 1)) if mode is OverlapMode.DYNAMIC else [degree or 0]
-    options = [
-        stage_options(
-            remote[r], clipped[r], host_area[r], min_chunk_size, max_num_chunks, calc_f, comm_f, candidates
-        )
-        for r in range(cp)
+    candidates = list(range(dynamic_max_degree + 1)) if mode is OverlapMode.DYNAMIC else [degree or 0]
+    layouts = [
+        stage_layouts(remote[r], clipped[r], min_chunk_size, max_num_chunks, candidates) for r in range(cp)
     ]
+    times = {
+        d: [
+            cost.total_time(d, host_area[r], layouts[r][d].areas, layouts[r][d].tokens, shard)
+            for r in range(cp)
+        ]
+        for d in candidates
+    }
     # one degree for every rank: the one whose slowest rank is fastest (ties: the smaller degree)
-    chosen = min(candidates, key=lambda d: (max(o[d][1] for o in options), d))
+    degree_costs = {d: max(t) for d, t in times.items()}
+    chosen = min(candidates, key=lambda d: (degree_costs[d], d))
     num_stages = max(chosen, 1)
-    stage_ranges = [cut_tokens(remote[r], options[r][chosen][0]) for r in range(cp)]
+    stage_ranges = [cut_tokens(remote[r], layouts[r][chosen].token_bounds) for r in range(cp)]
     runs = [
         [_recv_runs(stage_ranges[r][si], owner, local_pos, cs) for r in range(cp)] for si in range(num_stages)
     ]
@@ -328,7 +342,8 @@ def _plan(
         ranks=tuple(ranks),
         num_stages=num_stages,
         overlap_degree=chosen,
-        predicted_times=tuple(o[chosen][1] for o in options),
+        predicted_times=tuple(times[chosen]),
+        degree_costs=degree_costs,
     )
 
 

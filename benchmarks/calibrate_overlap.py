@@ -1,0 +1,180 @@
+"""Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend.
+
+Measures, with the backend's own launchers and `triton.testing.do_bench` medians:
+- kernel throughput and per-call fixed cost, forward and backward: a least-squares line `time = fixed +
+  area * seconds_per_pair` over FULL masks of one query block against key blocks of growing length (the
+  cost model's `calc`);
+- the per-stage cost of merging a partial forward result into the accumulator and of adding a stage's dq
+  into the fp32 accumulator (bytes per element at the measured copy bandwidth);
+- with two or more ranks (torchrun), the all-to-all bandwidth and latency of the process group.
+
+``torchrun --standalone --nproc-per-node {1,2} benchmarks/calibrate_overlap.py --out DIR`` writes
+``DIR/<gpu>_<backend>.json`` per backend (the format of ``CostProfile.to_dict``; load one with
+``OverlapConfig(cost_profile=path)``) and prints the profiles last. Comm numbers default to the shipped
+profile's when run on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import triton.testing
+
+from magi_attention._kernels import attn_kernel
+from magi_attention.config import KernelBackend
+from magi_solver import CostProfile, get_profile, gpu_kind
+
+for _name, _value in {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+
+def bench_ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x, a clamped at >= 0."""
+    b, a = np.polyfit(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), 1)
+    return max(float(a), 0.0), float(b)
+
+
+def kernel_fit(backend: KernelBackend, tq: int, key_lens: list[int], hq: int, hkv: int, d: int, dev) -> dict:
+    kern = attn_kernel(backend)
+    q = torch.randn(tq, hq, d, device=dev, dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    areas, fwd_s, bwd_s = [], [], []
+    for tk in key_lens:
+        k = torch.randn(tk, hkv, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qr = torch.tensor([[0, tq]], dtype=torch.int32)
+        kr = torch.tensor([[0, tk]], dtype=torch.int32)
+        tm = torch.zeros(1, dtype=torch.int32)
+        out, lse = kern.fwd(q, k, v, qr, kr, tm)
+        f = bench_ms(functools.partial(kern.fwd, q, k, v, qr, kr, tm))
+        b = bench_ms(functools.partial(kern.bwd, do, q, k, v, out, lse, qr, kr, tm))
+        areas.append(tq * tk)
+        fwd_s.append(f * 1e-3)
+        bwd_s.append(b * 1e-3)
+    f0, f1 = fit_line(areas, fwd_s)
+    b0, b1 = fit_line(areas, bwd_s)
+    per_pair = 4.0 * hq * d
+    # stage overheads: merge into an existing accumulator / accumulate dq into fp32 buffers
+    k = torch.randn(key_lens[0], hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qr, kr = torch.tensor([[0, tq]], dtype=torch.int32), torch.tensor([[0, key_lens[0]]], dtype=torch.int32)
+    tm = torch.zeros(1, dtype=torch.int32)
+    out, lse = kern.fwd(q, k, v, qr, kr, tm)
+    acc, acc_lse = out.float(), lse.clone()
+    plain = bench_ms(lambda: kern.fwd(q, k, v, qr, kr, tm))
+    merged = bench_ms(lambda: kern.fwd(q, k, v, qr, kr, tm, out=acc, lse=acc_lse))
+    dq, dk, dv = (torch.zeros(t.shape, device=dev, dtype=torch.float32) for t in (q, k, v))
+    bplain = bench_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tm))
+    baccum = bench_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tm, dq=dq, dk=dk, dv=dv))
+    return {
+        "fwd_tflops": per_pair / f1 / 1e12,
+        "bwd_tflops": 2.5 * per_pair / b1 / 1e12,
+        "fwd_fixed_s": f0,
+        "bwd_fixed_s": b0,
+        "merge_s_per_elem": max(merged - plain, 0.0) * 1e-3 / q.numel(),
+        "dq_accum_s_per_elem": max(baccum - bplain, 0.0) * 1e-3 / q.numel(),
+        "points": {"area": areas, "fwd_s": fwd_s, "bwd_s": bwd_s},
+    }
+
+
+def copy_gbps(dev) -> float:
+    x = torch.empty(256 * 2**20, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def comm_fit(dev, hkv: int, d: int) -> tuple[float, float] | None:
+    """(GB/s per rank sent, latency s) of all_to_all_single on the group, or None on one rank."""
+    world = dist.get_world_size()
+    if world < 2:
+        return None
+    tokens = [512, 2048, 8192, 32768]
+    sizes, times = [], []
+    for t in tokens:
+        x = torch.randn(t * world, 2 * hkv, d, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        ms = bench_ms(functools.partial(dist.all_to_all_single, y, x))
+        sizes.append(x.numel() * 2 * (world - 1) / world)
+        times.append(ms * 1e-3)
+    t_all = torch.tensor(times, device=dev, dtype=torch.float64)
+    dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
+    lat, s_per_byte = fit_line(sizes, t_all.tolist())
+    return 1.0 / s_per_byte / 1e9, lat
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="fa4,triton")
+    ap.add_argument("--heads", default="64:8")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--q-tokens", type=int, default=8192)
+    ap.add_argument("--key-lens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--out", default=None, help="directory for the JSON profiles")
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hq, hkv = (int(x) for x in a.heads.split(":"))
+    kind = gpu_kind(torch.cuda.get_device_name(dev))
+    mem = copy_gbps(dev)
+    comm = comm_fit(dev, hkv, a.head_dim)
+    profiles = {}
+    for name in a.backends.split(","):
+        backend = KernelBackend(name)
+        fit = kernel_fit(
+            backend, a.q_tokens, [int(x) for x in a.key_lens.split(",")], hq, hkv, a.head_dim, dev
+        )
+        shipped = get_profile(kind, backend.value)
+        profile = CostProfile(
+            name=f"{kind}/{backend.value}",
+            fwd_tflops=fit["fwd_tflops"],
+            bwd_tflops=fit["bwd_tflops"],
+            kernel_fixed_s=max(1e-6, 0.5 * (fit["fwd_fixed_s"] + fit["bwd_fixed_s"])),
+            mem_gbps=mem,
+            fwd_merge_bytes_per_elem=max(1.0, fit["merge_s_per_elem"] * mem * 1e9),
+            bwd_accum_bytes_per_elem=max(1.0, fit["dq_accum_s_per_elem"] * mem * 1e9),
+            comm_gbps=comm[0] if comm else shipped.comm_gbps,
+            comm_latency_s=max(1e-6, comm[1]) if comm else shipped.comm_latency_s,
+            estimate=False,
+        )
+        profiles[profile.name] = {"profile": profile.to_dict(), "fit": fit}
+    if dist.get_rank() == 0:
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            for pname, p in profiles.items():
+                (Path(a.out) / (pname.replace("/", "_") + ".json")).write_text(
+                    json.dumps(p["profile"], indent=1)
+                )
+            (Path(a.out) / "calibration_fit.json").write_text(json.dumps(profiles, indent=1))
+        for pname, p in profiles.items():
+            f = p["fit"]
+            print(
+                f"{pname}: fwd {f['fwd_tflops']:.0f} TFLOP/s + {f['fwd_fixed_s'] * 1e6:.0f} us, bwd "
+                f"{f['bwd_tflops']:.0f} + {f['bwd_fixed_s'] * 1e6:.0f} us, merge {f['merge_s_per_elem'] * 1e12:.2f} "
+                f"ps/elem, dq accum {f['dq_accum_s_per_elem'] * 1e12:.2f} ps/elem, copy {mem:.0f} GB/s, comm "
+                f"{(f'{comm[0]:.0f} GB/s + {comm[1] * 1e6:.0f} us') if comm else 'n/a (1 GPU)'}"
+            )
+            print(json.dumps(p["profile"]))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Which attention kernel the runtime calls, agreed by every rank of a cp group before any plan is made.
+
+Each rank probes what it can run (flash-attn-4 importable, GPU architecture, CUDA at all); the ranks
+exchange those flags once per (group, requested backend, head_dim) with one tiny all-gather, and every rank
+resolves the same backend from the same gathered flags. So ranks with different software never plan or
+compute differently, and an explicit choice that some rank cannot run raises on every rank, before any
+collective of the attention itself. The dtype is only known at `calc_attn`: `KernelChoice.backend_for`
+refines the choice for it (a deterministic function of values every rank shares).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import magi_ffa
+
+from .config import KernelBackend
+from .env import kernel_backend_override, triton_interpret
+from .key import CpGroup
+
+GPU_KINDS = ("cpu", "h100", "h200", "b200", "other")
+"""GPU kinds as exchanged between ranks (index = code); the cost profile is chosen by rank 0's kind."""
+
+_FA4_DTYPES = (torch.float16, torch.bfloat16)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCapability:
+    """What this process can run; `*_missing` says why not (empty when it can)."""
+
+    fa4_missing: str
+    triton_missing: str
+    gpu_kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """The backend every rank of a group uses (for fp16/bf16 inputs) and what it was resolved from."""
+
+    backend: KernelBackend
+    """Resolved backend for fp16/bf16 inputs (never AUTO)."""
+    requested: KernelBackend
+    """The config's choice after the MAGI_ATTENTION_KERNEL_BACKEND override of `auto`."""
+    gpu_kind: str
+    """Rank 0's GPU kind ("h200", ..., "cpu"): selects the shipped overlap cost profile."""
+    triton_everywhere: bool
+
+    def backend_for(self, dtype: torch.dtype, head_dim: int) -> KernelBackend:
+        """The backend for inputs of `dtype`: the same on every rank, ValueError if an explicit choice cannot
+        take that dtype."""
+        if self.backend == KernelBackend.FA4 and dtype not in _FA4_DTYPES:
+            if self.requested == KernelBackend.FA4:
+                raise ValueError(
+                    f"kernel_backend='fa4' needs float16/bfloat16 inputs, got {dtype}; "
+                    "use kernel_backend='auto', 'triton' (fp32) or 'torch' (fp64)"
+                )
+            ok = self.triton_everywhere and dtype in _TRITON_DTYPES and magi_ffa.triton_head_dim_ok(head_dim)
+            return KernelBackend.TRITON if ok else KernelBackend.TORCH
+        if self.backend == KernelBackend.TRITON and dtype not in _TRITON_DTYPES:
+            if self.requested == KernelBackend.TRITON:
+                raise ValueError(
+                    f"kernel_backend='triton' supports float16/bfloat16/float32, got {dtype}; use 'torch' or 'auto'"
+                )
+            return KernelBackend.TORCH
+        return self.backend
+
+
+def probe_local() -> LocalCapability:
+    """What this process can run, and why not."""
+    if torch.cuda.is_available():
+        from magi_solver import gpu_kind
+
+        kind = gpu_kind(torch.cuda.get_device_name())
+        triton_missing = ""
+    else:
+        kind = "cpu"
+        triton_missing = "" if triton_interpret() else "no CUDA GPU (and TRITON_INTERPRET is not set)"
+    return LocalCapability(_fa4_missing(), triton_missing, kind if kind in GPU_KINDS else "other")
+
+
+def _fa4_missing() -> str:
+    try:
+        import magi_ffa_fa4
+    except ImportError:
+        return "magi-ffa-fa4 is not installed (pip install 'magi-attention[fa4]')"
+    if not magi_ffa_fa4.fa4_available():
+        return "flash-attn-4 does not import (" + magi_ffa_fa4.INSTALL_HINT + ")"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10, 11):
+        return f"the GPU is sm{major}x; FA4 needs Hopper (sm90) or Blackwell (sm100/sm110)"
+    return ""
+
+
+_AGREED: dict[tuple, KernelChoice] = {}
+
+
+def agree_kernel_choice(cp_group: CpGroup, configured: KernelBackend, head_dim: int) -> KernelChoice:
+    """Resolve the backend on every rank of `cp_group` from every rank's capabilities (one all-gather per
+    group, requested backend and head_dim; cached). Raises ValueError on every rank when an explicit choice
+    cannot run somewhere."""
+    override = kernel_backend_override()
+    requested = override if configured == KernelBackend.AUTO and override is not None else configured
+    cache_key = (cp_group.name, cp_group.ranks, requested, head_dim)
+    choice = _AGREED.get(cache_key)
+    if choice is None:
+        choice = _resolve(requested, head_dim, _gather(cp_group, probe_local()))
+        _AGREED[cache_key] = choice
+    return choice
+
+
+def _gather(cp_group: CpGroup, local: LocalCapability) -> list[LocalCapability]:
+    """Every rank's capability flags (reasons are kept only for this rank: others report a generic one)."""
+    group = cp_group.group
+    if group is None or cp_group.size == 1:
+        return [local]
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+    mine = torch.tensor(
+        [int(not local.fa4_missing), int(not local.triton_missing), GPU_KINDS.index(local.gpu_kind)],
+        dtype=torch.int64,
+        device=device,
+    )
+    parts = [torch.empty_like(mine) for _ in range(cp_group.size)]
+    dist.all_gather(parts, mine, group=group)
+    me = dist.get_rank(group)
+    out = []
+    for r, p in enumerate(parts):
+        if r == me:
+            out.append(local)
+            continue
+        fa4_ok, triton_ok, kind = (int(x) for x in p.tolist())
+        out.append(
+            LocalCapability(
+                "" if fa4_ok else "FA4 cannot run there",
+                "" if triton_ok else "no CUDA GPU there",
+                GPU_KINDS[kind],
+            )
+        )
+    return out
+
+
+def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapability]) -> KernelChoice:
+    fa4_everywhere = all(not r.fa4_missing for r in ranks)
+    triton_everywhere = all(not r.triton_missing for r in ranks)
+    kind = ranks[0].gpu_kind
+    fa4_dim_ok = _fa4_head_dim_ok(head_dim)
+    triton_dim_ok = magi_ffa.triton_head_dim_ok(head_dim)
+    if requested == KernelBackend.FA4:
+        _require(fa4_everywhere, "fa4", ranks, lambda r: r.fa4_missing)
+        if not fa4_dim_ok:
+            raise ValueError(
+                f"kernel_backend='fa4' needs head_dim <= 128 and a multiple of 8, got {head_dim}"
+            )
+        backend = KernelBackend.FA4
+    elif requested == KernelBackend.TRITON:
+        _require(triton_everywhere, "triton", ranks, lambda r: r.triton_missing)
+        if not triton_dim_ok:
+            raise ValueError(
+                f"kernel_backend='triton' needs a power-of-two head_dim in [16, 256], got {head_dim}"
+            )
+        backend = KernelBackend.TRITON
+    elif requested == KernelBackend.TORCH:
+        backend = KernelBackend.TORCH
+    elif fa4_everywhere and fa4_dim_ok:
+        backend = KernelBackend.FA4
+    elif triton_everywhere and triton_dim_ok and kind != "cpu":
+        backend = KernelBackend.TRITON
+    else:
+        backend = KernelBackend.TORCH
+    return KernelChoice(backend, requested, kind, triton_everywhere)
+
+
+def _require(
+    ok: bool, name: str, ranks: list[LocalCapability], reason: Callable[[LocalCapability], str]
+) -> None:
+    if ok:
+        return
+    bad = [f"rank {i}: {reason(r)}" for i, r in enumerate(ranks) if reason(r)]
+    raise ValueError(f"kernel_backend='{name}' cannot run on every rank of the cp group: " + "; ".join(bad))
+
+
+def _fa4_head_dim_ok(head_dim: int) -> bool:
+    try:
+        import magi_ffa_fa4
+    except ImportError:
+        return False
+    return magi_ffa_fa4.head_dim_supported(head_dim)
+
+
+def clear_agreements() -> None:
+    _AGREED.clear()
+
+
+# -- the launchers of each backend ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AttnKernel:
+    """Launchers with the contract of `magi_ffa.ffa_fwd` / `ffa_bwd` for one backend."""
+
+    backend: KernelBackend
+    fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def attn_kernel(backend: KernelBackend) -> AttnKernel:
+    if backend == KernelBackend.FA4:
+        import magi_ffa_fa4
+
+        return AttnKernel(backend, magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd)
+    if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
+        raise ValueError(f"no kernel for backend {backend!r}")
+    return AttnKernel(
+        backend,
+        functools.partial(magi_ffa.ffa_fwd, backend=backend.value),
+        functools.partial(magi_ffa.ffa_bwd, backend=backend.value),
+    )
