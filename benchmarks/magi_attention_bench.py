@@ -23,14 +23,30 @@ import sys
 import torch
 import triton
 
+from magi_attention import DistAttnConfig
+from magi_attention._kernels import attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
+from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_ffa import ffa_bwd, ffa_fwd, flex_flash_attn_func
 from magi_solver import plan_dist_attn
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
 DEVICE = os.environ.get("MAGI_BENCH_DEVICE", "cuda")
+BACKEND = KernelBackend.TRITON  # set from --kernel-backend
+
+
+def raw_attn_func():
+    """The backend's own single-call autograd entry (the cp = 1 yardstick)."""
+    if BACKEND == KernelBackend.FA4:
+        import magi_ffa_fa4
+
+        return magi_ffa_fa4.flex_flash_attn_func
+    import magi_ffa
+
+    return magi_ffa.flex_flash_attn_func
+
+
 NVLINK_BPS, IB_BPS = 450e9, 50e9
 
 
@@ -89,42 +105,74 @@ def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
 def bench_cp1_overhead(total: int, mask: str) -> dict:
     q_ranges, k_ranges, types = make_mask(mask, total)
     dev = torch.device(DEVICE)
-    q = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16)
-    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, HQ, HKV, D, None)
+    q, k, v = (
+        torch.randn(total, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (HQ, HKV, HKV)
+    )
+    do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
+    config = DistAttnConfig(kernel_backend=BACKEND)
+    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, HQ, HKV, D, None, config)
     qr = torch.tensor(q_ranges, dtype=torch.int32)  # host ranges: no device->host sync per call
     kr = torch.tensor(k_ranges, dtype=torch.int32)
     tr = torch.tensor(types, dtype=torch.int32)
-    raw = _bench(lambda: flex_flash_attn_func(q, k, v, qr, kr, tr), warmup=50, rep=300)
-    ours = _bench(lambda: calc_attn(q, k, v, key), warmup=50, rep=300)
+    raw_fn = raw_attn_func()
+    with torch.no_grad():
+        raw = _bench(lambda: raw_fn(q, k, v, qr, kr, tr), warmup=20, rep=100)
+        ours = _bench(lambda: calc_attn(q, k, v, key), warmup=20, rep=100)
+    raw_fb = _bench(lambda: raw_fn(q, k, v, qr, kr, tr)[0].backward(do), warmup=10, rep=50)
+    ours_fb = _bench(lambda: calc_attn(q, k, v, key)[0].backward(do), warmup=10, rep=50)
     return {
         "mask": mask,
         "tokens": total,
+        "backend": BACKEND.value,
         "raw_ffa_ms": raw,
         "calc_attn_ms": ours,
         "overhead": ours / raw - 1,
+        "raw_fwd_bwd_ms": raw_fb,
+        "calc_attn_fwd_bwd_ms": ours_fb,
+        "overhead_fwd_bwd": ours_fb / raw_fb - 1,
     }
+
+
+def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
+    """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
+    q_ranges, k_ranges, types = make_mask(mask, total)
+    dev = torch.device(DEVICE)
+    q, k, v = (torch.randn(total, h, D, device=dev, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+    do = torch.randn_like(q)
+    qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
+    kern = attn_kernel(BACKEND)
+    out, lse = kern.fwd(q, k, v, qr, kr, tr)
+    t_f = _events_ms(lambda: kern.fwd(q, k, v, qr, kr, tr), warmup=1, iters=3)
+    t_b = _events_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tr), warmup=1, iters=3)
+    from magi_solver import SliceList
+
+    area = SliceList.from_typed([(*a, *b, t) for a, b, t in zip(q_ranges, k_ranges, types)]).area()
+    flops = 4 * area * HQ * D
+    return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
 def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list) -> tuple[float, float]:
     """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages)."""
-    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    lse = torch.full(q.shape[:2], float("-inf"), device=q.device, dtype=torch.float32)
+    kern = attn_kernel(BACKEND)
 
     def fwd():
-        out.zero_()
-        lse.fill_(float("-inf"))
-        for (qr, kr, tr), kk, vv in calls:
-            ffa_fwd(q, kk, vv, qr, kr, tr, out=out, lse=lse)
+        # as the runtime: the first call writes the accumulator, later stages merge into it
+        (qr, kr, tr), kk, vv = calls[0]
+        out, lse = kern.fwd(q, kk, vv, qr, kr, tr)
+        if len(calls) > 2:
+            out = out.float()
+        for (qr, kr, tr), kk, vv in calls[1:]:
+            kern.fwd(q, kk, vv, qr, kr, tr, out=out, lse=lse)
+        return out, lse
 
-    fwd()
+    out, lse = fwd()
     o16 = out.to(q.dtype)
 
     def bwd():
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         for (qr, kr, tr), kk, vv in calls:
-            ffa_bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq)
+            dkv = [torch.zeros(kk.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
+            kern.bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq, dk=dkv[0], dv=dkv[1])
 
     return _events_ms(fwd), _events_ms(bwd)
 
@@ -208,7 +256,7 @@ def check_on_gpu(mask: str, cp: int, total: int = 4096) -> dict:
     hq, hkv, d = 8, 2, 128
     q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
     do = torch.randn(total, hq, d, device=DEVICE, generator=gen)
-    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan)
+    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan, kernel_backend=BACKEND)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     out_ref, lse_ref = ref_attn(
         qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total).to(DEVICE)
@@ -236,7 +284,12 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
     )
+    ap.add_argument("--kernel-backend", choices=("fa4", "triton"), default="fa4")
+    ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
+    ap.add_argument("--single-max-tokens", type=int, default=131072)
     args = ap.parse_args()
+    global BACKEND
+    BACKEND = KernelBackend(args.kernel_backend)
     if args.plan_only:
         print(
             "| mask | cp | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | comm ms @50GB/s |"
@@ -253,7 +306,7 @@ def main() -> int:
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
         f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"heads {HQ}:{HKV}, d {D}, bf16"
+        f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backend {BACKEND.value}"
     )
     results = {"header": header, "check": [], "cp1": [], "sim": []}
     if args.check:
@@ -275,27 +328,45 @@ def main() -> int:
         )
     for mask in args.masks.split(","):
         for cp in map(int, args.cps.split(",")):
-            results["sim"].append(simulate_cp(mask, cp, args.tokens_per_gpu, args.degree))
-            r = results["sim"][-1]
+            r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree)
+            if not args.no_single:
+                # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
+                # family at that size stands in (its throughput has long reached the asymptote)
+                r["single_tokens"] = min(cp * args.tokens_per_gpu, args.single_max_tokens)
+                r["single_fwd"], r["single_bwd"] = single_gpu_tflops(mask, r["single_tokens"])
+            results["sim"].append(r)
             print(
-                f"# {mask} cp{cp}: fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU",
+                f"# {mask} cp{cp}: fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU "
+                f"(one GPU on the whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})",
                 flush=True,
             )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(header)
-    print("\n| mask | raw FFA ms | calc_attn ms | overhead |\n|---|---|---|---|")
+    print(
+        "\n| mask | raw fwd ms | calc_attn fwd ms | overhead | raw fwd+bwd ms | calc_attn fwd+bwd ms | overhead |"
+        "\n|---|---|---|---|---|---|---|"
+    )
     for r in results["cp1"]:
-        print(f"| {r['mask']} | {r['raw_ffa_ms']:.3f} | {r['calc_attn_ms']:.3f} | {r['overhead']:+.1%} |")
+        print(
+            f"| {r['mask']} | {r['raw_ffa_ms']:.3f} | {r['calc_attn_ms']:.3f} | {r['overhead']:+.1%} | "
+            f"{r['raw_fwd_bwd_ms']:.3f} | {r['calc_attn_fwd_bwd_ms']:.3f} | {r['overhead_fwd_bwd']:+.1%} |"
+        )
     print(
         "\n| mask | cp | imbalance | slowest fwd ms | slowest bwd ms | fwd TFLOP/s/GPU | bwd TFLOP/s/GPU |"
-        " comm ms @450GB/s | comm ms @50GB/s |\n|---|---|---|---|---|---|---|---|---|"
+        " vs one GPU fwd / bwd | comm ms @450GB/s | comm ms @50GB/s |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in results["sim"]:
+        ratio = (
+            f"{r['tflops_fwd'] / r['single_fwd']:.2f}x / {r['tflops_bwd'] / r['single_bwd']:.2f}x"
+            if "single_fwd" in r
+            else "n/a"
+        )
         print(
             f"| {r['mask']} | {r['cp']} | {r['imbalance']:.3f} | {r['slowest_fwd_ms']:.2f} | {r['slowest_bwd_ms']:.2f}"
-            f" | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
+            f" | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | {r['comm_ms_nvlink']:.2f}"
+            f" | {r['comm_ms_ib']:.2f} |"
         )
     return 0
 

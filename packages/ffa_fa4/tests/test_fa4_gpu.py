@@ -6,6 +6,7 @@ Every case uses fresh random inputs and poisons FA4's output buffer with NaN (MA
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 
@@ -140,19 +141,17 @@ def test_plan_cache_by_value() -> None:
 
 
 def _split_keys(qr, kr, tm, cuts):
-    """The slices of each key stage [cuts[i], cuts[i+1]): keys clipped to the stage, in stage-local coordinates
-    (a causal slice cut on the key side keeps its diagonal only for the piece holding the slice's last key,
-    so only FULL slices are cut here; others go whole to the stage holding their key start)."""
+    """The slices of each key stage ``[cuts[i], cuts[i+1])`` in stage-local key coordinates. FULL slices are cut
+    at the stage bounds; any other slice must lie inside one stage (cutting a causal slice moves its diagonal)."""
     stages = [([], [], []) for _ in range(len(cuts) - 1)]
     for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
-        for i in range(len(cuts) - 1):
-            lo, hi = cuts[i], cuts[i + 1]
-            if t == 0:
-                a, b = max(ks, lo), min(ke, hi)
-                if a < b:
-                    stages[i][0].append([qs, qe]), stages[i][1].append([a - lo, b - lo]), stages[i][2].append(0)
-            elif lo <= ks < hi:
-                stages[i][0].append([qs, qe]), stages[i][1].append([ks - lo, ke - lo]), stages[i][2].append(t)
+        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+            a, b = max(ks, lo), min(ke, hi)
+            if a >= b:
+                continue
+            assert t == 0 or (a, b) == (ks, ke), "only FULL slices may span stages"
+            for part, value in zip(stages[i], ([qs, qe], [a - lo, b - lo], t)):
+                part.append(value)
     return stages
 
 
