@@ -1,25 +1,38 @@
-"""Distributed context-parallel benchmark (issue 6): magi-attention against Ulysses, zigzag ring attention and
-all-gather K/V, all four computing with the same local kernel (magi_ffa), so the table isolates the
-distribution scheme.
+"""Distributed context-parallel benchmark: magi-attention against two families of baselines, in one run, on
+the same inputs.
+
+- Same-kernel baselines (benchmarks/cp_baselines.py): Ulysses, zigzag ring attention and all-gather K/V, all
+  computing with magi_ffa like magi, so the comparison isolates the distribution scheme.
+- What a user would pick today (benchmarks/cp_user_baselines.py), each with the best local kernel for the
+  mask: Ulysses + FlashAttention-4 (dense or varlen), Ulysses + cuDNN SDPA, PyTorch's native context_parallel
+  (SDPA ring), Ulysses + magi_ffa_fa4 (any mask). A system that cannot run a case (mask it cannot express,
+  heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
+
+magi runs once per ``--degrees`` entry (an int = that many overlap stages, ``dynamic`` = the planner picks;
+the row records the degree the plan chose) with ``--kernel-backend``.
 
 One process per GPU (NCCL), or per CPU rank over gloo with ``--device cpu`` (toy sizes, for smoke runs)::
 
-    torchrun --standalone --nproc-per-node 8 benchmarks/cp_bench.py --out /tmp/cp_bench
+    torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --tokens-per-gpu 16384 --out /tmp/cp_bench
     torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
 For every (tokens per GPU, mask, system): the global q/k/v/dout are drawn from one seed on every rank,
-sharded the system's way, then one forward + backward whose output (and dq) is compared with magi's (rel
-diff = ||x - x_magi|| / ||x_magi|| over the whole sequence), ``--warmup`` more, then ``--iters`` timed
-iterations (CUDA events; the host clock on CPU), each started after a barrier. Per iteration the slowest
-rank's time counts; the table shows the median. TFLOP/s/GPU = FLOPs / (time x cp), FLOPs(fwd) = 4 x mask
-area x heads_q x head_dim, FLOPs(bwd) = 2.5 x FLOPs(fwd). Writes ``<out>.json`` and ``<out>.md`` and prints
-the markdown table last (rank 0).
+sharded the system's way, then one forward + backward whose output (and dq) is compared with the first magi
+row's (rel diff = ||x - x_magi|| / ||x_magi|| over the whole sequence), ``--warmup`` more, then ``--iters``
+timed iterations (CUDA events; the host clock on CPU), each started after a barrier. Per iteration the
+slowest rank's time counts; the table shows the median and the interquartile range (p25-p75). TFLOP/s/GPU =
+FLOPs / (median time x cp), FLOPs(fwd) = 4 x mask area x heads_q x head_dim, FLOPs(bwd) = 2.5 x FLOPs(fwd).
+Peak memory: the largest ``torch.cuda.max_memory_allocated`` over ranks during warm-up + timed iterations.
+magi rows also give the speedup over the fastest non-magi row of the same (tokens, mask), forward and
+backward separately (its median time / magi's). Writes ``<out>.json`` and ``<out>.md`` and prints the
+markdown table last (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -37,11 +50,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cp_baselines sits next to this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the baseline modules sit next to this script
 
+import cp_user_baselines as user
 from cp_baselines import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
+from magi_attention import _runtime as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_solver import SliceList
 
@@ -52,11 +67,23 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 class System(StrEnum):
     MAGI = "magi"
     ULYSSES = "ulysses"
+    """Same-kernel baselines (cp_baselines.py, magi_ffa locally): Ulysses, zigzag ring, all-gather K/V."""
     RING_ZIGZAG = "ring_zigzag"
     ALLGATHER_KV = "allgather_kv"
+    ULYSSES_FA4 = "ulysses_fa4"
+    """User baselines (cp_user_baselines.py), each with its own kernel: Ulysses + FA4 (dense / varlen)."""
+    ULYSSES_CUDNN = "ulysses_cudnn"
+    """Ulysses + cuDNN SDPA (full / causal)."""
+    TORCH_CP = "torch_cp"
+    """PyTorch native context_parallel, SDPA ring (full / causal; CUDA + NCCL)."""
+    ULYSSES_FFA_FA4 = "ulysses_ffa_fa4"
+    """Ulysses + magi_ffa_fa4 (any mask)."""
 
 
-MASKS = ("full", "causal", "varlen_full", "varlen_causal")
+SAME_KERNEL = (System.ULYSSES, System.RING_ZIGZAG, System.ALLGATHER_KV)
+MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
+KERNEL_BACKENDS = ("auto", "fa4", "triton", "torch")
+DYNAMIC = "dynamic"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -77,11 +104,17 @@ class BenchConfig:
     iters: int
     chunk_size: int
     """magi: DispatchConfig.chunk_size (tokens per dispatch chunk)."""
-    degree: int
-    """magi: OverlapConfig.degree (remote stages; 0 = no overlap)."""
+    degrees: tuple[int | str, ...]
+    """magi runs once per entry: OverlapConfig.degree (remote stages; 0 = no overlap) or "dynamic"."""
     min_chunk_size: int
     """magi: OverlapConfig.min_chunk_size."""
+    kernel_backend: str
+    """magi: DistAttnConfig.kernel_backend ("auto", "fa4", "triton", "torch")."""
+    block_size: int
+    """varlen_block_causal: tokens per block."""
     seed: int
+    profile: str | None = None
+    """Directory for one profiled magi forward + backward per (tokens, mask) (rank 0), or None."""
 
 
 def varlen_docs(total: int, seed: int) -> list[list[int]]:
@@ -96,13 +129,27 @@ def varlen_docs(total: int, seed: int) -> list[list[int]]:
     return bounds
 
 
-def make_mask(name: str, total: int, seed: int) -> tuple[list, list, list]:
-    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens."""
+def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple[list, list, list]:
+    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens.
+
+    ``varlen_block_causal``: the varlen documents, cut into blocks of ``block_size`` tokens (the last one of a
+    document may be shorter); a block sees its own block and every earlier block of its document, fully. One
+    FULL slice per block: q = the block, k = document start .. block end.
+    """
     if name in ("full", "causal"):
         return [[0, total]], [[0, total]], [int(name == "causal")]
     if name in ("varlen_full", "varlen_causal"):
         docs = varlen_docs(total, seed)
         return docs, docs, [int(name == "varlen_causal")] * len(docs)
+    if name == "varlen_block_causal":
+        if block_size <= 0:
+            raise ValueError(f"`block_size` must be a positive int, got {block_size}")
+        q_ranges, k_ranges = [], []
+        for start, end in varlen_docs(total, seed):
+            for b in range(start, end, block_size):
+                q_ranges.append([b, min(b + block_size, end)])
+                k_ranges.append([start, min(b + block_size, end)])
+        return q_ranges, k_ranges, [0] * len(q_ranges)
     raise ValueError(f"mask must be one of {MASKS}, got {name!r}")
 
 
@@ -128,8 +175,15 @@ def _time_iters(
     do: torch.Tensor,
     cfg: BenchConfig,
     device,
-) -> tuple[list[float], list[float]]:
-    """Per timed iteration: (forward ms, backward ms), each the max over ranks."""
+) -> tuple[list[float], list[float], dict]:
+    """Per timed iteration: (forward ms, backward ms), each the max over ranks; and the peak memory (GiB, max
+    over ranks) of the warm-up + timed iterations, absolute and above what was allocated when they started
+    (None on CPU)."""
+    mem = {"peak_mem_gib": None, "peak_mem_over_start_gib": None}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
     fwd, bwd = [], []
     for it in range(cfg.warmup + cfg.iters):
         _barrier(device)
@@ -148,12 +202,26 @@ def _time_iters(
             t1 = time.perf_counter()
             torch.autograd.grad(out, inputs, do)
             tf, tb = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        del out
         if it >= cfg.warmup:
             fwd.append(tf)
             bwd.append(tb)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        m = torch.tensor([peak, peak - start], dtype=torch.float64, device=device) / 2**30
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        mem = {"peak_mem_gib": m[0].item(), "peak_mem_over_start_gib": m[1].item()}
     t = torch.tensor([fwd, bwd], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t[0].tolist(), t[1].tolist()
+    return t[0].tolist(), t[1].tolist(), mem
+
+
+def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    """(p25, p75), inclusive method (the range of the data itself for fewer than 2 points)."""
+    if len(xs) < 2:
+        return min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def _rel_diff(local: torch.Tensor, ref_local: torch.Tensor, device) -> float:
@@ -164,67 +232,265 @@ def _rel_diff(local: torch.Tensor, ref_local: torch.Tensor, device) -> float:
     return math.sqrt(sums[0].item() / max(sums[1].item(), 1e-300))
 
 
+def _agree(reason: str | None, device) -> str | None:
+    """Every rank learns whether any rank has a reason to skip, and the first such reason (rank order)."""
+    flag = torch.tensor([reason is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return next(r for r in reasons if r is not None)
+
+
+# -- the systems ------------------------------------------------------------------------------------------
+@dataclass(slots=True, kw_only=True)
+class _Case:
+    """One system set up on one case, on this rank."""
+
+    step: Callable[[], torch.Tensor]
+    inputs: Sequence[torch.Tensor]
+    dout: torch.Tensor
+    token_index: torch.Tensor | None
+    """Global token of each output row; None for magi (compared through undispatch)."""
+    kernel: str
+    close: Callable[[], None] = lambda: None
+    key: object = None
+    """magi: the runtime key."""
+
+
+MAGI_KERNELS = {
+    "auto": "FFA, kernel backend auto",
+    "fa4": "FFA on FA4 (magi_ffa_fa4)",
+    "triton": "FFA Triton (magi_ffa)",
+    "torch": "FFA torch path (magi_ffa)",
+}
+
+
+def _dist_attn_config(cfg: BenchConfig, degree: int | str) -> DistAttnConfig:
+    overlap = OverlapConfig(
+        degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size
+    )
+    kwargs = {"kernel_backend": cfg.kernel_backend} if _has_kernel_backend() else {}
+    return DistAttnConfig(
+        dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size), overlap_config=overlap, **kwargs
+    )
+
+
+def _has_kernel_backend() -> bool:
+    return "kernel_backend" in {f.name for f in dataclasses.fields(DistAttnConfig)}
+
+
+def _magi_runtime(key):
+    """The key's runtime on this rank (None if this magi_attention does not expose its runtime cache)."""
+    cache = getattr(magi_runtime, "RUNTIME_CACHE", None)
+    try:
+        return None if cache is None else cache.get(key)
+    except Exception:  # a private API: never let it break the benchmark
+        return None
+
+
+def _magi_backend(key, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The kernel backend the runtime resolved for this key and dtype (None if it does not say)."""
+    choice = getattr(_magi_runtime(key), "kernel_choice", None)
+    try:
+        backend = choice.backend_for(dtype, head_dim) if hasattr(choice, "backend_for") else None
+    except Exception:  # a private API: never let it break the benchmark
+        backend = None
+    backend = backend or getattr(choice, "backend", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
+def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str) -> _Case:
+    total, hq, hkv, d = q.shape[0], cfg.heads_q, cfg.heads_kv, cfg.head_dim
+    config = _dist_attn_config(cfg, degree)
+    key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
+    inputs = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
+
+    def step() -> torch.Tensor:
+        return calc_attn(*inputs, key)[0]
+
+    backend = _magi_backend(key, q.dtype, d) or str(getattr(config, "kernel_backend", "auto"))
+    kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
+    return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
+
+
+def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
+    cp, rank, total = dist.get_world_size(), dist.get_rank(), q.shape[0]
+    plan = plan_baseline(
+        CPBaseline(system.value),
+        qr,
+        kr,
+        tm,
+        total,
+        cp,
+        rank,
+        num_heads_q=cfg.heads_q,
+        num_heads_kv=cfg.heads_kv,
+    )  # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
+    inputs = [shard_tokens(t, plan).requires_grad_() for t in (q, k, v)]
+
+    def step() -> torch.Tensor:
+        return baseline_attn(*inputs, plan)[0]
+
+    forced = os.environ.get("MAGI_FFA_BACKEND", "").strip().lower()
+    fast = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    kernel = f"magi_ffa {forced or ('Triton' if fast else 'torch path')}"
+    return _Case(
+        step=step,
+        inputs=inputs,
+        dout=shard_tokens(do, plan),
+        token_index=plan.token_index(device),
+        kernel=kernel,
+    )
+
+
+def _user_case(system: System, q, k, v, do, qr, kr, tm) -> _Case:
+    mask = user.Mask.of(qr, kr, tm, q.shape[0])
+    c = user.build_case(system.value, q, k, v, do, mask)
+    return _Case(
+        step=c.step, inputs=c.inputs, dout=c.dout, token_index=c.token_index, kernel=c.kernel, close=c.close
+    )
+
+
+def _profile_once(case: _Case, path: Path, device) -> None:
+    """One forward + backward, under torch.profiler on rank 0 (the others run it plain, for the collectives);
+    rank 0 writes the top 25 ops by self device time (self CPU time on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _barrier(device)
+    if dist.get_rank() != 0:
+        torch.autograd.grad(case.step(), case.inputs, case.dout)
+        _sync(device)
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        torch.autograd.grad(case.step(), case.inputs, case.dout)
+        _sync(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90)
+    path.write_text(f"{path.stem}: one forward + backward, rank 0, top 25 ops by {sort}\n{table}\n")
+
+
 # -- one configuration --------------------------------------------------------------------------------------
-def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: BenchConfig, device) -> dict:
-    """Benchmark one system on one mask; ``ref`` holds magi's global out/dq for the cross-check (filled when
-    ``system`` is magi)."""
-    cp, rank = dist.get_world_size(), dist.get_rank()
+def run_case(
+    system: System,
+    mask: str,
+    tpg: int,
+    data: dict,
+    ref: dict,
+    cfg: BenchConfig,
+    device,
+    degree: int | str | None = None,
+    profile_path: Path | None = None,
+) -> dict:
+    """Benchmark one system on one mask (magi: with overlap ``degree``); ``ref`` holds the first magi row's
+    global out/dq for the cross-check (filled by that row). A system that cannot run the case returns a row
+    with ``skipped`` (every rank agrees on it)."""
+    cp = dist.get_world_size()
     total = tpg * cp
-    qr, kr, tm = make_mask(mask, total, cfg.seed)
+    qr, kr, tm = make_mask(mask, total, cfg.seed, cfg.block_size)
     area = mask_area(qr, kr, tm)
     row = {"system": system.value, "mask": mask, "tokens_per_gpu": tpg, "cp": cp, "area": area}
-    hq, hkv, d = cfg.heads_q, cfg.heads_kv, cfg.head_dim
     q, k, v, do = data["q"], data["k"], data["v"], data["do"]
+    case, reason = None, None
     if system == System.MAGI:
-        config = DistAttnConfig(
-            dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size),
-            overlap_config=OverlapConfig(degree=cfg.degree, min_chunk_size=cfg.min_chunk_size),
-        )
-        key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
-        inputs = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
-        do_local = dispatch(do, key)
-
-        def step() -> torch.Tensor:
-            return calc_attn(*inputs, key)[0]
+        row["degree"] = DYNAMIC if degree is None else degree
+        case = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"])
+    elif system in SAME_KERNEL:
+        try:
+            case = _same_kernel_case(system, q, k, v, do, qr, kr, tm, cfg, device)
+        except ValueError as exc:
+            reason = str(exc)
     else:
         try:
-            plan = plan_baseline(
-                CPBaseline(system.value), qr, kr, tm, total, cp, rank, num_heads_q=hq, num_heads_kv=hkv
+            case = _user_case(system, q, k, v, do, qr, kr, tm)
+        except user.Unavailable as exc:
+            reason = str(exc)
+    if reason := _agree(reason, device):
+        if case is not None:
+            case.close()
+        return {**row, "skipped": reason}
+    row["kernel"] = case.kernel
+    try:
+        # first iteration: correctness cross-check against magi's output and dq. A user system's kernel may
+        # fail here (unsupported shape, JIT error): its row is then skipped rather than ending the run.
+        try:
+            out = case.step()
+            (dq,) = torch.autograd.grad(out, case.inputs[:1], case.dout)
+            failure = None
+        except Exception as exc:
+            if system == System.MAGI or system in SAME_KERNEL:
+                raise
+            failure = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if failure := _agree(failure, device):
+            return {**row, "skipped": failure}
+        if system == System.MAGI:
+            out_g, dq_g = (
+                undispatch(out.detach().contiguous(), case.key),
+                undispatch(dq.contiguous(), case.key),
             )
-        except ValueError as exc:  # e.g. Ulysses with heads not divisible by cp: same on every rank
-            return {**row, "skipped": str(exc)}
-        inputs = [shard_tokens(t, plan).requires_grad_() for t in (q, k, v)]
-        do_local = shard_tokens(do, plan)
-        idx = plan.token_index(device)
-
-        def step() -> torch.Tensor:
-            return baseline_attn(*inputs, plan)[0]
-
-    # first iteration: correctness cross-check against magi's output and dq
-    out = step()
-    (dq,) = torch.autograd.grad(out, inputs[:1], do_local, retain_graph=False)
-    if system == System.MAGI:
-        ref.update(out=undispatch(out.detach().contiguous(), key), dq=undispatch(dq.contiguous(), key))
-        row.update(rel_out=0.0, rel_dq=0.0)
-    elif ref:
-        row.update(
-            rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device)
-        )
-    del out, dq
-    fwd, bwd = _time_iters(step, inputs, do_local, cfg, device)
+            if not ref:
+                ref.update(out=out_g, dq=dq_g)
+                row.update(rel_out=0.0, rel_dq=0.0)
+            else:  # the global tensors are on every rank: each compares its share of the rows
+                share = slice(dist.get_rank(), None, cp)
+                row.update(
+                    rel_out=_rel_diff(out_g[share], ref["out"][share], device),
+                    rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
+                )
+            del out_g, dq_g
+            row["degree_used"] = getattr(
+                getattr(_magi_runtime(case.key), "plan", None), "overlap_degree", None
+            )
+        elif ref:
+            idx = case.token_index
+            row.update(
+                rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device)
+            )
+        del out, dq
+        fwd, bwd, mem = _time_iters(case.step, case.inputs, case.dout, cfg, device)
+        if profile_path is not None:
+            _profile_once(case, profile_path, device)
+    finally:
+        case.close()
+        if system == System.MAGI:
+            clear_cache()
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
-    flops = 4 * area * hq * d
+    flops = 4 * area * cfg.heads_q * cfg.head_dim
     row.update(
         fwd_ms=f_ms,
         bwd_ms=b_ms,
+        fwd_iqr_ms=_quartiles(fwd),
+        bwd_iqr_ms=_quartiles(bwd),
         fwd_ms_all=fwd,
         bwd_ms_all=bwd,
         fwd_tflops=flops / (f_ms * 1e-3 * cp) / 1e12,
         bwd_tflops=2.5 * flops / (b_ms * 1e-3 * cp) / 1e12,
+        **mem,
     )
-    if system == System.MAGI:
-        clear_cache()
     return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """On each magi row: the fastest non-magi row of the same (tokens, mask), forward and backward separately,
+    and the speedup = its median time / magi's (> 1: magi is faster)."""
+    for r in rows:
+        if r["system"] != System.MAGI or "skipped" in r:
+            continue
+        others = [
+            o
+            for o in rows
+            if o["system"] != System.MAGI
+            and "skipped" not in o
+            and (o["tokens_per_gpu"], o["mask"]) == (r["tokens_per_gpu"], r["mask"])
+        ]
+        for p in ("fwd", "bwd"):
+            if others:
+                best = min(others, key=lambda o: o[f"{p}_ms"])
+                r[f"{p}_best_baseline"] = best["system"]
+                r[f"{p}_speedup"] = best[f"{p}_ms"] / r[f"{p}_ms"]
 
 
 def _global_data(total: int, cfg: BenchConfig, device) -> dict:
@@ -275,27 +541,75 @@ def _meta(cfg: BenchConfig, device) -> dict:
     }
 
 
+def _ms(r: dict, p: str) -> str:
+    lo, hi = r[f"{p}_iqr_ms"]
+    return f"{r[f'{p}_ms']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _degree_cell(r: dict) -> str:
+    if "degree" not in r:
+        return ""
+    used = r.get("degree_used")
+    if r["degree"] == DYNAMIC:
+        return f"dynamic ({used})" if used is not None else "dynamic"
+    return str(r["degree"])
+
+
+def _skip_cell(reason: str) -> str:
+    """The reason's head (before the first colon; for a failure, also the exception type), table-safe."""
+    parts = reason.split(":")
+    head = ":".join(parts[:2]) if parts[0] == "failed" else parts[0]
+    return head.replace("|", "/").strip()
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     c = meta["config"]
+    degrees = ",".join(str(x) for x in c["degrees"])
     lines = [
         f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
         f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
-        f"{c['dtype']} | magi chunk {c['chunk_size']}, degree {c['degree']}, min chunk {c['min_chunk_size']} | "
-        f"median of {c['iters']} after {c['warmup'] + 1} warm-up",
+        f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
+        f"kernel backend {c['kernel_backend']} | varlen block {c['block_size']} | ms: median [p25, p75] of "
+        f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
+        f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
         "",
-        "| tokens/GPU | mask | system | fwd ms | bwd ms | fwd TFLOP/s/GPU | bwd TFLOP/s/GPU | rel diff out / dq vs magi |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens/GPU | mask | system | degree | kernel | fwd ms | bwd ms | fwd TFLOP/s/GPU | bwd TFLOP/s/GPU "
+        "| peak GiB | magi speedup fwd / bwd | rel diff out / dq vs magi |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['tokens_per_gpu']} | {r['mask']} | {r['system']} |"
+        head = f"| {r['tokens_per_gpu']} | {r['mask']} | {r['system']} | {_degree_cell(r)} |"
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped'].split(':')[0]} | | | | |")
+            lines.append(f"{head} skipped: {_skip_cell(r['skipped'])} | | | | | | | |")
             continue
         rel = f"{r['rel_out']:.1e} / {r['rel_dq']:.1e}" if "rel_out" in r else "n/a (magi not run)"
+        mem = "n/a"
+        if r.get("peak_mem_gib") is not None:
+            mem = f"{r['peak_mem_gib']:.2f} (+{r['peak_mem_over_start_gib']:.2f})"
+        speed = ""
+        if "fwd_speedup" in r:
+            speed = (
+                f"{r['fwd_speedup']:.2f}x / {r['bwd_speedup']:.2f}x "
+                f"(vs {r['fwd_best_baseline']} / {r['bwd_best_baseline']})"
+            )
         lines.append(
-            f"{head} {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['fwd_tflops']:.4g} | {r['bwd_tflops']:.4g} | {rel} |"
+            f"{head} {r['kernel']} | {_ms(r, 'fwd')} | {_ms(r, 'bwd')} | {r['fwd_tflops']:.4g} | "
+            f"{r['bwd_tflops']:.4g} | {mem} | {speed} | {rel} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _parse_degrees(text: str) -> tuple[int | str, ...]:
+    out: list[int | str] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == DYNAMIC:
+            out.append(DYNAMIC)
+        elif item.isdigit():
+            out.append(int(item))
+        else:
+            raise ValueError(f"each entry must be an int >= 0 or 'dynamic', got {item!r}")
+    return tuple(out)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
@@ -310,9 +624,27 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--chunk-size", type=int, default=2048, help="magi DispatchConfig.chunk_size")
-    ap.add_argument("--degree", type=int, default=2, help="magi OverlapConfig.degree")
+    ap.add_argument(
+        "--degrees",
+        default=None,
+        help="magi OverlapConfig.degree, comma-separated: ints >= 0 and/or 'dynamic' (one magi row each; "
+        "default dynamic)",
+    )
+    ap.add_argument("--degree", default=None, help="alias of --degrees")
     ap.add_argument("--min-chunk-size", type=int, default=512, help="magi OverlapConfig.min_chunk_size")
+    ap.add_argument(
+        "--kernel-backend", choices=KERNEL_BACKENDS, default="auto", help="magi DistAttnConfig.kernel_backend"
+    )
+    ap.add_argument("--block-size", type=int, default=2048, help="varlen_block_causal: tokens per block")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile one magi forward + backward per (tokens, mask) (the first --degrees entry); rank 0 writes "
+        "the top 25 ops by self device time to DIR/profile_<mask>.txt (profile_<mask>_<tokens>.txt with several "
+        "--tokens-per-gpu)",
+    )
     ap.add_argument("--out", default=None, help="path prefix: writes <out>.json and <out>.md")
     a = ap.parse_args(argv)
     try:
@@ -323,6 +655,19 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
     masks = tuple(a.masks.split(","))
     if bad := [m for m in masks if m not in MASKS]:
         ap.error(f"--masks: unknown {bad}, choose from {MASKS}")
+    if a.degrees is not None and a.degree is not None:
+        ap.error("give --degrees or its alias --degree, not both")
+    try:
+        degrees = _parse_degrees(a.degrees or a.degree or DYNAMIC)
+    except ValueError as exc:
+        ap.error(f"--degrees: {exc}")
+    if a.block_size <= 0:
+        ap.error(f"--block-size must be a positive int, got {a.block_size}")
+    if a.kernel_backend != "auto" and not _has_kernel_backend():
+        ap.error(
+            f"--kernel-backend {a.kernel_backend}: the installed magi_attention.DistAttnConfig has no "
+            "`kernel_backend` field; update magi-attention or use --kernel-backend auto"
+        )
     cfg = BenchConfig(
         device=a.device,
         tokens_per_gpu=tuple(int(x) for x in a.tokens_per_gpu.split(",")),
@@ -335,11 +680,21 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         warmup=a.warmup,
         iters=a.iters,
         chunk_size=a.chunk_size,
-        degree=a.degree,
+        degrees=degrees,
         min_chunk_size=a.min_chunk_size,
+        kernel_backend=a.kernel_backend,
+        block_size=a.block_size,
         seed=a.seed,
+        profile=a.profile,
     )
     return cfg, a.out
+
+
+def _profile_path(cfg: BenchConfig, mask: str, tpg: int) -> Path | None:
+    if cfg.profile is None:
+        return None
+    name = f"profile_{mask}.txt" if len(cfg.tokens_per_gpu) == 1 else f"profile_{mask}_{tpg}.txt"
+    return Path(cfg.profile) / name
 
 
 def run(cfg: BenchConfig, out: str | None) -> list[dict]:
@@ -351,21 +706,27 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # magi first (once per degree): the cross-check reference is the first magi row
+    runs = [(System.MAGI, d) for d in cfg.degrees] if System.MAGI in cfg.systems else []
+    runs += [(s, None) for s in cfg.systems if s != System.MAGI]
     rows = []
     for tpg in cfg.tokens_per_gpu:
         data = _global_data(tpg * dist.get_world_size(), cfg, device)
         for mask in cfg.masks:
             ref: dict = {}
-            systems = sorted(
-                cfg.systems, key=lambda s: s != System.MAGI
-            )  # magi first: the cross-check reference
-            for system in systems:
-                rows.append(run_case(system, mask, tpg, data, ref, cfg, device))
+            for i, (system, degree) in enumerate(runs):
+                prof = _profile_path(cfg, mask, tpg) if system == System.MAGI and i == 0 else None
+                rows.append(run_case(system, mask, tpg, data, ref, cfg, device, degree, prof))
                 if dist.get_rank() == 0:
                     r = rows[-1]
-                    status = r.get("skipped") or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms"
-                    print(f"[cp_bench] {tpg}/GPU {mask} {system.value}: {status}", flush=True)
+                    name = system.value + (f" degree {_degree_cell(r)}" if system == System.MAGI else "")
+                    status = (
+                        r.get("skipped")
+                        or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"
+                    )
+                    print(f"[cp_bench] {tpg}/GPU {mask} {name}: {status}", flush=True)
         del data
+    add_speedups(rows)
     if dist.get_rank() == 0:
         meta = _meta(cfg, device)
         table = markdown(meta, rows)

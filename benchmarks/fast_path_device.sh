@@ -55,8 +55,9 @@ cp_bench() {  # tokens heads extra args...
 phase_bench16() { cp_bench 16384 64:8 "${BENCH_ARGS[@]}"; }
 phase_bench32() { cp_bench 32768 32:32 "${BENCH_ARGS[@]}"; }
 phase_sim() {
-  run 420 python3 benchmarks/magi_attention_bench.py --kernel-backend fa4 --tokens-per-gpu 8192 --cps 8,16,32,64 \
-    --masks varlen_causal,varlen_full,full,causal --degree 1 --cp1-tokens 32768 --json "$OUT/sim_fa4.json"
+  run 420 python3 benchmarks/magi_attention_bench.py --kernel-backend fa4 --tokens-per-gpu 8192 \
+    --cps "${SIM_CPS:-8,16,32,64}" --masks "${SIM_MASKS:-varlen_causal,varlen_full,full,causal}" --degree 1 \
+    --cp1-tokens 32768 --json "$OUT/sim_fa4.json"
 }
 phase_profile() { cp_bench 16384 64:8 --masks varlen_causal --systems magi --degrees dynamic --profile "$OUT"; }
 

@@ -1,4 +1,5 @@
-"""CPU (gloo, fp64) checks of the context-parallel baselines in benchmarks/cp_baselines.py.
+"""CPU (gloo, fp64) checks of the context-parallel baselines in benchmarks/cp_baselines.py and
+benchmarks/cp_user_baselines.py, and of benchmarks/cp_bench.py end to end.
 
 Every baseline (Ulysses, zigzag ring, all-gather K/V) must give the dense fp64 reference's out, lse, dq, dk
 and dv to 1e-9 relative on full, causal, varlen causal, varlen full and random slice masks (all four types,
@@ -226,6 +227,10 @@ def _bench_rank(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     return _load("cp_bench").run(*_load("cp_bench").parse_args(argv))
 
 
+# systems that may report "skipped" on a CPU run over gloo (no GPU, no FlashAttention-4, no NCCL)
+CPU_SKIPPABLE = {"ulysses_fa4", "ulysses_cudnn", "torch_cp", "ulysses_ffa_fa4"}
+
+
 @pytest.mark.parametrize(
     "world_size, heads, masks",
     [
@@ -234,8 +239,9 @@ def _bench_rank(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     ],
 )
 def test_cp_bench_smoke_on_gloo(tmp_path: Path, world_size: int, heads: str, masks: str) -> None:
-    """benchmarks/cp_bench.py end to end on CPU ranks (fp64, toy sizes): every system runs, agrees with magi,
-    and the JSON / markdown files appear; Ulysses is reported as skipped where the heads do not divide."""
+    """benchmarks/cp_bench.py end to end on CPU ranks (fp64, toy sizes), every system: the same-kernel ones run
+    and agree with magi, the user baselines run or skip with a reason, and the JSON / markdown files appear;
+    Ulysses is reported as skipped where the heads do not divide."""
     out = tmp_path / "cp"
     argv = [
         "--device",
@@ -251,17 +257,291 @@ def test_cp_bench_smoke_on_gloo(tmp_path: Path, world_size: int, heads: str, mas
     ]
     argv += ["--chunk-size", "8", "--min-chunk-size", "4", "--warmup", "0", "--iters", "1", "--masks", masks]
     rows = run_distributed(_bench_rank, world_size, [*argv, "--out", str(out)], timeout=120.0)[0]
-    assert len(rows) == 4 * len(masks.split(","))
+    assert len(rows) == len(_load("cp_bench").System) * len(masks.split(","))
     for r in rows:
         if r["system"] == "ulysses" and world_size == 3:
             assert "divisible by `cp_size` (3)" in r["skipped"], r
             continue
+        if "skipped" in r:
+            assert r["system"] in CPU_SKIPPABLE, r
+            head, _, detail = r["skipped"].partition(":")
+            assert head and detail.strip(), f"a skip names its reason: {r}"
+            if world_size == 3 and r["system"].startswith("ulysses") and r["mask"] in ("full", "causal"):
+                assert "divisible by cp (3)" in r["skipped"] or "not importable" in r["skipped"], r
+            continue
+        assert r["kernel"], r
         assert r["rel_out"] < 1e-12 and r["rel_dq"] < 1e-12, r
         assert r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0, r
+        assert r["fwd_iqr_ms"][0] <= r["fwd_ms"] <= r["fwd_iqr_ms"][1], r
+        assert r["peak_mem_gib"] is None, r  # CPU: n/a
+    ran = {r["system"] for r in rows if "skipped" not in r}
+    assert {"magi", "ring_zigzag", "allgather_kv"} <= ran
+    torch_cp = [r for r in rows if r["system"] == "torch_cp"]
+    assert all("skipped" in r for r in torch_cp)
+    assert any("needs CUDA + NCCL" in r["skipped"] for r in torch_cp) == any(
+        m in ("full", "causal") for m in masks.split(",")
+    )
     meta = json.loads((tmp_path / "cp.json").read_text())["meta"]
     assert meta["world_size"] == world_size and meta["backend"] == "gloo"
     table = (tmp_path / "cp.md").read_text()
     assert table.count("\n| 48 |") == len(rows)
+
+
+# -- the user baselines on CPU, with stand-ins for the CUDA-only kernels --------------------------------------
+def _dense_attn(q, k, v, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention ``[t, hq, d]`` under a dense bool mask ``[t, t]`` (GQA by repeating K/V heads)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(g, dim=1) for x in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v), lse.t()
+
+
+def _fake_fa4_func(q, k, v, *, causal: bool):
+    """flash_attn.cute.flash_attn_func stand-in: ``[b, s, h, d]``, returns out only."""
+    assert q.ndim == 4 and q.shape[0] == 1, q.shape
+    t = q.shape[1]
+    allowed = torch.ones(t, t, dtype=torch.bool)
+    allowed = allowed.tril() if causal else allowed
+    return _dense_attn(q[0], k[0], v[0], allowed)[0][None]
+
+
+def _fake_fa4_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: bool):
+    """flash_attn.cute.flash_attn_varlen_func stand-in: ``[total, h, d]``, returns (out, lse)."""
+    assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    lengths = torch.diff(cu_seqlens_q.long())
+    assert max_seqlen_q == max_seqlen_k == int(lengths.max()) and int(cu_seqlens_q[-1]) == q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    pos = torch.arange(q.shape[0])
+    allowed = doc[:, None] == doc[None, :]
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    return _dense_attn(q, k, v, allowed)
+
+
+def _fake_ffa_fa4(q, k, v, q_ranges, k_ranges, attn_type_map):
+    """magi_ffa_fa4.flex_flash_attn_func stand-in: int32 ranges, dense mask of the slices."""
+    assert q_ranges.dtype == k_ranges.dtype == attn_type_map.dtype == torch.int32
+    allowed = make_attn_mask(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0]).bool()
+    return _dense_attn(q, k, v, allowed)
+
+
+def _install_stand_ins() -> None:
+    """In a rank process only: FA4 and magi_ffa_fa4 stand-ins that run on CPU tensors, under their own module
+    names (magi_attention's kernel probe still sees the real packages)."""
+    import types
+
+    cute = types.ModuleType("cp_test_fa4_stand_in")
+    cute.flash_attn_func, cute.flash_attn_varlen_func = _fake_fa4_func, _fake_fa4_varlen
+    ffa4 = types.ModuleType("cp_test_ffa_fa4_stand_in")
+    ffa4.fa4_available, ffa4.flex_flash_attn_func = (lambda: True), _fake_ffa_fa4
+    sys.modules.update({m.__name__: m for m in (cute, ffa4)})
+    _load("cp_user_baselines").KERNEL_MODULES.update(fa4=cute.__name__, ffa_fa4=ffa4.__name__)
+
+
+def _ulysses_routing(rank: int, world_size: int) -> bool:
+    """seq_to_heads / heads_to_seq by value: each element encodes its global token and head."""
+    ub = _load("cp_user_baselines")
+    t, h, d = 5, 2 * world_size, 3
+    tok = torch.arange(rank * t, (rank + 1) * t, dtype=torch.float64)
+    x = (tok[:, None, None] * 100 + torch.arange(h, dtype=torch.float64)[None, :, None]).expand(t, h, d)
+    xh = ub.seq_to_heads(x.contiguous())
+    every = torch.arange(world_size * t, dtype=torch.float64)
+    mine = torch.arange(rank * (h // world_size), (rank + 1) * (h // world_size), dtype=torch.float64)
+    want = (every[:, None, None] * 100 + mine[None, :, None]).expand_as(xh)
+    return torch.equal(xh, want) and torch.equal(ub.heads_to_seq(xh), x)
+
+
+def _user_bench_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    _install_stand_ins()
+    routing = _ulysses_routing(rank, world_size)
+    return {"routing": routing, "rows": _load("cp_bench").run(*_load("cp_bench").parse_args(argv))}
+
+
+def test_cp_bench_user_baselines_with_stand_in_kernels(tmp_path: Path) -> None:
+    """cp 2 on gloo, every mask, magi at degrees 0, 1 and dynamic and the four user baselines, FA4 and
+    magi_ffa_fa4 replaced by dense CPU stand-ins with the same call signatures: each baseline runs exactly on
+    the masks its kernel expresses (and matches magi to fp64 rounding), skips the others with a reason;
+    torch_cp skips (CUDA + NCCL only); one magi row per degree; one profile per mask."""
+    masks = "full,causal,varlen_full,varlen_causal,varlen_block_causal"
+    argv = [
+        "--device",
+        "cpu",
+        "--tokens-per-gpu",
+        "48",
+        "--heads",
+        "4:2",
+        "--head-dim",
+        "8",
+        "--dtype",
+        "fp64",
+    ]
+    argv += ["--chunk-size", "8", "--min-chunk-size", "4", "--warmup", "0", "--iters", "2", "--masks", masks]
+    argv += [
+        "--systems",
+        "magi,ulysses_fa4,ulysses_cudnn,torch_cp,ulysses_ffa_fa4",
+        "--degrees",
+        "0,1,dynamic",
+    ]
+    argv += ["--block-size", "8", "--profile", str(tmp_path / "prof"), "--out", str(tmp_path / "cp")]
+    results = run_distributed(_user_bench_rank, 2, argv, timeout=120.0)
+    assert all(r["routing"] for r in results), "Ulysses all-to-all routed an element to the wrong place"
+    rows = results[0]["rows"]
+    runs = {
+        "ulysses_fa4": {"full", "causal", "varlen_full", "varlen_causal"},
+        "ulysses_cudnn": {"full", "causal"},
+        "torch_cp": set(),
+        "ulysses_ffa_fa4": set(masks.split(",")),
+    }
+    kernels = {
+        "ulysses_fa4": "FA4 flash_attn",
+        "ulysses_cudnn": "SDPA math",
+        "ulysses_ffa_fa4": "magi_ffa_fa4",
+    }
+    assert len(rows) == 5 * (3 + 4)
+    for mask in masks.split(","):
+        magi = [r for r in rows if r["mask"] == mask and r["system"] == "magi"]
+        assert [r["degree"] for r in magi] == [0, 1, "dynamic"], magi
+        assert [r["degree_used"] for r in magi[:2]] == [0, 1], magi
+        assert isinstance(magi[2]["degree_used"], int) and magi[2]["degree_used"] >= 0, magi[2]
+        for r in magi:
+            assert r["rel_out"] < 1e-12 and r["rel_dq"] < 1e-12, r
+            assert r["fwd_speedup"] > 0 and r["bwd_best_baseline"] in runs, r
+        for system, ok in runs.items():
+            (r,) = [r for r in rows if r["mask"] == mask and r["system"] == system]
+            if mask in ok:
+                assert "skipped" not in r, r
+                assert kernels[system] in r["kernel"], r
+                assert r["rel_out"] < 1e-12 and r["rel_dq"] < 1e-12, r
+            elif system == "torch_cp" and mask in ("full", "causal"):
+                assert r["skipped"].startswith("needs CUDA + NCCL"), r
+            else:
+                assert r["skipped"].startswith("mask not expressible"), r
+        profile = (tmp_path / "prof" / f"profile_{mask}.txt").read_text()
+        assert "DistAttnFunc" in profile, profile[:500]
+    table = (tmp_path / "cp.md").read_text()
+    assert table.count("| magi | dynamic (") == 5 and "skipped: needs CUDA + NCCL" in table
+
+
+def _torch_cp_shard_rank(rank: int, world_size: int) -> dict:
+    """enter_torch_cp on gloo: which tokens each rank holds, and what it leaves behind."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    ub = _load("cp_user_baselines")
+    mesh = ub._mesh("cpu", world_size)
+    total, sdpa, lb = 16, F.scaled_dot_product_attention, _cp_options.enable_load_balance
+    out = {}
+    for causal in (True, False):
+        x = torch.arange(2 * total * 3, dtype=torch.float64).reshape(1, 2, total, 3)
+        x4, pos = x.clone(), torch.arange(total)
+        stack = ub.enter_torch_cp(mesh, [x4, pos], [2, 0], causal)
+        patched = F.scaled_dot_product_attention is not sdpa
+        own_storage = x4.untyped_storage().nbytes() == x4.numel() * x4.element_size()
+        out[causal] = (pos.tolist(), torch.equal(x4, x[:, :, pos]), patched, own_storage)
+        stack.close()
+    out["restored"] = F.scaled_dot_product_attention is sdpa and _cp_options.enable_load_balance == lb
+    return out
+
+
+def test_torch_cp_sharding_on_gloo() -> None:
+    """torch_cp's setup (context_parallel's buffer sharding) on CPU: head-tail chunks for causal, contiguous
+    shards for full, the token positions match the sharded data, SDPA is patched only while it is entered."""
+    results = run_distributed(_torch_cp_shard_rank, 2, timeout=60.0)
+    chunks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    assert results[0][True][0] == chunks[0] + chunks[3] and results[1][True][0] == chunks[1] + chunks[2]
+    assert results[0][False][0] == list(range(8)) and results[1][False][0] == list(range(8, 16))
+    for r in results:
+        assert all(r[c][1:] == (True, True, True) for c in (True, False)), r
+        assert r["restored"], r
+
+
+def test_varlen_block_causal_mask_equals_dense_reference() -> None:
+    """The varlen_block_causal slices against a dense mask built from the document and block of each token."""
+    cpbench = _load("cp_bench")
+    checked = 0
+    for total, seed, block in [(96, 0, 8), (96, 3, 5), (200, 1, 7), (64, 2, 1), (64, 2, 4096), (333, 4, 16)]:
+        docs = cpbench.varlen_docs(total, seed)
+        qr, kr, tm = cpbench.make_mask("varlen_block_causal", total, seed, block)
+        assert set(tm) == {0}
+        doc_of = torch.empty(total, dtype=torch.long)
+        start_of = torch.empty(total, dtype=torch.long)
+        for i, (a, b) in enumerate(docs):
+            doc_of[a:b], start_of[a:b] = i, a
+        pos = torch.arange(total)
+        blk = (pos - start_of) // block
+        want = (doc_of[:, None] == doc_of[None, :]) & (blk[None, :] <= blk[:, None])
+        got = make_attn_mask(qr, kr, tm, total, total).bool()
+        assert torch.equal(got, want), f"total {total} seed {seed} block {block}"
+        assert cpbench.mask_area(qr, kr, tm) == int(want.sum())
+        # the q blocks tile the sequence once, each within one document and at most `block` long
+        assert [t for a, b in qr for t in range(a, b)] == list(range(total))
+        assert all(b - a <= block and doc_of[a] == doc_of[b - 1] for a, b in qr)
+        checked += 1
+    # with a document longer than a block, FA4 varlen and SDPA cannot express it (the user baselines skip)
+    qr, kr, tm = cpbench.make_mask("varlen_block_causal", 96, 0, 8)
+    assert any(q != k for q, k in zip(qr, kr))
+    mask = _load("cp_user_baselines").Mask.of(qr, kr, tm, 96)
+    assert mask.varlen() is None and mask.dense_causal() is None
+    assert checked == 6
+
+
+def test_user_mask_recognition() -> None:
+    """Which masks the user baselines' kernels take: dense full / causal, packed documents (cu_seqlens)."""
+    Mask = _load("cp_user_baselines").Mask
+    assert Mask.of([[0, 8]], [[0, 8]], [1], 8).dense_causal() is True
+    assert Mask.of([[0, 8]], [[0, 8]], [0], 8).dense_causal() is False
+    assert Mask.of([[0, 8]], [[0, 8]], [2], 8).dense_causal() is None
+    assert Mask.of([[0, 3], [3, 8]], [[0, 3], [3, 8]], [1, 1], 8).varlen() == ([0, 3, 8], True)
+    assert Mask.of([[0, 8]], [[0, 8]], [0], 8).varlen() == ([0, 8], False)
+    assert Mask.of([[0, 3], [3, 8]], [[0, 3], [3, 8]], [0, 1], 8).varlen() is None  # mixed types
+    assert Mask.of([[0, 3], [4, 8]], [[0, 3], [4, 8]], [0, 0], 8).varlen() is None  # a gap
+    assert Mask.of([[0, 3], [3, 8]], [[0, 3], [0, 8]], [0, 0], 8).varlen() is None  # not diagonal
+    assert Mask.of([[0, 3], [3, 6]], [[0, 3], [3, 6]], [0, 0], 8).varlen() is None  # does not reach the end
+
+
+@pytest.mark.parametrize(
+    "args, degrees",
+    [
+        pytest.param([], ("dynamic",), id="default"),
+        pytest.param(["--degree", "2"], (2,), id="degree-alias"),
+        pytest.param(["--degrees", "0,1,dynamic"], (0, 1, "dynamic"), id="list"),
+        pytest.param(["--degrees", "Dynamic,3"], ("dynamic", 3), id="case"),
+    ],
+)
+def test_degrees_argument(args: list[str], degrees: tuple) -> None:
+    cpbench = _load("cp_bench")
+    cfg, _ = cpbench.parse_args(args)
+    assert cfg.degrees == degrees
+    for d in degrees:
+        overlap = cpbench._dist_attn_config(cfg, d).overlap_config
+        assert overlap.degree == (None if d == "dynamic" else d)
+        assert overlap.min_chunk_size == cfg.min_chunk_size
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["--degrees", "1", "--degree", "2"], id="both"),
+        pytest.param(["--degrees", "-1"], id="negative"),
+        pytest.param(["--degrees", "two"], id="word"),
+        pytest.param(["--kernel-backend", "cuda"], id="backend"),
+        pytest.param(["--block-size", "0"], id="block"),
+    ],
+)
+def test_bad_arguments_exit(args: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        _load("cp_bench").parse_args(args)
+
+
+def test_kernel_backend_reaches_dist_attn_config() -> None:
+    cpbench = _load("cp_bench")
+    if not cpbench._has_kernel_backend():
+        pytest.skip("this magi_attention's DistAttnConfig has no kernel_backend yet")
+    for backend in cpbench.KERNEL_BACKENDS:
+        cfg, _ = cpbench.parse_args(["--kernel-backend", backend])
+        assert str(cpbench._dist_attn_config(cfg, "dynamic").kernel_backend) == backend
 
 
 def _triton_rank(rank: int, world_size: int, masks: list[str]) -> dict:

@@ -1,0 +1,453 @@
+"""Context-parallel baselines a user would pick today, each with the best local kernel for the mask, for
+benchmarks/cp_bench.py (next to the same-kernel baselines of cp_baselines.py):
+
+- ``ulysses_fa4``: Ulysses (all-to-all from sequence shards to head shards and back) with FlashAttention-4:
+  ``flash_attn.cute.flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` (cu_seqlens) for packed
+  documents (varlen full / varlen causal). Other masks: not expressible, skipped.
+- ``ulysses_cudnn``: Ulysses with ``F.scaled_dot_product_attention`` under the cuDNN backend; full / causal.
+- ``torch_cp``: PyTorch's native ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA,
+  head-tail load balancing for causal); full / causal, CUDA + NCCL only.
+- ``ulysses_ffa_fa4``: Ulysses with ``magi_ffa_fa4.flex_flash_attn_func`` (FFA slices on FlashAttention-4), any
+  mask: the baseline for masks neither FA4 varlen nor cuDNN express (for example varlen block-causal).
+
+Each ``build_*`` function takes the global q/k/v/dout (identical on every rank), shards them the system's way
+and returns a :class:`UserCase` (a forward step callable, its leaf inputs, the local dout, the global token id
+of each local output row, the kernel's name). A system that cannot run a case here raises
+:class:`Unavailable` with the reason (a missing package, no GPU, a mask it cannot express, heads not divisible
+by cp); the checks depend only on arguments and installed packages, so every rank raises alike. Kernel
+packages are imported on first use, so this module imports on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Ranges = Sequence[Sequence[int]]
+
+KERNEL_MODULES = {"fa4": "flash_attn.cute", "ffa_fa4": "magi_ffa_fa4"}
+"""Where the CUDA-only kernels are imported from (by name, on first use); tests point these at CPU stand-ins
+with the same call signatures, without shadowing the real packages for anyone else."""
+
+
+class Unavailable(Exception):
+    """This system cannot run this case on this machine; the message says why (the same on every rank)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mask:
+    """A benchmark mask over ``total`` tokens: slices ``(q_ranges[i], k_ranges[i], types[i])``, types 0 FULL,
+    1 CAUSAL (bottom-right aligned), 2 INV_CAUSAL, 3 BI_CAUSAL (magi-attention's convention)."""
+
+    q_ranges: tuple[tuple[int, int], ...]
+    k_ranges: tuple[tuple[int, int], ...]
+    types: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, q_ranges: Ranges, k_ranges: Ranges, types: Sequence[int], total: int) -> Mask:
+        return cls(
+            q_ranges=tuple((int(a), int(b)) for a, b in q_ranges),
+            k_ranges=tuple((int(a), int(b)) for a, b in k_ranges),
+            types=tuple(int(t) for t in types),
+            total=int(total),
+        )
+
+    def dense_causal(self) -> bool | None:
+        """True / False when the mask is causal / full over the whole square; None otherwise."""
+        whole = ((0, self.total),)
+        if self.q_ranges == whole and self.k_ranges == whole and self.types in ((0,), (1,)):
+            return self.types == (1,)
+        return None
+
+    def varlen(self) -> tuple[list[int], bool] | None:
+        """``(cu_seqlens, causal)`` when the mask is packed documents (diagonal squares tiling the sequence
+        in order, all FULL or all CAUSAL); None otherwise."""
+        if not self.q_ranges or self.q_ranges != self.k_ranges or len(set(self.types)) != 1:
+            return None
+        if self.types[0] not in (0, 1):
+            return None
+        cu = [0]
+        for a, b in self.q_ranges:
+            if a != cu[-1] or b <= a:
+                return None
+            cu.append(b)
+        return (cu, self.types[0] == 1) if cu[-1] == self.total else None
+
+
+@dataclass(slots=True, kw_only=True)
+class UserCase:
+    """One system set up on one case, on this rank."""
+
+    step: Callable[[], torch.Tensor]
+    """Forward: returns this rank's output ``[local_tokens, num_heads_q, head_dim]`` (autograd to `inputs`)."""
+    inputs: tuple[torch.Tensor, ...]
+    """The leaf q, k, v shards the step reads (requires_grad)."""
+    dout: torch.Tensor
+    """The output gradient for the step's output, same layout."""
+    token_index: torch.Tensor
+    """``[local_tokens]`` int64: the global token of each output row (for the cross-check)."""
+    kernel: str
+    """The local attention kernel, for the report."""
+    close: Callable[[], None] = field(default=lambda: None)
+    """Undo anything the setup changed (torch_cp leaves its context here); call once after the last step."""
+
+
+# -- Ulysses: sequence shards <-> head shards (autograd-aware all-to-all) ------------------------------------
+def _cp_of(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x [cp, ...]``: block j goes to rank j; returns ``[cp, ...]`` with block j from rank j. The exchange
+    is its own adjoint, so the backward sends the gradient the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)  # contiguous like x: the collective fills it in memory order
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[t, h, d]`` (this rank's contiguous ``t`` tokens, all heads) -> ``[cp * t, h / cp, d]`` (every token,
+    this rank's group of heads). Differentiable: the backward is the inverse all-to-all."""
+    cp, _ = _cp_of(group)
+    t, h, d = x.shape
+    send = x.reshape(t, cp, h // cp, d).transpose(0, 1)  # block j: head group j, to rank j
+    return _AllToAll.apply(send, group).reshape(cp * t, h // cp, d)  # block j: tokens [j t, (j + 1) t)
+
+
+def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: ``[cp * t, w, d]`` -> ``[t, cp * w, d]``."""
+    cp, _ = _cp_of(group)
+    n, w, d = x.shape
+    recv = _AllToAll.apply(x.reshape(cp, n // cp, w, d), group)  # block j: rank j's tokens, out
+    return recv.transpose(0, 1).reshape(n // cp, cp * w, d)  # recv[j]: head group j of this rank's tokens
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, cp: int) -> None:
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % cp or hkv % cp:
+        raise Unavailable(
+            f"heads not divisible by cp: Ulysses shards heads, needs num_heads_q ({hq}) and num_heads_kv "
+            f"({hkv}) divisible by cp ({cp})"
+        )
+
+
+def _ulysses_case(q, k, v, do, group, local_attn: Callable, kernel: str) -> UserCase:
+    """Contiguous sequence shards; forward = a2a(q, k, v) -> local_attn on every token, this rank's heads ->
+    a2a(out). ``local_attn(qh, kh, vh)`` maps ``[T, h / cp, d]`` tensors to the output ``[T, hq / cp, d]``."""
+    cp, rank = _cp_of(group)
+    total = q.shape[0]
+    _check_heads(q, k, cp)
+    if total % cp:
+        raise Unavailable(f"sequence not divisible: {total} tokens over cp {cp}")
+    t = total // cp
+    rows = slice(rank * t, (rank + 1) * t)
+    inputs = tuple(x[rows].detach().clone().requires_grad_() for x in (q, k, v))
+
+    def step() -> torch.Tensor:
+        qh, kh, vh = (seq_to_heads(x, group) for x in inputs)
+        return heads_to_seq(local_attn(qh, kh, vh), group)
+
+    index = torch.arange(rank * t, (rank + 1) * t, device=q.device)
+    return UserCase(step=step, inputs=inputs, dout=do[rows].contiguous(), token_index=index, kernel=kernel)
+
+
+def _import(name: str, what: str):
+    name = KERNEL_MODULES.get(name, name)
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:  # also a broken install (e.g. a CuTe DSL library missing)
+        raise Unavailable(f"{what} not importable: {exc}") from None
+
+
+def _first(out):
+    """FA4 returns out or (out, lse, ...) depending on the version and flags."""
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+# -- ulysses_fa4 ----------------------------------------------------------------------------------------------
+def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """Ulysses + FlashAttention-4 (``flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` for packed
+    documents)."""
+    causal = mask.dense_causal()
+    varlen = mask.varlen() if causal is None else None
+    if causal is None and varlen is None:
+        raise Unavailable(
+            "mask not expressible: FA4 takes full / causal, or packed documents (cu_seqlens) all full or all causal"
+        )
+    fa = _import("fa4", "flash_attn.cute (FlashAttention-4)")
+    if causal is not None:
+
+        def local(qh, kh, vh):
+            return _first(fa.flash_attn_func(qh[None], kh[None], vh[None], causal=causal))[0]
+
+        return _ulysses_case(
+            q, k, v, do, group, local, f"FA4 flash_attn_func ({'causal' if causal else 'full'})"
+        )
+    cu_list, causal = varlen
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in itertools.pairwise(cu_list))
+
+    def local(qh, kh, vh):
+        out = fa.flash_attn_varlen_func(
+            qh,
+            kh,
+            vh,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            causal=causal,
+        )
+        return _first(out)
+
+    return _ulysses_case(
+        q,
+        k,
+        v,
+        do,
+        group,
+        local,
+        f"FA4 flash_attn_varlen_func ({len(cu_list) - 1} docs{', causal' if causal else ''})",
+    )
+
+
+# -- SDPA backend choice ----------------------------------------------------------------------------------------
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend
+
+
+@functools.lru_cache(maxsize=64)
+def _sdpa_probe(
+    backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int
+) -> str | None:
+    """None when SDPA runs forward + backward under ``backend_name`` alone on a small case of this dtype and
+    head_dim with ``group_size`` q heads per kv head (``enable_gqa=True`` when > 1); else the error."""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = getattr(_sdpa_backends(), backend_name)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 2 * group_size, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
+    kv = [
+        torch.randn(1, 2, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
+        for _ in "kv"
+    ]
+    try:
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=group_size > 1)
+        out.sum().backward()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:  # "no available kernel", unsupported shape
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    return None
+
+
+def _sdpa_choice(preferred: Sequence[str], q: torch.Tensor, k: torch.Tensor) -> tuple[str, bool]:
+    """The first backend of ``preferred`` that runs here, and whether it takes GQA natively (``enable_gqa``;
+    else K/V heads are repeated to the q heads before the call)."""
+    g = q.shape[1] // k.shape[1]
+    device, dtype, d = str(q.device), q.dtype, q.shape[2]
+    errors = []
+    for name in preferred:
+        for native in (True, False) if g > 1 else (True,):
+            err = _sdpa_probe(name, device, dtype, d, g if native else 1)
+            if err is None:
+                return name, native
+            errors.append(f"{name}{' enable_gqa' if native and g > 1 else ''}: {err}")
+    raise Unavailable(f"no SDPA backend among {list(preferred)} runs here: {'; '.join(errors)}")
+
+
+def _repeat_kv(x: torch.Tensor, g: int, head_axis: int) -> torch.Tensor:
+    """Each K/V head `g` times in a row (query head h uses kv head h // g)."""
+    return x if g == 1 else x.repeat_interleave(g, dim=head_axis)
+
+
+# -- ulysses_cudnn ------------------------------------------------------------------------------------------------
+def build_ulysses_cudnn(q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """Ulysses + ``F.scaled_dot_product_attention`` under the cuDNN backend (full / causal). On a CPU run the
+    math backend stands in (cuDNN needs CUDA), so the Ulysses plumbing is still exercised."""
+    from torch.nn.attention import sdpa_kernel
+
+    causal = mask.dense_causal()
+    if causal is None:
+        raise Unavailable("mask not expressible: SDPA without an explicit mask takes full / causal only")
+    _check_heads(q, k, dist.get_world_size(group))
+    name, native = _sdpa_choice(["CUDNN_ATTENTION"] if q.is_cuda else ["MATH"], q, k)
+    backend = getattr(_sdpa_backends(), name)
+    g = q.shape[1] // k.shape[1]
+
+    def local(qh, kh, vh):  # [T, h, d] -> SDPA's [1, h, T, d] (a strided view; no copy)
+        q4, k4, v4 = (x.transpose(0, 1)[None] for x in (qh, kh, vh))
+        if not native:
+            k4, v4 = _repeat_kv(k4, g, 1), _repeat_kv(v4, g, 1)
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=native and g > 1)
+        return out[0].transpose(0, 1)
+
+    label = "cuDNN SDPA" if name == "CUDNN_ATTENTION" else f"SDPA {name.lower()} (CPU stand-in for cuDNN)"
+    gqa = "" if g == 1 else (", enable_gqa" if native else ", K/V heads repeated")
+    return _ulysses_case(q, k, v, do, group, local, f"{label} ({'causal' if causal else 'full'}{gqa})")
+
+
+# -- torch_cp -----------------------------------------------------------------------------------------------------
+TORCH_CP_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+"""SDPA backends torch_cp tries, in order (the ring supports these three)."""
+_MESHES: dict[tuple[str, int], object] = {}
+
+
+def _mesh(device_type: str, size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, size)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (size,))
+    return _MESHES[key]
+
+
+def enter_torch_cp(
+    mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool
+) -> contextlib.ExitStack:
+    """Enter ``context_parallel(mesh, buffers=..., buffer_seq_dims=...)``: each buffer becomes this rank's shard
+    in place (head-tail order when ``causal``, as its ring balances only causal attention; contiguous shards
+    otherwise) and SDPA is routed to the ring until the returned stack is closed, which also restores the
+    load-balancing option."""
+    cp_mod = _import("torch.distributed.tensor.experimental._attention", "torch context_parallel")
+    from torch.distributed.tensor.experimental import context_parallel
+
+    options = cp_mod._cp_options
+    stack = contextlib.ExitStack()
+    stack.callback(setattr, options, "enable_load_balance", options.enable_load_balance)
+    options.enable_load_balance = bool(causal)  # its ring refuses load balancing for non-causal SDPA
+    try:
+        stack.enter_context(
+            context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers))
+        )
+        with torch.no_grad():
+            for x in buffers:  # resize_ kept the global-size storage: give each shard a storage of its own
+                x.set_(x.clone())
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """PyTorch native context parallelism: ``context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` shards
+    the [batch, heads, seq, head_dim] buffers (head-tail order for causal) and routes SDPA to its ring. Backend
+    preference: cuDNN, then flash, then memory-efficient (the first that runs here). GQA: K/V heads are
+    repeated to the q heads on each shard (as torchtitan does), so the ring moves full-width K/V."""
+    causal = mask.dense_causal()
+    if causal is None:
+        raise Unavailable("mask not expressible: the SDPA ring takes full / causal only")
+    if not q.is_cuda or dist.get_backend(group) != "nccl":
+        raise Unavailable(
+            f"needs CUDA + NCCL: torch context_parallel's SDPA ring, this run is {q.device.type} / "
+            f"{dist.get_backend(group)}"
+        )
+    if group not in (None, dist.group.WORLD):
+        raise Unavailable("not on a sub-group: this harness builds torch_cp's mesh over the whole world")
+    from torch.nn.attention import sdpa_kernel
+
+    name, _ = _sdpa_choice(TORCH_CP_BACKENDS, q, q)  # q as k: K/V are repeated to the q heads, no GQA call
+    backend = getattr(_sdpa_backends(), name)
+    cp = dist.get_world_size(group)
+    g = q.shape[1] // k.shape[1]
+    # the buffers are sharded in place: fresh [1, h, total, d] copies, plus token positions to learn the order
+    q4, k4, v4, do4 = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v, do))
+    pos = torch.arange(q.shape[0], device=q.device)
+    stack = enter_torch_cp(_mesh(q.device.type, cp), [q4, k4, v4, do4, pos], [2, 2, 2, 2, 0], causal)
+    inputs = tuple(x.requires_grad_() for x in (q4, k4, v4))
+
+    def step() -> torch.Tensor:
+        qs, ks, vs = inputs
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(
+                qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=causal
+            )
+        return out[0].transpose(0, 1)
+
+    balance = "head-tail balanced" if causal and q.shape[0] % (2 * cp) == 0 else "contiguous shards"
+    kernel = f"SDPA ring, {name.split('_')[0].lower()} ({'causal' if causal else 'full'}, {balance}"
+    kernel += ", K/V heads repeated)" if g > 1 else ")"
+    return UserCase(
+        step=step,
+        inputs=inputs,
+        dout=do4[0].transpose(0, 1),
+        token_index=pos.clone(),
+        kernel=kernel,
+        close=stack.close,
+    )
+
+
+# -- ulysses_ffa_fa4 ------------------------------------------------------------------------------------------------
+def build_ulysses_ffa_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """Ulysses + ``magi_ffa_fa4.flex_flash_attn_func`` on the whole mask's slices (any mask)."""
+    mod = _import("ffa_fa4", "magi_ffa_fa4")
+    if not mod.fa4_available():
+        raise Unavailable("flash-attn-4 not importable: magi_ffa_fa4 needs FlashAttention-4 (CuTe DSL)")
+    dev = q.device
+    qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
+    kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
+    tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
+
+    def local(qh, kh, vh):  # the same tensors every call: magi_ffa_fa4 caches its plan by their identity
+        return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
+
+    return _ulysses_case(
+        q, k, v, do, group, local, f"magi_ffa_fa4 flex_flash_attn_func ({len(mask.types)} slices)"
+    )
+
+
+BUILDERS: dict[str, Callable[..., UserCase]] = {
+    "ulysses_fa4": build_ulysses_fa4,
+    "ulysses_cudnn": build_ulysses_cudnn,
+    "torch_cp": build_torch_cp,
+    "ulysses_ffa_fa4": build_ulysses_ffa_fa4,
+}
+
+
+def build_case(
+    system: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    mask: Mask,
+    group: dist.ProcessGroup | None = None,
+) -> UserCase:
+    """Set up ``system`` on this rank.
+
+    Args:
+        system: a key of ``BUILDERS``.
+        q, do: global ``[total, num_heads_q, head_dim]``, identical on every rank.
+        k, v: global ``[total, num_heads_kv, head_dim]``.
+        mask: the case's mask.
+        group: the cp group (None: the default group).
+
+    Raises:
+        Unavailable: the system cannot run this case here (the reason is the message).
+    """
+    if system not in BUILDERS:
+        raise ValueError(f"`system` must be one of {sorted(BUILDERS)}, got {system!r}")
+    return BUILDERS[system](q, k, v, do, mask, group)
