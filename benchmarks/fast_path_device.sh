@@ -49,7 +49,7 @@ cp_bench() {  # tokens heads extra args...
   local tpg=$1 heads=$2; shift 2
   local prof=()
   [ -f "$CALIB/h200_fa4.json" ] && prof=(env MAGI_ATTENTION_COST_PROFILE="$CALIB/h200_fa4.json")
-  run 560 "${prof[@]}" torchrun --standalone --nproc-per-node "$NGPU" benchmarks/cp_bench.py --tokens-per-gpu "$tpg" \
+  run "${BENCH_S:-560}" "${prof[@]}" torchrun --standalone --nproc-per-node "$NGPU" benchmarks/cp_bench.py --tokens-per-gpu "$tpg" \
     --heads "$heads" --iters 10 --warmup 3 --out "$OUT/cp_bench_${tpg}_${heads/:/-}" "$@"
 }
 phase_bench16() { cp_bench 16384 64:8 "${BENCH_ARGS[@]}"; }
