@@ -537,11 +537,11 @@ def test_bad_arguments_exit(args: list[str]) -> None:
 
 def test_kernel_backend_reaches_dist_attn_config() -> None:
     cpbench = _load("cp_bench")
-    if not cpbench._has_kernel_backend():
-        pytest.skip("this magi_attention's DistAttnConfig has no kernel_backend yet")
     for backend in cpbench.KERNEL_BACKENDS:
-        cfg, _ = cpbench.parse_args(["--kernel-backend", backend])
-        assert str(cpbench._dist_attn_config(cfg, "dynamic").kernel_backend) == backend
+        cfg, _ = cpbench.parse_args(["--kernel-backend", backend, "--grad-reduce", "bf16"])
+        config = cpbench._dist_attn_config(cfg, "dynamic")
+        assert str(config.kernel_backend) == backend
+        assert config.high_precision_grad_reduce is False
 
 
 def _triton_rank(rank: int, world_size: int, masks: list[str]) -> dict:

@@ -34,6 +34,9 @@ def test_config_values_and_errors() -> None:
         OverlapConfig(mode="static")
     with pytest.raises(TypeError, match="cost_profile"):
         OverlapConfig(cost_profile=3)
+    assert DistAttnConfig().high_precision_grad_reduce is True
+    with pytest.raises(TypeError, match="high_precision_grad_reduce"):
+        DistAttnConfig(high_precision_grad_reduce="no")
 
 
 @pytest.mark.parametrize(

@@ -117,8 +117,15 @@ class DistAttnConfig:
     kernel_backend: KernelBackend | str = KernelBackend.AUTO
     """The attention kernel of every call (`KernelBackend` or its value). `auto` can be overridden with the
     environment variable MAGI_ATTENTION_KERNEL_BACKEND (also accepting `ffa` = triton and `sdpa` = torch)."""
+    high_precision_grad_reduce: bool = True
+    """Sum the partial dK/dV that other ranks computed for this rank's keys in fp32 (True) or in the input
+    dtype (False: half the backward communication, one more rounding per contributing rank)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.high_precision_grad_reduce, bool):
+            raise TypeError(
+                f"high_precision_grad_reduce must be a bool, got {type(self.high_precision_grad_reduce).__name__}"
+            )
         try:
             object.__setattr__(self, "kernel_backend", KernelBackend(self.kernel_backend))
         except ValueError:

@@ -139,24 +139,27 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
     acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
     do = do.contiguous()
-    dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
     kv_local = torch.cat([k, v], dim=1)
     fetcher = _KVFetcher(meta, kv_local)
     if runtime.merged_stage:
         kv_remote = fetcher.get(0)
         kv_all = torch.cat([kv_local, kv_remote], dim=0)
-        dkv_all = torch.zeros((kv_all.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
-        # one call: dq comes back in q's dtype straight from the kernel (no fp32 buffer)
-        dq, _, _ = _bwd_call(
-            kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, *_split_kv(dkv_all, hkv),
-            scale, softcap,
-        )  # fmt: skip
-        dkv_local += dkv_all[: k.shape[0]]
-        dkv_remote = dkv_all[k.shape[0] :].contiguous()
+        # one call, no accumulators: the kernel writes dq, dk, dv itself (no zero-filled fp32 buffers)
+        dq, dk_all, dv_all = _bwd_call(
+            kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap
+        )
+        if dq is None:  # no slice touches this rank's queries
+            dq = torch.zeros_like(q)
+            dk_all, dv_all = (torch.zeros_like(x) for x in _split_kv(kv_all, hkv))
+        n = k.shape[0]
+        # partial dK/dV of remote keys go back to their owners and are summed there (fp32 by default)
+        red = acc if runtime.key.config.high_precision_grad_reduce else k.dtype
+        dkv_local = torch.cat([dk_all[:n], dv_all[:n]], dim=1).to(red)
+        dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1).to(red)
         meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
-        dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
         fetcher.start(0)
         _bwd_call(kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap)
         previous_reduce = None
