@@ -53,11 +53,11 @@ cp_bench() {  # tokens heads extra args...
     --heads "$heads" --iters 10 --warmup 3 --out "$OUT/cp_bench_${tpg}_${heads/:/-}" "$@"
 }
 phase_final() {  # the remaining comparison rows in one call
-  BENCH_S=230 cp_bench 16384 64:8 --masks full,causal,varlen_causal --systems magi,ulysses_cudnn,torch_cp,ulysses_fa4 --degrees 0,1,dynamic
+  BENCH_S=200 cp_bench 16384 64:8 --masks full,causal,varlen_causal --systems magi,ulysses_cudnn,torch_cp,ulysses_fa4 --degrees 0,1,dynamic
   mv "$OUT/cp_bench_16384_64-8.md" "$OUT/cp16_dense.md"; rm -f "$OUT"/cp_bench_16384_64-8.json
-  BENCH_S=120 cp_bench 16384 64:8 --masks varlen_causal --systems magi --degrees dynamic --grad-reduce bf16
+  BENCH_S=90 cp_bench 16384 64:8 --masks varlen_causal --systems magi --degrees dynamic --grad-reduce bf16
   mv "$OUT/cp_bench_16384_64-8.md" "$OUT/cp16_bf16reduce.md"; rm -f "$OUT"/cp_bench_16384_64-8.json
-  BENCH_S=200 cp_bench 32768 32:32 --masks full,varlen_causal --systems magi,ulysses_cudnn,ulysses_fa4 --degrees 0,1,dynamic
+  BENCH_S=170 cp_bench 32768 32:32 --masks full,varlen_causal --systems magi,ulysses_cudnn,ulysses_fa4 --degrees 0,1,dynamic
 }
 phase_bench16() { cp_bench 16384 64:8 "${BENCH_ARGS[@]}"; }
 phase_bench32() { cp_bench 32768 32:32 "${BENCH_ARGS[@]}"; }
