@@ -59,6 +59,10 @@ phase_final() {  # the remaining comparison rows in one call
   mv "$OUT/cp_bench_16384_64-8.md" "$OUT/cp16_bf16reduce.md"; rm -f "$OUT"/cp_bench_16384_64-8.json
   BENCH_S=170 cp_bench 32768 32:32 --masks full,varlen_causal --systems magi,ulysses_cudnn,ulysses_fa4 --degrees 0,1,dynamic
 }
+phase_verify() {  # the dynamic degree with the shipped profile
+  BENCH_S=150 cp_bench 32768 32:32 --masks full,varlen_causal --systems magi --degrees dynamic
+  BENCH_S=90 cp_bench 16384 64:8 --masks varlen_causal,varlen_full --systems magi --degrees dynamic
+}
 phase_bench16() { cp_bench 16384 64:8 "${BENCH_ARGS[@]}"; }
 phase_bench32() { cp_bench 32768 32:32 "${BENCH_ARGS[@]}"; }
 phase_sim() {

@@ -131,15 +131,18 @@ _RATES = frozenset({"fwd_tflops", "bwd_tflops", "mem_gbps", "comm_gbps"})
 # THE profile table. Columns: key, fwd TFLOP/s, bwd TFLOP/s, kernel fixed s, memory GB/s,
 # fwd merge bytes/elem, bwd dQ-accumulate bytes/elem, comm GB/s, comm latency s, estimate.
 # h200: calibrated on 2 H200s (NVLink, NCCL) by benchmarks/calibrate_overlap.py (64:8 heads, d 128, bf16):
-# kernel lines fitted over FULL masks of 8k queries x 1k-16k keys, merge / dQ-accumulate costs from the
-# launchers with and without accumulators, copy bandwidth, all_to_all_single of 0.5k-32k tokens.
+# kernel lines fitted over FULL masks of 8k queries x 1k-16k keys, copy bandwidth, all_to_all_single of
+# 0.5k-32k tokens. The per-stage bytes (40 / 80) are effective values fitted to the end-to-end cp = 2 degree
+# sweep of benchmarks/cp_bench.py (16k 64:8 and 32k 32:32): besides the merge and dQ accumulation measured
+# alone (7.4 / 19.8 bytes per element on FA4), a stage pays its accumulator buffers and a collective that
+# competes with the kernel for SMs. The Triton rows assume the same per-stage cost.
 # h100 = h200 kernels x 0.95 (same SMs, slower HBM); b200, generic and cpu are guesses (estimate=True).
 _PROFILE_TABLE: tuple[tuple[str, float, float, float, float, float, float, float, float, bool], ...] = (
-    ("h200/fa4", 761.0, 591.0, 166e-6, 4246.0, 7.4, 19.8, 304.0, 37e-6, False),
-    ("h200/triton", 478.0, 221.0, 1.2e-3, 4246.0, 1.9, 1.0, 304.0, 37e-6, False),
-    ("h100/fa4", 722.95, 561.45, 166e-6, 3350.0, 7.4, 19.8, 250.0, 37e-6, True),
-    ("h100/triton", 454.1, 209.95, 1.2e-3, 3350.0, 1.9, 1.0, 250.0, 37e-6, True),
-    ("b200/fa4", 1200.0, 900.0, 100e-6, 6000.0, 7.4, 19.8, 400.0, 30e-6, True),
+    ("h200/fa4", 761.0, 591.0, 166e-6, 4246.0, 40.0, 80.0, 304.0, 37e-6, False),
+    ("h200/triton", 478.0, 221.0, 1.2e-3, 4246.0, 40.0, 80.0, 304.0, 37e-6, False),
+    ("h100/fa4", 722.95, 561.45, 166e-6, 3350.0, 40.0, 80.0, 250.0, 37e-6, True),
+    ("h100/triton", 454.1, 209.95, 1.2e-3, 3350.0, 40.0, 80.0, 250.0, 37e-6, True),
+    ("b200/fa4", 1200.0, 900.0, 100e-6, 6000.0, 40.0, 80.0, 400.0, 30e-6, True),
     ("generic/triton", 200.0, 100.0, 20e-6, 1500.0, 10.0, 10.0, 100.0, 50e-6, True),
     ("cpu/torch", 0.05, 0.05, 1e-4, 20.0, 10.0, 10.0, 2.0, 1e-4, True),
 )
