@@ -27,6 +27,7 @@ from .config import DistAttnConfig
 from .dispatch import dispatch, undispatch
 from .dist_attn import AttnForwardMeta, calc_attn
 from .key import CpGroup, DistAttnRuntimeKey
+from .mask_mod import infer_attn_mask_from_mask_mod
 
 __all__ = [
     "AttnForwardMeta",
@@ -36,6 +37,7 @@ __all__ = [
     "dispatch",
     "get_most_recent_key",
     "get_position_ids",
+    "infer_attn_mask_from_mask_mod",
     "magi_attn_flex_key",
     "magi_attn_varlen_key",
     "make_flex_key_for_new_mask_after_dispatch",
