@@ -13,34 +13,49 @@ Position-dependent code (RoPE) must use `get_position_ids(key)`: dispatch permut
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from magi_solver import make_sliding_window_mask
+from magi_group_collective import as_device_mesh
+from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
-from .config import DistAttnConfig
+from .config import DistAttnConfig, OverlapMode
 from .dispatch import dispatch, undispatch
 from .dist_attn import AttnForwardMeta, calc_attn
+from .helpers import compute_pad_size, infer_varlen_mask_from_batch, squash_batch_dim
 from .key import CpGroup, DistAttnRuntimeKey
 from .mask_mod import infer_attn_mask_from_mask_mod
+from .roll import roll
+
+AttnOverlapMode = OverlapMode
+"""MagiAttention's name of `magi_attention.config.OverlapMode`."""
 
 __all__ = [
     "AttnForwardMeta",
+    "AttnMaskType",
+    "AttnOverlapMode",
+    "AttnRanges",
     "DistAttnRuntimeKey",
     "calc_attn",
     "clear_cache",
+    "compute_pad_size",
     "dispatch",
     "get_most_recent_key",
     "get_position_ids",
     "infer_attn_mask_from_mask_mod",
+    "infer_varlen_mask_from_batch",
     "magi_attn_flex_key",
     "magi_attn_varlen_key",
     "make_flex_key_for_new_mask_after_dispatch",
+    "make_varlen_key_for_new_mask_after_dispatch",
+    "roll",
+    "squash_batch_dim",
     "undispatch",
 ]
 
@@ -55,14 +70,10 @@ def _resolve_cp_group(cp_group_or_mesh: Any) -> CpGroup:
             f"cp_group_or_mesh: this process (global rank {dist.get_rank()}) is not in the given group: "
             "the key was built for another group"
         )
-    if _is_device_mesh(cp_group_or_mesh):
-        mesh = cp_group_or_mesh
+    mesh = as_device_mesh(cp_group_or_mesh, "cp_group_or_mesh")
+    if mesh is not None:
         if mesh.ndim == 1:
             return _group_of(mesh.get_group())
-        if mesh.ndim != 2:
-            raise ValueError(
-                f"cp_group_or_mesh: a DeviceMesh must be 1-D or 2-D (inter, intra), got {mesh.ndim}-D"
-            )
         flat = _group_of(mesh._flatten().get_group())
         return CpGroup(flat.name, flat.ranks, tuple(mesh.shape), flat.group, mesh)
     if isinstance(cp_group_or_mesh, dist.ProcessGroup):
@@ -70,14 +81,6 @@ def _resolve_cp_group(cp_group_or_mesh: Any) -> CpGroup:
     raise TypeError(
         f"cp_group_or_mesh must be a ProcessGroup, a DeviceMesh or None, got {type(cp_group_or_mesh).__name__}"
     )
-
-
-def _is_device_mesh(x: Any) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(x, DeviceMesh)
 
 
 def _group_of(group: dist.ProcessGroup) -> CpGroup:
@@ -117,6 +120,9 @@ def magi_attn_flex_key(
     head_dim: int,
     cp_group_or_mesh: Any,
     dist_attn_config: DistAttnConfig | None = None,
+    *,
+    pad_size: int | None = None,
+    chunk_size: int | None = None,
 ) -> DistAttnRuntimeKey:
     """Plan distributed attention for a mask given as slices and return its key.
 
@@ -129,6 +135,10 @@ def magi_attn_flex_key(
         num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
         cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
+        pad_size: optional check (MagiAttention passes it): the padding the plan needs,
+            `compute_pad_size(total_seqlen_q, cp_size, chunk_size)`; a different value raises ValueError.
+        chunk_size: tokens per dispatch chunk, as `DispatchConfig(chunk_size=...)` (giving both with
+            different values raises ValueError).
 
     The plan is built on first use and cached per group; it is identical on every rank.
     """
@@ -151,11 +161,37 @@ def magi_attn_flex_key(
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
     if not isinstance(config, DistAttnConfig):
         raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
+    config = _with_chunk_size(config, chunk_size)
     cp_group = _resolve_cp_group(cp_group_or_mesh)
     cp_group.local_rank()  # raises if this process is not in the group
     key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config)
-    RUNTIME_CACHE.get(key)  # plan now, so bad masks raise here (the same on every rank)
+    runtime = RUNTIME_CACHE.get(key)  # plan now, so bad masks raise here (the same on every rank)
+    if pad_size is not None:
+        layout = runtime.layout
+        needed = layout.padded_seqlen - layout.total_seqlen
+        # cp = 1 runs unpadded; a pad computed for it with compute_pad_size is accepted (and unused)
+        chunk = config.dispatch_config.chunk_size or layout.chunk_size
+        accepted = {needed, compute_pad_size(total_q, layout.cp_size, chunk)}
+        if isinstance(pad_size, bool) or not isinstance(pad_size, int) or pad_size not in accepted:
+            raise ValueError(
+                f"pad_size={pad_size!r} does not match the plan: it pads {total_q} tokens by {needed} "
+                f"(chunk {layout.chunk_size} x cp {layout.cp_size}); pass {needed} or leave it None"
+            )
     return key
+
+
+def _with_chunk_size(config: DistAttnConfig, chunk_size: int | None) -> DistAttnConfig:
+    """The config with a key-level `chunk_size` folded into its DispatchConfig (one source of truth)."""
+    if chunk_size is None:
+        return config
+    current = config.dispatch_config.chunk_size
+    if current is not None and current != chunk_size:
+        raise ValueError(
+            f"chunk_size={chunk_size!r} differs from dist_attn_config.dispatch_config.chunk_size={current}: "
+            "give it once"
+        )
+    dispatch_config = dataclasses.replace(config.dispatch_config, chunk_size=chunk_size)
+    return dataclasses.replace(config, dispatch_config=dispatch_config)
 
 
 def magi_attn_varlen_key(
@@ -168,6 +204,9 @@ def magi_attn_varlen_key(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     dist_attn_config: DistAttnConfig | None = None,
+    *,
+    pad_size: int | None = None,
+    chunk_size: int | None = None,
 ) -> DistAttnRuntimeKey:
     """Key for packed variable-length documents: document i attends within itself.
 
@@ -179,17 +218,13 @@ def magi_attn_varlen_key(
         causal: causal attention inside each document (forces the window's right side to 0).
         window_size: `(left, right)` sliding window inside each document, -1 meaning unbounded.
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
+        pad_size, chunk_size: as in `magi_attn_flex_key`.
     """
     cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
     if cu_q != cu_k:
         raise NotImplementedError("only self-attention is supported: cu_seqlens_q must equal cu_seqlens_k")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}") from None
-    # Causal attention sees no key to the right of the query, whatever the window says.
-    mask = make_sliding_window_mask(cu_q, (left, 0 if causal else right))
+    mask = make_sliding_window_mask(cu_q, _window_pair(window_size, causal))
     return magi_attn_flex_key(
         mask.q_ranges,
         mask.k_ranges,
@@ -201,11 +236,66 @@ def magi_attn_varlen_key(
         head_dim,
         cp_group_or_mesh,
         dist_attn_config,
+        pad_size=pad_size,
+        chunk_size=chunk_size,
     )
 
 
+def make_varlen_key_for_new_mask_after_dispatch(
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    key_for_dispatch: DistAttnRuntimeKey,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+) -> DistAttnRuntimeKey:
+    """A packed-documents mask (as `magi_attn_varlen_key` builds it) over tensors already dispatched with
+    `key_for_dispatch` (same token placement; e.g. the sliding-window layers of a hybrid model).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: cumulative document lengths `[num_docs + 1]` (equal: self-attention).
+        key_for_dispatch: the key the tensors were dispatched with.
+        causal: causal attention inside each document.
+        window_size: `(left, right)` sliding window inside each document, -1 meaning unbounded.
+    """
+    if not isinstance(key_for_dispatch, DistAttnRuntimeKey):
+        raise TypeError(
+            f"key_for_dispatch must be a DistAttnRuntimeKey, got {type(key_for_dispatch).__name__}"
+        )
+    cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    if cu_q != cu_k:
+        raise NotImplementedError("only self-attention is supported: cu_seqlens_q must equal cu_seqlens_k")
+    if cu_q[-1] != key_for_dispatch.total_seqlen_q:
+        raise ValueError(
+            f"cu_seqlens_q ends at {cu_q[-1]} but key_for_dispatch covers {key_for_dispatch.total_seqlen_q} tokens"
+        )
+    mask = make_sliding_window_mask(cu_q, _window_pair(window_size, causal))
+    return make_flex_key_for_new_mask_after_dispatch(
+        mask.q_ranges, mask.k_ranges, mask.types, key_for_dispatch
+    )
+
+
+def _window_pair(window_size: Any, causal: bool) -> tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}") from None
+    for w in (left, right):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    # causal attention sees no key to the right of the query, whatever the window says
+    return left, 0 if causal else right
+
+
 def _cu_seqlens_list(cu: Any, name: str) -> list[int]:
+    if isinstance(cu, torch.Tensor) and (
+        cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool
+    ):
+        raise ValueError(f"{name} must hold integers, got a {cu.dtype} tensor")
     values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+        raise ValueError(f"{name} must hold integers (floats would be truncated), got {values}")
     if len(values) < 2 or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(
             f"{name} must start at 0 and be non-decreasing with at least 2 entries, got {values}"

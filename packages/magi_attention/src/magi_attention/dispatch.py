@@ -16,10 +16,10 @@ from ._sanity import device_of, validate_on_all_ranks
 from .key import DistAttnRuntimeKey
 
 
-def _pad_tokens(x: torch.Tensor, padded: int) -> torch.Tensor:
+def _pad_tokens(x: torch.Tensor, padded: int, pad_value: float = 0.0) -> torch.Tensor:
     if x.shape[0] == padded:
         return x
-    return torch.cat([x, x.new_zeros((padded - x.shape[0], *x.shape[1:]))], dim=0)
+    return torch.cat([x, x.new_full((padded - x.shape[0], *x.shape[1:]), pad_value)], dim=0)
 
 
 def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
@@ -31,20 +31,20 @@ def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tenso
     return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
 
 
-def _select_local(x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+def _select_local(x: torch.Tensor, runtime: DistAttnRuntime, pad_value: float = 0.0) -> torch.Tensor:
     meta = runtime.device_meta(x.device)
-    return _pad_tokens(x, runtime.layout.padded_seqlen).index_select(0, meta.local_ids)
+    return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, meta.local_ids)
 
 
 class DispatchFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, runtime: DistAttnRuntime, pad_value: float) -> torch.Tensor:
         ctx.runtime = runtime
-        return _select_local(x, runtime)
+        return _select_local(x, runtime, pad_value)
 
     @staticmethod
     def backward(ctx, grad_local: torch.Tensor):
-        return _gather_global(grad_local, ctx.runtime), None
+        return _gather_global(grad_local, ctx.runtime), None, None
 
 
 class UndispatchFunction(torch.autograd.Function):
@@ -66,16 +66,17 @@ def _check_tokens(x: torch.Tensor, expected: int, name: str, what: str) -> None:
         raise ValueError(f"{name} must have {expected} tokens on dim 0 ({what}), got shape {got}")
 
 
-def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
+def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -> torch.Tensor:
     """Keep this rank's tokens of the global tensor `x`.
 
     Args:
         x: `[total_seqlen_q, ...]`, the same on every rank of the key's cp group (tokens on dim 0, any
             trailing shape and dtype).
         key: from `magi_attn_flex_key` / `magi_attn_varlen_key`.
+        pad_value: the value of the padding rows (e.g. -100 for labels); padding rows see no key.
 
     Returns:
-        `[shard_seqlen, ...]`: this rank's chunks (ascending chunk id), padding rows zero.
+        `[shard_seqlen, ...]`: this rank's chunks (ascending chunk id).
     """
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
@@ -83,9 +84,11 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
         key.cp_group.group,
         device_of(x),
     )
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int | float):
+        raise TypeError(f"pad_value must be an int or float, got {type(pad_value).__name__}")
     if key.cp_size == 1:
         return x
-    return DispatchFunction.apply(x, runtime)
+    return DispatchFunction.apply(x, runtime, float(pad_value) if x.is_floating_point() else int(pad_value))
 
 
 def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
