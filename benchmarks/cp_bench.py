@@ -1,9 +1,9 @@
 """Distributed context-parallel benchmark: magi-attention against two families of baselines, in one run, on
 the same inputs.
 
-- Same-kernel baselines (benchmarks/cp_baselines.py): Ulysses, zigzag ring attention and all-gather K/V, all
+- Same-kernel baselines (benchmarks/baselines/same_kernel.py): Ulysses, zigzag ring attention and all-gather K/V, all
   computing with magi_ffa like magi, so the comparison isolates the distribution scheme.
-- What a user would pick today (benchmarks/cp_user_baselines.py), each with the best local kernel for the
+- What a user would pick today (benchmarks/baselines/user.py), each with the best local kernel for the
   mask: Ulysses + FlashAttention-4 (dense or varlen), Ulysses + cuDNN SDPA, PyTorch's native context_parallel
   (SDPA ring), Ulysses + magi_ffa_fa4 (any mask). A system that cannot run a case (mask it cannot express,
   heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the baseline modules sit next to this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the `baselines` library sits next to this script
 
-import cp_user_baselines as user
-from cp_baselines import CPBaseline, baseline_attn, plan_baseline, shard_tokens
+from baselines import user
+from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention import _runtime as magi_runtime
@@ -66,11 +66,11 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 class System(StrEnum):
     MAGI = "magi"
     ULYSSES = "ulysses"
-    """Same-kernel baselines (cp_baselines.py, magi_ffa locally): Ulysses, zigzag ring, all-gather K/V."""
+    """Same-kernel baselines (baselines/same_kernel.py, magi_ffa locally): Ulysses, zigzag ring, all-gather K/V."""
     RING_ZIGZAG = "ring_zigzag"
     ALLGATHER_KV = "allgather_kv"
     ULYSSES_FA4 = "ulysses_fa4"
-    """User baselines (cp_user_baselines.py), each with its own kernel: Ulysses + FA4 (dense / varlen)."""
+    """User baselines (baselines/user.py), each with its own kernel: Ulysses + FA4 (dense / varlen)."""
     ULYSSES_CUDNN = "ulysses_cudnn"
     """Ulysses + cuDNN SDPA (full / causal)."""
     TORCH_CP = "torch_cp"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -61,12 +62,28 @@ def varlen_docs(total: int, seed: int = 0) -> list[list[int]]:
     return bounds
 
 
+CROSS_KV_RATIO = 4
+"""cross_varlen: each query document (video) attends its own key document (text), CROSS_KV_RATIO x shorter."""
+
+
+def kv_total(name: str, total: int) -> int:
+    """Tokens of the key/value sequence (the query sequence's, except for cross-attention masks)."""
+    return total // CROSS_KV_RATIO if name == "cross_varlen" else total
+
+
 def make_mask(name: str, total: int):
     if name == "full":
         return [[0, total]], [[0, total]], [0]
     if name == "causal":
         return [[0, total]], [[0, total]], [1]
     docs = varlen_docs(total)
+    if name == "cross_varlen":
+        # text documents: the video documents' boundaries scaled down, each at least one token
+        bounds = sorted({min(total // CROSS_KV_RATIO, -(-s // CROSS_KV_RATIO)) for s, _ in docs})
+        bounds.append(total // CROSS_KV_RATIO)
+        kdocs = [[a, b] for a, b in itertools.pairwise(bounds) if a < b]
+        n = min(len(docs), len(kdocs))
+        return docs[:n], kdocs[:n], [0] * n
     return docs, docs, [1 if name == "varlen_causal" else 0] * len(docs)
 
 
@@ -105,12 +122,14 @@ def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
 def bench_cp1_overhead(total: int, mask: str) -> dict:
     q_ranges, k_ranges, types = make_mask(mask, total)
     dev = torch.device(DEVICE)
+    tk = kv_total(mask, total)
     q, k, v = (
-        torch.randn(total, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (HQ, HKV, HKV)
+        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
     )
     do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
     config = DistAttnConfig(kernel_backend=BACKEND)
-    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, HQ, HKV, D, None, config)
+    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, tk, HQ, HKV, D, None, config)
     qr = torch.tensor(q_ranges, dtype=torch.int32)  # host ranges: no device->host sync per call
     kr = torch.tensor(k_ranges, dtype=torch.int32)
     tr = torch.tensor(types, dtype=torch.int32)
@@ -137,7 +156,10 @@ def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
     q_ranges, k_ranges, types = make_mask(mask, total)
     dev = torch.device(DEVICE)
-    q, k, v = (torch.randn(total, h, D, device=dev, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+    tk = kv_total(mask, total)
+    q, k, v = (
+        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16) for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
+    )
     do = torch.randn_like(q)
     qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
     kern = attn_kernel(BACKEND)
@@ -181,8 +203,20 @@ def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
     chunk = min(2048, tokens_per_gpu // 4)  # MagiAttention's benchmark: chunk 2048, 4 per rank at 8k/GPU
+    cross = {}
+    if kv_total(mask, total) != total:  # key/value shards of their own: chunk them like the queries
+        kv_chunk = max(1, chunk // CROSS_KV_RATIO)
+        cross = {"total_seqlen_k": kv_total(mask, total), "kv_chunk_size": kv_chunk}
     return total, plan_dist_attn(
-        q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=degree, min_chunk_size=min(512, chunk)
+        q_ranges,
+        k_ranges,
+        types,
+        total,
+        cp,
+        chunk,
+        overlap_degree=degree,
+        min_chunk_size=min(512, chunk),
+        **cross,
     )
 
 
@@ -205,9 +239,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
     shard = total // cp
+    kv_shard = shard if plan.kv_layout is None else plan.kv_layout.shard_seqlen
     q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(shard, HKV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(shard, HKV, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
     do = torch.randn_like(q)
     max_remote = max(max((s.num_remote_tokens for s in r.stages), default=0) for r in plan.ranks)
     rk = torch.randn(max(1, max_remote), HKV, D, device=dev, dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
-"""CPU (gloo, fp64) checks of the context-parallel baselines in benchmarks/cp_baselines.py and
-benchmarks/cp_user_baselines.py, and of benchmarks/cp_bench.py end to end.
+"""CPU (gloo, fp64) checks of the context-parallel baselines library (benchmarks/baselines/: same_kernel.py
+and user.py), and of benchmarks/cp_bench.py end to end.
 
 Every baseline (Ulysses, zigzag ring, all-gather K/V) must give the dense fp64 reference's out, lse, dq, dk
 and dv to 1e-9 relative on full, causal, varlen causal, varlen full and random slice masks (all four types,
@@ -28,7 +28,14 @@ from magi_ffa.testing import make_attn_mask, random_qkv, random_slices, ref_attn
 ROOT = Path(__file__).resolve().parents[1]
 
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the `baselines` library and the cp_bench script
+
+import baselines.same_kernel as cpb  # noqa: E402
+import baselines.user as user_baselines  # noqa: E402
+
+
 def _load(name: str):
+    """The benchmark script ``benchmarks/<name>.py`` as a module (scripts are not a package)."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
@@ -37,7 +44,6 @@ def _load(name: str):
     return sys.modules[name]
 
 
-cpb = _load("cp_baselines")
 SYSTEMS = tuple(cpb.CPBaseline)
 RTOL = 1e-9
 NUM_MASKS = 7
@@ -337,12 +343,12 @@ def _install_stand_ins() -> None:
     ffa4 = types.ModuleType("cp_test_ffa_fa4_stand_in")
     ffa4.fa4_available, ffa4.flex_flash_attn_func = (lambda: True), _fake_ffa_fa4
     sys.modules.update({m.__name__: m for m in (cute, ffa4)})
-    _load("cp_user_baselines").KERNEL_MODULES.update(fa4=cute.__name__, ffa_fa4=ffa4.__name__)
+    user_baselines.KERNEL_MODULES.update(fa4=cute.__name__, ffa_fa4=ffa4.__name__)
 
 
 def _ulysses_routing(rank: int, world_size: int) -> bool:
     """seq_to_heads / heads_to_seq by value: each element encodes its global token and head."""
-    ub = _load("cp_user_baselines")
+    ub = user_baselines
     t, h, d = 5, 2 * world_size, 3
     tok = torch.arange(rank * t, (rank + 1) * t, dtype=torch.float64)
     x = (tok[:, None, None] * 100 + torch.arange(h, dtype=torch.float64)[None, :, None]).expand(t, h, d)
@@ -429,7 +435,7 @@ def _torch_cp_shard_rank(rank: int, world_size: int) -> dict:
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental._attention import _cp_options
 
-    ub = _load("cp_user_baselines")
+    ub = user_baselines
     mesh = ub._mesh("cpu", world_size)
     total, sdpa, lb = 16, F.scaled_dot_product_attention, _cp_options.enable_load_balance
     out = {}
@@ -482,14 +488,14 @@ def test_varlen_block_causal_mask_equals_dense_reference() -> None:
     # with a document longer than a block, FA4 varlen and SDPA cannot express it (the user baselines skip)
     qr, kr, tm = cpbench.make_mask("varlen_block_causal", 96, 0, 8)
     assert any(q != k for q, k in zip(qr, kr))
-    mask = _load("cp_user_baselines").Mask.of(qr, kr, tm, 96)
+    mask = user_baselines.Mask.of(qr, kr, tm, 96)
     assert mask.varlen() is None and mask.dense_causal() is None
     assert checked == 6
 
 
 def test_user_mask_recognition() -> None:
     """Which masks the user baselines' kernels take: dense full / causal, packed documents (cu_seqlens)."""
-    Mask = _load("cp_user_baselines").Mask
+    Mask = user_baselines.Mask
     assert Mask.of([[0, 8]], [[0, 8]], [1], 8).dense_causal() is True
     assert Mask.of([[0, 8]], [[0, 8]], [0], 8).dense_causal() is False
     assert Mask.of([[0, 8]], [[0, 8]], [2], 8).dense_causal() is None

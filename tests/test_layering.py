@@ -1,12 +1,16 @@
-"""The layout is the architecture: lower layers never import upper ones.
+"""The layout is the architecture: lower layers never import upper ones, and no package imports itself in
+a circle.
 
-magi_solver imports no torch; magi_ffa and magi_group_collective import neither each other nor the
-solver; magi_ffa_fa4 stays beside magi_ffa; only magi_attention composes them.
+magi_mask (the mask vocabulary and algebra) is the lowest layer and imports none of ours, nor torch; magi_solver
+imports no torch; magi_ffa and magi_group_collective import neither each other nor the solver; magi_ffa_fa4
+sits on top of magi_ffa; only magi_attention composes them. Inside a package the modules import each other
+without cycles, function-level (lazy) imports included: a type two modules share lives a module below both.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +18,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"magi_solver", "magi_ffa", "magi_ffa_fa4", "magi_group_collective", "magi_attention"}
+OURS = {"magi_mask", "magi_solver", "magi_ffa", "magi_ffa_fa4", "magi_group_collective", "magi_attention"}
 
 # package dir -> (import name, first-party packages it may import, third-party top-level names it must not)
 RULES = {
-    "solver": ("magi_solver", set(), {"torch", "triton"}),
-    "ffa": ("magi_ffa", set(), set()),
-    "group_collective": ("magi_group_collective", set(), set()),
-    "ffa_fa4": ("magi_ffa_fa4", set(), set()),
+    "mask": ("magi_mask", set(), {"torch", "triton"}),
+    "solver": ("magi_solver", {"magi_mask"}, {"torch", "triton"}),
+    "ffa": ("magi_ffa", {"magi_mask"}, set()),
+    "group_collective": ("magi_group_collective", {"magi_mask"}, set()),
+    "ffa_fa4": ("magi_ffa_fa4", {"magi_mask", "magi_ffa"}, set()),
     "magi_attention": ("magi_attention", OURS - {"magi_attention"}, set()),
 }
 
@@ -49,6 +54,117 @@ def test_import_direction(pkg_dir: str) -> None:
         assert not bad_third_party, f"{path.relative_to(ROOT)} imports {sorted(bad_third_party)}"
 
 
-def test_solver_import_loads_no_torch() -> None:
-    code = "import sys, magi_solver; sys.exit(1 if 'torch' in sys.modules or 'triton' in sys.modules else 0)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "importing magi_solver loaded torch"
+@pytest.mark.parametrize("pkg", ["magi_mask", "magi_solver"])
+def test_import_loads_no_torch(pkg: str) -> None:
+    code = f"import sys, {pkg}; sys.exit(1 if 'torch' in sys.modules or 'triton' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"importing {pkg} loaded torch"
+
+
+def _module_name(path: Path, src: Path, own: str) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([own, *parts])
+
+
+def _internal_imports(path: Path, name: str, own: str, modules: set[str]) -> set[str]:
+    """The package's own modules that ``path`` (module ``name``) imports anywhere in it, function bodies
+    included; ``from x import y`` counts ``x.y`` when that is a module, else ``x``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == own)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == own:
+                target = node.module
+            else:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names} & modules
+            found.update(subs or {target})
+    return (found & modules) - {name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("pkg_dir", sorted(RULES))
+def test_no_import_cycle_inside_a_package(pkg_dir: str) -> None:
+    own = RULES[pkg_dir][0]
+    src = ROOT / "packages" / pkg_dir / "src" / own
+    files = {_module_name(p, src, own): p for p in sorted(src.rglob("*.py"))}
+    modules = set(files)
+    # the package's __init__ imports its modules by design; a module importing the package back is the cycle
+    graph = {m: _internal_imports(p, m, own, modules) for m, p in files.items()}
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles in {own} (move the shared type down a module): {cycles}"
+
+
+def test_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
+    graph = {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}
+    assert _cycles(graph) == [["p.a", "p.b"]]
+    path = tmp_path / "_a.py"
+    path.write_text("def f():\n    from ._b import X\n")
+    assert _internal_imports(path, "p._a", "p", {"p._a", "p._b"}) == {"p._b"}
+
+
+# integrations/<framework>/{src,tests}: of ours, only magi_attention's public API (and their own package)
+INTEGRATION_ALLOWED = {"magi_attention", "magi_attention.api", "magi_attention.config"}
+INTEGRATION_FILES = sorted(
+    p for d in ("src", "tests") for p in (ROOT / "integrations").glob(f"*/{d}/**/*.py")
+)
+
+
+@pytest.mark.parametrize("path", INTEGRATION_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_integrations_use_public_api_only(path: Path) -> None:
+    own = {p.name for p in (ROOT / "integrations" / path.relative_to(ROOT).parts[1] / "src").glob("*")}
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            top = module.split(".")[0]
+            if top in own or not (top in OURS or top.startswith("magi_")):
+                continue
+            assert module in INTEGRATION_ALLOWED, f"{path.relative_to(ROOT)} imports {module}"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
+from magi_mask import region_dense
 
 from magi_ffa import flex_flash_attn_func
-from magi_ffa._common import make_slice
 from magi_ffa._disjoint import disjoint_slices
+from magi_ffa._slice import make_slice
 from magi_ffa.testing import make_attn_mask, ref_attn
 
 
@@ -26,13 +28,13 @@ def _shared_pair_slices(rng: random.Random, total: int, n: int):
 
 
 def _dense(slices, total):
-    m = torch.zeros(total, total, dtype=torch.int32)
+    """Cover counts of kernel slices: each is the band region rows x keys x its diagonal offsets."""
+    m = np.zeros((total, total), dtype=np.int64)
     for s in slices:
-        for r in range(s.q_start, s.q_end):
-            for c in range(s.k_start, s.k_end):
-                if (not s.is_causal or c <= r + s.dk) and (not s.is_inv_causal or c >= r + s.dk_inv):
-                    m[r, c] += 1
-    return m
+        lo = s.dk_inv if s.is_inv_causal else -total
+        hi = s.dk if s.is_causal else total
+        m += region_dense((s.q_start, s.q_end, s.k_start, s.k_end, lo, hi), total, total)
+    return torch.from_numpy(m)
 
 
 @pytest.mark.parametrize("seed", range(40))

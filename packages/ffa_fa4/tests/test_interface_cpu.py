@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import magi_ffa
 import magi_ffa_fa4
 from magi_ffa_fa4 import interface
 
@@ -84,8 +85,26 @@ def test_merge_matches_union_softmax() -> None:
     assert bool(torch.isneginf(l[1]).all()) and bool((o[1] == 0).all())
 
 
+def test_autograd_merge_ignores_garbage_out_on_empty_rows() -> None:
+    """Regression: the autograd path's merge (a torch copy of magi_ffa's) multiplied the accumulator's out by
+    its weight, exp(-inf) = 0, so a NaN left in a row that had seen no key yet survived (NaN * 0 = NaN).
+    It is magi_ffa's merge now, which selects such rows away instead."""
+    assert interface._merge_differentiable is magi_ffa.merge_out_lse
+    torch.manual_seed(0)
+    acc = torch.full((3, 2, 4), float("nan"))
+    acc_lse = torch.full((3, 2), float("-inf"))
+    new, new_lse = torch.randn(3, 2, 4), torch.randn(3, 2)
+    new_lse[2] = float("-inf")  # a row no partial has seen: stays out 0 / lse -inf
+    new[2] = float("nan")
+    o, l = interface._merge_differentiable(acc, acc_lse, new, new_lse)
+    assert not torch.isnan(o).any(), "a NaN in a -inf row leaked into the merged output"
+    torch.testing.assert_close(o[:2], new[:2])
+    torch.testing.assert_close(l[:2], new_lse[:2])
+    assert bool((o[2] == 0).all()) and bool(torch.isneginf(l[2]).all())
+
+
 def test_plan_cache_keys_by_value_and_tracks_in_place_edits(monkeypatch) -> None:
-    from magi_ffa_fa4 import _plan
+    from magi_ffa_fa4 import _launch_meta as _plan
 
     built = []
 
@@ -93,7 +112,7 @@ def test_plan_cache_keys_by_value_and_tracks_in_place_edits(monkeypatch) -> None
         built.append((qr.tolist(), kr.tolist(), tm.tolist()))
         return object()
 
-    monkeypatch.setattr(_plan, "build_plan", fake_build)
+    monkeypatch.setattr(_plan, "build_launch_meta", fake_build)
     _plan.clear_plan_cache()
     cpu = torch.device("cpu")
     qr = torch.tensor([[0, 8]], dtype=torch.int32)

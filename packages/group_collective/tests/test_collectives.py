@@ -160,7 +160,7 @@ def _adjoint_and_autograd(rank, W, tabs, t, mod, torch):
 
 def _bad_inputs(rank, W, mod, torch):
     """Local errors raise on the calling rank before any communication (no collective involved)."""
-    good = ([2, 1], [1], [[0], [W - 1]], [0])
+    good = ([2, 1], [2, 1], [[rank], [rank]], [rank, rank])  # consistent: construction checks across ranks
     bad_tables = [
         (([2, 1], [1], [[0]], [0]), ValueError, "dst_indices"),
         (([2, 1], [1], [[0], [W]], [0]), ValueError, "out of range"),
@@ -173,12 +173,12 @@ def _bad_inputs(rank, W, mod, torch):
         with pytest.raises(exc, match=words):
             mod.GroupCastPlan(*args)
     plan = mod.GroupCastPlan(*good)
-    x, out = torch.zeros(3, 2), torch.zeros(1, 2)
+    x, out = torch.zeros(3, 2), torch.zeros(3, 2)
     for a, b, exc, words in (
         (torch.zeros(4, 2), out, ValueError, "sum\\(input_split_sizes\\)"),
         (x, torch.zeros(2, 2), ValueError, "sum\\(output_split_sizes\\)"),
-        (x, torch.zeros(1, 2, dtype=torch.float64), TypeError, "dtype"),
-        (x, torch.zeros(1, 3), ValueError, "trailing shape"),
+        (x, torch.zeros(3, 2, dtype=torch.float64), TypeError, "dtype"),
+        (x, torch.zeros(3, 3), ValueError, "trailing shape"),
         (x.to("meta"), out, ValueError, "device"),
     ):
         with pytest.raises(exc, match=words):
@@ -186,8 +186,8 @@ def _bad_inputs(rank, W, mod, torch):
     with pytest.raises(ValueError, match="sum\\(input_split_sizes\\)"):
         mod.group_cast(torch.zeros(5, 2), out, *good)
     rplan = plan.transpose()
-    y, acc = torch.zeros(1, 2, 3), torch.zeros(3, 2, 3)
-    lse_y, lse_acc = torch.zeros(1, 2), torch.zeros(3, 2)
+    y, acc = torch.zeros(3, 2, 3), torch.zeros(3, 2, 3)
+    lse_y, lse_acc = torch.zeros(3, 2), torch.zeros(3, 2)
     with pytest.raises(ValueError, match="reduce_op"):
         rplan.reduce(y, acc, reduce_op="max")
     with pytest.raises(ValueError, match="output_lse"):
@@ -357,3 +357,37 @@ def test_battery_triton_kernels() -> None:
 def test_battery(world_size: int) -> None:
     counts = run_ranks(world_size, __file__, "battery", world_size)
     assert counts == [CASES_PER_WORLD] * world_size
+
+
+def _mismatch_worker(rank, W, mod, torch):
+    """Tables that disagree across ranks raise at plan construction by default (no debug flag), naming the
+    (sender, receiver) pair; a per-call trailing-shape mismatch is caught in debug mode."""
+    # every rank sends 3 rows to rank 0; rank 0 expects 4 from rank 1
+    outs = ([3] * W if rank else [3, 4] + [3] * (W - 2)) if rank == 0 else []
+    tables = ([3], outs, [[0]], list(range(W)) if rank == 0 else [])
+    with pytest.raises(ValueError, match=r"\(sender 1, receiver 0\)"):
+        mod.GroupCastPlan(*tables)
+    # the transposed (GroupReduce) tables: rank 0 sends 4 rows back to rank 1, which expects 3
+    with pytest.raises(ValueError, match=r"\(sender 0, receiver 1\)"):
+        mod.GroupReducePlan(outs, [3], list(range(W)) if rank == 0 else [], [[0]])
+    good = ([3], [3] * W if rank == 0 else [], [[0]], list(range(W)) if rank == 0 else [])
+    plan = mod.GroupCastPlan(*good, debug=True)
+    trailing = 2 + (rank == 1)
+    x = torch.zeros(3, trailing)
+    out = torch.zeros(sum(good[1]), trailing)
+    with pytest.raises(ValueError, match="different"):
+        plan.cast(x, out)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tables_that_disagree_raise_at_plan_construction(world):
+    assert all(run_ranks(world, __file__, "_mismatch_entry"))
+
+
+def _mismatch_entry(rank: int, W: int):
+    import torch
+
+    import magi_group_collective as mod
+
+    return _mismatch_worker(rank, W, mod, torch)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from magi_mask import region_dense
 
 from magi_solver import AttnMaskType, AttnRange, AttnSlice, SliceList
 from magi_solver.mask import (
@@ -22,10 +23,7 @@ N = 16
 
 
 def _dense_region(r: tuple[int, ...], n: int = N) -> np.ndarray:
-    qs, qe, ks, ke, lo, hi = r
-    q = np.arange(n)[:, None]
-    k = np.arange(n)[None, :]
-    return (q >= qs) & (q < qe) & (k >= ks) & (k < ke) & (k - q >= lo) & (k - q <= hi)
+    return region_dense(r, n, n)
 
 
 def _typed_dense(slices: list[tuple[int, int, int, int, int]], n: int = N) -> np.ndarray:

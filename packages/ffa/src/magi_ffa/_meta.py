@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import Slice
+from ._slice import Slice
 
 
 @dataclass(frozen=True, slots=True)

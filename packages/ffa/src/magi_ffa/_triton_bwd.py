@@ -16,9 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Slice
 from ._meta import axis_tiles
-from ._triton_common import LOG2E, alloc, compute_flags, dot_, load_slice, tanh_, tiles_for
+from ._slice import Slice
+from ._triton_common import (
+    LOG2E,
+    alloc,
+    compute_flags,
+    dot_,
+    load_slice,
+    qblock_cols,
+    tanh_,
+    tile_full,
+    tile_visible,
+    tiles_for,
+)
 
 
 @triton.jit
@@ -58,11 +69,7 @@ def ffa_bwd_dq_kernel(
     e1 = tl.load(BLK_PTR + blk + 1)
     for e in range(e0, e1):
         qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(BLK_IDX + e))
-        r_lo = tl.maximum(qs, m0)
-        r_hi = tl.minimum(qe, m0 + BLOCK_M)
-        hi = tl.where(causal, tl.minimum(ke, r_hi + dk), ke)
-        lo = tl.where(inv, tl.maximum(ks, r_lo + dk_inv), ks)
-        rows_full = (qs <= m0) & (m0 + BLOCK_M <= qe)
+        lo, hi, rows_full = qblock_cols(qs, qe, ks, ke, dk, dk_inv, causal, inv, m0, BLOCK_M)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + offs_j
             col_ok = offs_n < hi
@@ -86,14 +93,11 @@ def ffa_bwd_dq_kernel(
             else:
                 s = s * qk_scale
             p = tl.exp2(s - lse2[:, None])
-            full = rows_full & (n0 + BLOCK_N <= hi)
-            full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
-            full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
-            if not full:
-                vis = (offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & col_ok[None, :]
-                vis = vis & (~causal | (offs_n[None, :] <= offs_m[:, None] + dk))
-                vis = vis & (~inv | (offs_n[None, :] >= offs_m[:, None] + dk_inv))
-                p = tl.where(vis, p, 0.0)
+            if not tile_full(
+                m0, n0, rows_full, n0 + BLOCK_N <= hi, dk, dk_inv, causal, inv, BLOCK_M, BLOCK_N
+            ):
+                vis = tile_visible(offs_m[:, None], offs_n[None, :], qs, qe, ks, ke, dk, dk_inv, causal, inv)
+                p = tl.where(vis & col_ok[None, :], p, 0.0)
             dp = dot_(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
             ds = p * (dp - delta[:, None])
             if SOFTCAP:
@@ -121,7 +125,7 @@ def kblock_rows(qs, qe, ks, ke, dk, dk_inv, causal, inv, n0, BLOCK_N: tl.constex
 @triton.jit
 def dkv_tile(
     Q, DO, LSE, DELTA, kb, vb, dk_acc, dv_acc, h, m0, n0, r_hi, offs_n, offs_d,
-    qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
+    qs, qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, stride_lh, sm_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -150,14 +154,10 @@ def dkv_tile(
     else:
         st = st * (sm_scale * LOG2E)
     pt = tl.exp2(st - lse2[None, :])
-    full = cols_full & (m0 + BLOCK_M <= qe)
-    full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
-    full = full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
-    if not full:
-        vis = (offs_n[:, None] >= ks) & (offs_n[:, None] < ke) & row_ok[None, :]
-        vis = vis & (~causal | (offs_n[:, None] <= offs_m[None, :] + dk))
-        vis = vis & (~inv | (offs_n[:, None] >= offs_m[None, :] + dk_inv))
-        pt = tl.where(vis, pt, 0.0)
+    # rows from r_lo >= qs on, so the tile's rows are inside the slice when they end before qe
+    if not tile_full(m0, n0, m0 + BLOCK_M <= qe, cols_full, dk, dk_inv, causal, inv, BLOCK_M, BLOCK_N):
+        vis = tile_visible(offs_m[None, :], offs_n[:, None], qs, qe, ks, ke, dk, dk_inv, causal, inv)
+        pt = tl.where(vis & row_ok[None, :], pt, 0.0)
     dv_acc = dot_(pt.to(do.dtype), do, dv_acc, IEEE)
     dpt = dot_(vb, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
     dst = pt * (dpt - delta[None, :])
@@ -203,7 +203,7 @@ def ffa_bwd_dkv_kernel(
             for m0 in range(r_lo, r_hi, BLOCK_M):
                 dk_acc, dv_acc, _dst = dkv_tile(
                     Q, DO, LSE, DELTA, kb, vb, dk_acc, dv_acc, h, m0, n0, r_hi, offs_n, offs_d,
-                    qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
+                    qs, qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
                     stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, stride_lh, sm_scale, softcap,
                     BLOCK_M, BLOCK_N, SOFTCAP, UPCAST, IEEE,
                 )  # fmt: skip

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Slice
 from ._meta import axis_tiles
+from ._slice import Slice
 from ._triton_bwd import bwd_setup, dkv_tile, kblock_rows
 from ._triton_common import dot_, load_slice, tiles_for
 
@@ -57,7 +57,7 @@ def ffa_bwd_fused_kernel(
             for m0 in range(r_lo, r_hi, BLOCK_M):
                 dk_acc, dv_acc, dst = dkv_tile(
                     Q, DO, LSE, DELTA, kb, vb, dk_acc, dv_acc, h, m0, n0, r_hi, offs_n, offs_d,
-                    qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
+                    qs, qe, ks, ke, dk, dk_inv, causal, inv, cols_full,
                     stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, stride_lh, sm_scale, softcap,
                     BLOCK_M, BLOCK_N, SOFTCAP, UPCAST, IEEE,
                 )  # fmt: skip

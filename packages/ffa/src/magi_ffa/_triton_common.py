@@ -1,13 +1,19 @@
-"""Pieces shared by the Triton forward and backward kernels: tile choice and jit helpers."""
+"""Pieces shared by the Triton forward, backward and merge kernels: tile choice and jit helpers.
+
+The visibility rule of a slice lives here once: ``qblock_cols`` (the keys a q block walks), ``tile_full``
+(a tile needs no element mask) and ``tile_visible`` (the element mask); so does the out/lse merge of two
+partial results (``merge_partials``).
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from . import env
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code reads only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
@@ -46,9 +52,9 @@ _INTERP_TILES = Tiles(64, 64, 4, 1)
 def tiles_for(kind: str, head_dim: int, interpret: bool) -> Tiles:
     """Tiles for ``kind`` (fwd, dq, dkv, fused); ``MAGI_FFA_TILES_<KIND>="BM,BN,warps,stages"`` overrides (tests,
     tuning sweeps)."""
-    env = os.environ.get(f"MAGI_FFA_TILES_{kind.upper()}")
-    if env:
-        return Tiles(*(int(x) for x in env.split(",")))
+    forced = env.tiles(kind)
+    if forced:
+        return Tiles(*forced)
     if interpret:
         return _INTERP_TILES
     table = _GPU_TILES[kind]
@@ -92,8 +98,62 @@ def load_slice(SLICES, sid):
     return qs, qe, ks, ke, dk, dk_inv, causal, inv
 
 
+@triton.jit
+def qblock_cols(qs, qe, ks, ke, dk, dk_inv, causal, inv, m0, BLOCK_M: tl.constexpr):
+    """Keys ``[lo, hi)`` of one slice that any row of the q block at ``m0`` sees, and whether every row of
+    the block lies inside the slice's q range."""
+    r_lo = tl.maximum(qs, m0)
+    r_hi = tl.minimum(qe, m0 + BLOCK_M)
+    hi = tl.where(causal, tl.minimum(ke, r_hi + dk), ke)
+    lo = tl.where(inv, tl.maximum(ks, r_lo + dk_inv), ks)
+    return lo, hi, (qs <= m0) & (m0 + BLOCK_M <= qe)
+
+
+@triton.jit
+def tile_full(
+    m0, n0, rows_full, cols_full, dk, dk_inv, causal, inv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Whether every pair of the tile (rows ``[m0, m0 + BLOCK_M)``, keys ``[n0, n0 + BLOCK_N)``) is visible,
+    given that its rows (``rows_full``) and keys (``cols_full``) lie inside the slice's ranges."""
+    full = rows_full & cols_full
+    full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
+    return full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
+
+
+@triton.jit
+def tile_visible(rows, cols, qs, qe, ks, ke, dk, dk_inv, causal, inv):
+    """Element visibility for broadcastable global row / key indices: inside the slice's ranges and its
+    diagonal band (``k <= q + dk`` when causal, ``k >= q + dk_inv`` when inverse-causal)."""
+    vis = (rows >= qs) & (rows < qe) & (cols >= ks) & (cols < ke)
+    vis = vis & (~causal | (cols <= rows + dk))
+    return vis & (~inv | (cols >= rows + dk_inv))
+
+
+@triton.jit
+def merge_partials(a, lse_a, b, lse_b):
+    """Merge two partial results ``[rows, d]`` (fp32) with lse ``[rows]`` (natural log) over disjoint keys.
+
+    A side whose lse is -inf weighs nothing and its values are selected away, never multiplied by 0 (they
+    may be garbage, even NaN); rows -inf on both sides give out 0 / lse -inf.
+    """
+    m = tl.maximum(lse_a, lse_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m_safe)
+    w_b = tl.exp(lse_b - m_safe)
+    total = w_a + w_b
+    has_keys = total > 0.0
+    total_safe = tl.where(has_keys, total, 1.0)
+    c_a = tl.where(has_keys, w_a / total_safe, 0.0)
+    c_b = tl.where(has_keys, w_b / total_safe, 0.0)
+    lse = tl.where(has_keys, m_safe + tl.log(total_safe), float("-inf"))
+    out = tl.where(c_a[:, None] > 0.0, a * c_a[:, None], 0.0) + tl.where(
+        c_b[:, None] > 0.0, b * c_b[:, None], 0.0
+    )
+    return out, lse
+
+
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Uninitialised output buffer; ``MAGI_FFA_POISON=1`` (tests) fills it with NaN so unwritten rows show."""
-    if os.environ.get("MAGI_FFA_POISON") == "1":
+    if env.poison():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)

@@ -15,11 +15,12 @@ from ._common import (
     Slice,
     TypeMapLike,
     acc_dtype,
-    merge_out_lse,
     prepare,
     validate_grad_buffers,
     validate_out_lse,
 )
+from ._merge import merge_out_lse
+from ._sink import merge_sink, sink_grad, validate_sink
 
 __all__ = ["bwd_core", "ffa_bwd", "ffa_fwd", "fwd_core"]
 
@@ -68,10 +69,19 @@ def _scores(qb, kb, scale: float, softcap: float):
 
 
 def fwd_core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: tuple[Slice, ...], scale: float, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slices: tuple[Slice, ...],
+    scale: float,
+    softcap: float,
+    *,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the slices; returns out ``[total_q, num_heads_q, head_dim]`` and lse ``[total_q,
-    num_heads_q]``, both in the accumulator dtype (fp32, fp64 for fp64). Rows no slice reaches: 0 / -inf."""
+    num_heads_q]``, both in the accumulator dtype (fp32, fp64 for fp64). Rows no slice reaches: 0 / -inf.
+    ``row_max`` (``[total_q, num_heads_q]``, filled with -inf by the caller) receives each row's largest
+    visible scaled (soft-capped) score."""
     adt = acc_dtype(q.dtype)
     tq, hq, d = q.shape
     hk = k.shape[1]
@@ -104,6 +114,8 @@ def fwd_core(
                 l_i = l_i * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + torch.matmul(p, vb)
                 m_i = m_new
+            if row_max is not None:
+                row_max[r0:r1] = torch.maximum(row_max[r0:r1], _heads_unview(m_i, rows).to(row_max.dtype))
             pos = l_i > 0
             blk_lse = torch.where(pos, m_i + torch.log(torch.where(pos, l_i, torch.ones_like(l_i))), m_i)
             blk_out = acc / torch.where(pos, l_i, torch.ones_like(l_i))[..., None]
@@ -183,17 +195,30 @@ def ffa_fwd(
     deterministic: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Torch-path forward launcher; same contract as :func:`magi_ffa.ffa_fwd` (always deterministic)."""
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     validate_out_lse(out, lse, q)
-    o, l = fwd_core(q, k, v, slices, scale, float(softcap))
+    validate_sink(sink, q)
+    row_max = None
+    if return_max_logits:
+        row_max = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    o, l = fwd_core(q, k, v, slices, scale, float(softcap), row_max=row_max)
+    if sink is not None:
+        o, l = merge_sink(o, l, sink)
     if out is None:
-        return o.to(q.dtype), l
-    o2, l2 = merge_out_lse(out, lse, o, l)
-    out.copy_(o2)
-    lse.copy_(l2)
-    return out, lse
+        res = (o.to(q.dtype), l)
+    else:
+        o2, l2 = merge_out_lse(out, lse, o, l)
+        out.copy_(o2)
+        lse.copy_(l2)
+        res = (out, lse)
+    if row_max is None:
+        return res
+    mx = row_max.amax(0) if q.shape[0] else torch.full((q.shape[1],), float("-inf"), device=q.device)
+    return (*res, mx.to(torch.float32))
 
 
 def ffa_bwd(
@@ -213,15 +238,22 @@ def ffa_bwd(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dlse: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Torch-path backward launcher; same contract as :func:`magi_ffa.ffa_bwd` (always deterministic)."""
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     validate_out_lse(out, lse, q, ("out", "lse"))
     if not isinstance(do, torch.Tensor) or do.shape != q.shape or do.dtype != q.dtype:
         raise ValueError(f"`do` must be a {q.dtype} tensor of shape {tuple(q.shape)}")
     validate_grad_buffers(dq, dk, dv, q, k)
+    validate_sink(sink, q)
     adt = acc_dtype(q.dtype)
     delta = (do.to(adt) * out.to(adt)).sum(-1)
+    if dlse is not None:
+        if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape:
+            raise ValueError(f"`dlse` must be a tensor of lse's shape {tuple(lse.shape)}")
+        delta = delta - dlse.to(adt)
     gq, gk, gv = bwd_core(do, q, k, v, lse, delta, slices, scale, float(softcap))
     res = []
     for buf, g, ref in ((dq, gq, q), (dk, gk, k), (dv, gv, v)):
@@ -230,4 +262,6 @@ def ffa_bwd(
         else:
             buf.add_(g)
             res.append(buf)
+    if sink is not None:
+        return res[0], res[1], res[2], sink_grad(do, out, lse, sink, delta=delta)
     return res[0], res[1], res[2]

@@ -18,8 +18,10 @@ import random
 from collections.abc import Sequence
 
 import torch
+from magi_mask import dense_mask
 
-from ._common import AttnType, RangesLike, TypeMapLike, as_ranges, as_type_map, make_slice
+from ._common import RangesLike, TypeMapLike, as_ranges, as_type_map
+from ._slice import AttnType, make_slice
 
 __all__ = [
     "assert_close_to_ref",
@@ -27,6 +29,7 @@ __all__ = [
     "random_qkv",
     "random_slices",
     "ref_attn",
+    "ref_max_logits",
     "tolerance_for",
     "varlen_slices",
 ]
@@ -35,28 +38,12 @@ __all__ = [
 def make_attn_mask(
     q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
 ) -> torch.Tensor:
-    """Dense bool mask ``[total_q, total_k]`` (True = visible), the OR of every slice's mask.
-
-    Slice semantics (local row i, column j, sizes sq, sk): FULL all; CAUSAL ``j <= i + sk - sq``;
-    INV_CAUSAL ``j >= i``; BI_CAUSAL both. Built on the CPU.
-    """
+    """Dense bool mask ``[total_q, total_k]`` (True = visible), the OR of every slice's mask, built on the CPU
+    by the one dense oracle ``magi_mask.dense_mask`` (types as in ``magi_mask.AttnMaskType``)."""
     qr = as_ranges(q_ranges, "q_ranges", torch.device("cpu")).cpu().tolist()
     kr = as_ranges(k_ranges, "k_ranges", torch.device("cpu")).cpu().tolist()
     tm = as_type_map(attn_type_map, len(qr), torch.device("cpu")).cpu().tolist()
-    mask = torch.zeros(total_q, total_k, dtype=torch.bool)
-    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
-        sq, sk = qe - qs, ke - ks
-        if sq <= 0 or sk <= 0:
-            continue
-        i = torch.arange(sq)[:, None]
-        j = torch.arange(sk)[None, :]
-        m = torch.ones(sq, sk, dtype=torch.bool)
-        if t in (AttnType.CAUSAL, AttnType.BI_CAUSAL):
-            m &= j <= i + (sk - sq)
-        if t in (AttnType.INV_CAUSAL, AttnType.BI_CAUSAL):
-            m &= j >= i
-        mask[qs:qe, ks:ke] |= m
-    return mask
+    return torch.from_numpy(dense_mask(qr, kr, tm, total_q, total_k))
 
 
 def ref_attn(
@@ -66,18 +53,26 @@ def ref_attn(
     mask: torch.Tensor,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    *,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention: q ``[total_q, num_heads_q, head_dim]``, k/v ``[total_k, num_heads_kv, head_dim]``,
     mask bool ``[total_q, total_k]``. Returns out (q's shape) and lse ``[total_q, num_heads_q]`` in the inputs'
-    dtype, computed in that dtype. Rows with no visible key: out 0, lse -inf, gradients 0 (no NaN)."""
+    dtype, computed in that dtype. Rows with no visible key: out 0, lse -inf, gradients 0 (no NaN).
+
+    ``sink`` ``[num_sink, num_heads_q]`` (autograd-capable): extra logits in every row's softmax that carry
+    no value (concatenated to the scores as value-less columns); lse includes them and rows with no
+    visible key then have out 0 and a finite lse."""
     hq, hk = q.shape[1], k.shape[1]
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    kh = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
+    s = _scores(q, k, mask, softmax_scale, softcap)
     vh = v.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
-    s = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask.to(q.device)[None], float("-inf"))
+    if sink is not None:
+        tq = q.shape[0]
+        cols = sink.to(s.dtype).t()[:, None, :].expand(hq, tq, sink.shape[0])
+        full = torch.cat([s, cols], dim=-1)
+        lse = torch.logsumexp(full, dim=-1)  # [hq, tq], finite: the sinks are in every row
+        out = torch.matmul(torch.exp(s - lse[..., None]), vh).transpose(0, 1)
+        return out, lse.transpose(0, 1)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
@@ -87,6 +82,30 @@ def ref_attn(
     out = torch.matmul(e / l_safe, vh).transpose(0, 1)
     lse = torch.where(pos, torch.log(l_safe) + m, torch.full_like(m, float("-inf")))[..., 0].transpose(0, 1)
     return out, lse
+
+
+def _scores(q, k, mask, softmax_scale, softcap) -> torch.Tensor:
+    """Masked (-inf) scaled, soft-capped scores ``[num_heads_q, total_q, total_k]``."""
+    hq, hk = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    kh = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
+    s = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    return s.masked_fill(~mask.to(q.device)[None], float("-inf"))
+
+
+def ref_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Dense max logits ``[num_heads_q]`` in the inputs' dtype: per head the largest scaled (soft-capped)
+    score over the visible pairs of ``mask``; -inf for a head with none."""
+    s = _scores(q, k, mask, softmax_scale, softcap)
+    return s.flatten(1).amax(1) if s[0].numel() else s.new_full((q.shape[1],), float("-inf"))
 
 
 def random_qkv(

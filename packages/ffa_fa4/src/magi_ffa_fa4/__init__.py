@@ -5,12 +5,14 @@ The metadata parts (row intervals, tile classes, block lists) need only torch an
 point needs ``flash-attn-4`` and raises an ImportError saying what to install when it is missing.
 """
 
-from ._plan import clear_plan_cache
+from ._launch_meta import clear_launch_cache, clear_plan_cache
 from ._validation import AttnType
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
 from .merge import merge_out_lse_
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "INSTALL_HINT",
@@ -20,6 +22,7 @@ __all__ = [
     "RowIntervals",
     "block_classes",
     "build_block_meta",
+    "clear_launch_cache",
     "clear_plan_cache",
     "fa4_available",
     "ffa_bwd",

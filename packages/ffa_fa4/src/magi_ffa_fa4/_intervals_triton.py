@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._row_intervals import RowIntervals
 from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
-from .intervals import RowIntervals
 
 BLOCK_R = 64  # rows per program: 64 x CAP x CAP int32 for the final ranking stays small in registers
 CAP_START = 4  # slots per row on the first try (masks in practice need 1-3)

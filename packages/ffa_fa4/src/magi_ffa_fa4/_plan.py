@@ -1,174 +1,31 @@
-"""Per-mask launch plans: intervals -> aux tensor + FA4 block-sparse tensors, cached by mask value.
+"""Old module name of ``_launch_meta`` (benchmark scripts import it); everything is re-exported."""
 
-A plan is everything FA4 needs besides q/k/v: the interval bounds (mask_mod's aux tensor), the forward
-(q->k) and backward (k->q) block lists in FA4's layout, the mask_mod for the interval count. Plans are
-cached by the *values* of the range tensors (plus sizes, device and tile sizes); a second dict keyed by
-tensor identity (checked with a weak reference and the tensor's version counter) lets a repeated call with
-the very same tensors skip the device->host copy that the value key needs.
-"""
+from ._launch_meta import (
+    CACHE_SIZE,
+    ROW_PAD,
+    LaunchMeta,
+    Plan,
+    build_launch_meta,
+    build_plan,
+    clear_launch_cache,
+    clear_plan_cache,
+    get_launch_meta,
+    get_plan,
+    r2p_enabled,
+    tile_sizes,
+)
 
-from __future__ import annotations
-
-import os
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
-
-import torch
-
-from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
-from .blocks import BlockLists, BlockSparseMeta, build_block_meta
-from .intervals import row_intervals
-
-CACHE_SIZE = int(os.environ.get("MAGI_FFA_FA4_PLAN_CACHE", "64"))  # plans kept (LRU), one per distinct mask
-ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Launch metadata of one mask (see module docstring). ``fwd_bst`` / ``bwd_bst`` are
-    ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``; ``bounds`` is int32
-    ``[rows_padded, 2 * width]``."""
-
-    total_q: int
-    total_k: int
-    width: int
-    bounds: torch.Tensor
-    meta_fwd: BlockSparseMeta
-    meta_bwd: BlockSparseMeta
-    fwd_bst: object
-    bwd_bst: object
-    mask_mod: object
-    has_empty_rows: bool
-
-
-def tile_sizes(device: torch.device) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Sparse block sizes ((fwd m, n), (bwd m, n)) FA4 accepts on this device.
-
-    sm90: 128 x 128 both ways (FA4 picks 128 x 128 forward tiles and 64-row backward tiles, two per sparse
-    block, for head_dim <= 128). sm100/sm110: the forward runs two 128-row Q stages per CTA, so a forward
-    sparse block is 256 rows (untested: no Blackwell machine was available).
-    """
-    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
-    if major in (10, 11):
-        return (256, 128), (128, 128)
-    return (128, 128), (128, 128)
-
-
-def _to_bst(lists: BlockLists, block: tuple[int, int]):
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-    def four(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(1, 1, *t.shape).contiguous()
-
-    return BlockSparseTensorsTorch(
-        mask_block_cnt=four(lists.mask_cnt),
-        mask_block_idx=four(lists.padded(full=False)),
-        full_block_cnt=four(lists.full_cnt),
-        full_block_idx=four(lists.padded(full=True)),
-        block_size=block,
-    )
-
-
-def r2p_enabled() -> bool:
-    """Row-bitmask masking on sm90 forward tiles (``MAGI_FFA_FA4_R2P=0`` falls back to the per-element
-    mask_mod everywhere). Read when a plan is built; call :func:`clear_plan_cache` after changing it."""
-    return os.environ.get("MAGI_FFA_FA4_R2P", "1") != "0"
-
-
-def _mask_mod(width: int, install, plain, r2p):
-    if not r2p_enabled():
-        return plain(width)
-    install()
-    return r2p(width)
-
-
-def build_plan(
-    q_ranges: torch.Tensor,
-    k_ranges: torch.Tensor,
-    type_map: torch.Tensor,
-    total_q: int,
-    total_k: int,
-    device: torch.device,
-) -> Plan:
-    """Build the plan on ``device`` (intervals by the Triton kernel on CUDA)."""
-    from ._fa4_mask import install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p
-
-    iv = row_intervals(q_ranges, k_ranges, type_map, total_q, total_k)
-    fwd_block, bwd_block = tile_sizes(device)
-    meta_fwd = build_block_meta(iv, *fwd_block)
-    meta_bwd = meta_fwd if bwd_block == fwd_block else build_block_meta(iv, *bwd_block)
-    rows = max(-(-total_q // ROW_PAD) * ROW_PAD, ROW_PAD)
-    bounds = torch.zeros(rows, 2 * iv.width, dtype=torch.int32, device=device)
-    bounds[:total_q, 0::2] = iv.starts
-    bounds[:total_q, 1::2] = iv.ends
-    return Plan(
-        total_q=total_q,
-        total_k=total_k,
-        width=iv.width,
-        bounds=bounds,
-        meta_fwd=meta_fwd,
-        meta_bwd=meta_bwd,
-        fwd_bst=_to_bst(meta_fwd.q2k, fwd_block),
-        bwd_bst=_to_bst(meta_bwd.k2q, bwd_block),
-        mask_mod=_mask_mod(iv.width, install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p),
-        has_empty_rows=meta_fwd.has_empty_rows,
-    )
-
-
-_PLANS: OrderedDict[tuple, Plan] = OrderedDict()
-_BY_IDENTITY: dict[tuple, tuple] = {}
-
-
-def _identity_key(ts: tuple[object, ...], total_q: int, total_k: int, device: torch.device) -> tuple | None:
-    if not all(t is None or isinstance(t, torch.Tensor) for t in ts):
-        return None
-    ids = tuple((id(t), t._version) if t is not None else None for t in ts)  # type: ignore[union-attr]
-    return (ids, total_q, total_k, str(device))
-
-
-def get_plan(
-    q_ranges: RangesLike,
-    k_ranges: RangesLike,
-    attn_type_map: TypeMapLike,
-    total_q: int,
-    total_k: int,
-    device: torch.device,
-) -> Plan:
-    """The cached plan for this mask, building (and validating) it on a miss."""
-    raw = (q_ranges, k_ranges, attn_type_map)
-    ikey = _identity_key(raw, total_q, total_k, device)
-    if ikey is not None:
-        hit = _BY_IDENTITY.get(ikey)
-        if hit is not None:
-            refs, vkey = hit
-            if all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, raw)):
-                plan = _PLANS.get(vkey)
-                if plan is not None:
-                    _PLANS.move_to_end(vkey)
-                    return plan
-    qr = as_ranges(q_ranges, "q_ranges", device)
-    kr = as_ranges(k_ranges, "k_ranges", device)
-    tm = as_type_map(attn_type_map, qr.shape[0], device)
-    packed = torch.cat([qr.reshape(-1), kr.reshape(-1), tm]).cpu()
-    vkey = (packed.numpy().tobytes(), qr.shape[0], total_q, total_k, str(device))
-    plan = _PLANS.get(vkey)
-    if plan is None:
-        check_slices(qr, kr, tm, total_q, total_k)
-        plan = build_plan(qr, kr, tm, total_q, total_k, device)
-        _PLANS[vkey] = plan
-        while len(_PLANS) > CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(vkey)
-    if ikey is not None:
-        if len(_BY_IDENTITY) > 4 * CACHE_SIZE:
-            _BY_IDENTITY.clear()
-        _BY_IDENTITY[ikey] = (tuple(weakref.ref(t) if t is not None else None for t in raw), vkey)
-    return plan
-
-
-def clear_plan_cache() -> None:
-    """Drop every cached plan (frees their device tensors)."""
-    _PLANS.clear()
-    _BY_IDENTITY.clear()
+__all__ = [
+    "CACHE_SIZE",
+    "ROW_PAD",
+    "LaunchMeta",
+    "Plan",
+    "build_launch_meta",
+    "build_plan",
+    "clear_launch_cache",
+    "clear_plan_cache",
+    "get_launch_meta",
+    "get_plan",
+    "r2p_enabled",
+    "tile_sizes",
+]

@@ -1,5 +1,5 @@
-"""Test helpers: dense masks straight from the slice definitions, a dense attention reference, mask
-generators and the tolerance rule. Independent of the interval and block code they check.
+"""Test helpers: dense masks and the dense attention reference (magi_ffa's, which this package's tests share),
+mask generators and the tolerance rule. Independent of the interval and block code they check.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import random
 
 import torch
 
-from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map
+from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_ffa.validation import RangesLike, TypeMapLike
 
 __all__ = [
     "assert_close_to_ref",
@@ -22,28 +23,9 @@ __all__ = [
 def dense_mask(
     q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
 ) -> torch.Tensor:
-    """Bool ``[total_q, total_k]``: the union of the slice masks, built slice by slice on the CPU.
-
-    Each slice's block is the study's construction: with ``M = max(sq, sk)``, CAUSAL is
-    ``tril(ones(M, M))[-sq:, -sk:]``, INV_CAUSAL ``triu(ones(M, M))[:sq, :sk]``, BI_CAUSAL both.
-    """
-    qr = as_ranges(q_ranges, "q_ranges", torch.device("cpu")).tolist()
-    kr = as_ranges(k_ranges, "k_ranges", torch.device("cpu")).tolist()
-    tm = as_type_map(attn_type_map, len(qr), torch.device("cpu")).tolist()
-    mask = torch.zeros(total_q, total_k, dtype=torch.bool)
-    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
-        sq, sk = qe - qs, ke - ks
-        if sq <= 0 or sk <= 0:
-            continue
-        big = max(sq, sk)
-        ones = torch.ones(big, big, dtype=torch.bool)
-        block = torch.ones(sq, sk, dtype=torch.bool)
-        if t & 1:
-            block &= torch.tril(ones)[big - sq :, big - sk :]
-        if t & 2:
-            block &= torch.triu(ones)[:sq, :sk]
-        mask[qs:qe, ks:ke] |= block
-    return mask
+    """Bool ``[total_q, total_k]``: the union of the slice masks, on the CPU (``magi_ffa.testing.make_attn_mask``,
+    itself the one dense oracle ``magi_mask.dense_mask``)."""
+    return make_attn_mask(q_ranges, k_ranges, attn_type_map, total_q, total_k)
 
 
 def ref_attention(
@@ -56,7 +38,8 @@ def ref_attention(
     softcap: float = 0.0,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense masked attention in ``dtype`` (differentiable).
+    """Dense masked attention computed in ``dtype`` (differentiable): ``magi_ffa.testing.ref_attn`` on copies
+    of q, k, v in ``dtype``.
 
     Args:
         q: ``[total_q, num_heads_q, head_dim]``.
@@ -67,20 +50,8 @@ def ref_attention(
         ``(out, lse)``: out ``[total_q, num_heads_q, head_dim]`` in ``dtype`` (0 on rows with no key),
         lse ``[total_q, num_heads_q]`` in ``dtype`` (-inf on rows with no key).
     """
-    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    scale = d**-0.5 if softmax_scale is None else softmax_scale
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
-    kf = kf.repeat_interleave(hq // hk, dim=1)
-    vf = vf.repeat_interleave(hq // hk, dim=1)
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    m = mask.to(q.device)[None]
-    s = s.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [h, q]
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]).masked_fill(~m, 0.0)
-    out = torch.einsum("hqk,khd->qhd", p, vf)
-    return out, lse.transpose(0, 1)
+    return ref_attn(qf, kf, vf, mask, softmax_scale=softmax_scale, softcap=softcap)
 
 
 def random_slices(

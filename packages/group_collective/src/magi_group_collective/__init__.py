@@ -3,10 +3,13 @@
 See docs/packages/group_collective.md for the semantics and a picture.
 """
 
+from ._comm import as_device_mesh
 from ._config import GroupCollectiveImpl, ReduceOp
 from ._functional import clear_plan_cache, group_cast, group_reduce
 from ._plan import GroupCastPlan, GroupReducePlan
 from ._work import Work
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "GroupCastPlan",
@@ -14,6 +17,7 @@ __all__ = [
     "GroupReducePlan",
     "ReduceOp",
     "Work",
+    "as_device_mesh",
     "clear_plan_cache",
     "group_cast",
     "group_reduce",

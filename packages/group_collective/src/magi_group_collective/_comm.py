@@ -30,12 +30,18 @@ class Comm:
     intra_group: dist.ProcessGroup | None = None
 
 
-def _is_device_mesh(obj: object) -> bool:
+def as_device_mesh(obj: object, name: str = "group"):
+    """``obj`` when it is a 1-D or 2-D ``(inter, intra)`` DeviceMesh, None when it is no DeviceMesh at all;
+    ValueError naming ``name`` for a mesh of any other rank. The one mesh check of every magi package."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - torch without device_mesh
-        return False
-    return isinstance(obj, DeviceMesh)
+        return None
+    if not isinstance(obj, DeviceMesh):
+        return None
+    if obj.ndim not in (1, 2):
+        raise ValueError(f"`{name}`: a DeviceMesh must be 1-D or 2-D (inter, intra), got {obj.ndim}-D")
+    return obj
 
 
 def resolve_comm(group: object) -> Comm:
@@ -47,14 +53,12 @@ def resolve_comm(group: object) -> Comm:
     if group is None or isinstance(group, dist.ProcessGroup):
         pg = group if group is not None else dist.group.WORLD
         return Comm(group=pg, world_size=dist.get_world_size(pg), rank=dist.get_rank(pg))
-    if not _is_device_mesh(group):
+    mesh = as_device_mesh(group)
+    if mesh is None:
         raise TypeError(f"`group` must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}")
-    mesh = group
     if mesh.ndim == 1:
         pg = mesh.get_group()
         return Comm(group=pg, world_size=dist.get_world_size(pg), rank=dist.get_rank(pg))
-    if mesh.ndim != 2:
-        raise ValueError(f"`group` DeviceMesh must be 1-D or 2-D (inter, intra), got {mesh.ndim}-D")
     ranks = mesh.mesh.flatten().tolist()
     n_nodes, n_local = (int(s) for s in mesh.mesh.shape)
     if ranks == list(range(dist.get_world_size())):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from enum import StrEnum
 from functools import lru_cache
+
+from . import env
 
 
 class GroupCollectiveImpl(StrEnum):
@@ -56,17 +57,11 @@ def parse_reduce_op(value: object) -> ReduceOp:
 @lru_cache(maxsize=1)
 def env_impl() -> GroupCollectiveImpl | None:
     """``MAGI_GROUP_COLLECTIVE_IMPL`` (``a2av`` | ``hierarchical`` | ``native``), or None when unset."""
-    value = os.environ.get("MAGI_GROUP_COLLECTIVE_IMPL", "").strip()
-    if not value:
-        return None
-    try:
-        return parse_impl(value)
-    except ValueError:
-        choices = [m.value for m in GroupCollectiveImpl]
-        raise ValueError(f"MAGI_GROUP_COLLECTIVE_IMPL must be one of {choices}, got {value!r}") from None
+    value = env.impl()  # ValueError naming the variable for anything else
+    return None if value is None else parse_impl(value)
 
 
 @lru_cache(maxsize=1)
 def env_debug() -> bool:
     """``MAGI_GROUP_COLLECTIVE_DEBUG=1`` turns the collective cross-check of tables on (default off)."""
-    return os.environ.get("MAGI_GROUP_COLLECTIVE_DEBUG", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env.debug()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._backend import get_backend
+from ._a2av import get_impl
 from ._comm import resolve_comm
 from ._config import ReduceOp, env_debug, parse_reduce_op
 from ._plan import GroupCastPlan, GroupReducePlan, _resolve_impl
@@ -27,7 +27,7 @@ def _freeze(x) -> tuple:
 def _get_plan(cls, tables: tuple, group, device: torch.device):
     comm = resolve_comm(group)
     impl = _resolve_impl(None, comm)
-    cacheable = not env_debug() and not get_backend(impl).needs_all_tables
+    cacheable = not env_debug() and not get_impl(impl).needs_all_tables
     if not cacheable:
         return cls(*tables, group=group, device=device)
     try:
@@ -37,7 +37,9 @@ def _get_plan(cls, tables: tuple, group, device: torch.device):
         return cls(*tables, group=group, device=device)
     plan = _cache.get(key)
     if plan is None:
-        plan = cls(*tables, group=group, device=device)
+        # A cached plan must be built without communication (a hit here may be a miss on another rank), so
+        # these plans skip the cross-rank table check of construction (debug mode checks every call).
+        plan = cls(*tables, group=group, device=device, _check_tables=False)
         _cache[key] = plan
         if len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ._backend import Backend, CastRunner, ReduceRunner, a2a, chain, piece_rows
 from ._comm import Comm
 from ._config import ReduceOp
+from ._impl import CastRunner, CollectiveImpl, ReduceRunner, a2a, chain, piece_rows
 from ._ops import (
     ReduceIndex,
     gather_rows,
@@ -276,7 +276,7 @@ class _HierReduce(ReduceRunner):
         return chain(first, stage2, self.device, async_op)
 
 
-class HierarchicalBackend(Backend):
+class HierarchicalImpl(CollectiveImpl):
     """Two-stage all-to-all-v over a 2-D ``(inter, intra)`` DeviceMesh."""
 
     needs_all_tables = True
@@ -286,3 +286,6 @@ class HierarchicalBackend(Backend):
 
     def build_reduce(self, tables, comm, device, all_tables):
         return _HierReduce(tables, comm, device, all_tables)
+
+
+HierarchicalBackend = HierarchicalImpl  # the internal name before the rename

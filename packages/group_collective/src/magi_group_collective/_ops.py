@@ -9,21 +9,19 @@ the choice, which lets the Triton path be tested on CPU tensors under ``TRITON_I
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from . import env
+from ._reduce_index import ReduceIndex, acc_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 @lru_cache(maxsize=1)
 def _kernels_override() -> str | None:
-    value = os.environ.get("MAGI_GROUP_COLLECTIVE_KERNELS", "").strip().lower()
-    if value not in ("", "torch", "triton"):
-        raise ValueError(f"MAGI_GROUP_COLLECTIVE_KERNELS must be 'torch' or 'triton', got {value!r}")
-    return value or None
+    return env.kernels()
 
 
 def use_triton(device: torch.device) -> bool:
@@ -50,41 +48,6 @@ def ranges_index(starts: list[int], sizes: list[int], device: torch.device) -> t
 def is_identity(idx: torch.Tensor, n: int) -> bool:
     """True when ``idx`` is ``arange(n)`` (checked once at plan time, on the host)."""
     return idx.numel() == n and bool(torch.equal(idx.cpu(), torch.arange(n, dtype=idx.dtype)))
-
-
-@dataclass(frozen=True, slots=True)
-class ReduceIndex:
-    """Where each received row is reduced to (device tensors, built once per plan).
-
-    Attributes:
-        recv_to_out: ``[R]`` int64, output row of every received row.
-        touched: ``[T]`` int64, sorted unique output rows that receive anything.
-        recv_to_touched: ``[R]`` int64, position of ``recv_to_out`` in ``touched``.
-        csr_ptr: ``[T + 1]`` int64, received rows of ``touched[t]`` are ``csr_rows[csr_ptr[t]:csr_ptr[t+1]]``.
-        csr_rows: ``[R]`` int64, received rows sorted by target (stable: source order is kept, so the
-            Triton reduction is deterministic).
-    """
-
-    recv_to_out: torch.Tensor
-    touched: torch.Tensor
-    recv_to_touched: torch.Tensor
-    csr_ptr: torch.Tensor
-    csr_rows: torch.Tensor
-
-    @staticmethod
-    def build(recv_to_out: torch.Tensor, device: torch.device) -> ReduceIndex:
-        r2o = recv_to_out.cpu()
-        touched, inverse, counts = torch.unique(r2o, sorted=True, return_inverse=True, return_counts=True)
-        rows = torch.sort(inverse, stable=True).indices
-        ptr = torch.zeros(touched.numel() + 1, dtype=torch.int64)
-        ptr[1:] = torch.cumsum(counts, 0)
-        return ReduceIndex(
-            recv_to_out=r2o.to(device),
-            touched=touched.to(device),
-            recv_to_touched=inverse.to(device),
-            csr_ptr=ptr.to(device),
-            csr_rows=rows.to(device),
-        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -188,9 +151,9 @@ def lse_reduce_rows(
     ninf = float("-inf")
     tidx, ridx = red.touched, red.recv_to_touched
     # Weights in the accumulation dtype (fp64 data gets fp64 weights even though lse is stored fp32).
-    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    lse0 = out_lse.index_select(0, tidx).to(acc_dtype)  # [T, H]
-    lse_k = recv_lse.to(acc_dtype)  # [R, H]
+    adt = acc_dtype(out.dtype)
+    lse0 = out_lse.index_select(0, tidx).to(adt)  # [T, H]
+    lse_k = recv_lse.to(adt)  # [R, H]
     m = lse0.clone()
     m.scatter_reduce_(0, ridx.view(-1, 1).expand_as(lse_k), lse_k, "amax", include_self=True)
     m_safe = torch.where(m == ninf, torch.zeros_like(m), m)
@@ -201,11 +164,11 @@ def lse_reduce_rows(
     lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
     o0 = out.index_select(0, tidx)
     tail = [1] * (out.dim() - 2)
-    zero = torch.zeros((), dtype=acc_dtype, device=out.device)
+    zero = torch.zeros((), dtype=adt, device=out.device)
     w0 = torch.exp(lse0 - lse_safe).view(*lse0.shape, *tail)
-    acc = torch.where(w0 > 0, o0.to(acc_dtype) * w0, zero)
+    acc = torch.where(w0 > 0, o0.to(adt) * w0, zero)
     wk = torch.exp(lse_k - lse_safe.index_select(0, ridx)).view(*lse_k.shape, *tail)
-    acc.index_add_(0, ridx, torch.where(wk > 0, recv.to(acc_dtype) * wk, zero))
+    acc.index_add_(0, ridx, torch.where(wk > 0, recv.to(adt) * wk, zero))
     new = torch.where(empty.view(*empty.shape, *tail), o0, acc.to(out.dtype))
     out.index_copy_(0, tidx, new)
     out_lse.index_copy_(0, tidx, lse.to(out_lse.dtype))

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._backend import CastRunner, ReduceRunner, get_backend
+from ._a2av import get_impl
 from ._comm import Comm, default_device, resolve_comm
 from ._config import GroupCollectiveImpl, ReduceOp, env_debug, env_impl, parse_impl, parse_reduce_op
+from ._impl import CastRunner, ReduceRunner
 from ._tables import CastTables, ReduceTables, cross_check
 from ._work import Work
 
@@ -29,13 +30,20 @@ def _resolve_impl(impl: object, comm: Comm) -> GroupCollectiveImpl:
 def _gather_tables(tables, comm: Comm, check: bool) -> list:
     """All ranks' tables (collective over the flat group); with ``check``, raise on inconsistency."""
     gathered: list = [None] * comm.world_size
-    dist.all_gather_object(gathered, tables, group=comm.group)
+    try:
+        dist.all_gather_object(gathered, tables, group=comm.group)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {comm.rank}: the all-gather of GroupCast/GroupReduce tables at plan construction failed "
+            f"(every rank of the group must build its plan; the wait is bounded by the process group's "
+            f"timeout): {exc}"
+        ) from exc
     if check:
         problems = cross_check(gathered)
         if problems:
             raise ValueError(
-                "group collective tables are inconsistent across ranks (debug mode):\n  "
-                + "\n  ".join(problems)
+                f"group collective tables are inconsistent across ranks (checked at plan construction, on "
+                f"rank {comm.rank}):\n  " + "\n  ".join(problems)
             )
     return gathered
 
@@ -43,7 +51,7 @@ def _gather_tables(tables, comm: Comm, check: bool) -> list:
 class _PlanBase:
     __slots__ = ("_all_tables", "_comm", "_debug", "_impl", "_transposed", "device", "tables")
 
-    def _setup(self, tables, group, device, impl, debug, all_tables) -> None:
+    def _setup(self, tables, group, device, impl, debug, all_tables, check_tables=True) -> None:
         self._comm = resolve_comm(group)
         if tables.world_size != self._comm.world_size:  # pragma: no cover - tables built from comm
             raise AssertionError("tables validated for another world size")
@@ -52,12 +60,19 @@ class _PlanBase:
         self.device = torch.device(device) if device is not None else default_device(self._comm)
         self.tables = tables
         self._transposed = None
-        backend = get_backend(self._impl)
-        if all_tables is None and (self._debug or backend.needs_all_tables):
+        coll_impl = get_impl(self._impl)
+        if (
+            all_tables is None
+            and self._comm.world_size > 1
+            and (check_tables or self._debug or coll_impl.needs_all_tables)
+        ):
             # Local validation above already passed on this rank; from here every rank must take part.
-            all_tables = _gather_tables(tables, self._comm, check=self._debug)
+            # The tables of every rank are checked against each other once, here (always: a mismatch would
+            # otherwise deliver stale rows or abort the process inside the backend); the per-call check of
+            # dtype and trailing shape stays a debug-mode option. Transposed plans reuse them (no gather).
+            all_tables = _gather_tables(tables, self._comm, check=True)
         self._all_tables = all_tables
-        return backend
+        return coll_impl
 
     @property
     def impl(self) -> GroupCollectiveImpl:
@@ -116,12 +131,14 @@ class GroupCastPlan(_PlanBase):
             CUDA device for NCCL groups, else CPU).
         impl: :class:`GroupCollectiveImpl` (or its string); None reads ``MAGI_GROUP_COLLECTIVE_IMPL``,
             then picks by group.
-        debug: cross-check all ranks' tables at construction (collective); None reads
-            ``MAGI_GROUP_COLLECTIVE_DEBUG``.
+        debug: also check, on every call, that all ranks pass the same dtype and trailing shape (one
+            collective per call); None reads ``MAGI_GROUP_COLLECTIVE_DEBUG``.
 
     Construction validates the tables locally (ValueError/TypeError naming the argument) before any
-    communication. The A2AV plan communicates nothing at construction; the hierarchical plan and debug
-    mode gather all tables once (every rank of the group must then build its plan).
+    communication, then gathers every rank's tables once and checks them against each other (ValueError
+    on every rank naming the (sender, receiver) pair whose sizes disagree). Construction is therefore
+    collective: every rank of the group must build its plans, in the same order. ``transpose()`` reuses
+    the gathered tables and communicates nothing.
     """
 
     def __init__(
@@ -136,12 +153,13 @@ class GroupCastPlan(_PlanBase):
         impl: GroupCollectiveImpl | str | None = None,
         debug: bool | None = None,
         _all_tables: Sequence[CastTables] | None = None,
+        _check_tables: bool = True,
     ) -> None:
         world = resolve_comm(group).world_size
         tables = CastTables.build(input_split_sizes, output_split_sizes, dst_indices, src_index, world)
-        backend = self._setup(tables, group, device, impl, debug, _all_tables)
+        coll_impl = self._setup(tables, group, device, impl, debug, _all_tables, _check_tables)
         self._group_arg = group
-        self._runner: CastRunner = backend.build_cast(tables, self._comm, self.device, self._all_tables)
+        self._runner: CastRunner = coll_impl.build_cast(tables, self._comm, self.device, self._all_tables)
         self._n_in = sum(tables.input_split_sizes)
         self._n_out = sum(tables.output_split_sizes)
 
@@ -172,7 +190,7 @@ class GroupCastPlan(_PlanBase):
             self._transposed = GroupReducePlan(
                 t.input_split_sizes, t.output_split_sizes, t.dst_index, t.src_indices,
                 group=self._group_arg, device=self.device, impl=self._impl, debug=self._debug,
-                _all_tables=all_t,
+                _all_tables=all_t, _check_tables=all_t is not None,
             )  # fmt: skip
         return self._transposed
 
@@ -200,12 +218,13 @@ class GroupReducePlan(_PlanBase):
         impl: GroupCollectiveImpl | str | None = None,
         debug: bool | None = None,
         _all_tables: Sequence[ReduceTables] | None = None,
+        _check_tables: bool = True,
     ) -> None:
         world = resolve_comm(group).world_size
         tables = ReduceTables.build(input_split_sizes, output_split_sizes, dst_index, src_indices, world)
-        backend = self._setup(tables, group, device, impl, debug, _all_tables)
+        coll_impl = self._setup(tables, group, device, impl, debug, _all_tables, _check_tables)
         self._group_arg = group
-        self._runner: ReduceRunner = backend.build_reduce(tables, self._comm, self.device, self._all_tables)
+        self._runner: ReduceRunner = coll_impl.build_reduce(tables, self._comm, self.device, self._all_tables)
         self._n_in = sum(tables.input_split_sizes)
         self._n_out = sum(tables.output_split_sizes)
         self._avg_scale = None
@@ -261,7 +280,7 @@ class GroupReducePlan(_PlanBase):
             self._transposed = GroupCastPlan(
                 t.input_split_sizes, t.output_split_sizes, t.dst_indices, t.src_index,
                 group=self._group_arg, device=self.device, impl=self._impl, debug=self._debug,
-                _all_tables=all_t,
+                _all_tables=all_t, _check_tables=all_t is not None,
             )  # fmt: skip
         return self._transposed
 

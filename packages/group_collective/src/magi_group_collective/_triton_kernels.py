@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import ReduceIndex
+from ._reduce_index import ReduceIndex, acc_dtype
 
 # Copy kernel tile: up to 256 words per row chunk, ~4096 words per program.
 _MAX_BLOCK_C = 256
@@ -94,7 +94,7 @@ def _reduce_rows_kernel(
 
 
 def _acc_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
 def reduce_rows_csr(

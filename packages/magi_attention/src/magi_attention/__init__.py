@@ -13,6 +13,7 @@ from .api import (
     clear_cache,
     compute_pad_size,
     dispatch,
+    dispatch_kv,
     get_most_recent_key,
     get_position_ids,
     infer_attn_mask_from_mask_mod,
@@ -24,8 +25,11 @@ from .api import (
     roll,
     squash_batch_dim,
     undispatch,
+    undispatch_kv,
 )
 from .config import DispatchAlg, DispatchConfig, DistAttnConfig, KernelBackend, OverlapConfig, OverlapMode
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "AttnForwardMeta",
@@ -43,6 +47,7 @@ __all__ = [
     "clear_cache",
     "compute_pad_size",
     "dispatch",
+    "dispatch_kv",
     "get_most_recent_key",
     "get_position_ids",
     "infer_attn_mask_from_mask_mod",
@@ -54,4 +59,5 @@ __all__ = [
     "roll",
     "squash_batch_dim",
     "undispatch",
+    "undispatch_kv",
 ]

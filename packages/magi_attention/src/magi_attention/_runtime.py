@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from magi_group_collective import GroupCastPlan, GroupReducePlan
+from magi_group_collective import GroupCastPlan, GroupCollectiveImpl, GroupReducePlan
 from magi_solver import (
     PROFILES,
     DispatchPlan,
     DistAttnPlan,
+    KVLayout,
     OverlapCostModel,
     RankPlan,
     SliceList,
@@ -30,9 +31,16 @@ from magi_solver import (
     solve_dispatch,
 )
 
+from ._cache_budget import runtime_nbytes
 from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel
 from .config import KernelBackend, OverlapMode
-from .env import cost_profile_override, runtime_dict_size
+from .env import (
+    cost_profile_override,
+    hierarchical_comm,
+    native_grpcoll,
+    runtime_cache_bytes,
+    runtime_dict_size,
+)
 from .key import DistAttnRuntimeKey
 
 _MIN_CHUNKS_PER_RANK = 8
@@ -58,9 +66,18 @@ class DispatchLayout:
     permutation: np.ndarray
     """int64 [padded_seqlen]: global token id of each dispatched position (rank 0's tokens first)."""
     dispatch_plan: DispatchPlan | None
+    kv_layout: KVLayout | None = None
+    """Cross-attention: the key/value sequence's contiguous shards (None: keys are the queries' tokens)."""
+    kv_total_seqlen: int | None = None
+    """Cross-attention: tokens of the key/value sequence before padding."""
 
     def local_token_ids(self, rank: int) -> np.ndarray:
         return self.permutation[rank * self.shard_seqlen : (rank + 1) * self.shard_seqlen]
+
+    @property
+    def kv_shard_seqlen(self) -> int:
+        """Key/value tokens each rank holds (its query shard in self-attention)."""
+        return self.shard_seqlen if self.kv_layout is None else self.kv_layout.shard_seqlen
 
 
 @dataclass(slots=True)
@@ -115,6 +132,7 @@ class DistAttnRuntime:
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
+        self.nbytes = 0  # estimated cache cost, set by RuntimeCache
 
     def kernel(self, dtype: torch.dtype) -> AttnKernel:
         """The launchers for inputs of `dtype` (same backend on every rank)."""
@@ -146,6 +164,7 @@ class DistAttnRuntime:
             host = KernelSlices.from_slice_list(whole)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
+        impl = collective_impl(self.key.cp_group.mesh is not None)
         cast_plans, reduce_plans = [], []
         for stage in rank_plan.stages:
             c = stage.cast
@@ -156,6 +175,7 @@ class DistAttnRuntime:
                 list(c.src_index),
                 group=group,
                 device=device,
+                impl=impl,
             )
             cast_plans.append(cast)
             reduce_plans.append(cast.transpose())
@@ -171,13 +191,32 @@ class DistAttnRuntime:
         )
 
 
+def collective_impl(two_level_mesh: bool) -> GroupCollectiveImpl | None:
+    """The group-collective implementation of the runtime's plans: MAGI_ATTENTION_NATIVE_GRPCOLL = native
+    (raises NotImplementedError at plan construction today); on a 2-D mesh MAGI_ATTENTION_HIERARCHICAL_COMM
+    (default true) picks hierarchical, false a2av; otherwise None (MAGI_GROUP_COLLECTIVE_IMPL or a2av)."""
+    if native_grpcoll():
+        return GroupCollectiveImpl.NATIVE
+    if two_level_mesh:
+        return GroupCollectiveImpl.HIERARCHICAL if hierarchical_comm() else GroupCollectiveImpl.A2AV
+    return None
+
+
 def build_layout(key: DistAttnRuntimeKey) -> DispatchLayout:
     """Dispatch of the key's own mask (only for root keys)."""
     cp = key.cp_size
     total = key.total_seqlen_q
-    if cp == 1:
-        return DispatchLayout(total, total, total, 1, total, np.arange(total, dtype=np.int64), None)
     dispatch_cfg = key.config.dispatch_config
+    kv, kv_total = None, None
+    if key.is_cross_attention:
+        # keys/values: contiguous equal shards of their own (padded) sequence, balanced by token count
+        kv_total = key.total_seqlen_k
+        kv_chunk = kv_total if cp == 1 else choose_chunk_size(kv_total, cp, dispatch_cfg.chunk_size)
+        kv = KVLayout(math.ceil(kv_total / (kv_chunk * cp)) * kv_chunk * cp, cp, kv_chunk)
+    if cp == 1:
+        return DispatchLayout(
+            total, total, total, 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
+        )
     chunk = choose_chunk_size(total, cp, dispatch_cfg.chunk_size)
     padded = math.ceil(total / (chunk * cp)) * chunk * cp
     dplan = solve_dispatch(
@@ -188,11 +227,12 @@ def build_layout(key: DistAttnRuntimeKey) -> DispatchLayout:
         cp,
         chunk,
         alg=str(dispatch_cfg.alg),
+        total_seqlen_k=None if kv is None else kv.total_seqlen,
     )
     perm = np.concatenate(
         [np.arange(c * chunk, (c + 1) * chunk, dtype=np.int64) for part in dplan.partitions for c in part]
     )
-    return DispatchLayout(total, padded, padded // cp, cp, chunk, perm, dplan)
+    return DispatchLayout(total, padded, padded // cp, cp, chunk, perm, dplan, kv, kv_total)
 
 
 def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
@@ -235,21 +275,56 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelCh
         max_num_chunks=ov.max_num_chunks,
         dynamic_max_degree=ov.max_degree,
         cost_model=overlap_cost_model(key, choice) if dynamic else None,
+        **(
+            {}
+            if layout.kv_layout is None
+            else {
+                "total_seqlen_k": layout.kv_layout.total_seqlen,
+                "kv_chunk_size": layout.kv_layout.chunk_size,
+            }
+        ),
         # A mask made after dispatch keeps the dispatch of the key it was made from.
         **({} if key.dispatch_key is None else {"dispatch": layout.dispatch_plan}),
     )
 
 
 class RuntimeCache:
-    """Per-cp-group LRU of runtimes. Every rank makes the same calls, so evictions match across ranks."""
+    """Per-cp-group LRU of runtimes, bounded by entries (MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE) and by
+    estimated bytes (MAGI_ATTENTION_RUNTIME_CACHE_MB; `_cache_budget.runtime_nbytes`, the same number on every
+    rank). Every rank makes the same calls, so evictions match across ranks. A dispatch layout is shared by
+    its root key and the keys made after dispatch from it, and dropped with the last of them."""
 
     def __init__(self) -> None:
         self._by_group: dict[str, OrderedDict[DistAttnRuntimeKey, DistAttnRuntime]] = {}
         self._layouts: dict[DistAttnRuntimeKey, DispatchLayout] = {}
+        self._layout_refs: dict[DistAttnRuntimeKey, int] = {}
+        self._bytes: dict[str, int] = {}
 
     @staticmethod
     def capacity() -> int:
         return runtime_dict_size()
+
+    @staticmethod
+    def byte_budget() -> int:
+        return runtime_cache_bytes()
+
+    def __contains__(self, key: DistAttnRuntimeKey) -> bool:
+        lru = self._by_group.get(key.cp_group.name)
+        return lru is not None and key in lru
+
+    def nbytes(self, group_name: str) -> int:
+        """Estimated bytes of the plans cached for `group_name`."""
+        return self._bytes.get(group_name, 0)
+
+    def _forget(self, group_name: str, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
+        self._bytes[group_name] = self._bytes.get(group_name, 0) - runtime.nbytes
+        root = key.root_key
+        refs = self._layout_refs.get(root, 0) - 1
+        if refs <= 0:
+            self._layout_refs.pop(root, None)
+            self._layouts.pop(root, None)
+        else:
+            self._layout_refs[root] = refs
 
     def get(self, key: DistAttnRuntimeKey) -> DistAttnRuntime:
         lru = self._by_group.setdefault(key.cp_group.name, OrderedDict())
@@ -257,17 +332,28 @@ class RuntimeCache:
         if runtime is not None:
             lru.move_to_end(key)
             return runtime
+        capacity, budget = self.capacity(), self.byte_budget()  # bad env values raise before planning
         root = key.root_key
         layout = self._layouts.get(root)
         if layout is None:
             layout = build_layout(root)
             self._layouts[root] = layout
         choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
-        runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
+        try:
+            runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
+        except BaseException:
+            if root not in self._layout_refs:  # no cached key uses it: do not keep it
+                self._layouts.pop(root, None)
+            raise
+        runtime.nbytes = runtime_nbytes(layout, runtime.plan)
+        name = key.cp_group.name
         lru[key] = runtime
-        while len(lru) > self.capacity():
-            evicted, _ = lru.popitem(last=False)
-            self._layouts.pop(evicted, None)
+        self._layout_refs[root] = self._layout_refs.get(root, 0) + 1
+        self._bytes[name] = self._bytes.get(name, 0) + runtime.nbytes
+        # the newest entry always stays, even when it alone is over the byte budget
+        while len(lru) > capacity or (len(lru) > 1 and self._bytes[name] > budget):
+            evicted, old = lru.popitem(last=False)
+            self._forget(name, evicted, old)
         return runtime
 
     def most_recent_key(self, group_name: str) -> DistAttnRuntimeKey | None:
@@ -278,9 +364,12 @@ class RuntimeCache:
         if group_name is None:
             self._by_group.clear()
             self._layouts.clear()
+            self._layout_refs.clear()
+            self._bytes.clear()
             return
-        for key in self._by_group.pop(group_name, {}):
-            self._layouts.pop(key, None)
+        for key, runtime in self._by_group.pop(group_name, {}).items():
+            self._forget(group_name, key, runtime)
+        self._bytes.pop(group_name, None)
 
 
 RUNTIME_CACHE = RuntimeCache()

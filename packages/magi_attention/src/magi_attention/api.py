@@ -23,10 +23,11 @@ import torch.distributed as dist
 from magi_group_collective import as_device_mesh
 from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 
+from ._fingerprint import agree_on_key, collective_key_build
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
 from .config import DistAttnConfig, OverlapMode
-from .dispatch import dispatch, undispatch
+from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
 from .helpers import compute_pad_size, infer_varlen_mask_from_batch, squash_batch_dim
 from .key import CpGroup, DistAttnRuntimeKey
@@ -46,6 +47,7 @@ __all__ = [
     "clear_cache",
     "compute_pad_size",
     "dispatch",
+    "dispatch_kv",
     "get_most_recent_key",
     "get_position_ids",
     "infer_attn_mask_from_mask_mod",
@@ -57,6 +59,7 @@ __all__ = [
     "roll",
     "squash_batch_dim",
     "undispatch",
+    "undispatch_kv",
 ]
 
 
@@ -88,6 +91,14 @@ def _group_of(group: dist.ProcessGroup) -> CpGroup:
     return CpGroup(name=group.group_name, ranks=ranks, group=group)
 
 
+def _cp_group_arg(bound) -> CpGroup:  # the cp group a failed key build reports its error to
+    return _resolve_cp_group(bound.arguments["cp_group_or_mesh"])
+
+
+def _dispatch_key_group(bound) -> CpGroup:
+    return bound.arguments["key_for_dispatch"].cp_group
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -109,6 +120,7 @@ def _drop_empty_slices(q_ranges, k_ranges, types):
     return tuple(q_ranges[i] for i in keep), tuple(k_ranges[i] for i in keep), tuple(types[i] for i in keep)
 
 
+@collective_key_build(_cp_group_arg)
 def magi_attn_flex_key(
     q_ranges: Any,
     k_ranges: Any,
@@ -131,7 +143,10 @@ def magi_attn_flex_key(
             coordinates: lists of pairs, `magi_solver.AttnRanges` or int tensors `[num_slices, 2]`.
         attn_mask_type: per slice FULL / CAUSAL (bottom-right aligned) / INV_CAUSAL (top-left aligned) /
             BI_CAUSAL (both), as an `AttnMaskType`, a name, an int code 0-3, or a list of them.
-        total_seqlen_q, total_seqlen_k: sequence lengths; self-attention, so they must be equal.
+        total_seqlen_q, total_seqlen_k: sequence lengths. Equal: self-attention (q, k and v are one sequence,
+            dispatched with `dispatch`). Different: cross-attention (keys and values come from another
+            sequence of `total_seqlen_k` tokens, dispatched with `dispatch_kv`: contiguous equal shards; the
+            queries are balanced by mask area).
         num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
         cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
@@ -147,10 +162,6 @@ def magi_attn_flex_key(
     types = normalize_mask_types(attn_mask_type, len(q))
     total_q = _positive_int(total_seqlen_q, "total_seqlen_q")
     total_k = _positive_int(total_seqlen_k, "total_seqlen_k")
-    if total_q != total_k:
-        raise NotImplementedError(
-            f"only self-attention is supported: total_seqlen_q ({total_q}) must equal total_seqlen_k ({total_k})"
-        )
     hq = _positive_int(num_heads_q, "num_heads_q")
     hkv = _positive_int(num_heads_kv, "num_heads_kv")
     if hq % hkv:
@@ -165,6 +176,7 @@ def magi_attn_flex_key(
     cp_group = _resolve_cp_group(cp_group_or_mesh)
     cp_group.local_rank()  # raises if this process is not in the group
     key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config)
+    agree_on_key(key, key in RUNTIME_CACHE, pad_size)  # collective on a new key: see _fingerprint
     runtime = RUNTIME_CACHE.get(key)  # plan now, so bad masks raise here (the same on every rank)
     if pad_size is not None:
         layout = runtime.layout
@@ -194,6 +206,7 @@ def _with_chunk_size(config: DistAttnConfig, chunk_size: int | None) -> DistAttn
     return dataclasses.replace(config, dispatch_config=dispatch_config)
 
 
+@collective_key_build(_cp_group_arg)
 def magi_attn_varlen_key(
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
@@ -211,8 +224,8 @@ def magi_attn_varlen_key(
     """Key for packed variable-length documents: document i attends within itself.
 
     Args:
-        cu_seqlens_q, cu_seqlens_k: cumulative lengths `[num_docs + 1]` starting at 0 (list or int tensor);
-            self-attention, so they must be equal.
+        cu_seqlens_q, cu_seqlens_k: cumulative lengths `[num_docs + 1]` starting at 0 (list or int tensor).
+            Equal: self-attention. Different (cross-attention): query document i attends key document i.
         num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
         cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
         causal: causal attention inside each document (forces the window's right side to 0).
@@ -222,13 +235,16 @@ def magi_attn_varlen_key(
     """
     cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
-    if cu_q != cu_k:
-        raise NotImplementedError("only self-attention is supported: cu_seqlens_q must equal cu_seqlens_k")
-    mask = make_sliding_window_mask(cu_q, _window_pair(window_size, causal))
+    window = _window_pair(window_size, causal)
+    if cu_q == cu_k:
+        mask = make_sliding_window_mask(cu_q, window)
+        q_ranges, k_ranges, types = mask.q_ranges, mask.k_ranges, mask.types
+    else:
+        q_ranges, k_ranges, types = _cross_document_slices(cu_q, cu_k, causal, window)
     return magi_attn_flex_key(
-        mask.q_ranges,
-        mask.k_ranges,
-        mask.types,
+        q_ranges,
+        k_ranges,
+        types,
         cu_q[-1],
         cu_k[-1],
         num_heads_q,
@@ -241,6 +257,24 @@ def magi_attn_varlen_key(
     )
 
 
+def _cross_document_slices(cu_q: list[int], cu_k: list[int], causal: bool, window: tuple[int, int]):
+    """Cross-attention between packed documents: query document i sees key document i (whole, or causally
+    with the diagonal at the bottom-right, as FlashAttention aligns q and k of different lengths)."""
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of documents, got {len(cu_q) - 1} and "
+            f"{len(cu_k) - 1}"
+        )
+    if window[0] != -1 or window[1] not in (-1, 0):
+        raise NotImplementedError(
+            "sliding windows between documents of different lengths are not supported: build the slices "
+            "(magi_attn_flex_key) or use equal cu_seqlens"
+        )
+    docs = [((a, b), (c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if a < b and c < d]
+    return [q for q, _ in docs], [k for _, k in docs], ["causal" if causal else "full"] * len(docs)
+
+
+@collective_key_build(_dispatch_key_group)
 def make_varlen_key_for_new_mask_after_dispatch(
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
@@ -303,6 +337,7 @@ def _cu_seqlens_list(cu: Any, name: str) -> list[int]:
     return [int(x) for x in values]
 
 
+@collective_key_build(_dispatch_key_group)
 def make_flex_key_for_new_mask_after_dispatch(
     q_ranges: Any,
     k_ranges: Any,
@@ -338,6 +373,7 @@ def make_flex_key_for_new_mask_after_dispatch(
         base.config,
         dispatch_key=base.root_key,
     )
+    agree_on_key(key, key in RUNTIME_CACHE)
     RUNTIME_CACHE.get(key)
     return key
 

@@ -10,26 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# The planner's enums, not copies: `magi_attention.config.DispatchAlg is magi_solver.DispatchAlg` (same values:
+# min_heap, sequential, zigzag, affinity; static, dynamic), so a config's choice reaches the solver unchanged.
+from magi_solver import DispatchAlg, OverlapMode
 
-class DispatchAlg(StrEnum):
-    """How chunks are assigned to ranks (all give every rank the same number of chunks)."""
-
-    MIN_HEAP = "min_heap"
-    """Greedy on mask area, largest chunk first to the least-loaded rank (default)."""
-    SEQUENTIAL = "sequential"
-    """Contiguous blocks of chunks: plain sequence sharding."""
-    ZIGZAG = "zigzag"
-    """Head-tail pairing, the ring-attention balancing; for comparison."""
-    AFFINITY = "affinity"
-    """Min-heap that prefers ranks already holding the chunk's keys (less communication)."""
-
-
-class OverlapMode(StrEnum):
-    STATIC = "static"
-    """Use `OverlapConfig.degree` stages."""
-    DYNAMIC = "dynamic"
-    """Choose the degree (0..max_degree) with the least predicted forward + backward time of the slowest rank;
-    the same on every rank."""
+__all__ = ["DispatchAlg", "DispatchConfig", "DistAttnConfig", "KernelBackend", "OverlapConfig", "OverlapMode"]
 
 
 class KernelBackend(StrEnum):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from ._comm import all_gather_tokens
+from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._runtime import RUNTIME_CACHE, DistAttnRuntime
-from ._sanity import device_of, validate_on_all_ranks
+from ._sanity import device_of, tensor_values, validate_on_all_ranks
 from .key import DistAttnRuntimeKey
 
 
@@ -66,6 +67,7 @@ def _check_tokens(x: torch.Tensor, expected: int, name: str, what: str) -> None:
         raise ValueError(f"{name} must have {expected} tokens on dim 0 ({what}), got shape {got}")
 
 
+@torch.compiler.disable  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
 def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -> torch.Tensor:
     """Keep this rank's tokens of the global tensor `x`.
 
@@ -83,14 +85,18 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
         lambda: _check_tokens(x, key.total_seqlen_q, "x", "the key's total_seqlen_q"),
         key.cp_group.group,
         device_of(x),
+        site="dispatch",
+        values=lambda: tensor_values(x, "x"),
     )
     if isinstance(pad_value, bool) or not isinstance(pad_value, int | float):
         raise TypeError(f"pad_value must be an int or float, got {type(pad_value).__name__}")
     if key.cp_size == 1:
         return x
-    return DispatchFunction.apply(x, runtime, float(pad_value) if x.is_floating_point() else int(pad_value))
+    pad = float(pad_value) if x.is_floating_point() else int(pad_value)
+    return tag_output(DispatchFunction.apply(x, runtime, pad), runtime)
 
 
+@torch.compiler.disable  # torch.compile: one graph break per call
 def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Gather every rank's shard back into the global tensor (padding removed).
 
@@ -103,12 +109,100 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
+        lambda: (
+            _check_tokens(local_x, runtime.layout.shard_seqlen, "local_x", "this rank's shard of the key"),
+            check_dispatch_tags(runtime, local_x=local_x),
+        ),
+        key.cp_group.group,
+        device_of(local_x),
+        site="undispatch",
+        values=lambda: tensor_values(local_x, "local_x"),
+    )
+    if key.cp_size == 1:
+        return local_x
+    return UndispatchFunction.apply(local_x, runtime)
+
+
+# -- the key/value side of cross-attention ------------------------------------------------------------------
+def _kv_shard(x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+    kv = runtime.layout.kv_layout
+    padded = _pad_tokens(x, kv.total_seqlen)
+    return padded[runtime.rank * kv.shard_seqlen : (runtime.rank + 1) * kv.shard_seqlen]
+
+
+def _kv_gather(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+    gathered = all_gather_tokens(local, runtime.key.cp_group.group, runtime.layout.cp_size)
+    return gathered[: runtime.layout.kv_total_seqlen]
+
+
+class DispatchKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+        ctx.runtime = runtime
+        return _kv_shard(x, runtime).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_local: torch.Tensor):
+        return _kv_gather(grad_local.contiguous(), ctx.runtime), None
+
+
+class UndispatchKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
+        ctx.runtime = runtime
+        return _kv_gather(local_x.contiguous(), runtime)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        return _kv_shard(grad_x, ctx.runtime).contiguous(), None
+
+
+@torch.compiler.disable  # torch.compile: one graph break per call
+def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
+    """Keep this rank's shard of a key/value-side tensor (cross-attention: keys and values from another
+    sequence than the queries). For a self-attention key this is `dispatch(x, key)`.
+
+    Args:
+        x: `[total_seqlen_k, ...]`, the same on every rank (tokens on dim 0).
+        key: a key from `magi_attn_flex_key` / `magi_attn_varlen_key`.
+
+    Returns:
+        `[kv_shard_seqlen, ...]`: rank r holds key tokens `[r * kv_shard, (r + 1) * kv_shard)` of the padded
+        sequence (contiguous equal shards; padding rows are zero and no query sees them). Backward: every
+        rank receives the full gradient of `x`.
+    """
+    if not key.is_cross_attention:
+        return dispatch(x, key)
+    runtime = RUNTIME_CACHE.get(key)
+    validate_on_all_ranks(
+        lambda: _check_tokens(x, key.total_seqlen_k, "x", "the key's total_seqlen_k"),
+        key.cp_group.group,
+        device_of(x),
+    )
+    if key.cp_size == 1:
+        return x
+    return DispatchKVFunction.apply(x, runtime)
+
+
+@torch.compiler.disable  # torch.compile: one graph break per call
+def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
+    """Gather every rank's key/value shard back into the global `[total_seqlen_k, ...]` tensor (padding
+    removed); for a self-attention key this is `undispatch(local_x, key)`.
+
+    Args:
+        local_x: `[kv_shard_seqlen, ...]`, this rank's key/value-side tokens (e.g. a dK / dV shard).
+        key: the key the tensors were dispatched with.
+    """
+    if not key.is_cross_attention:
+        return undispatch(local_x, key)
+    runtime = RUNTIME_CACHE.get(key)
+    validate_on_all_ranks(
         lambda: _check_tokens(
-            local_x, runtime.layout.shard_seqlen, "local_x", "this rank's shard of the key"
+            local_x, runtime.layout.kv_shard_seqlen, "local_x", "this rank's key/value shard of the key"
         ),
         key.cp_group.group,
         device_of(local_x),
     )
     if key.cp_size == 1:
         return local_x
-    return UndispatchFunction.apply(local_x, runtime)
+    return UndispatchKVFunction.apply(local_x, runtime)

@@ -16,11 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from magi_ffa import merge_sink, sink_grad
+from magi_ffa._sink import validate_sink
+
+from ._call_checks import check_dtype, check_key, check_scalars
+from ._comm_errors import comm_step
+from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._kernels import AttnKernel
 from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
-from ._sanity import device_of, validate_on_all_ranks
+from ._sanity import device_of, dtype_code, validate_on_all_ranks
 from .config import KernelBackend
+from .env import deterministic_mode
 from .key import DistAttnRuntimeKey
 
 
@@ -28,7 +36,49 @@ from .key import DistAttnRuntimeKey
 class AttnForwardMeta:
     lse: torch.Tensor
     """`[local_tokens, num_heads_q]` log-sum-exp of each local query row, fp32 (fp64 for fp64 inputs);
-    -inf for rows that see no key."""
+    -inf for rows that see no key (with sinks: the sinks' finite lse). Differentiable at every cp size."""
+    max_logits: torch.Tensor | None = None
+    """With `return_max_logits=True`: fp32 `[num_heads_q]`, per head the largest scaled (soft-capped) score
+    over every visible (q, k) pair of the whole attention (all ranks; -inf if none), the same on every rank.
+    Else None."""
+
+
+class _Extras:
+    """A call's sinks (merged into the first kernel call that runs, or at the end) and its max logits."""
+
+    def __init__(self, sink: torch.Tensor | None, want_max: bool) -> None:
+        self.sink = sink
+        self.maxes: list[torch.Tensor] | None = [] if want_max else None
+        self.max_logits: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        kw: dict = {}
+        if self.sink is not None:
+            kw["sink"] = self.sink
+        if self.maxes is not None:
+            kw["return_max_logits"] = True
+        return kw
+
+    def take(self, res: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        self.sink = None  # merged by this call
+        if self.maxes is not None:
+            self.maxes.append(res[2])
+        return res[0], res[1]
+
+    def finish(self, out, lse, num_heads: int, cp_group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge sinks no kernel call took; reduce the max logits over the calls and the cp group."""
+        if self.sink is not None:
+            o, lse = merge_sink(out, lse, self.sink)
+            out, self.sink = o.to(out.dtype), None
+        if self.maxes is not None:
+            mx = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=lse.device)
+            for m in self.maxes:
+                mx = torch.maximum(mx, m)
+            if cp_group is not None and cp_group.size > 1:
+                with comm_step(cp_group, "all-reduce(MAX) of the max logits in the forward of calc_attn"):
+                    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=cp_group.group)
+            self.max_logits = mx
+        return out, lse
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,31 +93,48 @@ def _split_kv(kv: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tens
 class _KVFetcher:
     """Issues the GroupCast of stage i's remote K/V and hands the buffer over when it has arrived."""
 
-    def __init__(self, meta: DeviceMeta, kv_local: torch.Tensor) -> None:
+    def __init__(
+        self, meta: DeviceMeta, kv_local: torch.Tensor, cp_group=None, phase: str = "forward"
+    ) -> None:
         self.meta = meta
         self.kv_local = kv_local
         self.pending: dict[int, tuple[torch.Tensor, object]] = {}
+        self.cp_group, self.phase = cp_group, phase
+
+    def _what(self, stage: int) -> str:
+        return f"GroupCast of stage {stage} (remote K/V) in the {self.phase} of calc_attn"
 
     def start(self, stage: int) -> None:
         if stage >= len(self.meta.stages) or stage in self.pending:
             return
         shape = (self.meta.remote_tokens[stage], *self.kv_local.shape[1:])
         buf = self.kv_local.new_empty(shape)
-        work = self.meta.cast_plans[stage].cast(self.kv_local, buf, async_op=True)
+        with comm_step(self.cp_group, self._what(stage)):
+            work = self.meta.cast_plans[stage].cast(self.kv_local, buf, async_op=True)
         self.pending[stage] = (buf, work)
 
     def get(self, stage: int) -> torch.Tensor:
         self.start(stage)
         buf, work = self.pending.pop(stage)
-        work.wait()
+        with comm_step(self.cp_group, self._what(stage)):
+            work.wait()
         return buf
 
 
-def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale, softcap):
+def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale, softcap, extras=None):
     """One forward kernel call; with `out`/`lse` given its result is merged into them, else fresh ones are
-    returned ((None, None) when the call has no slice)."""
+    returned ((None, None) when the call has no slice). `extras`: sinks / max logits (`_Extras`)."""
     if slices.num_slices == 0:
         return out, lse
+    kw = extras.kwargs() if extras is not None else {}
+    if deterministic_mode():
+        kw["deterministic"] = True
+    if kw:
+        res = kernel.fwd(
+            q, k, v, slices.q_ranges, slices.k_ranges, slices.types, softmax_scale=scale, softcap=softcap,
+            out=out, lse=lse, **kw,
+        )  # fmt: skip
+        return extras.take(res) if extras is not None else res
     return kernel.fwd(
         q,
         k,
@@ -82,9 +149,21 @@ def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale
     )
 
 
-def _bwd_call(kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap):
+def _bwd_call(
+    kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap, dlse=None
+):
     if slices.num_slices == 0:
         return dq, dk, dv
+    kw: dict = {}
+    if dlse is not None:  # a differentiable lse: Delta = rowsum(do * out) - dlse
+        kw["dlse"] = dlse
+    if deterministic_mode():
+        kw["deterministic"] = True
+    if kw:
+        return kernel.bwd(
+            do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, softmax_scale=scale,
+            softcap=softcap, dq=dq, dk=dk, dv=dv, **kw,
+        )  # fmt: skip
     return kernel.bwd(
         do,
         q,
@@ -103,51 +182,61 @@ def _bwd_call(kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, d
     )
 
 
-def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
-    """Returns (out in q.dtype, lse in the accumulation dtype)."""
+def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, *, extras=None):
+    """Returns (out in q.dtype, lse in the accumulation dtype). `extras` (`_Extras`): sinks merged into the
+    first kernel call that runs; max logits reduced into `extras.max_logits` (all-reduce MAX over the group)."""
     kernel = runtime.kernel(q.dtype)
-    meta = runtime.device_meta(q.device)
+    cp_group = runtime.key.cp_group
+    with comm_step(cp_group, "building the GroupCast plans (tables checked across ranks) of calc_attn"):
+        meta = runtime.device_meta(q.device)
     hkv = k.shape[1]
     kv_local = torch.cat([k, v], dim=1)  # K and V travel as one tensor: one collective per stage
-    fetcher = _KVFetcher(meta, kv_local)
+    fetcher = _KVFetcher(meta, kv_local, cp_group, "forward")
     if runtime.merged_stage:
         kv_all = torch.cat([kv_local, fetcher.get(0)], dim=0)
-        out, lse = _fwd_call(kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap)
+        out, lse = _fwd_call(
+            kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap, extras
+        )
     else:
         fetcher.start(0)
         # The host call writes the accumulator itself (no zero-fill). With one remote stage the merge can
         # write q's dtype directly (the same single rounding as an fp32 accumulator cast at the end); with
         # more, intermediate merges stay in fp32.
-        out, lse = _fwd_call(kernel, q, k, v, meta.host, None, None, scale, softcap)
+        out, lse = _fwd_call(kernel, q, k, v, meta.host, None, None, scale, softcap, extras)
         if out is not None and len(meta.stages) > 1:
             out = out.to(_acc_dtype(q.dtype))
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
             fetcher.start(i + 1)
             out, lse = _fwd_call(
-                kernel, q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap
+                kernel, q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap, extras
             )
     if out is None:  # no slice touches this rank's queries
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
+    if extras is not None:
+        out, lse = extras.finish(out, lse, q.shape[1], runtime.key.cp_group)
     return out.to(q.dtype), lse
 
 
-def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float):
+def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float, dlse=None):
+    """dq, dk, dv of this rank's q/k/v given the final out/lse and, optionally, the lse's gradient `dlse`."""
     kernel = runtime.kernel(q.dtype)
     meta = runtime.device_meta(q.device)
     acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
     do = do.contiguous()
     kv_local = torch.cat([k, v], dim=1)
-    fetcher = _KVFetcher(meta, kv_local)
+    cp_group = runtime.key.cp_group
+    fetcher = _KVFetcher(meta, kv_local, cp_group, "backward")
     if runtime.merged_stage:
         kv_remote = fetcher.get(0)
         kv_all = torch.cat([kv_local, kv_remote], dim=0)
         # one call, no accumulators: the kernel writes dq, dk, dv itself (no zero-filled fp32 buffers)
         dq, dk_all, dv_all = _bwd_call(
-            kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap
-        )
+            kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap,
+            dlse,
+        )  # fmt: skip
         if dq is None:  # no slice touches this rank's queries
             dq = torch.zeros_like(q)
             dk_all, dv_all = (torch.zeros_like(x) for x in _split_kv(kv_all, hkv))
@@ -156,12 +245,15 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
         red = acc if runtime.key.config.high_precision_grad_reduce else k.dtype
         dkv_local = torch.cat([dk_all[:n], dv_all[:n]], dim=1).to(red)
         dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1).to(red)
-        meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
+        with comm_step(cp_group, "GroupReduce of stage 0 (remote dK/dV) in the backward of calc_attn"):
+            meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
         fetcher.start(0)
-        _bwd_call(kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap)
+        _bwd_call(
+            kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap, dlse
+        )
         previous_reduce = None
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
@@ -169,48 +261,71 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
             dkv_remote = torch.zeros((kv_remote.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
             _bwd_call(
                 kernel, do, q, *_split_kv(kv_remote, hkv), out, lse, meta.stages[i], dq,
-                *_split_kv(dkv_remote, hkv), scale, softcap,
+                *_split_kv(dkv_remote, hkv), scale, softcap, dlse,
             )  # fmt: skip
-            reduce = meta.reduce_plans[i].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=True)
+            with comm_step(cp_group, _reduce_what(i)):
+                reduce = meta.reduce_plans[i].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=True)
             if previous_reduce is not None:
-                previous_reduce.wait()
+                with comm_step(cp_group, _reduce_what(i - 1)):
+                    previous_reduce.wait()
             previous_reduce = reduce
         if previous_reduce is not None:
-            previous_reduce.wait()
+            with comm_step(cp_group, _reduce_what(len(meta.stages) - 1)):
+                previous_reduce.wait()
         dq = dq.to(q.dtype)
     dk, dv = _split_kv(dkv_local, hkv)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _reduce_what(stage: int) -> str:
+    return f"GroupReduce of stage {stage} (remote dK/dV) in the backward of calc_attn"
+
+
 class DistAttnFunc(torch.autograd.Function):
+    """`apply(q, k, v, runtime, scale, softcap, sink=None, return_max_logits=False)` -> `(out, lse)`, or
+    `(out, lse, max_logits)`. out, lse (its gradient enters as `Delta = rowsum(dO * O) - dlse`) and sink are
+    differentiable; sink's gradient holds this rank's query rows only (DDP / FSDP sum it over the ranks)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
-        out, lse = dist_attn_fwd(q, k, v, runtime, scale, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(
+        ctx, q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, sink=None, ret_max=False
+    ):
+        extras = _Extras(sink, bool(ret_max))
+        out, lse = dist_attn_fwd(q, k, v, runtime, scale, softcap, extras=extras)
+        ctx.has_sink = sink is not None
+        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
         ctx.runtime, ctx.scale, ctx.softcap = runtime, scale, softcap
-        ctx.mark_non_differentiable(lse)
+        if ret_max:
+            ctx.mark_non_differentiable(extras.max_logits)
+            return out, lse, extras.max_logits
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, *_grad_max):
+        q, k, v, out, lse, *sink = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = dist_attn_bwd(grad_out, q, k, v, out, lse, ctx.runtime, ctx.scale, ctx.softcap)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = dist_attn_bwd(
+            grad_out, q, k, v, out, lse, ctx.runtime, ctx.scale, ctx.softcap, dlse=grad_lse
+        )
+        dsink = None
+        if ctx.has_sink and ctx.needs_input_grad[6]:
+            dsink = sink_grad(grad_out, out, lse, sink[0], grad_lse)
+        return dq, dk, dv, None, None, None, dsink, None
 
 
 def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
-    shard = runtime.layout.shard_seqlen
+    q_shard, kv_shard = runtime.layout.shard_seqlen, runtime.layout.kv_shard_seqlen
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 3:
             raise ValueError(f"{name} must be [local_tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        shard, how = (q_shard, "dispatch(x, key)") if name == "q" else (kv_shard, "dispatch_kv(x, key)")
         if t.shape[0] != shard:
             raise ValueError(
                 f"{name} has {t.shape[0]} tokens but this rank's shard of the key has {shard}: "
-                "pass the dispatched (local) tensor, e.g. dispatch(x, key)"
+                f"pass the dispatched (local) tensor, e.g. {how}"
             )
         if t.shape[2] != key.head_dim:
             raise ValueError(f"{name} head_dim is {t.shape[2]}, the key says {key.head_dim}")
@@ -226,6 +341,7 @@ def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRunti
     runtime.kernel_choice.backend_for(q.dtype, key.head_dim)  # an explicit backend that cannot take q's dtype
 
 
+@torch.compiler.disable  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
 def calc_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,45 +349,74 @@ def calc_attn(
     key: DistAttnRuntimeKey,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    *,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
 ) -> tuple[torch.Tensor, AttnForwardMeta]:
     """Distributed attention on dispatched tensors.
 
     Args:
         q: `[shard_seqlen, num_heads_q, head_dim]`, this rank's dispatched queries.
-        k, v: `[shard_seqlen, num_heads_kv, head_dim]`, this rank's dispatched keys and values
-            (self-attention: the same tokens as q). GQA/MQA: num_heads_q % num_heads_kv == 0.
+        k, v: this rank's dispatched keys and values, `[shard_seqlen, num_heads_kv, head_dim]` (self-attention:
+            the same tokens as q, from `dispatch`) or `[kv_shard_seqlen, num_heads_kv, head_dim]`
+            (cross-attention: from `dispatch_kv`). GQA/MQA: num_heads_q % num_heads_kv == 0.
         key: the runtime key the tensors were dispatched with.
         softmax_scale: defaults to head_dim ** -0.5.
         softcap: if > 0, scores become `softcap * tanh(scores / softcap)`.
+        sink: optional attention sinks, fp32 `[num_sink, num_heads_q]`, the same tensor on every rank
+            (e.g. a replicated parameter): every query row's softmax also counts the logits `sink[:, h]`,
+            which carry no value; `meta.lse` includes them, rows with no visible key get out 0 and a finite
+            lse. Differentiable: each rank's `sink.grad` holds its own query rows' contribution, and the
+            usual gradient reduction over the cp ranks (DDP / FSDP) sums them.
+        return_max_logits: fill `meta.max_logits`, fp32 `[num_heads_q]`: the largest scaled (soft-capped)
+            score over every visible (q, k) pair of the whole attention, the same on every rank (one
+            all-reduce MAX of `num_heads_q` floats; for QK-clip).
 
     Returns:
         `(out, meta)`: out `[shard_seqlen, num_heads_q, head_dim]` in q's dtype (rows with no keys are 0),
-        and `meta.lse` `[shard_seqlen, num_heads_q]` fp32 (fp64 for fp64 inputs, -inf for rows with no keys).
+        and `meta.lse` `[shard_seqlen, num_heads_q]` fp32 (fp64 for fp64 inputs, -inf for rows with no keys),
+        differentiable; `meta.max_logits` (None unless asked for).
     """
-    runtime = RUNTIME_CACHE.get(key)
+    runtime = RUNTIME_CACHE.get(check_key(key))
+    scalars: list[float] = []
+
+    def check() -> None:  # everything local, before the first collective of the call
+        _validate_calc_attn(q, k, v, key, runtime)
+        validate_sink(sink, q)
+        check_dtype(q)
+        scalars[:] = check_scalars(softmax_scale, softcap, key.head_dim)
+        check_dispatch_tags(runtime, q=q, k=k, v=v)
+
     validate_on_all_ranks(
-        lambda: _validate_calc_attn(q, k, v, key, runtime),
+        check,
         key.cp_group.group,
         device_of(q),
+        site="calc_attn",
+        values=lambda: {"q.dtype": dtype_code(q.dtype), "softmax_scale": scalars[0], "softcap": scalars[1]},
     )
-    scale = key.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    scale, softcap = scalars
+    ret_max = bool(return_max_logits)
     if key.cp_size == 1:
-        return _calc_attn_single(q, k, v, runtime, scale, softcap)
-    out, lse = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap))
-    return out, AttnForwardMeta(lse=lse)
+        return _calc_attn_single(q, k, v, runtime, scale, softcap, sink, ret_max)
+    out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
+    tag_output(out, runtime), tag_output(lse, runtime)
+    return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)
 
 
-def _calc_attn_single(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float):
+def _calc_attn_single(
+    q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, sink=None, ret_max: bool = False
+):
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype)
-    if kernel.backend == KernelBackend.FA4:
+    if kernel.backend == KernelBackend.FA4 and not deterministic_mode():
         import magi_ffa_fa4
 
         # FA4's own autograd function: the raw kernel's cost, nothing around it
-        out, lse = magi_ffa_fa4.flex_flash_attn_func(
-            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
-        )
+        out, lse, *mx = magi_ffa_fa4.flex_flash_attn_func(
+            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,
+            sink=sink, return_max_logits=ret_max,
+        )  # fmt: skip
     else:
-        out, lse = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap))
-    return out, AttnForwardMeta(lse=lse)
+        out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
+    return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)

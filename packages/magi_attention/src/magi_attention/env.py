@@ -3,11 +3,23 @@
 - ``MAGI_ATTENTION_SANITY_CHECK``: 1 = ranks exchange one flag before collectives so bad input on any rank
   makes every rank raise (a host sync per call; off by default).
 - ``MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE``: plans kept per cp group (LRU, default 1000).
+- ``MAGI_ATTENTION_RUNTIME_CACHE_MB``: estimated memory of the plans kept per cp group (LRU, default 1024).
+  Every rank must see the same values of both (evictions must match across ranks).
 - ``MAGI_ATTENTION_KERNEL_BACKEND``: overrides ``DistAttnConfig(kernel_backend="auto")``; one of ``auto``,
   ``fa4``, ``triton`` (or MagiAttention's ``ffa``), ``torch`` (or ``sdpa``).
 - ``MAGI_ATTENTION_COST_PROFILE``: overlap cost-model profile (a name of ``magi_solver.PROFILES`` or a JSON
   file) when ``OverlapConfig.cost_profile`` is None.
+- ``MAGI_ATTENTION_DETERMINISTIC_MODE``: true passes ``deterministic=True`` to every kernel call (bitwise
+  reproducible backward: e.g. FA4's ordered dQ/dK/dV accumulation, magi_ffa's split Triton backward).
+- ``MAGI_ATTENTION_HIERARCHICAL_COMM``: on a 2-D (inter, intra) mesh, run GroupCast / GroupReduce
+  hierarchically (default true); false runs the flat all-to-all-v over the same ranks.
+- ``MAGI_ATTENTION_NATIVE_GRPCOLL``: true selects the native group-collective implementation (raises
+  NotImplementedError today; default false).
 - ``TRITON_INTERPRET`` (Triton's): 1 lets the Triton backend run on CPU tensors (tests).
+
+Booleans accept 0 / 1 / true / false in any case (unset or empty = the default) and raise ValueError naming
+the variable for anything else; valued variables are checked against their allowed values. ``docs/flags.md``
+lists every package's variables.
 """
 
 from __future__ import annotations
@@ -19,12 +31,71 @@ from .config import KernelBackend
 _BACKEND_ALIASES = {"ffa": KernelBackend.TRITON, "sdpa": KernelBackend.TORCH}
 
 
+def _flag(name: str, default: bool) -> bool:
+    """A boolean variable: 0 / 1 / true / false in any case, unset or empty = `default`."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true"):
+        return True
+    if raw in ("0", "false"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+
+
 def sanity_check_enabled() -> bool:
-    return os.environ.get("MAGI_ATTENTION_SANITY_CHECK", "0") not in ("", "0", "false", "False")
+    """MAGI_ATTENTION_SANITY_CHECK (boolean, default false): ranks exchange a flag (and key fingerprints)
+    before collectives, so bad input on any rank makes every rank raise (a host sync per call)."""
+    return _flag("MAGI_ATTENTION_SANITY_CHECK", False)
+
+
+def deterministic_mode() -> bool:
+    """MAGI_ATTENTION_DETERMINISTIC_MODE (boolean, default false): every kernel call of `calc_attn` gets
+    `deterministic=True` (bitwise reproducible gradients; FA4 then orders its dQ / dK / dV accumulation and
+    magi_ffa keeps the split Triton backward). Read on each call."""
+    return _flag("MAGI_ATTENTION_DETERMINISTIC_MODE", False)
+
+
+def hierarchical_comm() -> bool:
+    """MAGI_ATTENTION_HIERARCHICAL_COMM (boolean, default true): on a 2-D (inter, intra) DeviceMesh the
+    GroupCast / GroupReduce plans are hierarchical (a piece crosses the inter-node link once per node);
+    false makes them flat all-to-all-v over the same ranks. Flat groups are unaffected. Read when a plan's
+    device tensors are built (first call of a key on a device)."""
+    return _flag("MAGI_ATTENTION_HIERARCHICAL_COMM", True)
+
+
+def native_grpcoll() -> bool:
+    """MAGI_ATTENTION_NATIVE_GRPCOLL (boolean, default false): use the native group-collective
+    implementation (`GroupCollectiveImpl.NATIVE`, a symmetric-memory kernel) instead of a2av / hierarchical.
+    Not implemented yet: true raises NotImplementedError when a plan is built."""
+    return _flag("MAGI_ATTENTION_NATIVE_GRPCOLL", False)
 
 
 def runtime_dict_size() -> int:
-    return int(os.environ.get("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", "1000"))
+    """Plans kept per cp group (LRU); ValueError naming the variable for anything but an int >= 1."""
+    return _positive_int_env("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", 1000)
+
+
+DEFAULT_RUNTIME_CACHE_MB = 1024
+
+
+def runtime_cache_bytes() -> int:
+    """Estimated host + device bytes of cached plans kept per cp group (MAGI_ATTENTION_RUNTIME_CACHE_MB,
+    default 1024 MiB); the LRU evicts past either bound."""
+    return _positive_int_env("MAGI_ATTENTION_RUNTIME_CACHE_MB", DEFAULT_RUNTIME_CACHE_MB) << 20
+
+
+def _positive_int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"{name}={raw!r} is not valid: it must be a positive integer (default {default})")
+    return value
 
 
 def kernel_backend_override() -> KernelBackend | None:
@@ -42,10 +113,12 @@ def kernel_backend_override() -> KernelBackend | None:
 
 
 def triton_interpret() -> bool:
-    """Triton's own TRITON_INTERPRET: its kernels then run on CPU tensors (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's own TRITON_INTERPRET (boolean, default false): its kernels then run on CPU tensors (tests)."""
+    return _flag("TRITON_INTERPRET", False)
 
 
 def cost_profile_override() -> str | None:
+    """MAGI_ATTENTION_COST_PROFILE: the overlap cost model's profile (a name of `magi_solver.PROFILES` or a
+    JSON file path) when `OverlapConfig.cost_profile` is None; unset = the profile of rank 0's GPU kind."""
     raw = os.environ.get("MAGI_ATTENTION_COST_PROFILE", "").strip()
     return raw or None

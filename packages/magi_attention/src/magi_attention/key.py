@@ -67,6 +67,11 @@ class DistAttnRuntimeKey:
         return self.cp_group.size
 
     @property
+    def is_cross_attention(self) -> bool:
+        """Keys and values come from another sequence than the queries (of another length)."""
+        return self.total_seqlen_q != self.total_seqlen_k
+
+    @property
     def root_key(self) -> DistAttnRuntimeKey:
         """The key that owns the dispatch (itself unless this mask was made after dispatch)."""
         return self if self.dispatch_key is None else self.dispatch_key.root_key

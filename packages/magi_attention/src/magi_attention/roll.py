@@ -15,8 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._comm_errors import comm_step
 from ._runtime import RUNTIME_CACHE, DispatchLayout
-from ._sanity import device_of, validate_on_all_ranks
+from ._sanity import device_of, tensor_values, validate_on_all_ranks
 from .key import DistAttnRuntimeKey
 
 _TABLE_CACHE_SIZE = 64
@@ -86,7 +87,8 @@ def _shift_rows(x: torch.Tensor, key: DistAttnRuntimeKey, shift: int) -> torch.T
     send_rows, recv_rows = _device_rows(route, cache, x.device)
     send = x.index_select(0, send_rows)
     recv = x.new_empty((int(recv_rows.shape[0]), *x.shape[1:]))
-    dist.all_to_all_single(recv, send, route.recv_counts, route.send_counts, group=key.cp_group.group)
+    with comm_step(key.cp_group, f"all-to-all of roll (shift {shift})"):
+        dist.all_to_all_single(recv, send, route.recv_counts, route.send_counts, group=key.cp_group.group)
     out = torch.zeros_like(x)
     out.index_copy_(0, recv_rows, recv)
     return out
@@ -135,7 +137,13 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
                 f"{runtime.layout.shard_seqlen}: pass a dispatched tensor"
             )
 
-    validate_on_all_ranks(check, key.cp_group.group, device_of(x))
+    validate_on_all_ranks(
+        check,
+        key.cp_group.group,
+        device_of(x),
+        site="roll",
+        values=lambda: {"shift": float(shift), "dim": float(dim % x.ndim), **tensor_values(x, "x")},
+    )
     if key.cp_size == 1:
         return torch.roll(x, shift, dim)
     moved = x.movedim(dim, 0).contiguous()

@@ -42,9 +42,12 @@ class RankCalls:
     calls: list[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]]
 
 
-def rank_calls(rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor) -> RankCalls:
+def rank_calls(
+    rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor, kv_ranges: AttnRanges | None = None
+) -> RankCalls:
+    """`kv_ranges`: the rank's own key ranges when they differ from its query ranges (cross-attention)."""
     dev = k.device
-    local = token_index(rank_plan.host_token_ranges, dev)
+    local = token_index(rank_plan.host_token_ranges if kv_ranges is None else kv_ranges, dev)
     remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
     calls = [(kernel_ranges(rank_plan.host_slices), k[local], v[local])]
     calls += [(kernel_ranges(s.remote_slices), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)]
@@ -65,7 +68,8 @@ def simulate_dist_attn(
     """Forward and backward of `plan`, rank by rank.
 
     Args:
-        q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total, heads_kv, d]`.
+        q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total_k, heads_kv, d]` (the
+            padded key sequence: the same as q's in self-attention).
         plan: from `magi_solver.plan_dist_attn` for the same padded length.
         softmax_scale, softcap: as in `calc_attn`.
         kernel_backend: "fa4", "triton" or "torch" (a `KernelBackend`); None = triton for CUDA fp16/bf16,
@@ -86,9 +90,11 @@ def simulate_dist_attn(
         kernel_backend = KernelBackend.TRITON if low_precision else KernelBackend.TORCH
     kernel = attn_kernel(KernelBackend(kernel_backend))
     ffa_fwd, ffa_bwd = kernel.fwd, kernel.bwd
+    kv = plan.kv_layout
     for rank_plan in plan.ranks:
-        rc = rank_calls(rank_plan, k, v)
-        lq, ldo = q[rc.local_index], do[rc.local_index]
+        rc = rank_calls(rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank))
+        q_index = token_index(rank_plan.host_token_ranges, q.device)
+        lq, ldo = q[q_index], do[q_index]
         out = torch.zeros(lq.shape, dtype=acc, device=q.device)
         lse = torch.full(lq.shape[:2], float("-inf"), dtype=acc, device=q.device)
         for (qr, kr, tr), kk, vv in rc.calls:
@@ -104,7 +110,7 @@ def simulate_dist_attn(
             index = rc.local_index if i == 0 else rc.remote_index[i - 1]
             dk_g.index_add_(0, index, dk)
             dv_g.index_add_(0, index, dv)
-        out_g[rc.local_index] = out_q
-        lse_g[rc.local_index] = lse
-        dq_g[rc.local_index] = dq
+        out_g[q_index] = out_q
+        lse_g[q_index] = lse
+        dq_g[q_index] = dq
     return out_g, lse_g, dq_g.to(q.dtype), dk_g.to(k.dtype), dv_g.to(v.dtype)

@@ -19,10 +19,13 @@ from .builders import (
 from .comm import GroupCastArgs, GroupReduceArgs
 from .cost_model import PROFILES, CostProfile, OverlapCostModel, get_profile, gpu_kind, load_profile
 from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, solve_dispatch
+from .kv_layout import KVLayout
 from .mask import AttnMaskType, AttnSlice, SliceList
 from .overlap import OverlapMode, estimate_cost_factors, predicted_time
 from .plan import DistAttnPlan, RankPlan, StagePlan, plan_dist_attn
 from .ranges import AttnRange, AttnRanges
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "PROFILES",
@@ -36,6 +39,7 @@ __all__ = [
     "DistAttnPlan",
     "GroupCastArgs",
     "GroupReduceArgs",
+    "KVLayout",
     "MaskSpec",
     "OverlapCostModel",
     "OverlapMode",

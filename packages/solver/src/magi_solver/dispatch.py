@@ -390,12 +390,13 @@ def solve_dispatch(
     alg: str | DispatchAlg = "min_heap",
     *,
     affinity_tolerance: float = 0.0,
+    total_seqlen_k: int | None = None,
 ) -> DispatchPlan:
     """Assign the `total_seqlen // chunk_size` chunks to `cp_size` ranks, `num_chunks // cp_size` each.
 
     Args:
         q_ranges, k_ranges: per slice `[start, end)` (a list of pairs, an `[n, 2]` array or `AttnRanges`);
-            slices may overlap in q or k but must not share a (q, k) pair.
+            slices may overlap in q, in k and even in (q, k) pairs: the mask is their union.
         attn_mask_type: one type for all slices or one per slice: `AttnMaskType`, its name, or int code 0-3.
         total_seqlen: tokens of the sequence (q and k: self-attention); a multiple of `chunk_size`.
         cp_size: number of ranks; must divide the chunk count.
@@ -403,12 +404,17 @@ def solve_dispatch(
         alg: a `DispatchAlg` value ("min_heap", "sequential", "zigzag", "affinity").
         affinity_tolerance: for "affinity", how far above the balance lower bound (as a fraction) a rank's
             load may grow when it is chosen for affinity rather than for being least loaded.
+        total_seqlen_k: cross-attention: length of the key sequence `k_ranges` index (None: self-attention,
+            keys are the query sequence); only the queries are dispatched here.
 
     Returns:
         A `DispatchPlan`. Raises `ValueError` (naming the argument or slice) on bad input.
     """
     total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
-    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_seqlen)
+    if total_seqlen_k is not None and DispatchAlg(alg) is DispatchAlg.AFFINITY:
+        raise ValueError("alg='affinity' pairs query and key chunks of one sequence: not for cross-attention")
+    total_k = total_seqlen if total_seqlen_k is None else _check_int(total_seqlen_k, "total_seqlen_k")
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     return dispatch_slices(
         slices, total_seqlen, cp_size, chunk_size, alg, affinity_tolerance=affinity_tolerance
     )

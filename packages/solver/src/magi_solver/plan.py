@@ -24,6 +24,7 @@ from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .cost_model import OverlapCostModel
 from .dispatch import DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
+from .kv_layout import KVLayout
 from .mask import SliceList, normalize_mask, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
@@ -59,7 +60,8 @@ class RankPlan:
     Attributes:
         rank: the rank.
         host_token_ranges: global ranges of the local tokens, in local order.
-        host_slices: q and k in local coordinates (local K/V are the local tokens: self-attention).
+        host_slices: q and k in local coordinates (local K/V: the local tokens in self-attention, the
+            rank's K/V shard in cross-attention).
         stages: `num_stages` remote stages (empty ones where this rank has less remote work).
         merged_slices: q local, k in coordinates of `cat([local_kv] + [stage recv buffers in order])`.
         host_area: exact mask area of `host_slices`.
@@ -107,6 +109,8 @@ class DistAttnPlan:
     overlap_degree: int = 1
     predicted_times: tuple[float, ...] = ()
     degree_costs: dict[int, float] = field(default_factory=dict, hash=False)
+    kv_layout: KVLayout | None = None
+    """Cross-attention: where keys and values live (None: with the queries, self-attention)."""
 
     @property
     def cp_size(self) -> int:
@@ -219,8 +223,15 @@ def plan_dist_attn(
     comm_cost_factor: float = 1.0,
     dispatch: DispatchPlan | None = None,
     cost_model: OverlapCostModel | None = None,
+    total_seqlen_k: int | None = None,
+    kv_chunk_size: int | None = None,
 ) -> DistAttnPlan:
-    """Plan self-attention with context parallelism over `cp_size` ranks (a pure function).
+    """Plan attention with context parallelism over `cp_size` ranks (a pure function).
+
+    Self-attention by default (queries and keys are one sequence, dispatched together); with
+    `total_seqlen_k` (cross-attention: keys and values from another sequence) the queries are dispatched by
+    mask area and the keys and values are split into contiguous equal shards (`KVLayout`), and each rank
+    fetches only the keys its queries need.
 
     Args:
         q_ranges, k_ranges, attn_mask_type: the mask, as in `solve_dispatch`.
@@ -240,6 +251,9 @@ def plan_dist_attn(
             tokens stay where they are); its sizes must match, and `dispatch_alg` is then ignored.
         cost_model: price schedules in seconds of forward + backward with this model (fixed per-stage,
             merge and collective costs included) instead of the cost factors.
+        total_seqlen_k: cross-attention: tokens of the padded key/value sequence (a multiple of
+            `kv_chunk_size * cp_size`); None = self-attention. `k_ranges` then index this sequence.
+        kv_chunk_size: cross-attention: key/value chunk size (default `chunk_size`).
 
     Returns:
         A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
@@ -256,7 +270,17 @@ def plan_dist_attn(
         calc_cost_factor,
         comm_cost_factor,
     )
-    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_seqlen)
+    kv_layout = None
+    if total_seqlen_k is not None:
+        kv_layout = KVLayout(total_seqlen_k, cp_size, chunk_size if kv_chunk_size is None else kv_chunk_size)
+        if str(dispatch_alg) == "affinity" and dispatch is None:
+            raise ValueError(
+                "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
+            )
+    elif kv_chunk_size is not None:
+        raise ValueError("`kv_chunk_size` is for cross-attention: give `total_seqlen_k` too")
+    total_k = total_seqlen if kv_layout is None else kv_layout.total_seqlen
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     if dispatch is None:
         dispatch = dispatch_slices(slices, total_seqlen, cp_size, chunk_size, dispatch_alg)
     else:
@@ -278,6 +302,7 @@ def plan_dist_attn(
         int(max_num_chunks),
         int(dynamic_max_degree),
         cost_model or FactorCostModel(float(calc_cost_factor), float(comm_cost_factor)),
+        kv_layout,
     )
 
 
@@ -290,16 +315,22 @@ def _plan(
     max_num_chunks: int,
     dynamic_max_degree: int,
     cost: OverlapCostModel | FactorCostModel,
+    kv_layout: KVLayout | None = None,
 ) -> DistAttnPlan:
-    cp, cs = dispatch.cp_size, dispatch.chunk_size
-    shard = dispatch.shard_seqlen
-    owner = dispatch.chunk_owner
-    local_pos = [0] * dispatch.num_chunks  # local offset of each chunk inside its owner
-    for part in dispatch.partitions:
-        for i, c in enumerate(part):
-            local_pos[c] = i * cs
+    cp = dispatch.cp_size
+    shard = dispatch.shard_seqlen  # local queries
+    # where keys live: with the queries (self-attention) or in their own contiguous shards
+    kv = dispatch if kv_layout is None else kv_layout
+    cs, kv_shard, owner = kv.chunk_size, kv.shard_seqlen, kv.chunk_owner
+    if kv_layout is None:
+        local_pos = [0] * dispatch.num_chunks  # local offset of each chunk inside its owner
+        for part in dispatch.partitions:
+            for i, c in enumerate(part):
+                local_pos[c] = i * cs
+    else:
+        local_pos = kv_layout.chunk_local_offsets()
     clipped = clip_rows(dispatch, slices)
-    host = [dispatch.host_pairs(r) for r in range(cp)]
+    host = [kv.host_pairs(r) for r in range(cp)]
     remote = [subtract_pairs(merge_pairs((c[2], c[3]) for c in clipped[r]), host[r]) for r in range(cp)]
 
     # host areas feed the cost model; the key map sends host keys to destination -1 (local coordinates)
@@ -324,7 +355,7 @@ def _plan(
     runs = [
         [_recv_runs(stage_ranges[r][si], owner, local_pos, cs) for r in range(cp)] for si in range(num_stages)
     ]
-    cast_args = [_cast_args(runs[si], cp, shard) for si in range(num_stages)]
+    cast_args = [_cast_args(runs[si], cp, kv_shard) for si in range(num_stages)]
     ranks = [
         _rank_plan(
             dispatch,
@@ -334,6 +365,7 @@ def _plan(
             host_area[r],
             [runs[si][r] for si in range(num_stages)],
             [cast_args[si][r] for si in range(num_stages)],
+            kv_shard,
         )
         for r in range(cp)
     ]
@@ -344,6 +376,7 @@ def _plan(
         overlap_degree=chosen,
         predicted_times=tuple(times[chosen]),
         degree_costs=degree_costs,
+        kv_layout=kv_layout,
     )
 
 
@@ -399,6 +432,7 @@ def _rank_plan(
     host_area: int,
     runs: list[list[tuple[int, int, int, int]]],
     casts: list[GroupCastArgs],
+    kv_shard: int,
 ) -> RankPlan:
     """Cut the rank's clipped slices by host keys and every stage's recv buffer; assemble its RankPlan."""
     num_stages = len(runs)
@@ -415,7 +449,7 @@ def _rank_plan(
     slice_over(clipped, kmap, out)
     host_sl = merge_full(out[num_stages])
     merged = list(host_sl)
-    offset = dispatch.shard_seqlen
+    offset = kv_shard  # merged K/V = cat([local K/V] + recv buffers)
     stages = []
     for si in range(num_stages):
         sl = merge_full(out[si])

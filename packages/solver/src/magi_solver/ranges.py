@@ -13,14 +13,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+from magi_mask import as_int_pairs, check_int
+
 __all__ = ["AttnRange", "AttnRanges", "as_int_pairs"]
 
 
-def _check_int(value: Any, name: str) -> int:
-    # bool is an int subclass, but True as a token index is always a bug.
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    return int(value.__index__())
+_check_int = check_int  # one int rule for every package (magi_mask)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -66,30 +64,6 @@ class AttnRange:
 
     def __repr__(self) -> str:
         return f"[{self.start}, {self.end})"
-
-
-def as_int_pairs(ranges: Any, name: str) -> list[tuple[int, int]]:
-    """Read `ranges` (AttnRanges, [[s, e], ...], an [n, 2] array, or anything with `.tolist()`) as int pairs.
-
-    Only the shape and int-ness are checked here; bounds are the caller's business.
-    """
-    if isinstance(ranges, AttnRanges):
-        return ranges.to_tuples()
-    if hasattr(ranges, "tolist") and not isinstance(ranges, (list, tuple)):
-        ranges = ranges.tolist()
-    if not isinstance(ranges, Iterable) or isinstance(ranges, (str, bytes)):
-        raise TypeError(
-            f"`{name}` must be a list of [start, end] pairs or AttnRanges, got {type(ranges).__name__}"
-        )
-    out: list[tuple[int, int]] = []
-    for i, item in enumerate(ranges):
-        if isinstance(item, AttnRange):
-            out.append((item.start, item.end))
-            continue
-        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
-            raise ValueError(f"`{name}[{i}]` must be a [start, end] pair, got {item!r}")
-        out.append((_check_int(item[0], f"{name}[{i}][0]"), _check_int(item[1], f"{name}[{i}][1]")))
-    return out
 
 
 @dataclass(frozen=True, slots=True)

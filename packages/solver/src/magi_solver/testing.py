@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from magi_mask import dense_mask as _dense_mask
 
 from .comm import GroupCastArgs, GroupReduceArgs
-from .mask import AttnMaskType, SliceList, decompose_region, normalize_mask, tighten_region
+from .mask import AttnMaskType, SliceList, decompose_region, tighten_region
 from .plan import DistAttnPlan
 
 __all__ = [
@@ -25,20 +26,9 @@ __all__ = [
 
 
 def dense_mask(q_ranges: Any, k_ranges: Any, attn_mask_type: Any, total_q: int, total_k: int) -> np.ndarray:
-    """int64 `[total_q, total_k]`: how many slices cover each pair, straight from the type definitions."""
-    sl = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_q, total_k, check_disjoint=False)
-    out = np.zeros((total_q, total_k), dtype=np.int64)
-    for qs, qe, ks, ke, t in sl:
-        sq, sk = qe - qs, ke - ks
-        i = np.arange(sq)[:, None]
-        j = np.arange(sk)[None, :]
-        m = np.ones((sq, sk), dtype=bool)
-        if t in (1, 3):
-            m &= j <= i + sk - sq
-        if t in (2, 3):
-            m &= j >= i
-        out[qs:qe, ks:ke] += m
-    return out
+    """int64 `[total_q, total_k]`: how many slices cover each pair, straight from the type definitions
+    (`magi_mask.dense_mask` with `count=True`)."""
+    return _dense_mask(q_ranges, k_ranges, attn_mask_type, total_q, total_k, count=True)
 
 
 def ascii_mask(
@@ -166,17 +156,20 @@ def _slices_to_global(
 
 
 def plan_coverage(plan: DistAttnPlan, *, merged: bool = False) -> np.ndarray:
-    """int64 `[total, total]`: how often each global (q, k) pair is computed by the plan (host + stages, or
-    the merged slices), translating local q and recv-buffer k back through the plan's own range lists."""
+    """int64 `[total_q, total_k]`: how often each global (q, k) pair is computed by the plan (host + stages,
+    or the merged slices), translating local q and k (the rank's own keys, then recv buffers) back through the
+    plan's own range lists. Self-attention: total_k = total_q and a rank's own keys are its queries."""
     total = plan.dispatch.total_seqlen
-    out = np.zeros((total, total), dtype=np.int64)
+    kv = plan.kv_layout
+    out = np.zeros((total, total if kv is None else kv.total_seqlen), dtype=np.int64)
     for rp in plan.ranks:
         q_map = np.asarray(rp.host_token_ranges.token_ids(), dtype=np.int64)
+        k_own = q_map if kv is None else np.asarray(kv.host_token_ranges(rp.rank).token_ids(), dtype=np.int64)
         bufs = [np.asarray(s.remote_k_ranges.token_ids(), dtype=np.int64) for s in rp.stages]
         if merged:
-            _slices_to_global(rp.merged_slices, q_map, np.concatenate([q_map, *bufs]), total, out)
+            _slices_to_global(rp.merged_slices, q_map, np.concatenate([k_own, *bufs]), total, out)
         else:
-            _slices_to_global(rp.host_slices, q_map, q_map, total, out)
+            _slices_to_global(rp.host_slices, q_map, k_own, total, out)
             for s, buf in zip(rp.stages, bufs):
                 _slices_to_global(s.remote_slices, q_map, buf, total, out)
     return out

@@ -1,5 +1,5 @@
 """Context-parallel baselines a user would pick today, each with the best local kernel for the mask, for
-benchmarks/cp_bench.py (next to the same-kernel baselines of cp_baselines.py):
+benchmarks/cp_bench.py (next to the same-kernel baselines of baselines/same_kernel.py):
 
 - ``ulysses_fa4``: Ulysses (all-to-all from sequence shards to head shards and back) with FlashAttention-4:
   ``flash_attn.cute.flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` (cu_seqlens) for packed

@@ -1,16 +1,12 @@
-"""Backend interface (one class per implementation) and the all-to-all-v implementation."""
+"""The all-to-all-v implementation of the group collectives, the reserved native one, and ``get_impl``."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import ClassVar
-
 import torch
-import torch.distributed as dist
 
 from ._comm import Comm
 from ._config import GroupCollectiveImpl, ReduceOp
+from ._impl import CastRunner, CollectiveImpl, ReduceRunner, a2a, piece_rows
 from ._ops import (
     ReduceIndex,
     gather_rows,
@@ -22,87 +18,6 @@ from ._ops import (
 )
 from ._tables import CastTables, ReduceTables, offsets
 from ._work import Work
-
-
-class CastRunner(ABC):
-    """Runs one rank's GroupCast for fixed tables; all metadata precomputed."""
-
-    @abstractmethod
-    def run(self, input: torch.Tensor, output: torch.Tensor, async_op: bool) -> Work:
-        """Send ``input`` pieces, write ``output`` pieces (validated by the caller)."""
-
-
-class ReduceRunner(ABC):
-    """Runs one rank's GroupReduce for fixed tables; all metadata precomputed."""
-
-    @abstractmethod
-    def run(
-        self,
-        input: torch.Tensor,
-        output: torch.Tensor,
-        reduce_op: ReduceOp,
-        input_lse: torch.Tensor | None,
-        output_lse: torch.Tensor | None,
-        async_op: bool,
-    ) -> Work:
-        """Send ``input`` pieces, reduce into ``output`` (validated by the caller)."""
-
-
-class Backend(ABC):
-    """An implementation of both collectives. A new one (e.g. the native kernel) subclasses this and
-    registers in :data:`BACKENDS`; plans pick it by :class:`GroupCollectiveImpl`."""
-
-    #: True when the routing of a rank depends on the tables of other ranks (the plan then gathers all
-    #: tables once, collectively, at construction).
-    needs_all_tables: ClassVar[bool] = False
-
-    @abstractmethod
-    def build_cast(
-        self, tables: CastTables, comm: Comm, device: torch.device, all_tables: Sequence[CastTables] | None
-    ) -> CastRunner:
-        """Precompute everything for ``tables`` on ``device``."""
-
-    @abstractmethod
-    def build_reduce(
-        self,
-        tables: ReduceTables,
-        comm: Comm,
-        device: torch.device,
-        all_tables: Sequence[ReduceTables] | None,
-    ) -> ReduceRunner:
-        """Precompute everything for ``tables`` on ``device``."""
-
-
-def a2a(
-    recv: torch.Tensor,
-    send: torch.Tensor,
-    recv_splits: list[int],
-    send_splits: list[int],
-    group,
-    async_op: bool,
-):
-    """``all_to_all_single`` with split lists (the only form gloo supports for uneven sizes)."""
-    return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
-
-
-def chain(first, then, device: torch.device, async_op: bool) -> Work:
-    """Run ``then()`` (which launches the next stage and returns its Work) after ``first`` completes.
-
-    On CUDA, ``first.wait()`` only makes the current stream wait, so the next stage is launched at once;
-    elsewhere the wait blocks the host, so it is deferred into ``Work.wait()`` when ``async_op``.
-    """
-    if device.type == "cuda" or not async_op:
-        first.wait()
-        nxt = then()
-        if not async_op:
-            nxt.wait()
-        return nxt
-    return Work([first], post=lambda: then().wait())
-
-
-def piece_rows(piece_ids: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> tuple[list, list]:
-    """Starts and sizes of the listed pieces (for :func:`ranges_index`)."""
-    return [starts[i] for i in piece_ids], [sizes[i] for i in piece_ids]
 
 
 class _A2AVCast(CastRunner):
@@ -188,7 +103,7 @@ class _A2AVReduce(ReduceRunner):
         return Work(works, post, (send, recv, recv_lse))
 
 
-class A2AVBackend(Backend):
+class A2AVImpl(CollectiveImpl):
     """Pre-gather (a piece copied once per destination), one ``all_to_all_single``, post-scatter/reduce."""
 
     def build_cast(self, tables, comm, device, all_tables):
@@ -198,7 +113,7 @@ class A2AVBackend(Backend):
         return _A2AVReduce(tables, comm, device)
 
 
-class NativeBackend(Backend):
+class NativeImpl(CollectiveImpl):
     """Reserved: the symmetric-memory / NVSHMEM kernel of the multi-GPU issue."""
 
     def _missing(self):
@@ -214,10 +129,14 @@ class NativeBackend(Backend):
         self._missing()
 
 
-def get_backend(impl: GroupCollectiveImpl) -> Backend:
-    """The backend object of ``impl``."""
+def get_impl(impl: GroupCollectiveImpl) -> CollectiveImpl:
+    """The implementation object of ``impl``."""
     if impl is GroupCollectiveImpl.HIERARCHICAL:
-        from ._hierarchical import HierarchicalBackend
+        from ._hierarchical import HierarchicalImpl
 
-        return HierarchicalBackend()
-    return {GroupCollectiveImpl.A2AV: A2AVBackend, GroupCollectiveImpl.NATIVE: NativeBackend}[impl]()
+        return HierarchicalImpl()
+    return {GroupCollectiveImpl.A2AV: A2AVImpl, GroupCollectiveImpl.NATIVE: NativeImpl}[impl]()
+
+
+# the internal names before the rename ("backend" is the attention kernel's word)
+A2AVBackend, NativeBackend, get_backend = A2AVImpl, NativeImpl, get_impl

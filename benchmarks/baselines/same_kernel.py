@@ -19,7 +19,7 @@ magi-attention isolates the distribution scheme:
 Masks are slices ``(q_ranges, k_ranges, types)``: FULL=0, CAUSAL=1 (bottom-right aligned), INV_CAUSAL=2
 (top-left aligned), BI_CAUSAL=3; the mask is the union of the slices (slices that share (q, k) pairs are
 rewritten into disjoint ones by ``magi_solver.mask.normalize_mask``, as in magi-attention). Clipping to
-token blocks uses magi_solver's band-region algebra (no dense mask), so every rank's kernel slices stay few
+token blocks uses magi_mask's band-region algebra (no dense mask), so every rank's kernel slices stay few
 and exact.
 
 Tensors: q ``[local_seqlen, num_heads_q, head_dim]``, k/v ``[local_seqlen, num_heads_kv, head_dim]``, the
@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from magi_mask import as_int_pairs, decompose_region, region_of, tighten_region
 
 from magi_ffa import ffa_bwd, ffa_fwd
 from magi_solver import SliceList
-from magi_solver.mask import decompose_region, normalize_mask, region_of, tighten_region
-from magi_solver.ranges import as_int_pairs
+from magi_solver.mask import normalize_mask
 
 __all__ = [
     "BaselinePlan",

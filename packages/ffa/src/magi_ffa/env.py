@@ -1,0 +1,79 @@
+"""Every environment variable magi_ffa reads, in one place: one function per variable, read on each call
+(tests and sweeps may change them between calls); the library never writes them.
+
+Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
+``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
+values. The docs page ``docs/flags.md`` lists these with every other package's.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["backend", "bwd_impl", "poison", "tiles", "triton_interpret"]
+
+_TRUE, _FALSE = ("1", "true"), ("0", "false")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+
+
+def _choice(name: str, allowed: tuple[str, ...]) -> str | None:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in allowed:
+        raise ValueError(f"{name}={raw!r} is not valid; use one of: {', '.join(allowed)}")
+    return raw
+
+
+def backend() -> str | None:
+    """``MAGI_FFA_BACKEND``: ``triton`` or ``torch`` forces that kernel path for every call without an explicit
+    ``backend=`` argument (an impossible request raises, never falls back). Default (unset): triton for CUDA
+    fp16/bf16 with a power-of-two head_dim in [16, 256], torch otherwise."""
+    return _choice("MAGI_FFA_BACKEND", ("triton", "torch"))
+
+
+def bwd_impl() -> str | None:
+    """``MAGI_FFA_BWD_IMPL``: the Triton backward, ``split`` (dq kernel + dkv kernel; the default) or ``fused``
+    (one kernel, dq by atomics; honoured only with ``deterministic=False``). Validated on every backend."""
+    return _choice("MAGI_FFA_BWD_IMPL", ("split", "fused"))
+
+
+def tiles(kind: str) -> tuple[int, int, int, int] | None:
+    """``MAGI_FFA_TILES_FWD`` / ``_DQ`` / ``_DKV`` / ``_FUSED``: ``"BLOCK_M,BLOCK_N,num_warps,num_stages"``
+    (four positive ints; powers of two for the blocks) overriding the tile table of that Triton kernel
+    (tuning sweeps, tests). Default: the per-head_dim table of ``_triton_common.py``."""
+    name = f"MAGI_FFA_TILES_{kind.upper()}"
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        vals = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 4 or min(vals) < 1 or any(b & (b - 1) for b in vals[:2]):
+        raise ValueError(
+            f"{name}={raw!r} is not valid: use 'BLOCK_M,BLOCK_N,num_warps,num_stages' (e.g. 64,64,4,2)"
+        )
+    return vals  # type: ignore[return-value]
+
+
+def poison() -> bool:
+    """``MAGI_FFA_POISON`` (boolean, default false): fill the Triton kernels' fresh outputs with NaN before
+    launching, so that any element a kernel fails to write shows up (tests)."""
+    return _flag("MAGI_FFA_POISON", False)
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET`` (Triton's own; boolean, default false): Triton runs kernels in its interpreter,
+    so the triton backend accepts CPU tensors (tests, CI). Set it before Triton is imported."""
+    return _flag("TRITON_INTERPRET", False)

@@ -1,0 +1,36 @@
+"""The input checks of the FFA API, for every package that offers the same contract (magi_ffa_fa4 uses them).
+
+- :func:`as_ranges` / :func:`as_type_map`: ranges and types (tensors, lists, names) to int32 tensors.
+- :func:`host_slices`: bound checks and the host slices, union-rewritten, cached by value.
+- :func:`validate_qkv`, :func:`validate_scalars`, :func:`validate_out_lse`, :func:`validate_grad_buffers`,
+  :func:`validate_bwd_inputs`:
+  shapes, dtypes and devices of the tensors; :func:`acc_dtype`: the accumulator / lse dtype.
+"""
+
+from ._common import (
+    RangesLike,
+    TypeMapLike,
+    acc_dtype,
+    as_ranges,
+    as_type_map,
+    host_slices,
+    validate_bwd_inputs,
+    validate_grad_buffers,
+    validate_out_lse,
+    validate_qkv,
+    validate_scalars,
+)
+
+__all__ = [
+    "RangesLike",
+    "TypeMapLike",
+    "acc_dtype",
+    "as_ranges",
+    "as_type_map",
+    "host_slices",
+    "validate_bwd_inputs",
+    "validate_grad_buffers",
+    "validate_out_lse",
+    "validate_qkv",
+    "validate_scalars",
+]

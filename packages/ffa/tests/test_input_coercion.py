@@ -1,0 +1,49 @@
+"""Inputs that used to be coerced silently (truncated, wrapped, or turned every output into NaN) raise,
+naming the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import magi_ffa
+
+Q = torch.randn(16, 2, 16, dtype=torch.float64)
+K = torch.randn(16, 2, 16, dtype=torch.float64)
+V = torch.randn(16, 2, 16, dtype=torch.float64)
+OK = {"q_ranges": [[0, 8]], "k_ranges": [[0, 8]], "attn_type_map": None}
+
+
+@pytest.mark.parametrize(
+    ("override", "exc", "words"),
+    [
+        ({"q_ranges": [[0.0, 8.7]]}, TypeError, "q_ranges"),
+        ({"q_ranges": np.array([[0.0, 8.0]])}, TypeError, "q_ranges"),
+        ({"q_ranges": torch.tensor([[0.0, 8.7]])}, ValueError, "q_ranges"),
+        ({"q_ranges": torch.tensor([[0, 2**32 + 8]])}, ValueError, "q_ranges.*int32"),
+        ({"k_ranges": torch.tensor([[-(2**32), 8]])}, ValueError, "k_ranges.*int32"),
+        ({"attn_type_map": [1.7]}, TypeError, "attn_type_map"),
+        ({"attn_type_map": 1.7}, TypeError, "attn_type_map"),
+        ({"attn_type_map": torch.tensor([1.7])}, ValueError, "attn_type_map"),
+        ({"attn_type_map": torch.tensor([2**32 + 1])}, ValueError, "attn_type_map.*int32"),
+        ({"softmax_scale": True}, ValueError, "softmax_scale"),
+        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        ({"softmax_scale": 1e300}, ValueError, "softmax_scale"),
+        ({"softcap": float("inf")}, ValueError, "softcap"),
+        ({"softcap": float("nan")}, ValueError, "softcap"),
+        ({"softcap": True}, ValueError, "softcap"),
+    ],
+)
+def test_coercions_are_rejected(override, exc, words):
+    with pytest.raises(exc, match=words):
+        magi_ffa.flex_flash_attn_func(Q, K, V, **{**OK, **override})
+
+
+def test_int64_ranges_within_int32_still_work():
+    out, _ = magi_ffa.flex_flash_attn_func(
+        Q, K, V, torch.tensor([[0, 8]]), torch.tensor([[0, 8]]), torch.tensor([1])
+    )
+    ref, _ = magi_ffa.flex_flash_attn_func(Q, K, V, [[0, 8]], [[0, 8]], "causal")
+    assert torch.equal(out, ref) and torch.isfinite(out).all()

@@ -1,0 +1,53 @@
+"""Every environment variable magi_ffa_fa4 reads, in one place: one function per variable; the library
+never writes them. (FlashAttention-4 and the CuTe DSL read their own; magi_ffa's are in ``magi_ffa.env``.)
+
+Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
+``ValueError`` naming the variable for anything else. ``docs/flags.md`` lists every package's variables.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["plan_cache_size", "poison", "r2p"]
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true"):
+        return True
+    if raw in ("0", "false"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+
+
+def plan_cache_size() -> int:
+    """``MAGI_FFA_FA4_PLAN_CACHE`` (positive int, default 64): launch metadata kept (LRU), one entry per
+    distinct mask and device. Read once, when the package is imported."""
+    raw = os.environ.get("MAGI_FFA_FA4_PLAN_CACHE", "").strip()
+    if not raw:
+        return 64
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"MAGI_FFA_FA4_PLAN_CACHE={raw!r} is not valid: it must be a positive integer (default 64)"
+        )
+    return value
+
+
+def r2p() -> bool:
+    """``MAGI_FFA_FA4_R2P`` (boolean, default true): row-bitmask masking on sm90 forward tiles; false falls
+    back to the per-element mask_mod everywhere. Read when launch metadata is built (call
+    ``clear_launch_cache`` after changing it)."""
+    return _flag("MAGI_FFA_FA4_R2P", True)
+
+
+def poison() -> bool:
+    """``MAGI_FFA_FA4_POISON`` (boolean, default false): FA4's output buffer starts as NaN, so any element the
+    kernel does not write shows up (tests)."""
+    return _flag("MAGI_FFA_FA4_POISON", False)

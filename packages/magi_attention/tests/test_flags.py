@@ -1,0 +1,184 @@
+"""Environment variables: one env module per package, strict booleans and checked values, every variable on
+docs/flags.md, and the runtime flags (deterministic mode, hierarchical comm, native group collective)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import magi_ffa.env as ffa_env
+import magi_ffa_fa4.env as fa4_env
+import magi_group_collective.env as gc_env
+from magi_attention import env as ma_env
+from magi_attention.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV_MODULES = {
+    "ffa/src/magi_ffa/env.py",
+    "ffa_fa4/src/magi_ffa_fa4/env.py",
+    "group_collective/src/magi_group_collective/env.py",
+    "magi_attention/src/magi_attention/env.py",
+}
+
+BOOLS = [
+    (ffa_env.poison, "MAGI_FFA_POISON", False),
+    (ffa_env.triton_interpret, "TRITON_INTERPRET", False),
+    (fa4_env.poison, "MAGI_FFA_FA4_POISON", False),
+    (fa4_env.r2p, "MAGI_FFA_FA4_R2P", True),
+    (gc_env.debug, "MAGI_GROUP_COLLECTIVE_DEBUG", False),
+    (ma_env.sanity_check_enabled, "MAGI_ATTENTION_SANITY_CHECK", False),
+    (ma_env.deterministic_mode, "MAGI_ATTENTION_DETERMINISTIC_MODE", False),
+    (ma_env.hierarchical_comm, "MAGI_ATTENTION_HIERARCHICAL_COMM", True),
+    (ma_env.native_grpcoll, "MAGI_ATTENTION_NATIVE_GRPCOLL", False),
+    (ma_env.triton_interpret, "TRITON_INTERPRET", False),
+]
+
+
+@pytest.mark.parametrize(("fn", "name", "default"), BOOLS, ids=[f"{b[0].__module__}.{b[1]}" for b in BOOLS])
+def test_booleans_are_strict(monkeypatch, fn, name, default) -> None:
+    monkeypatch.delenv(name, raising=False)
+    assert fn() is default
+    for raw, want in (
+        ("1", True),
+        ("0", False),
+        ("true", True),
+        ("FALSE", False),
+        ("True", True),
+        ("", default),
+    ):
+        monkeypatch.setenv(name, raw)
+        assert fn() is want, (name, raw)
+    for raw in ("yes", "on", "2", "enable"):
+        monkeypatch.setenv(name, raw)
+        with pytest.raises(ValueError, match=name):
+            fn()
+
+
+VALUED = [
+    (ffa_env.backend, "MAGI_FFA_BACKEND", "Torch", "torch", "cuda"),
+    (ffa_env.bwd_impl, "MAGI_FFA_BWD_IMPL", "fused", "fused", "fusd"),
+    (lambda: ffa_env.tiles("fwd"), "MAGI_FFA_TILES_FWD", "32,16,4,1", (32, 16, 4, 1), "32,16"),
+    (lambda: ffa_env.tiles("dq"), "MAGI_FFA_TILES_DQ", "16,16,4,2", (16, 16, 4, 2), "24,16,4,1"),
+    (fa4_env.plan_cache_size, "MAGI_FFA_FA4_PLAN_CACHE", "8", 8, "0"),
+    (gc_env.impl, "MAGI_GROUP_COLLECTIVE_IMPL", "A2AV", "a2av", "deepep"),
+    (gc_env.kernels, "MAGI_GROUP_COLLECTIVE_KERNELS", "triton", "triton", "cuda"),
+    (ma_env.kernel_backend_override, "MAGI_ATTENTION_KERNEL_BACKEND", "sdpa", "torch", "flash"),
+    (ma_env.runtime_dict_size, "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", "5", 5, "-1"),
+]
+
+
+@pytest.mark.parametrize(("fn", "name", "good", "want", "bad"), VALUED, ids=[v[1] for v in VALUED])
+def test_valued_variables_are_checked(monkeypatch, fn, name, good, want, bad) -> None:
+    monkeypatch.setenv(name, good)
+    assert fn() == want
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        fn()
+
+
+def _src_files():
+    for pkg in sorted((ROOT / "packages").iterdir()):
+        yield from sorted((pkg / "src").rglob("*.py"))
+
+
+def test_environment_is_read_only_in_env_modules() -> None:
+    """Only the env modules read os.environ (testing.py only *sets* OMP_NUM_THREADS for its children)."""
+    offenders = []
+    for path in _src_files():
+        rel = str(path.relative_to(ROOT / "packages"))
+        if rel in ENV_MODULES:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"os\.environ|getenv\(", line) and 'setdefault("OMP_NUM_THREADS"' not in line:
+                offenders.append(f"{rel}:{i}: {line.strip()}")
+    assert not offenders, "environment read outside the env modules:\n" + "\n".join(offenders)
+
+
+def test_every_variable_is_documented() -> None:
+    doc = (ROOT / "docs" / "flags.md").read_text()
+    names = set()
+    for rel in ENV_MODULES:
+        text = (ROOT / "packages" / rel).read_text()
+        names |= set(re.findall(r"\b(MAGI_[A-Z0-9_]+[A-Z0-9]|TRITON_INTERPRET)\b", text))
+    names.discard("MAGI_FFA_TILES_")
+    missing = sorted(n for n in names if n not in doc)
+    assert not missing, f"docs/flags.md does not list {missing}"
+    for upstream in (
+        "MAGI_ATTENTION_SANITY_CHECK",
+        "MAGI_ATTENTION_KERNEL_BACKEND",
+        "MAGI_ATTENTION_NATIVE_GRPCOLL",
+        "MAGI_ATTENTION_DETERMINISTIC_MODE",
+        "MAGI_ATTENTION_HIERARCHICAL_COMM",
+    ):
+        assert upstream in names and upstream in doc
+
+
+def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
+    from magi_attention._kernels import AttnKernel
+    from magi_attention._runtime import KernelSlices
+    from magi_attention.dist_attn import _bwd_call, _fwd_call
+
+    seen = []
+
+    def fwd(*args, **kw):
+        seen.append(("fwd", kw.get("deterministic", False)))
+        return args[0], args[0][:, :, 0]
+
+    def bwd(*args, **kw):
+        seen.append(("bwd", kw.get("deterministic", False)))
+        return args[1], args[2], args[3]
+
+    kernel = AttnKernel("torch", fwd, bwd)
+    x = torch.zeros(4, 1, 8)
+    r = torch.tensor([[0, 4]], dtype=torch.int32)
+    sl = KernelSlices(r, r, torch.zeros(1, dtype=torch.int32), 1)
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MAGI_ATTENTION_DETERMINISTIC_MODE", flag)
+        _fwd_call(kernel, x, x, x, sl, None, None, 1.0, 0.0)
+        _bwd_call(kernel, x, x, x, x, x, x[:, :, 0], sl, None, None, None, 1.0, 0.0)
+    assert seen == [("fwd", False), ("bwd", False), ("fwd", True), ("bwd", True)]
+
+
+def _runtime_flags_worker(rank: int, world_size: int) -> None:
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from magi_attention._runtime import RUNTIME_CACHE
+    from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_varlen_key, undispatch
+    from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
+    from magi_ffa.testing import make_attn_mask, ref_attn
+    from magi_group_collective import GroupCollectiveImpl
+
+    total, hq, d = 64, 2, 8
+    cfg = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=4), overlap_config=OverlapConfig(degree=1))
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("inter", "intra"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, hq, d, dtype=torch.float64, generator=gen) for _ in range(3))
+    ref, _ = ref_attn(q, k, v, make_attn_mask([[0, 30], [30, 64]], [[0, 30], [30, 64]], [1, 1], total, total))
+    for flag, want in (("0", GroupCollectiveImpl.A2AV), ("1", GroupCollectiveImpl.HIERARCHICAL)):
+        os.environ["MAGI_ATTENTION_HIERARCHICAL_COMM"] = flag
+        clear_cache()
+        key = magi_attn_varlen_key(
+            [0, 30, 64], [0, 30, 64], hq, hq, d, mesh, causal=True, dist_attn_config=cfg
+        )
+        out, _ = calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+        plans = RUNTIME_CACHE.get(key).device_meta(torch.device("cpu")).cast_plans
+        assert plans and all(p.impl == want for p in plans), (flag, [p.impl for p in plans])
+        assert torch.allclose(undispatch(out, key), ref, rtol=1e-10, atol=1e-12)
+    del os.environ["MAGI_ATTENTION_HIERARCHICAL_COMM"]
+    os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1"
+    clear_cache()
+    group = dist.group.WORLD
+    key = magi_attn_varlen_key([0, 30, 64], [0, 30, 64], hq, hq, d, group, causal=True, dist_attn_config=cfg)
+    with pytest.raises(NotImplementedError, match="NATIVE"):
+        calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+    del os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"]
+
+
+def test_hierarchical_comm_and_native_grpcoll_flags() -> None:
+    run_distributed(_runtime_flags_worker, 4, timeout=300)

@@ -1,0 +1,199 @@
+"""`magi-attention-plan`: runs without torch (in a subprocess), JSON records agree with the planner, plots,
+input formats and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from magi_solver import make_varlen_causal_mask, plan_dist_attn
+from magi_solver.cli import main
+from magi_solver.hardware import HARDWARE, MaskFamily, get_hardware
+from magi_solver.predict import Workload, predict_cp
+
+SMALL = ["--mask", "varlen-causal", "--total", "32768", "--num-docs", "12", "--chunk-size", "512"]
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict]:
+    assert main([*argv, "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_subprocess_runs_without_torch(tmp_path: Path) -> None:
+    """The CLI in a fresh interpreter: JSON on stdout, and neither torch nor matplotlib imported."""
+    code = (
+        "import sys, json\n"
+        "from magi_solver.cli import main\n"
+        f"rc = main({[*SMALL, '--cp', '2,4', '--json']!r})\n"
+        "bad = sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules)\n"
+        "sys.exit(rc or (3 if bad else 0))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    recs = json.loads(r.stdout)
+    assert [x["cp"] for x in recs] == [2, 4]
+    assert "planned 2 cp size(s)" in r.stderr  # the closing summary
+
+
+def test_console_script_installed() -> None:
+    exe = Path(sys.executable).with_name("magi-attention-plan")
+    if not exe.exists():
+        pytest.skip("magi-solver not installed with its console script in this environment")
+    r = subprocess.run([str(exe), *SMALL, "--cp", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "cp 2:" in r.stdout and "magi" in r.stdout and "ring (zigzag)" in r.stdout
+
+
+def test_json_records_match_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    recs = _run_json(capsys, *SMALL, "--cp", "2,4,8", "--heads", "8:2", "--head-dim", "64")
+    for rec in recs:
+        areas = rec["rank_areas"]
+        assert rec["imbalance"] == pytest.approx(max(areas) / (sum(areas) / len(areas)))
+        assert rec["imbalance"] >= rec["lower_bound_imbalance"] - 1e-12
+        assert rec["remote_kv_bytes_max"] == rec["remote_kv_tokens_max"] * 2 * 2 * 64 * 2
+        assert set(rec["schemes"]) == {"magi", "ring", "all_gather", "ulysses"}
+        assert sum(areas) == rec["mask_area"]
+        # ring and all-gather move every other shard; magi moves at most that
+        assert rec["ring_kv_tokens_per_rank"] == rec["padded_seqlen"] - rec["tokens_per_rank"]
+        assert rec["remote_kv_tokens_max"] <= rec["ring_kv_tokens_per_rank"]
+    # Ulysses needs heads divisible by cp: 8:2 heads run at cp 2 but not at 4
+    assert "skipped" not in recs[0]["schemes"]["ulysses"]
+    assert "skipped" in recs[1]["schemes"]["ulysses"]
+
+
+def test_remote_tokens_equal_plan_dist_attn() -> None:
+    from magi_solver.cli import lognormal_doc_lens
+
+    lens = lognormal_doc_lens(32768, 12, 0)
+    cu = [0, *np.cumsum(lens).tolist()]
+    q, k, t = make_varlen_causal_mask(cu)
+    rec, _ = predict_cp(q, k, t, 32768, 4, hardware=get_hardware("h200"), workload=Workload(chunk_size=512))
+    ref = plan_dist_attn(q, k, t, 32768, 4, 512, overlap_degree=0)
+    assert rec["remote_kv_tokens_max"] == max(ref.remote_tokens_per_rank)
+    assert rec["imbalance"] == pytest.approx(ref.imbalance)
+
+
+def test_magi_time_is_the_runtime_cost_model() -> None:
+    """On one node the prediction is the planner's own `degree_costs` (the dynamic overlap's cost model)."""
+    full = [[0, 65536]]
+    hw = get_hardware("h200")
+    rec, plan = predict_cp(full, full, "full", 65536, 4, hardware=hw, family="full")
+    magi = rec["schemes"]["magi"]
+    assert (magi["fwd_ms"] + magi["bwd_ms"]) / 1e3 == pytest.approx(plan.degree_costs[plan.overlap_degree])
+
+
+def test_internode_links_slow_the_baselines_down() -> None:
+    full = [[0, 1 << 17]]
+    hw = get_hardware("h200").with_overrides(internode_gbps=2.0)
+    small = hw.with_overrides(gpus_per_node=16)
+    a, _ = predict_cp(full, full, "causal", 1 << 17, 16, hardware=hw, family="causal")
+    b, _ = predict_cp(full, full, "causal", 1 << 17, 16, hardware=small, family="causal")
+    assert a["schemes"]["ring"]["fwd_ms"] > b["schemes"]["ring"]["fwd_ms"]
+    assert a["schemes"]["magi"]["fwd_ms"] > b["schemes"]["magi"]["fwd_ms"]
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+def test_hardware_profiles(name: str) -> None:
+    hw = get_hardware(name)
+    assert hw.estimate == (name != "h200")
+    for fam in MaskFamily:
+        fwd, bwd = hw.tflops(fam)
+        assert fwd > 0 and bwd > 0
+        assert hw.cost_profile(fam).fwd_tflops == fwd
+
+
+@pytest.mark.parametrize(
+    "mask_args",
+    [
+        pytest.param(["--mask", "full", "--total", "16384"], id="full"),
+        pytest.param(["--mask", "causal", "--cu-seqlens", "0,4096,6000,16384"], id="causal-cu"),
+        pytest.param(["--mask", "sliding-window", "--doc-lens", "8192,8192", "--window", "1024,0"], id="swa"),
+        pytest.param(["--mask", "global-window", "--total", "16384", "--window", "512,0"], id="global"),
+        pytest.param(["--mask", "block-causal", "--total", "16384", "--block-size", "1024"], id="block"),
+        pytest.param(["--mask", "prefix-lm", "--doc-lens", "8192,8192", "--prefix-len", "512"], id="prefix"),
+    ],
+)
+def test_every_builder(capsys: pytest.CaptureFixture[str], mask_args: list[str]) -> None:
+    (rec,) = _run_json(capsys, *mask_args, "--cp", "4", "--chunk-size", "512")
+    assert rec["cp"] == 4 and rec["mask_area"] > 0
+
+
+def test_doc_lens_file_and_slices_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "lens.txt"
+    f.write_text("4096\n4096\n8192\n")
+    (a,) = _run_json(
+        capsys, "--mask", "causal", "--doc-lens-file", str(f), "--cp", "2", "--chunk-size", "512"
+    )
+    s1 = tmp_path / "a.json"
+    s1.write_text(json.dumps({"q_ranges": [[0, 4096], [4096, 8192], [8192, 16384]],
+                              "k_ranges": [[0, 4096], [4096, 8192], [8192, 16384]], "types": "causal"}))  # fmt: skip
+    s2 = tmp_path / "b.json"
+    s2.write_text(json.dumps({"slices": [[0, 4096, 0, 4096, 1], [4096, 8192, 4096, 8192, "causal"],
+                                         [8192, 16384, 8192, 16384, "CAUSAL"]], "total_seqlen": 16384}))  # fmt: skip
+    (b,) = _run_json(
+        capsys, "--slices", str(s1), "--cp", "2", "--chunk-size", "512", "--family", "varlen_causal"
+    )
+    (c,) = _run_json(
+        capsys, "--slices", str(s2), "--cp", "2", "--chunk-size", "512", "--family", "varlen_causal"
+    )
+    for key in ("mask_area", "imbalance", "remote_kv_tokens_max"):
+        assert a[key] == b[key] == c[key]
+
+
+def test_padding_to_chunk_times_cp(capsys: pytest.CaptureFixture[str]) -> None:
+    (rec,) = _run_json(capsys, "--mask", "causal", "--total", "10000", "--cp", "4", "--chunk-size", "512")
+    assert rec["padded_seqlen"] == 10240 and rec["total_seqlen"] == 10000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(["--cp", "0"], "--cp sizes must be >= 1", id="cp0"),
+        pytest.param(["--heads", "64"], "--heads must be Q:KV", id="heads"),
+        pytest.param(["--cu-seqlens", "0,10", "--doc-lens", "10"], "at most one of", id="two-doc-sources"),
+        pytest.param(["--cu-seqlens", "5,10"], "must start at 0", id="cu"),
+        pytest.param(["--degree", "many"], "--degree must be", id="degree"),
+        pytest.param(["--slices", "/nonexistent.json"], "cannot read --slices", id="slices"),
+    ],
+)
+def test_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main([*argv, "--total", "4096", "--chunk-size", "512", "--quiet"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if not installed\n"
+        "from magi_solver.cli import main\n"
+        f"sys.exit(main({[*SMALL, '--cp', '2', '--plot', str(tmp_path)]!r}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert 'pip install "magi-solver[plot]"' in r.stderr
+
+
+def test_plot_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    assert main([*SMALL, "--cp", "2,4", "--plot", str(tmp_path), "--quiet"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert names == [
+        "comm_matrix_cp2.png", "comm_matrix_cp4.png", "dispatch_cp2.png", "dispatch_cp4.png", "mask.png",
+        "rank_areas_cp2.png", "rank_areas_cp4.png", "scaling.png",
+    ]  # fmt: skip
+    assert all(p.stat().st_size < 200_000 for p in tmp_path.glob("*.png"))
+
+
+def test_mask_image_is_exact() -> None:
+    from magi_solver.plot import mask_image
+
+    q, k, t = make_varlen_causal_mask([0, 5, 12, 16])
+    dense = make_varlen_causal_mask([0, 5, 12, 16]).to_dense(16)
+    np.testing.assert_allclose(mask_image(q, k, t, 16, size=16), dense.astype(float))
+    img = mask_image(q, k, t, 16, size=4)  # 4 x 4 cells of 4 x 4 tokens
+    np.testing.assert_allclose(img, dense.reshape(4, 4, 4, 4).mean(axis=(1, 3)))
