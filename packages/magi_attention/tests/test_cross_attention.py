@@ -85,5 +85,5 @@ def test_varlen_cross_documents() -> None:
     assert [tuple(r) for r in key.k_ranges] == [(0, 9), (9, 20)]
     with pytest.raises(ValueError, match="same number of documents"):
         api.magi_attn_varlen_key([0, 5, 12], [0, 20], HQ, HKV, D, None)
-    with pytest.raises(NotImplementedError, match="sliding windows"):
-        api.magi_attn_varlen_key([0, 5, 12], [0, 9, 20], HQ, HKV, D, None, window_size=(3, 0))
+    windowed = api.magi_attn_varlen_key([0, 5, 12], [0, 9, 20], HQ, HKV, D, None, window_size=(3, 1))
+    assert windowed.total_seqlen_k == 20 and len(windowed.q_ranges) >= 2

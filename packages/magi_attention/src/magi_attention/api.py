@@ -14,7 +14,6 @@ Position-dependent code (RoPE) must use `get_position_ids(key)`: dispatch permut
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import torch
@@ -29,7 +28,16 @@ from ._runtime import RUNTIME_CACHE
 from .config import DistAttnConfig, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
-from .helpers import compute_pad_size, infer_varlen_mask_from_batch, squash_batch_dim
+from .helpers import (
+    compute_pad_size,
+    infer_attn_mask_from_cu_seqlens,
+    infer_attn_mask_from_sliding_window,
+    infer_varlen_mask_from_batch,
+    squash_batch_dim,
+)
+from .helpers import (
+    cu_seqlens_list as _cu_seqlens_list,
+)
 from .key import CpGroup, DistAttnRuntimeKey
 from .mask_mod import infer_attn_mask_from_mask_mod
 from .roll import roll
@@ -50,7 +58,9 @@ __all__ = [
     "dispatch_kv",
     "get_most_recent_key",
     "get_position_ids",
+    "infer_attn_mask_from_cu_seqlens",
     "infer_attn_mask_from_mask_mod",
+    "infer_attn_mask_from_sliding_window",
     "infer_varlen_mask_from_batch",
     "magi_attn_flex_key",
     "magi_attn_varlen_key",
@@ -239,8 +249,8 @@ def magi_attn_varlen_key(
     if cu_q == cu_k:
         mask = make_sliding_window_mask(cu_q, window)
         q_ranges, k_ranges, types = mask.q_ranges, mask.k_ranges, mask.types
-    else:
-        q_ranges, k_ranges, types = _cross_document_slices(cu_q, cu_k, causal, window)
+    else:  # cross-attention between documents: query document i sees key document i
+        q_ranges, k_ranges, types, _, _ = infer_attn_mask_from_cu_seqlens(cu_q, cu_k, causal, window_size)
     return magi_attn_flex_key(
         q_ranges,
         k_ranges,
@@ -255,23 +265,6 @@ def magi_attn_varlen_key(
         pad_size=pad_size,
         chunk_size=chunk_size,
     )
-
-
-def _cross_document_slices(cu_q: list[int], cu_k: list[int], causal: bool, window: tuple[int, int]):
-    """Cross-attention between packed documents: query document i sees key document i (whole, or causally
-    with the diagonal at the bottom-right, as FlashAttention aligns q and k of different lengths)."""
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must hold the same number of documents, got {len(cu_q) - 1} and "
-            f"{len(cu_k) - 1}"
-        )
-    if window[0] != -1 or window[1] not in (-1, 0):
-        raise NotImplementedError(
-            "sliding windows between documents of different lengths are not supported: build the slices "
-            "(magi_attn_flex_key) or use equal cu_seqlens"
-        )
-    docs = [((a, b), (c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if a < b and c < d]
-    return [q for q, _ in docs], [k for _, k in docs], ["causal" if causal else "full"] * len(docs)
 
 
 @collective_key_build(_dispatch_key_group)
@@ -320,21 +313,6 @@ def _window_pair(window_size: Any, causal: bool) -> tuple[int, int]:
             raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
     # causal attention sees no key to the right of the query, whatever the window says
     return left, 0 if causal else right
-
-
-def _cu_seqlens_list(cu: Any, name: str) -> list[int]:
-    if isinstance(cu, torch.Tensor) and (
-        cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool
-    ):
-        raise ValueError(f"{name} must hold integers, got a {cu.dtype} tensor")
-    values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
-        raise ValueError(f"{name} must hold integers (floats would be truncated), got {values}")
-    if len(values) < 2 or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError(
-            f"{name} must start at 0 and be non-decreasing with at least 2 entries, got {values}"
-        )
-    return [int(x) for x in values]
 
 
 @collective_key_build(_dispatch_key_group)

@@ -1,10 +1,16 @@
-"""Small helpers MagiAttention users call around the keys: padding arithmetic and batch <-> packed layouts."""
+"""Small helpers MagiAttention users call around the keys: padding arithmetic, batch <-> packed layouts and
+the slice forms of sliding windows and packed documents."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Any
 
 import torch
+from magi_mask import decompose_region, tighten_region
+
+from magi_solver import AttnMaskType, AttnRanges
 
 
 def _positive(value: object, name: str) -> int:
@@ -58,3 +64,108 @@ def infer_varlen_mask_from_batch(
     b, s = _positive(batch_size, "batch_size"), _positive(seqlen, "seqlen")
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
     return cu, cu.clone()
+
+
+def _window_bound(w: int, name: str) -> int | None:
+    if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+        raise ValueError(f"`{name}` entries must be ints >= 0, or -1 for unbounded, got {w!r}")
+    return None if w == -1 else w
+
+
+def infer_attn_mask_from_sliding_window(
+    q_range: Any, k_range: Any, window_size: tuple[int, int]
+) -> tuple[AttnRanges, AttnRanges, list[AttnMaskType]]:
+    """The exact slices of one sliding-window block (at most three: a CAUSAL head, a band, an INV_CAUSAL tail).
+
+    Args:
+        q_range: `[start, end)` of the queries.
+        k_range: `[start, end)` of the keys.
+        window_size: `(left, right)` as in FlashAttention, -1 = unbounded: local query row i sees local key
+            j when `i + d - left <= j <= i + d + right`, with `d = len(k_range) - len(q_range)` (the diagonal
+            aligned at the bottom-right, so `(-1, 0)` is CAUSAL and `(-1, -1)` FULL).
+
+    Returns:
+        `(q_ranges, k_ranges, attn_mask_types)`, empty when the window sees nothing.
+    """
+    (qs, qe), (ks, ke) = (_pair(r, n) for r, n in ((q_range, "q_range"), (k_range, "k_range")))
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"`window_size` must be a (left, right) pair, got {window_size!r}") from None
+    left, right = _window_bound(left, "window_size"), _window_bound(right, "window_size")
+    shift = ks - qs + (ke - ks) - (qe - qs)  # k - q on the bottom-right diagonal
+    lo = ks - qe + 1 if left is None else shift - left
+    hi = ke - 1 - qs if right is None else shift + right
+    region = tighten_region(qs, qe, ks, ke, lo, hi)
+    slices = [] if region is None else decompose_region(region)
+    return (
+        AttnRanges.from_ranges([[a, b] for a, b, _, _, _ in slices]),
+        AttnRanges.from_ranges([[c, d] for _, _, c, d, _ in slices]),
+        [AttnMaskType.from_code(t) for *_, t in slices],
+    )
+
+
+def infer_attn_mask_from_cu_seqlens(
+    cu_seqlens_q: Any, cu_seqlens_k: Any, causal: bool = False, window_size: tuple[int, int] = (-1, -1)
+) -> tuple[AttnRanges, AttnRanges, list[AttnMaskType], int, int]:
+    """Slices of packed documents: query document i attends key document i (self- or cross-attention).
+
+    Args:
+        cu_seqlens_q: cumulative query lengths `[num_docs + 1]` from 0 (list or int tensor).
+        cu_seqlens_k: cumulative key lengths, the same number of documents.
+        causal: no key right of the (bottom-right aligned) diagonal; forces the window's right side to 0.
+        window_size: `(left, right)` sliding window inside each document, -1 = unbounded (see
+            `infer_attn_mask_from_sliding_window`).
+
+    Returns:
+        `(q_ranges, k_ranges, attn_mask_types, total_seqlen_q, total_seqlen_k)`: a handful of slices per
+        document (one FULL or CAUSAL slice without a window), never one per row.
+    """
+    cu_q, cu_k = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q"), cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of documents, got {len(cu_q) - 1} and "
+            f"{len(cu_k) - 1}"
+        )
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"`window_size` must be a (left, right) pair, got {window_size!r}") from None
+    window = (left, 0 if causal else right)
+    q_all, k_all, t_all = [], [], []
+    for qs, qe, ks, ke in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        if qs < qe and ks < ke:
+            q, k, t = infer_attn_mask_from_sliding_window((qs, qe), (ks, ke), window)
+            q_all += q.to_tuples()
+            k_all += k.to_tuples()
+            t_all += t
+    return AttnRanges.from_ranges(q_all), AttnRanges.from_ranges(k_all), t_all, cu_q[-1], cu_k[-1]
+
+
+def _pair(r: Any, name: str) -> tuple[int, int]:
+    try:
+        a, b = (r.start, r.end) if hasattr(r, "start") else r
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a [start, end) pair, got {r!r}") from None
+    for x in (a, b):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"`{name}` must hold ints, got {r!r}")
+    if not 0 <= a <= b:
+        raise ValueError(f"`{name}` must satisfy 0 <= start <= end, got {r!r}")
+    return a, b
+
+
+def cu_seqlens_list(cu: Any, name: str) -> list[int]:
+    """Validated cumulative lengths as ints: non-decreasing from 0, at least 2 entries, never truncated floats."""
+    if isinstance(cu, torch.Tensor) and (
+        cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool
+    ):
+        raise ValueError(f"{name} must hold integers, got a {cu.dtype} tensor")
+    values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+        raise ValueError(f"{name} must hold integers (floats would be truncated), got {values}")
+    if len(values) < 2 or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(
+            f"{name} must start at 0 and be non-decreasing with at least 2 entries, got {values}"
+        )
+    return values

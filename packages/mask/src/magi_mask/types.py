@@ -36,6 +36,9 @@ class AttnMaskType(StrEnum):
     CAUSAL = "causal"
     INV_CAUSAL = "inv_causal"
     BI_CAUSAL = "bi_causal"
+    # MagiAttention's spellings: aliases of the same members
+    INVCAUSAL = "inv_causal"
+    BICAUSAL = "bi_causal"
 
     @property
     def code(self) -> int:
