@@ -13,10 +13,10 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from _launch import run_ranks
 from _model import TinyLM
 
 from magi_attention.config import DispatchConfig, DistAttnConfig
+from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
 DP, CP, STEPS = 2, 2, 3

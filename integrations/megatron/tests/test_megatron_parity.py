@@ -13,7 +13,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from _launch import run_ranks
+
+from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
 VOCAB = 97

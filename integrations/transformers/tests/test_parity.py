@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _launch import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
+from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
 WINDOW = 6

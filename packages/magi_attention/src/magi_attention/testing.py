@@ -15,9 +15,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -78,3 +82,39 @@ def run_distributed(
     if failures:
         raise AssertionError(f"distributed run (world_size={world_size}) failed:\n" + "\n".join(failures))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def run_docs_example(
+    page: str | os.PathLike[str], nproc: int, workdir: str | os.PathLike[str], *, timeout: float = 540.0
+) -> subprocess.CompletedProcess:
+    """Run a docs page's complete example as written: its one ```python block that initialises a process group,
+    launched with `torchrun --standalone --nproc-per-node nproc` on CPU ranks (gloo) in `workdir`.
+
+    Args:
+        page: the markdown page.
+        nproc: ranks to launch.
+        workdir: where the script is written and run.
+        timeout: seconds before the run is killed.
+
+    Returns:
+        The finished process (stdout and stderr captured as text); raises AssertionError if the page does not
+        hold exactly one such block.
+    """
+    blocks = re.findall(r"```python\n(.*?)```", Path(page).read_text(), flags=re.S)
+    runnable = [b for b in blocks if "init_process_group" in b]
+    assert len(runnable) == 1, (
+        f"{page} should hold exactly one complete runnable example, found {len(runnable)}"
+    )
+    script = Path(workdir) / "docs_example.py"
+    script.write_text(runnable[0])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=workdir)
