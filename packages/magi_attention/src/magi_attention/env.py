@@ -122,3 +122,8 @@ def cost_profile_override() -> str | None:
     JSON file path) when `OverlapConfig.cost_profile` is None; unset = the profile of rank 0's GPU kind."""
     raw = os.environ.get("MAGI_ATTENTION_COST_PROFILE", "").strip()
     return raw or None
+
+
+def child_process_env(**overrides: str) -> dict[str, str]:
+    """This process's environment with `overrides`, for a child process (tests launching ranks)."""
+    return {**os.environ, **overrides}

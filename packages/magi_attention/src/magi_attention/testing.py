@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .env import child_process_env
+
 
 def _worker(
     fn: Callable[..., Any], rank: int, world_size: int, init: str, backend: str, results: Any, args: tuple
@@ -116,5 +118,5 @@ def run_docs_example(
         str(nproc),
         str(script),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = child_process_env(OMP_NUM_THREADS="1")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=workdir)
