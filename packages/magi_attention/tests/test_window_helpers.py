@@ -55,3 +55,30 @@ def test_cu_seqlens_self_and_cross() -> None:
         api.infer_attn_mask_from_cu_seqlens([0, 10], [0, 5, 9])
     with pytest.raises(ValueError, match="window_size"):
         api.infer_attn_mask_from_sliding_window((0, 4), (0, 4), (-2, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=4),
+    left=st.integers(-1, 12),
+    right=st.integers(-1, 6),
+    glob=st.integers(0, 8),
+    causal=st.booleans(),
+)
+def test_cu_seqlens_with_global_window_is_exact(lens, left, right, glob, causal) -> None:
+    cu_q, cu_k = [0], [0]
+    for a, b in lens:
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + b)
+    q, k, t, tq, tk = api.infer_attn_mask_from_cu_seqlens(cu_q, cu_k, causal, (left, right), glob)
+    want = np.zeros((tq, tk), dtype=bool)
+    r = 0 if causal else right
+    for qs, qe, ks, ke in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        sq, sk = qe - qs, ke - ks
+        block = _rule(sq, sk, left, r)
+        if glob:
+            i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+            hi = np.full_like(i, 10**9) if r == -1 else i + (sk - sq) + r
+            block |= (j < glob) & (j <= hi)
+        want[qs:qe, ks:ke] = block
+    assert (_union(q, k, t, tq, tk) == want).all()

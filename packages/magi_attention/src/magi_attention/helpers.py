@@ -93,11 +93,23 @@ def infer_attn_mask_from_sliding_window(
     except (TypeError, ValueError):
         raise ValueError(f"`window_size` must be a (left, right) pair, got {window_size!r}") from None
     left, right = _window_bound(left, "window_size"), _window_bound(right, "window_size")
+    return _typed_ranges(_window_slices(qs, qe, ks, ke, left, right))
+
+
+def _window_slices(
+    qs: int, qe: int, ks: int, ke: int, left: int | None, right: int | None, k_end: int | None = None
+):
+    """Typed slices of the window `(left, right)` (None = unbounded) of one block, its diagonal at the
+    bottom-right of `[qs, qe) x [ks, ke)`; `k_end` cuts the keys (a global prefix) without moving the diagonal."""
     shift = ks - qs + (ke - ks) - (qe - qs)  # k - q on the bottom-right diagonal
+    end = ke if k_end is None else min(ke, k_end)
     lo = ks - qe + 1 if left is None else shift - left
-    hi = ke - 1 - qs if right is None else shift + right
-    region = tighten_region(qs, qe, ks, ke, lo, hi)
-    slices = [] if region is None else decompose_region(region)
+    hi = end - 1 - qs if right is None else shift + right
+    region = tighten_region(qs, qe, ks, end, lo, hi)
+    return [] if region is None else decompose_region(region)
+
+
+def _typed_ranges(slices) -> tuple[AttnRanges, AttnRanges, list[AttnMaskType]]:
     return (
         AttnRanges.from_ranges([[a, b] for a, b, _, _, _ in slices]),
         AttnRanges.from_ranges([[c, d] for _, _, c, d, _ in slices]),
@@ -106,7 +118,11 @@ def infer_attn_mask_from_sliding_window(
 
 
 def infer_attn_mask_from_cu_seqlens(
-    cu_seqlens_q: Any, cu_seqlens_k: Any, causal: bool = False, window_size: tuple[int, int] = (-1, -1)
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    global_window_size: int = 0,
 ) -> tuple[AttnRanges, AttnRanges, list[AttnMaskType], int, int]:
     """Slices of packed documents: query document i attends key document i (self- or cross-attention).
 
@@ -116,6 +132,8 @@ def infer_attn_mask_from_cu_seqlens(
         causal: no key right of the (bottom-right aligned) diagonal; forces the window's right side to 0.
         window_size: `(left, right)` sliding window inside each document, -1 = unbounded (see
             `infer_attn_mask_from_sliding_window`).
+        global_window_size: `G > 0` also lets every query see its document's first `G` keys (attention-sink
+            tokens), still bounded by the window's right side; the slices may overlap (the mask is their union).
 
     Returns:
         `(q_ranges, k_ranges, attn_mask_types, total_seqlen_q, total_seqlen_k)`: a handful of slices per
@@ -131,15 +149,21 @@ def infer_attn_mask_from_cu_seqlens(
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"`window_size` must be a (left, right) pair, got {window_size!r}") from None
-    window = (left, 0 if causal else right)
-    q_all, k_all, t_all = [], [], []
+    left, right = _window_bound(left, "window_size"), _window_bound(0 if causal else right, "window_size")
+    if (
+        isinstance(global_window_size, bool)
+        or not isinstance(global_window_size, int)
+        or global_window_size < 0
+    ):
+        raise ValueError(f"`global_window_size` must be an int >= 0, got {global_window_size!r}")
+    slices = []
     for qs, qe, ks, ke in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
         if qs < qe and ks < ke:
-            q, k, t = infer_attn_mask_from_sliding_window((qs, qe), (ks, ke), window)
-            q_all += q.to_tuples()
-            k_all += k.to_tuples()
-            t_all += t
-    return AttnRanges.from_ranges(q_all), AttnRanges.from_ranges(k_all), t_all, cu_q[-1], cu_k[-1]
+            slices += _window_slices(qs, qe, ks, ke, left, right)
+            if global_window_size and left is not None:  # (an unbounded left side sees the prefix already)
+                slices += _window_slices(qs, qe, ks, ke, None, right, k_end=ks + global_window_size)
+    q, k, t = _typed_ranges(slices)
+    return q, k, t, cu_q[-1], cu_k[-1]
 
 
 def _pair(r: Any, name: str) -> tuple[int, int]:
