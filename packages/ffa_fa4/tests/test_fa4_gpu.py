@@ -196,3 +196,35 @@ def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
     # without accumulators: fresh tensors in the input dtype
     g = magi_ffa_fa4.ffa_bwd(do, q, k, v, out_q, lse, qr, kr, tm)
     assert all(x.dtype == dt for x in g)
+
+
+@pytest.mark.parametrize("hk", [8, 2])
+def test_sink_and_max_logits_match_reference(hk: int, monkeypatch) -> None:
+    """Sinks (out, lse, dq, dk, dv, dsink) and max logits on FA4 kernels against dense fp64 with the same
+    rule as every FFA test: error within twice that of a bf16 torch reference."""
+    from magi_ffa.testing import ref_attn, ref_max_logits
+
+    monkeypatch.setenv("MAGI_FFA_FA4_POISON", "1")
+    torch.manual_seed(5 + hk)
+    dev, dt, t, hq, d = torch.device("cuda"), torch.bfloat16, 900, 8, 128
+    qr, kr, tm = _mask_case("random_overlap", t, 4)
+    leaves = [torch.randn(t, h, d, device=dev, dtype=dt, requires_grad=True) for h in (hq, hk, hk)]
+    sink = (torch.randn(2, hq, device=dev) * 2).requires_grad_()
+    do = torch.randn(t, hq, d, device=dev, dtype=dt)
+    out, lse, max_logits = magi_ffa_fa4.flex_flash_attn_func(
+        *leaves, qr, kr, tm, sink=sink, return_max_logits=True
+    )
+    grads = torch.autograd.grad(out, [*leaves, sink], do)
+    mask = dense_mask(qr, kr, tm, t, t).to(dev)
+    refs = {}
+    for key, dtype in (("64", torch.float64), ("lp", dt)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in leaves]
+        s = sink.detach().double().requires_grad_() if key == "64" else sink.detach().requires_grad_()
+        o, l = ref_attn(*xs, mask, sink=s)
+        refs[key] = (o, l, *torch.autograd.grad(o, [*xs, s], do.to(dtype)))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for i, (nm, x) in enumerate(zip(names, (out, lse, *grads[:3]))):
+        assert_close_to_ref(f"sink/{nm}", x, refs["64"][i], refs["lp"][i], rtol=RTOL[nm])
+    torch.testing.assert_close(grads[3].double(), refs["64"][5].double(), rtol=2e-2, atol=2e-2)
+    want = ref_max_logits(*(x.detach().double() for x in leaves[:2]), mask)
+    torch.testing.assert_close(max_logits.double(), want, rtol=1e-2, atol=2e-2)
