@@ -60,13 +60,21 @@ new_venv() {  # new_venv PATH NEEDS_TORCH: a fresh venv, a copy of torch-base wh
   local v=$1 base=$CI_OUT/venvs/torch-base
   rm -rf "$v"
   if [ "$2" = 1 ]; then
-    cp -a "$base" "$v"
+    # Hard links, not copies: a dozen copies of torch filled a CI disk. pip never edits an installed file in
+    # place (it unlinks and writes new ones), so torch-base stays intact; other filesystems get a real copy.
+    cp -al "$base" "$v" 2>/dev/null || { rm -rf "$v"; cp -a "$base" "$v"; }
     # the copy's scripts must name its own interpreter (torchrun & co.), not torch-base's
     grep -rlI --null -F "$base" "$v/bin" | xargs -0 -r sed -i "s|$base|$v|g"
   else
     "$PYTHON" -m venv "$v"
     "$v/bin/python" -m pip install -q --upgrade pip
   fi
+}
+
+drop_venv_when_done() {  # drop_venv_when_done PATH: under .ci/run (MAGI_CI_DROP_VENVS=1) a job's venv goes when it ends
+  [ "${MAGI_CI_DROP_VENVS:-0}" = 1 ] || return 0
+  # shellcheck disable=SC2064
+  trap "rm -rf '$1'" EXIT
 }
 
 pip_check() {  # pip_check PY DROP: no broken requirement but the left-out ones
@@ -115,6 +123,7 @@ job_pkg() {
   eval "$(tools_py scripts/ci/ciutil.py plan "$WHEELS" "$dir" --drop "$drop" --extras "$extras")"
   say "$DIST $VERSION${EXTRAS:+[$EXTRAS]}: siblings [${SIBLING_NAMES}], torch needed: $NEEDS_TORCH${drop:+, left out: $drop}"
   new_venv "$v" "$NEEDS_TORCH"
+  drop_venv_when_done "$v"
   say "venv ready: $v; installing"
   local py=$v/bin/python sib=()
   read -r -a sib <<<"$SIBLINGS"
@@ -175,6 +184,7 @@ job_repo() {
   eval "$(tools_py scripts/ci/ciutil.py plan-all "$WHEELS" $(projects | grep '^packages/') --drop "$drop")"
   say "every package: $NAMES${NODEPS:+; without their dependencies: $NODEPS}"
   new_venv "$v" 1
+  drop_venv_when_done "$v"
   local py=$v/bin/python inst=() extra=() nodeps=()
   eval "inst=($INSTALL)"
   eval "extra=($EXTRA_REQS)"
@@ -191,6 +201,10 @@ job_dev() {
   # The README's setup: dev.sh makes .venv (or $MAGI_VENV) with every package editable. Each step runs
   # even if an earlier one failed (the coverage job needs the collection).
   local failed=()
+  if [ "${MAGI_CI_DROP_VENVS:-0}" = 1 ] && [ -z "${MAGI_VENV:-}" ]; then
+    export MAGI_VENV=$CI_OUT/venvs/dev  # not the checkout's .venv, which a developer may be using
+    drop_venv_when_done "$MAGI_VENV"
+  fi
   # Every test of the suite is collected here (imports every test module in the editable venv) and run
   # once in the pkg-*/repo jobs; MAGI_CI_FULL_EDITABLE=1 also runs the whole suite here, as before.
   say "collect the whole suite (pytest.ini)"
