@@ -32,3 +32,11 @@ def check_all(got: dict, ref64: dict, ref_lp: dict, dtype: torch.dtype) -> None:
 def poison(*ts):
     for t in ts:
         t.fill_(float("nan"))
+
+
+def force_tiles(monkeypatch, tiles: str) -> None:
+    """``"BM,BN"`` tiles for every Triton kernel (forward ``BM x BN``, backward K/V programs ``BN x BM`` and q
+    programs ``BM x BN``), 4 warps, 1 stage: small tiles make every slice have both boundary and full tiles."""
+    bm, bn = tiles.split(",")[:2]
+    monkeypatch.setenv("MAGI_FFA_TILES_FWD", f"{bm},{bn},4,1")
+    monkeypatch.setenv("MAGI_FFA_TILES_BWD", f"{bn},{bm},{bm},{bn},4,1")

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from ffa_test_helpers import force_tiles
 
 import magi_ffa
 from magi_ffa import testing as T
@@ -148,8 +149,7 @@ def triton_backend(monkeypatch):
 )
 def test_triton_sink_path_matches_dense(monkeypatch, triton_backend, dtype, hq, hk, softcap, tiles, tol):
     if tiles and not CUDA:
-        for kind in ("FWD", "DQ", "DKV"):
-            monkeypatch.setenv(f"MAGI_FFA_TILES_{kind}", tiles)
+        force_tiles(monkeypatch, tiles)
     args = _case(dtype, hq=hq, hk=hk, seed=5, device=DEV)
     got = _autograd(*args, softcap=softcap)
     _check(got, _dense(*args, softcap=softcap), tol, f"triton/{dtype}")

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from ffa_test_helpers import check_all, dense_refs
+from ffa_test_helpers import check_all, dense_refs, force_tiles
 
 import magi_ffa
 from magi_ffa import testing as T
@@ -58,8 +58,7 @@ CASES = [
 @pytest.mark.parametrize("dtype,hq,hk,d,seed,softcap,tiles", CASES)
 def test_random_slices(monkeypatch, dtype, hq, hk, d, seed, softcap, tiles):
     if tiles and not CUDA:
-        for kind in ("FWD", "DQ", "DKV"):
-            monkeypatch.setenv(f"MAGI_FFA_TILES_{kind}", tiles)
+        force_tiles(monkeypatch, tiles)
     tq, tk = (90 + 23 * seed) * SCALE, (140 - 11 * seed) * SCALE
     qr, kr, tm = T.random_slices(tq, tk, seed=seed, max_bands=4 if SCALE == 1 else 8)
     q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, DEV, seed=seed)
@@ -74,8 +73,7 @@ def test_masks_by_type_and_lse_grad(monkeypatch, dtype):
     """Each type alone (aligned and unaligned sizes, sq > sk and sq < sk) plus the lse gradient; small tiles
     on CPU, so every slice has interior (unmasked) and boundary tiles."""
     if not CUDA:
-        for kind in ("FWD", "DQ", "DKV"):
-            monkeypatch.setenv(f"MAGI_FFA_TILES_{kind}", SMALL)
+        force_tiles(monkeypatch, SMALL)
     s = SCALE
     qr = [[0, 40 * s], [40 * s, 70 * s], [70 * s, 100 * s], [100 * s, 120 * s], [0, 40 * s]]
     kr = [[0, 64 * s], [30 * s, 50 * s], [50 * s, 100 * s], [100 * s, 128 * s], [64 * s, 90 * s]]
@@ -122,3 +120,51 @@ def test_deterministic_noncontiguous_and_empty():
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(l).all()
     for g in magi_ffa.ffa_bwd(do, q, k, v, o, l, [], [], None):
         assert torch.equal(g, torch.zeros_like(g))
+
+
+GPU_CASES = [
+    pytest.param(torch.bfloat16, 8, 2, 128, id="bf16-gqa4-d128"),
+    pytest.param(torch.bfloat16, 4, 4, 256, id="bf16-mha-d256"),
+    pytest.param(torch.float16, 8, 1, 64, id="fp16-mqa-d64"),
+    pytest.param(torch.float32, 4, 2, 128, id="fp32-gqa2-d128"),
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="realistic sizes and the tile table's rows need a GPU")
+@pytest.mark.parametrize("dtype,hq,hk,d", GPU_CASES)
+def test_gpu_table_tiles_dense_and_bitwise_repeatable(dtype, hq, hk, d):
+    """The shipped tiles of every head_dim against dense fp64, then bitwise-identical out, lse and gradients
+    over repeated runs at a size where thousands of programs run concurrently (a race would show here; the
+    interpreter runs programs one at a time, so it cannot)."""
+    tq, tk = 3000, 2600
+    qr, kr, tm = T.random_slices(tq, tk, seed=d + hq, max_bands=12)
+    q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, DEV, seed=d)
+    do = torch.randn(q.shape, device=DEV).to(dtype)
+    first = _run(q, k, v, qr, kr, tm, do)
+    r64, rlp = dense_refs(q, k, v, qr, kr, tm, do=do)
+    check_all(first, r64, rlp, dtype)
+    big = 24576
+    qr, kr, tm = T.random_slices(big, big, seed=5, max_bands=40)
+    q, k, v = T.random_qkv(big, big, hq, hk, d, dtype, DEV, seed=6)
+    do = torch.randn(q.shape, device=DEV).to(dtype)
+    ref = _run(q, k, v, qr, kr, tm, do)
+    for _ in range(3):
+        again = _run(q, k, v, qr, kr, tm, do)
+        for name in ref:
+            assert torch.equal(ref[name], again[name]), f"{name} differs between identical runs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_tma_equals_pointer_loads(monkeypatch, dtype):
+    """The forward's full tiles through tensor descriptors (TMA) give bitwise the pointer path's result."""
+    tq, tk = 150 * SCALE, 170 * SCALE
+    qr, kr, tm = T.random_slices(tq, tk, seed=31, max_bands=5)
+    q, k, v = T.random_qkv(tq, tk, 4, 2, 32, dtype, DEV, seed=9)
+    bm, bn, rest = ("16", "16", "4,1") if not CUDA else ("128", "64", "4,3")
+    results = []
+    for tma in (0, 1):
+        monkeypatch.setenv("MAGI_FFA_TILES_FWD", f"{bm},{bn},{rest},{tma}")
+        results.append(magi_ffa.ffa_fwd(q, k, v, qr, kr, tm))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    r64, rlp = dense_refs(q, k, v, qr, kr, tm)
+    check_all(dict(out=results[1][0], lse=results[1][1]), r64, rlp, dtype)

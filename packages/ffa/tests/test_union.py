@@ -58,18 +58,21 @@ def test_disjoint_slices_pass_through_unchanged() -> None:
 def test_union_matches_dense_reference(monkeypatch, backend: str) -> None:
     monkeypatch.setenv("MAGI_FFA_BACKEND", backend)
     dtype = torch.float64 if backend == "torch" else torch.float32
+    # the Triton kernels run on the GPU when there is one, else under the interpreter on CPU tensors
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     for seed in range(12 if backend == "torch" else 3):
         rng = random.Random(100 + seed)
         total = 48
         q_ranges, k_ranges, types = _shared_pair_slices(rng, total, 5)
         gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(total, 2, 16, dtype=dtype, generator=gen, requires_grad=True)
-        k = torch.randn(total, 1, 16, dtype=dtype, generator=gen, requires_grad=True)
-        v = torch.randn(total, 1, 16, dtype=dtype, generator=gen, requires_grad=True)
+        q, k, v = (
+            torch.randn(total, h, 16, dtype=dtype, generator=gen).to(dev).requires_grad_() for h in (2, 1, 1)
+        )
         out, lse = flex_flash_attn_func(q, k, v, q_ranges, k_ranges, types)
-        do = torch.randn_like(out)
+        do = torch.randn(out.shape, dtype=dtype, generator=gen).to(dev)
         grads = torch.autograd.grad((out * do).sum(), (q, k, v))
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out, lse, do, grads = out.cpu(), lse.cpu(), do.cpu(), [g.cpu() for g in grads]
+        q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
         out_ref, lse_ref = ref_attn(q64, k64, v64, make_attn_mask(q_ranges, k_ranges, types, total, total))
         ref_grads = torch.autograd.grad((out_ref * do.double()).sum(), (q64, k64, v64))
         tol = 1e-10 if dtype == torch.float64 else 2e-4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -9,9 +10,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from magi_ffa_fa4._row_intervals import RowIntervals
 from magi_ffa_fa4.blocks import EMPTY, FULL, PARTIAL, block_classes, build_block_meta
 from magi_ffa_fa4.intervals import row_intervals, row_intervals_reference
 from magi_ffa_fa4.testing import dense_mask, random_slices
+
+# The Triton interval kernel runs on the GPU when there is one (the suite there sets TRITON_INTERPRET=0), else
+# under the interpreter on CPU tensors.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _on_triton_device(qr, kr, tm):
+    return tuple(torch.tensor(x, dtype=torch.int32, device=TRITON_DEVICE) for x in (qr, kr, tm))
+
+
+def _cpu(iv: RowIntervals) -> RowIntervals:
+    return RowIntervals(iv.starts.cpu(), iv.ends.cpu(), iv.counts.cpu(), iv.width, iv.total_k)
 
 
 def _dense_classes(mask: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -51,12 +65,17 @@ def test_four_types_one_slice(impl: str) -> None:
         (2, [[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]]),
         (3, [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]),
     ]
+
+    def intervals(qr, kr, tm, tq, tk):
+        args = _on_triton_device(qr, kr, tm) if use_triton else (qr, kr, tm)
+        return _cpu(row_intervals(*args, tq, tk, use_triton=use_triton))
+
     for t, want in cases:
-        iv = row_intervals([[0, 3]], [[0, 4]], [t], 3, 4, use_triton=use_triton)
+        iv = intervals([[0, 3]], [[0, 4]], [t], 3, 4)
         assert iv.to_dense().int().tolist() == want, t
-    iv = row_intervals([[0, 4]], [[0, 2]], [1], 4, 2, use_triton=use_triton)
+    iv = intervals([[0, 4]], [[0, 2]], [1], 4, 2)
     assert iv.to_dense().int().tolist() == [[0, 0], [0, 0], [1, 0], [1, 1]]
-    iv = row_intervals([[0, 4]], [[0, 2]], [2], 4, 2, use_triton=use_triton)
+    iv = intervals([[0, 4]], [[0, 2]], [2], 4, 2)
     assert iv.to_dense().int().tolist() == [[1, 1], [0, 1], [0, 0], [0, 0]]
 
 
@@ -79,7 +98,7 @@ def test_triton_intervals_match_reference(seed: int) -> None:
     total_q, total_k = rng.randrange(40, 150), rng.randrange(1, 150)
     qr, kr, tm = random_slices(rng, total_q, total_k, rng.randrange(1, 10))
     ref = row_intervals_reference(qr, kr, tm, total_q, total_k)
-    got = row_intervals(qr, kr, tm, total_q, total_k, use_triton=True)
+    got = _cpu(row_intervals(*_on_triton_device(qr, kr, tm), total_q, total_k, use_triton=True))
     assert got.width == ref.width
     assert torch.equal(got.counts, ref.counts)
     assert torch.equal(got.starts, ref.starts) and torch.equal(got.ends, ref.ends)
@@ -91,7 +110,7 @@ def test_triton_capacity_retry() -> None:
     qr = [[0, 5]] * 9 + [[0, 2]]
     kr = [[2 * i, 2 * i + 1] for i in range(9)] + [[0, 17]]
     tm = [0] * 10
-    got = row_intervals(qr, kr, tm, 5, 20, use_triton=True)
+    got = _cpu(row_intervals(*_on_triton_device(qr, kr, tm), 5, 20, use_triton=True))
     ref = row_intervals_reference(qr, kr, tm, 5, 20)
     assert got.counts.tolist() == [1, 1, 9, 9, 9]
     assert torch.equal(got.starts, ref.starts) and torch.equal(got.ends, ref.ends)

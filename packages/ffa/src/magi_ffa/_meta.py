@@ -1,8 +1,8 @@
 """Tile metadata for the Triton kernels: for every block of rows on one axis, the slices that touch it.
 
-The forward and dq kernels own one q block (``[b * BLOCK_M, (b + 1) * BLOCK_M)``) per program and walk the
-slices listed for it in one online-softmax loop, so overlapping q slices need no merge pass, no atomics and
-no locks; the dkv kernel does the same over k blocks. Built on the host from the trimmed slices, cached by
+The forward programs and the backward's q programs own one q block (``[b * BLOCK_M, (b + 1) * BLOCK_M)``) and
+walk the slices listed for it, so overlapping q slices need no merge pass, no atomics and no locks; the
+backward's K/V programs do the same over k blocks. Built on the host from the trimmed slices, cached by
 value (the slices tuple), uploaded once per (mask, block size, device).
 """
 

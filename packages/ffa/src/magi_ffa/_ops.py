@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from . import env, reference
@@ -28,25 +26,6 @@ from ._sink import sink_grad, sink_lse, validate_sink
 from ._slice import Slice
 
 __all__ = ["ffa_bwd", "ffa_fwd", "ffa_max_logits", "flex_flash_attn_func"]
-
-BWD_IMPL_ENV = "MAGI_FFA_BWD_IMPL"
-
-
-class BwdImpl(enum.StrEnum):
-    """Triton backward implementation: ``split`` (dq kernel + dkv kernel, deterministic, the default) or
-    ``fused`` (one kernel, dq through atomics)."""
-
-    SPLIT = "split"
-    FUSED = "fused"
-
-
-def bwd_impl(deterministic: bool) -> BwdImpl:
-    """The backward to run, from ``MAGI_FFA_BWD_IMPL`` (read on every call; unset or empty = split).
-    ``fused`` is honoured only when ``deterministic`` is False. Raises ValueError on any other value."""
-    raw = env.bwd_impl()
-    if raw is None:
-        return BwdImpl.SPLIT
-    return BwdImpl.SPLIT if deterministic else BwdImpl(raw)
 
 
 def _check_triton_ok(q: torch.Tensor) -> None:
@@ -197,9 +176,8 @@ def _bwd_delta(
     backend: KernelBackend | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward given ``delta = rowsum(do * out) - dlse``; accumulates into dq/dk/dv if given, else returns
-    fresh tensors in the input dtype. The Triton backward is the split dq + dkv pair unless
-    ``MAGI_FFA_BWD_IMPL=fused`` and not ``deterministic`` (:func:`bwd_impl`)."""
-    impl = bwd_impl(deterministic)  # validated on every backend: a typo never passes silently
+    fresh tensors in the input dtype. Every backend is deterministic (``deterministic`` is accepted for API
+    compatibility)."""
     delta = torch.where(torch.isneginf(lse), torch.zeros_like(delta), delta).to(acc_dtype(q.dtype))
     if resolve_backend(q, backend) == KernelBackend.TORCH:
         grads = reference.bwd_core(do, q, k, v, lse, delta, slices, scale, softcap)
@@ -208,15 +186,9 @@ def _bwd_delta(
             res.append(g.to(ref.dtype) if buf is None else buf.add_(g))
         return res[0], res[1], res[2]
     _check_triton_ok(q)
-    if impl == BwdImpl.FUSED:
-        from . import _triton_bwd_fused as bwd_mod
+    from ._triton_bwd import triton_bwd
 
-        launch = bwd_mod.triton_bwd_fused
-    else:
-        from . import _triton_bwd as bwd_mod
-
-        launch = bwd_mod.triton_bwd
-    gq, gk, gv = launch(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
+    gq, gk, gv = triton_bwd(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
     return (
         gq if dq is not None else gq.to(q.dtype),
         gk if dk is not None else gk.to(k.dtype),
@@ -250,8 +222,8 @@ def ffa_bwd(
     Args:
         do: ``[total_q, num_heads_q, head_dim]`` gradient of the final output, q's dtype.
         q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap: as in :func:`ffa_fwd`.
-        deterministic: the default split Triton backward is always bitwise reproducible; with
-            ``MAGI_FFA_BWD_IMPL=fused`` (opt-in, dq via atomics) True keeps the split one.
+        deterministic: accepted for API parity; every backward is bitwise reproducible (each gradient block
+            has one owner, no atomics).
         out: the FINAL forward output (merged over every stage), q's shape, q's dtype or float32.
         lse: the FINAL lse ``[total_q, num_heads_q]`` float32 (float64 for float64). Gradients use
             ``P = exp(S - lse)`` and ``Delta = rowsum(do * out)``, so they are exact for this call's keys;
@@ -369,13 +341,10 @@ def _fwd_setup(ctx, inputs, output) -> None:
 
 def _fwd_backward(ctx, dout, dlse, _dmax):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map, sink = ctx.saved_tensors
-    adt = acc_dtype(q.dtype)
     if dout is None:
         dout = torch.zeros_like(out)
     # d lse / d s = P, so an lse gradient enters exactly like a shift of Delta
-    delta = (dout.to(adt) * out.to(adt)).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(adt)
+    delta = _delta(dout, out, lse, dlse, q)
     dq, dk, dv = _bwd_op(dout.contiguous(), q, k, v, lse, delta, q_ranges, k_ranges, attn_type_map, *ctx.args)
     dsink = sink_grad(dout, out, lse, sink, delta=delta) if ctx.has_sink else None
     return dq, dk, dv, None, None, None, None, None, None, dsink, None
@@ -414,8 +383,8 @@ def flex_flash_attn_func(
             None = all FULL.
         softmax_scale: default ``head_dim ** -0.5``.
         softcap: if > 0, ``softcap * tanh(score / softcap)``.
-        deterministic: forward and the default backward are always bitwise reproducible; it matters only with
-            ``MAGI_FFA_BWD_IMPL=fused`` (opt-in fused Triton backward, dq via atomics), which True turns off.
+        deterministic: accepted for API parity; forward and backward are always bitwise reproducible (no
+            atomics).
         out: optional previous partial output (q's dtype or float32) to merge into, in place.
         lse: its float32 ``[total_q, num_heads_q]`` log-sum-exp (float64 for float64 inputs).
         sink: optional attention sinks, float32 ``[num_sink, num_heads_q]`` (differentiable): every row's

@@ -52,6 +52,16 @@ class Slice:
             lo = max(lo, r0 + self.dk_inv)
         return lo, hi
 
+    def visible(self, rows, cols):
+        """Element visibility for broadcastable global row / key index arrays (torch or numpy): inside the
+        slice's ranges and its diagonal band. The kernels' twin is ``_triton_common.tile_visible``."""
+        vis = (rows >= self.q_start) & (rows < self.q_end) & (cols >= self.k_start) & (cols < self.k_end)
+        if self.is_causal:
+            vis = vis & (cols <= rows + self.dk)
+        if self.is_inv_causal:
+            vis = vis & (cols >= rows + self.dk_inv)
+        return vis
+
     def q_bounds(self, c0: int, c1: int) -> tuple[int, int]:
         """Query range ``[lo, hi)`` that sees any key in ``[c0, c1)`` (clipped to this slice)."""
         lo, hi = self.q_start, self.q_end

@@ -1,13 +1,13 @@
-"""Pieces shared by the Triton forward, backward and merge kernels: tile choice and jit helpers.
+"""Pieces shared by the Triton forward, backward and merge kernels: jit helpers and launch flags (the tile
+table is ``_tiles.py``).
 
-The visibility rule of a slice lives here once: ``qblock_cols`` (the keys a q block walks), ``tile_full``
-(a tile needs no element mask) and ``tile_visible`` (the element mask); so does the out/lse merge of two
+The visibility rule of a slice lives here once for the kernels: ``slice_walk`` (which tiles a block walks,
+and which of them need no mask) and ``tile_visible`` (the element mask of a boundary tile), the jit twins of
+``Slice.k_bounds`` / ``Slice.q_bounds`` / ``Slice.visible`` on the host; so does the out/lse merge of two
 partial results (``merge_partials``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,48 +17,6 @@ from . import env
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code reads only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
-
-
-@dataclass(frozen=True, slots=True)
-class Tiles:
-    """One kernel's launch shape: ``block_m`` rows of q, ``block_n`` rows of k/v per tile."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-# Per kernel, keyed by head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Hopper-first choices, checked
-# with ptxas for register spills at d=128 (sm_90a) and swept on the H200 (docs/benchmarks/ffa.md):
-# fwd: 128 q rows per program keep the wgmma M dimension full; 128 x 128 measured best (459 vs 452 TFLOP/s
-#   for 128 x 64, full mask, 32k, 64:8) despite a small spill.
-# dq: owns a q block and holds q, do and dq at once: 128 x 32 (almost no spill) beat 64 x 64 and 128 x 64.
-# dkv: owns a k block (k, v, dk, dv resident) and walks q in 32-row tiles: 32 x 128 beat 32 x 64 / 64 x 64.
-# fused (one backward kernel, dq by atomics; MAGI_FFA_BWD_IMPL=fused): the dkv walk plus a [BLOCK_M, d] dq
-#   tile. NOT measured on a GPU yet; chosen as the spill-free configs of an offline ptxas check (sm_90a, bf16,
-#   no softcap): d=128 32 x 128 / 8 warps / 1 stage (2 stages: 136 B spilled), d=64 32 x 64 / 4 warps / 2.
-# d=64 / 256 entries are scaled from these, not measured.
-_GPU_TILES = {
-    "fwd": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 128, 8, 3), 256: Tiles(64, 32, 4, 2)},
-    "dq": {64: Tiles(128, 32, 4, 2), 128: Tiles(128, 32, 8, 2), 256: Tiles(32, 32, 4, 1)},
-    "dkv": {64: Tiles(32, 128, 4, 2), 128: Tiles(32, 128, 8, 2), 256: Tiles(16, 32, 4, 1)},
-    "fused": {64: Tiles(32, 64, 4, 2), 128: Tiles(32, 128, 8, 1), 256: Tiles(16, 32, 4, 1)},
-}
-# The interpreter runs one program at a time at ~10 ms per inner iteration: large tiles, few iterations.
-_INTERP_TILES = Tiles(64, 64, 4, 1)
-
-
-def tiles_for(kind: str, head_dim: int, interpret: bool) -> Tiles:
-    """Tiles for ``kind`` (fwd, dq, dkv, fused); ``MAGI_FFA_TILES_<KIND>="BM,BN,warps,stages"`` overrides (tests,
-    tuning sweeps)."""
-    forced = env.tiles(kind)
-    if forced:
-        return Tiles(*forced)
-    if interpret:
-        return _INTERP_TILES
-    table = _GPU_TILES[kind]
-    return table[min((d for d in table if d >= head_dim), default=max(table))]
 
 
 def compute_flags(q: torch.Tensor) -> tuple[bool, bool]:
@@ -99,25 +57,43 @@ def load_slice(SLICES, sid):
 
 
 @triton.jit
-def qblock_cols(qs, qe, ks, ke, dk, dk_inv, causal, inv, m0, BLOCK_M: tl.constexpr):
-    """Keys ``[lo, hi)`` of one slice that any row of the q block at ``m0`` sees, and whether every row of
-    the block lies inside the slice's q range."""
-    r_lo = tl.maximum(qs, m0)
-    r_hi = tl.minimum(qe, m0 + BLOCK_M)
-    hi = tl.where(causal, tl.minimum(ke, r_hi + dk), ke)
-    lo = tl.where(inv, tl.maximum(ks, r_lo + dk_inv), ks)
-    return lo, hi, (qs <= m0) & (m0 + BLOCK_M <= qe)
-
-
-@triton.jit
-def tile_full(
-    m0, n0, rows_full, cols_full, dk, dk_inv, causal, inv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+def slice_walk(
+    a0, a_lo, a_hi, x_lo, x_hi, lo_on, lo_off, up_on, up_off, A_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr
 ):
-    """Whether every pair of the tile (rows ``[m0, m0 + BLOCK_M)``, keys ``[n0, n0 + BLOCK_N)``) is visible,
-    given that its rows (``rows_full``) and keys (``cols_full``) lie inside the slice's ranges."""
-    full = rows_full & cols_full
-    full = full & (~causal | (n0 + BLOCK_N - 1 <= m0 + dk))
-    return full & (~inv | (n0 >= m0 + BLOCK_M - 1 + dk_inv))
+    """The one walk of a slice, from the block of ``A_BLOCK`` owned indices at ``a0`` (q rows when walking keys,
+    keys when walking q rows) along the other axis.
+
+    The slice covers owned ``a`` in ``[a_lo, a_hi)`` and walked ``x`` in ``[x_lo, x_hi)``, cut by a lower band
+    ``x >= a + lo_off`` (when ``lo_on``) and an upper band ``x <= a + up_off`` (when ``up_on``). Walking keys
+    from q rows: lower = inverse-causal (``dk_inv``), upper = causal (``dk``); walking rows from keys: lower =
+    causal (``-dk``), upper = inverse-causal (``-dk_inv``).
+
+    Returns ``(start, end, n_tiles, full_lo, full_hi)``: the walked indices any owned index sees lie in
+    ``[start, end)``, stepped as ``n_tiles`` tiles of ``X_BLOCK`` from ``start`` (a multiple of
+    ``X_BLOCK``); tiles ``[full_lo, full_hi)`` are visible in every element (no element mask, no load mask),
+    the rest are boundary tiles. Without full tiles,
+    ``full_lo = full_hi = n_tiles``, so the three loops ``[0, full_lo)``, ``[full_lo, full_hi)``, ``[full_hi,
+    n_tiles)`` always cover every tile once.
+    """
+    r_lo = tl.maximum(a_lo, a0)
+    r_hi = tl.minimum(a_hi, a0 + A_BLOCK)
+    first = tl.where(lo_on, tl.maximum(x_lo, r_lo + lo_off), x_lo)
+    end = tl.where(up_on, tl.minimum(x_hi, r_hi + up_off), x_hi)
+    # tiles on the X_BLOCK grid (as FlexAttention's blocks are): fewer boundary tiles than tiles starting at
+    # `first`; indices of the first tile below `first` are >= 0 (safe to load) and masked as invisible
+    start = first - first % X_BLOCK
+    n_tiles = (tl.maximum(end - start, 0) + X_BLOCK - 1) // X_BLOCK
+    # full tiles: every owned index inside the slice, the tile inside [x_lo, x_hi) and inside both bands for
+    # the block's extreme owned indices; an interval of tile numbers (all quantities clamped >= 0 before
+    # dividing, so truncating and flooring division agree)
+    own_full = (a_lo <= a0) & (a0 + A_BLOCK <= a_hi)
+    need_lo = tl.maximum(x_lo, tl.where(lo_on, a0 + A_BLOCK - 1 + lo_off, x_lo)) - start
+    full_lo = (tl.maximum(need_lo, 0) + X_BLOCK - 1) // X_BLOCK
+    full_hi = tl.maximum(x_hi - start, 0) // X_BLOCK
+    full_hi = tl.where(up_on, tl.minimum(full_hi, tl.maximum(a0 + up_off + 1 - start, 0) // X_BLOCK), full_hi)
+    full_hi = tl.minimum(full_hi, n_tiles)
+    has_full = own_full & (full_lo < full_hi)
+    return start, end, n_tiles, tl.where(has_full, full_lo, n_tiles), tl.where(has_full, full_hi, n_tiles)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["backend", "bwd_impl", "poison", "tiles", "triton_interpret"]
+__all__ = ["backend", "poison", "tiles", "triton_interpret"]
 
 _TRUE, _FALSE = ("1", "true"), ("0", "false")
 
@@ -42,16 +42,19 @@ def backend() -> str | None:
     return _choice("MAGI_FFA_BACKEND", ("triton", "torch"))
 
 
-def bwd_impl() -> str | None:
-    """``MAGI_FFA_BWD_IMPL``: the Triton backward, ``split`` (dq kernel + dkv kernel; the default) or ``fused``
-    (one kernel, dq by atomics; honoured only with ``deterministic=False``). Validated on every backend."""
-    return _choice("MAGI_FFA_BWD_IMPL", ("split", "fused"))
+_TILE_FIELDS = {
+    "fwd": "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]",
+    "bwd": "BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major]",
+}
 
 
-def tiles(kind: str) -> tuple[int, int, int, int] | None:
-    """``MAGI_FFA_TILES_FWD`` / ``_DQ`` / ``_DKV`` / ``_FUSED``: ``"BLOCK_M,BLOCK_N,num_warps,num_stages"``
-    (four positive ints; powers of two for the blocks) overriding the tile table of that Triton kernel
-    (tuning sweeps, tests). Default: the per-head_dim table of ``_triton_common.py``."""
+def tiles(kind: str) -> tuple[int, ...] | None:
+    """``MAGI_FFA_TILES_FWD``: ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"``; ``MAGI_FFA_TILES_BWD``:
+    ``"BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major]"`` (positive ints, tma and
+    head_major 0 or 1; the blocks powers of two, at least 16) overriding the tile table of that Triton kernel
+    (tuning sweeps, tests). Default: the table
+    of ``_tiles.py`` for the GPU's architecture, the dtype and the head_dim."""
+    fields = _TILE_FIELDS[kind]
     name = f"MAGI_FFA_TILES_{kind.upper()}"
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -60,11 +63,16 @@ def tiles(kind: str) -> tuple[int, int, int, int] | None:
         vals = tuple(int(x) for x in raw.split(","))
     except ValueError:
         vals = ()
-    if len(vals) != 4 or min(vals) < 1 or any(b & (b - 1) for b in vals[:2]):
-        raise ValueError(
-            f"{name}={raw!r} is not valid: use 'BLOCK_M,BLOCK_N,num_warps,num_stages' (e.g. 64,64,4,2)"
-        )
-    return vals  # type: ignore[return-value]
+    nblocks = fields.count("BLOCK")
+    n_required = fields.split("[")[0].count(",") + 1
+    if (
+        len(vals) not in (n_required, fields.count(",") + 1)
+        or min(vals[:n_required]) < 1
+        or any(x not in (0, 1) for x in vals[n_required:])
+        or any(b < 16 or b & (b - 1) for b in vals[:nblocks])
+    ):
+        raise ValueError(f"{name}={raw!r} is not valid: use '{fields}' (blocks: powers of two >= 16)")
+    return vals
 
 
 def poison() -> bool:

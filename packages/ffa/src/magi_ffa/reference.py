@@ -51,11 +51,7 @@ def _block_mask(s: Slice, r0: int, r1: int, c0: int, c1: int, device: torch.devi
     """Bool ``[r1 - r0, c1 - c0]`` visibility of one block, or None when every pair is visible."""
     r = torch.arange(r0, r1, device=device)[:, None]
     c = torch.arange(c0, c1, device=device)[None, :]
-    m = (c >= s.k_start) & (c < s.k_end) & (r >= s.q_start) & (r < s.q_end)
-    if s.is_causal:
-        m = m & (c <= r + s.dk)
-    if s.is_inv_causal:
-        m = m & (c >= r + s.dk_inv)
+    m = s.visible(r, c)
     return None if bool(m.all()) else m
 
 
