@@ -14,7 +14,20 @@ Timing (gloo on this CPU, `--time-cp` ranks forked on this machine): the cast of
 tables against `all_to_all_single` with the same per-destination split sizes (no pre-gather or
 post-scatter), and the hierarchical impl on a (2, cp/2) mesh. Per iteration the slowest rank's time
 counts; median (p10-p90) over `--iters` after `--warmup`; inputs are prepared outside the timed region.
-GPU (NCCL) timing needs two GPUs or more and belongs to the multi-GPU issue.
+
+GPU bandwidth (one process per GPU, NCCL; multicast off)::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/group_collective_bench.py --gpu-bandwidth \
+        --sizes-mb 8,64,512 [--json out.json]
+
+Per size S (MiB each rank sends): every rank's input holds 2 x S in 32 pieces of bf16 tokens (4 KiB each:
+K and V of 8 heads x 128); every other piece goes to another rank (round robin), the rest stays, so the
+all-to-all-v path gathers before and (reduce) reduces after its ``all_to_all_single``, as in the runtime.
+GroupCast with those tables, GroupReduce (sum) with the transposed ones; a2av and native, plus one plain
+``all_to_all_single`` of the same split sizes (no copies) for reference. Effective bandwidth = bytes each
+rank sends / time of one call (CUDA events over ``--iters`` back-to-back calls after ``--warmup``; the
+slowest rank counts), in GB/s (1e9). The native column also checks that the timed calls did no rendezvous
+(no ``all_gather_object``, buffer size unchanged) and that its cast output equals the a2av one bit for bit.
 """
 
 from __future__ import annotations
@@ -185,6 +198,154 @@ def time_table(res: list, world: int) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------
+# GPU bandwidth: native against all-to-all-v, under torchrun (NCCL)
+
+
+def bandwidth_tables(world: int, rank: int, tokens: int, pieces: int = 32) -> tuple:
+    """(input_split_sizes, output_split_sizes, dst_indices, src_index) of ``rank``: every rank's input is
+    ``pieces`` equal pieces of ``tokens // pieces`` tokens; piece ``i`` odd goes to rank ``(r + 1 + i // 2)
+    mod`` the other ranks, even pieces stay unsent. Receivers list pieces source by source."""
+    n = max(1, tokens // pieces)
+
+    def dst(r: int, i: int) -> list[int]:
+        if i % 2 == 0 or world == 1:
+            return []
+        others = [q for q in range(world) if q != r]
+        return [others[(i // 2) % len(others)]]
+
+    ins = [n] * pieces
+    dsts = [dst(rank, i) for i in range(pieces)]
+    outs, src = [], []
+    for s in range(world):
+        for i in range(pieces):
+            if rank in dst(s, i):
+                outs.append(n)
+                src.append(s)
+    return ins, outs, dsts, src
+
+
+def _bandwidth_row(mb: int, world: int, rank: int, dev, row: tuple, token_bytes: int, timed) -> dict:
+    """One size of the GPU bandwidth table (see the module docstring); every rank returns the same row."""
+    import torch
+    import torch.distributed as dist
+
+    from magi_group_collective import GroupCastPlan, _symmetric
+
+    tokens = 2 * (mb << 20) // token_bytes  # the input holds twice what is sent
+    ins, outs, dsts, src = bandwidth_tables(world, rank, tokens)
+    x = torch.randn(sum(ins), *row, device=dev).to(torch.bfloat16)
+    sent = sum(n * len(d) for n, d in zip(ins, dsts)) * token_bytes
+    plans = {impl: GroupCastPlan(ins, outs, dsts, src, impl=impl) for impl in ("a2av", "native")}
+    reds = {impl: p.transpose() for impl, p in plans.items()}
+    out = {impl: torch.empty(sum(outs), *row, device=dev, dtype=torch.bfloat16) for impl in plans}
+    acc = {impl: torch.zeros_like(x) for impl in plans}
+    send_splits = [sum(n for n, d in zip(ins, dsts) if q in d) for q in range(world)]
+    recv_splits = [sum(n for n, s in zip(outs, src) if s == q) for q in range(world)]
+    a2a_in = torch.empty(sum(send_splits), *row, device=dev, dtype=torch.bfloat16)
+    a2a_out = torch.empty(sum(recv_splits), *row, device=dev, dtype=torch.bfloat16)
+    for impl, p in plans.items():  # warm-up call: the native buffer grows here, outside the timing
+        p.cast(x, out[impl])
+        reds[impl].reduce(out[impl], acc[impl], reduce_op="sum")
+    torch.cuda.synchronize()
+    same = torch.equal(out["a2av"].view(torch.int16), out["native"].view(torch.int16))
+    result = {"mb": mb, "bytes_sent": sent, "cast_bitwise_equal": same}
+    result["nccl_a2a_s"] = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, recv_splits, send_splits))
+    capacity = [b.capacity for _, b in _symmetric._BUFFERS.values()]
+    gathers = [0]
+    real_gather = dist.all_gather_object
+
+    def counting(*a, **k):
+        gathers[0] += 1
+        return real_gather(*a, **k)
+
+    dist.all_gather_object = counting  # the timed calls must do no rendezvous
+    try:
+        for impl in ("a2av", "native"):
+            p, r, o, a = plans[impl], reds[impl], out[impl], acc[impl]
+            result[f"cast_{impl}_s"] = timed(lambda p=p, o=o: p.cast(x, o))
+            result[f"reduce_{impl}_s"] = timed(lambda r=r, o=o, a=a: r.reduce(o, a, reduce_op="sum"))
+    finally:
+        dist.all_gather_object = real_gather
+    result["native_rendezvous"] = gathers[0]
+    result["native_buffer_stable"] = capacity == [b.capacity for _, b in _symmetric._BUFFERS.values()]
+    return result
+
+
+def gpu_bandwidth(args) -> int:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from magi_group_collective import release_native_buffers
+
+    for name, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                        "NVSHMEM_DISABLE_NVLS": "1"}.items():  # fmt: skip
+        os.environ.setdefault(name, value)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    row = (2 * 8, 128)  # K and V of 8 heads x 128, bf16: 4 KiB per token
+    token_bytes = 2 * 8 * 128 * 2
+    results = []
+
+    def timed(fn) -> float:
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(stop) / args.iters], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() / 1e3  # seconds per call, slowest rank
+
+    for mb in (int(v) for v in args.sizes_mb.split(",")):
+        results.append(_bandwidth_row(mb, world, rank, dev, row, token_bytes, timed))
+        torch.cuda.empty_cache()
+    if rank == 0:
+        import json
+
+        import triton
+
+        gbs = lambda r, k: r["bytes_sent"] / r[k] / 1e9  # noqa: E731
+        name = torch.cuda.get_device_name(dev)
+        print(
+            f"group collective bandwidth: {world} x {name}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"bf16 rows of 4 KiB, {args.iters} calls after {args.warmup}; GB/s = bytes each rank sends / time"
+        )
+        print("| op | MiB sent/rank | NCCL all_to_all_single | a2av | native | native / a2av | checks |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+        for r in results:
+            checks = (
+                f"cast bits {'equal' if r['cast_bitwise_equal'] else 'DIFFER'}, rendezvous {r['native_rendezvous']}, "
+                f"buffer {'stable' if r['native_buffer_stable'] else 'GREW'}"
+            )
+            for op in ("cast", "reduce"):
+                a, n = gbs(r, f"{op}_a2av_s"), gbs(r, f"{op}_native_s")
+                print(
+                    f"| Group{op.capitalize()} | {r['mb']} | {gbs(r, 'nccl_a2a_s'):.0f} | {a:.0f} | {n:.0f} | "
+                    f"{n / a:.2f} | {checks} |"
+                )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"device": name, "world": world, "torch": torch.__version__, "rows": results}, f, indent=1
+                )
+    ok = all(
+        r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results
+    )
+    release_native_buffers()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--total", type=int, default=1 << 20, help="tokens for the bytes table")
@@ -197,7 +358,13 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--json", default=None, help="write JSON rows here")
+    p.add_argument("--gpu-bandwidth", action="store_true", help="under torchrun on GPUs: native vs a2av GB/s")
+    p.add_argument("--sizes-mb", default="8,64,512", help="--gpu-bandwidth: MiB each rank sends")
     args = p.parse_args()
+    if args.gpu_bandwidth:
+        if args.iters == 15 and args.warmup == 3:  # the CPU defaults: more calls on GPUs
+            args.iters, args.warmup = 20, 5
+        return gpu_bandwidth(args)
 
     from magi_group_collective.testing import run_ranks
 

@@ -7,6 +7,8 @@ from ._comm import as_device_mesh
 from ._config import GroupCollectiveImpl, ReduceOp
 from ._functional import clear_plan_cache, group_cast, group_reduce
 from ._plan import GroupCastPlan, GroupReducePlan
+from ._symmetric import NativeUnavailableError
+from ._symmetric import release_buffers as release_native_buffers
 from ._work import Work
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
@@ -15,10 +17,12 @@ __all__ = [
     "GroupCastPlan",
     "GroupCollectiveImpl",
     "GroupReducePlan",
+    "NativeUnavailableError",
     "ReduceOp",
     "Work",
     "as_device_mesh",
     "clear_plan_cache",
     "group_cast",
     "group_reduce",
+    "release_native_buffers",
 ]

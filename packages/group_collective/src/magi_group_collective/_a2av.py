@@ -1,4 +1,4 @@
-"""The all-to-all-v implementation of the group collectives, the reserved native one, and ``get_impl``."""
+"""The all-to-all-v implementation of the group collectives and ``get_impl`` (every implementation by name)."""
 
 from __future__ import annotations
 
@@ -113,30 +113,18 @@ class A2AVImpl(CollectiveImpl):
         return _A2AVReduce(tables, comm, device)
 
 
-class NativeImpl(CollectiveImpl):
-    """Reserved: the symmetric-memory / NVSHMEM kernel of the multi-GPU issue."""
-
-    def _missing(self):
-        raise NotImplementedError(
-            "GroupCollectiveImpl.NATIVE (symmetric-memory kernel) is not implemented yet; it comes with the "
-            "multi-GPU issue. Use impl='a2av' (any backend) or impl='hierarchical' (2-D DeviceMesh)."
-        )
-
-    def build_cast(self, tables, comm, device, all_tables):
-        self._missing()
-
-    def build_reduce(self, tables, comm, device, all_tables):
-        self._missing()
-
-
 def get_impl(impl: GroupCollectiveImpl) -> CollectiveImpl:
     """The implementation object of ``impl``."""
     if impl is GroupCollectiveImpl.HIERARCHICAL:
         from ._hierarchical import HierarchicalImpl
 
         return HierarchicalImpl()
-    return {GroupCollectiveImpl.A2AV: A2AVImpl, GroupCollectiveImpl.NATIVE: NativeImpl}[impl]()
+    if impl is GroupCollectiveImpl.NATIVE:
+        from ._native import NativeImpl
+
+        return NativeImpl()
+    return A2AVImpl()
 
 
 # the internal names before the rename ("backend" is the attention kernel's word)
-A2AVBackend, NativeBackend, get_backend = A2AVImpl, NativeImpl, get_impl
+A2AVBackend, get_backend = A2AVImpl, get_impl

@@ -14,8 +14,11 @@ class GroupCollectiveImpl(StrEnum):
     - ``A2AV``: pre-gather, one ``all_to_all_single``, post-scatter/reduce; any torch.distributed backend.
     - ``HIERARCHICAL``: over a 2-D DeviceMesh ``(inter, intra)``: a piece crosses the inter-node link once
       per destination node and fans out inside the node; the reduce pre-reduces inside the source node.
-    - ``NATIVE``: reserved for the symmetric-memory kernel of the multi-GPU issue (raises
-      NotImplementedError until then).
+    - ``NATIVE``: inside one node, over symmetric buffers mapped into every rank (CUDA IPC through
+      cuda-bindings): each rank stages its pieces once, and Triton kernels read them straight from the
+      owners' buffers into the output (cast) or reduce them in a fixed order (reduce). CUDA tensors, an
+      NCCL group on one node and the ``native`` extra; elsewhere plan construction raises
+      :class:`NativeUnavailableError` on every rank.
     """
 
     A2AV = "a2av"

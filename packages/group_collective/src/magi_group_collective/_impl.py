@@ -49,6 +49,10 @@ class CollectiveImpl(ABC):
     #: tables once, collectively, at construction).
     needs_all_tables: ClassVar[bool] = False
 
+    def check_usable(self, comm: Comm, device: torch.device, selected_by: str) -> None:  # noqa: B027
+        """Raise (naming ``selected_by``, the setting that chose this implementation) when it cannot run on
+        ``comm`` / ``device``; called at plan construction before any communication. Default: no check."""
+
     @abstractmethod
     def build_cast(
         self, tables: CastTables, comm: Comm, device: torch.device, all_tables: Sequence[CastTables] | None

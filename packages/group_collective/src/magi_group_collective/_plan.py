@@ -27,6 +27,13 @@ def _resolve_impl(impl: object, comm: Comm) -> GroupCollectiveImpl:
     return chosen
 
 
+def _selected_by(impl: object) -> str:
+    """The setting that chose the implementation of a plan, for error messages."""
+    if impl is not None:
+        return f"impl={str(impl.value if isinstance(impl, GroupCollectiveImpl) else impl)!r}"
+    return "MAGI_GROUP_COLLECTIVE_IMPL"
+
+
 def _gather_tables(tables, comm: Comm, check: bool) -> list:
     """All ranks' tables (collective over the flat group); with ``check``, raise on inconsistency."""
     gathered: list = [None] * comm.world_size
@@ -61,6 +68,8 @@ class _PlanBase:
         self.tables = tables
         self._transposed = None
         coll_impl = get_impl(self._impl)
+        # before any communication: an implementation that cannot run here raises on every rank alike
+        coll_impl.check_usable(self._comm, self.device, _selected_by(impl))
         if (
             all_tables is None
             and self._comm.world_size > 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "impl", "kernels"]
+__all__ = ["debug", "impl", "kernels", "native_buffer_mb"]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -36,7 +36,8 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str | None:
 def impl() -> str | None:
     """``MAGI_GROUP_COLLECTIVE_IMPL``: ``a2av``, ``hierarchical`` or ``native`` for plans built without an
     explicit ``impl``. Default (unset): ``hierarchical`` on a 2-D DeviceMesh, else ``a2av``. ``native``
-    raises NotImplementedError (reserved)."""
+    (symmetric memory, one node, CUDA + NCCL + cuda-bindings) raises NativeUnavailableError where it
+    cannot run."""
     return _choice("MAGI_GROUP_COLLECTIVE_IMPL", ("a2av", "hierarchical", "native"))
 
 
@@ -51,3 +52,19 @@ def kernels() -> str | None:
     kernels around the all-to-all (``triton`` on CPU needs ``TRITON_INTERPRET=1``). Default: Triton on CUDA,
     torch elsewhere."""
     return _choice("MAGI_GROUP_COLLECTIVE_KERNELS", ("torch", "triton"))
+
+
+def native_buffer_mb() -> int:
+    """``MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB`` (int >= 4, default 64): initial size in MiB of the symmetric
+    buffer the native implementation maps on every rank of a group (it doubles when a call needs more; every
+    rank must see the same value)."""
+    raw = os.environ.get("MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB", "").strip()
+    if not raw:
+        return 64
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 4:
+        raise ValueError(f"MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB must be an int >= 4, got {raw!r}")
+    return value

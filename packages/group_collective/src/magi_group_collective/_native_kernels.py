@@ -1,0 +1,222 @@
+"""Triton kernels of the native group collectives: read rows straight from the ranks' symmetric buffers.
+
+Addressing: every kernel gets this rank's buffer as a tensor (``base``, any element type) and
+``deltas[p]``, the distance from it to rank ``p``'s buffer in units of ``UNIT_BYTES`` (see ``_symmetric``).
+Row ``r`` of rank ``p``'s staging slot starts at element ``deltas[p] * UNIT + slot + r * C`` of ``base``;
+a row of this rank's own ``input`` (pieces a rank sends to itself are never staged) at
+``in_delta + r * C``, ``in_delta`` being the distance from ``base`` to ``input``. Everything is plain
+pointer arithmetic on one base, so the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors that
+stand for the ranks' buffers (how the tests check the index math), and on the GPU where ``base + offset``
+lands in a peer's memory mapped into this process.
+
+GroupCast copies bit patterns (rows viewed as integer words), so any dtype arrives exact. GroupReduce
+accumulates in fp32 (fp64 for fp64 data, int64 for integers) and visits the contributions of an output row
+in increasing source rank, the order of the all-to-all-v path's reduction, with the same operations: both
+paths give the same bits for the same inputs, and repeated runs are bitwise identical (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._native_plan import UNIT_BYTES
+from ._reduce_index import acc_dtype
+from ._triton_kernels import _MAX_BLOCK_C, _TILE_WORDS, _as_words
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@triton.jit
+def _pull_rows_kernel(
+    base, out, deltas, src_rank, src_row, R, C, me, in_delta, slot,
+    UNIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    s = tl.load(src_rank + rows, mask=rmask, other=0)
+    r = tl.load(src_row + rows, mask=rmask, other=0).to(tl.int64)
+    d = tl.load(deltas + s, mask=rmask, other=0).to(tl.int64) * UNIT
+    start = tl.where(s == me, in_delta, d + slot) + r * C
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = rmask[:, None] & (cols < C)[None, :]
+    x = tl.load(base + start[:, None] + cols[None, :], mask=mask)
+    tl.store(out + rows.to(tl.int64)[:, None] * C + cols[None, :], x, mask=mask)
+
+
+def _word(row_bytes: int, *ptrs: int) -> int:
+    return next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and all(p % w == 0 for p in ptrs))
+
+
+def pull_rows(
+    base: torch.Tensor,
+    deltas: torch.Tensor,
+    me: int,
+    slot: int,
+    input: torch.Tensor,
+    out: torch.Tensor,
+    src_rank: torch.Tensor,
+    src_row: torch.Tensor,
+) -> None:
+    """``out[k] = row src_row[k] of rank src_rank[k]`` (its staging slot at byte ``slot``, or ``input`` for
+    this rank). ``input`` / ``out`` contiguous ``[N, C]`` rows of one dtype; ``base`` uint8 buffer."""
+    R = src_rank.numel()
+    row_bytes = out.shape[1] * out.element_size()
+    if R == 0 or row_bytes == 0:
+        return
+    word = _word(row_bytes, input.data_ptr(), out.data_ptr(), base.data_ptr())
+    b = base.view(_WORD_DTYPES[word])
+    i, o = _as_words(input, word), _as_words(out, word)
+    C = row_bytes // word
+    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
+    block_r = max(1, min(64, _TILE_WORDS // block_c))
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _pull_rows_kernel[grid](
+        b, o, deltas, src_rank, src_row, R, C, me, (i.data_ptr() - b.data_ptr()) // word, slot // word,
+        UNIT=UNIT_BYTES // word, BLOCK_R=block_r, BLOCK_C=block_c,
+    )  # fmt: skip
+
+
+@triton.jit
+def _pull_reduce_kernel(
+    base, out, deltas, touched, ptr, c_src, c_row, weight, C, me, in_delta, slot,
+    UNIT: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    o = tl.load(touched + t).to(tl.int64)
+    start = tl.load(ptr + t)
+    end = tl.load(ptr + t + 1)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    acc = tl.load(out + o * C + cols, mask=cmask, other=0).to(ACC)
+    if HAS_W:
+        w = tl.load(weight + t).to(ACC)
+    for k in range(start, end):
+        s = tl.load(c_src + k)
+        r = tl.load(c_row + k).to(tl.int64)
+        d = tl.load(deltas + s).to(tl.int64) * UNIT
+        row = tl.where(s == me, in_delta, d + slot) + r * C
+        x = tl.load(base + row + cols, mask=cmask, other=0).to(ACC)
+        if HAS_W:
+            x = x * w
+        acc += x
+    tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+def _acc(dtype: torch.dtype):
+    if not dtype.is_floating_point:
+        return tl.int64
+    return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
+
+
+def pull_reduce(
+    base: torch.Tensor,
+    deltas: torch.Tensor,
+    me: int,
+    slot: int,
+    input: torch.Tensor,
+    out: torch.Tensor,
+    touched: torch.Tensor,
+    ptr: torch.Tensor,
+    c_src: torch.Tensor,
+    c_row: torch.Tensor,
+    weight: torch.Tensor | None,
+) -> None:
+    """``out[touched[t]] += Σ_k weight[t] · row c_row[k] of rank c_src[k]`` over the CSR entries of ``t``.
+
+    ``input`` / ``out`` contiguous ``[N, C]`` rows of one real dtype; ``weight`` ``[T]`` fp32 or None.
+    """
+    T, C = touched.numel(), out.shape[1]
+    if T == 0 or C == 0:
+        return
+    es = out.element_size()
+    b = base.view(out.dtype)
+    block_c = min(triton.next_power_of_2(C), 1024)
+    _pull_reduce_kernel[(T, triton.cdiv(C, block_c))](
+        b, out, deltas, touched, ptr, c_src, c_row, weight if weight is not None else ptr, C, me,
+        (input.data_ptr() - b.data_ptr()) // es, slot // es,
+        UNIT=UNIT_BYTES // es, HAS_W=weight is not None, ACC=_acc(out.dtype), BLOCK_C=block_c,
+    )  # fmt: skip
+
+
+@triton.jit
+def _pull_lse_kernel(
+    base, lbase, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me, in_delta, in_lse_delta, slot,
+    lslot, UNIT: tl.constexpr, LUNIT: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    o = tl.load(touched + t).to(tl.int64)
+    start = tl.load(ptr + t)
+    end = tl.load(ptr + t + 1)
+    l0 = tl.load(out_lse + o * H + h).to(ACC)
+    # pass 1: the merged log-sum-exp (max-shifted; -inf terms have weight 0, all -inf gives -inf)
+    m = l0
+    for k in range(start, end):
+        s = tl.load(c_src + k)
+        r = tl.load(c_row + k).to(tl.int64)
+        lrow = tl.where(s == me, in_lse_delta, tl.load(deltas + s).to(tl.int64) * LUNIT + lslot) + r * H
+        m = tl.maximum(m, tl.load(lbase + lrow + h).to(ACC))
+    m_safe = tl.where(m == float("-inf"), 0.0, m).to(ACC)
+    sm = tl.exp(l0 - m_safe)
+    for k in range(start, end):
+        s = tl.load(c_src + k)
+        r = tl.load(c_row + k).to(tl.int64)
+        lrow = tl.where(s == me, in_lse_delta, tl.load(deltas + s).to(tl.int64) * LUNIT + lslot) + r * H
+        sm += tl.exp(tl.load(lbase + lrow + h).to(ACC) - m_safe)
+    empty = sm == 0
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, sm).to(ACC))).to(ACC)
+    lse_safe = tl.where(empty, 0.0, lse).to(ACC)
+    w0 = tl.exp(l0 - lse_safe)
+    # pass 2: weighted sum of the partial outputs, one head_dim chunk at a time
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        o0 = tl.load(out + (o * H + h) * D + cols, mask=cmask, other=0)
+        acc = tl.where(w0 > 0, o0.to(ACC) * w0, 0.0).to(ACC)
+        for k in range(start, end):
+            s = tl.load(c_src + k)
+            r = tl.load(c_row + k).to(tl.int64)
+            d = tl.load(deltas + s).to(tl.int64)
+            lrow = tl.where(s == me, in_lse_delta, d * LUNIT + lslot) + r * H
+            wk = tl.exp(tl.load(lbase + lrow + h).to(ACC) - lse_safe)
+            row = tl.where(s == me, in_delta, d * UNIT + slot) + (r * H + h) * D
+            x = tl.load(base + row + cols, mask=cmask, other=0).to(ACC)
+            acc += tl.where(wk > 0, x * wk, 0.0).to(ACC)
+        res = tl.where(empty, o0, acc.to(out.dtype.element_ty))
+        tl.store(out + (o * H + h) * D + cols, res, mask=cmask)
+    tl.store(out_lse + o * H + h, lse.to(tl.float32))
+
+
+def pull_lse_reduce(
+    base: torch.Tensor,
+    deltas: torch.Tensor,
+    me: int,
+    slot: int,
+    lse_slot: int,
+    input: torch.Tensor,
+    input_lse: torch.Tensor,
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+    touched: torch.Tensor,
+    ptr: torch.Tensor,
+    c_src: torch.Tensor,
+    c_row: torch.Tensor,
+) -> None:
+    """Log-sum-exp merge of the contributions into ``out`` / ``out_lse`` (see ``_ops.lse_reduce_rows``).
+
+    ``input`` / ``out`` contiguous ``[N, H, D]`` floating, ``input_lse`` / ``out_lse`` ``[N, H]`` fp32; the
+    staged lse rows of rank ``p`` are at byte ``lse_slot`` of its buffer, the data rows at ``slot``.
+    """
+    T, H, D = touched.numel(), out.shape[1], out.shape[2]
+    if T == 0 or H == 0:
+        return
+    es = out.element_size()
+    b, lb = base.view(out.dtype), base.view(torch.float32)
+    block_d = min(triton.next_power_of_2(max(D, 1)), 256)
+    _pull_lse_kernel[(T, H)](
+        b, lb, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me,
+        (input.data_ptr() - b.data_ptr()) // es, (input_lse.data_ptr() - lb.data_ptr()) // 4, slot // es,
+        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, ACC=_acc(out.dtype), BLOCK_D=block_d,
+    )  # fmt: skip
