@@ -150,6 +150,38 @@ def test_padding_to_chunk_times_cp(capsys: pytest.CaptureFixture[str]) -> None:
     assert rec["padded_seqlen"] == 10240 and rec["total_seqlen"] == 10000
 
 
+def test_uneven_shard_needs_no_padding(capsys: pytest.CaptureFixture[str]) -> None:
+    """--uneven-shard plans magi on the unpadded sequence; the baselines keep their padded pricing."""
+    argv = ["--mask", "causal", "--total", "10000", "--cp", "3", "--chunk-size", "512"]
+    (padded,) = _run_json(capsys, *argv)
+    (uneven,) = _run_json(capsys, *argv, "--uneven-shard")
+    assert (padded["padded_seqlen"], padded["uneven_shard"]) == (10752, False)
+    assert (uneven["padded_seqlen"], uneven["uneven_shard"]) == (10752, True)  # the baselines' length
+    assert uneven["tokens_per_rank"] <= padded["tokens_per_rank"]
+    for key in ("ring_kv_tokens_per_rank", "all_gather_kv_tokens_per_rank"):
+        assert uneven[key] == padded[key] == 10752 - 10752 // 3
+    assert uneven["remote_kv_tokens_max"] <= uneven["ring_kv_tokens_per_rank"]
+    assert uneven["mask_area"] == padded["mask_area"] == sum(uneven["rank_areas"])
+    for name in ("ring", "all_gather", "ulysses"):
+        assert uneven["schemes"][name] == padded["schemes"][name]
+    full = [[0, 10000]]
+    rec, plan = predict_cp(
+        full,
+        full,
+        "causal",
+        10000,
+        3,
+        hardware=get_hardware("h200"),
+        workload=Workload(chunk_size=512, uneven_shard=True),
+    )
+    shards = plan.dispatch.shard_seqlens
+    assert sum(shards) == 10000 and rec["tokens_per_rank"] == max(shards)
+    assert main([*argv, "--uneven-shard", "--quiet"]) == 0
+    assert "up to" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="uneven_shard"):
+        Workload(uneven_shard=1)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

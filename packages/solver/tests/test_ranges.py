@@ -82,3 +82,24 @@ def test_range_helpers() -> None:
         and rs.total_seqlen == 4
         and rs.sort().to_list() == [[0, 2], [4, 6]]
     )
+
+
+def test_from_bounds_equals_from_ranges_and_checks_like_attn_range() -> None:
+    import numpy as np
+
+    pairs = [[0, 4], [3, 3], [8, 12], [2, 100]]
+    got = AttnRanges.from_bounds([p[0] for p in pairs], [p[1] for p in pairs])
+    assert got == AttnRanges.from_ranges(pairs)
+    starts, ends = np.array([0, 5]), np.array([1, 9])  # numpy ints go through the int rule
+    assert AttnRanges.from_bounds(list(starts), list(ends)) == AttnRanges.from_ranges([[0, 1], [5, 9]])
+    assert AttnRanges.from_bounds([], []) == AttnRanges()
+    with pytest.raises(ValueError, match="differ in length"):
+        AttnRanges.from_bounds([0, 1], [2])
+    with pytest.raises(ValueError, match=r"0 <= start <= end, got \[5, 4\) at index 1"):
+        AttnRanges.from_bounds([0, 5], [1, 4])
+    with pytest.raises(ValueError, match="0 <= start"):
+        AttnRanges.from_bounds([-1], [3])
+    with pytest.raises(TypeError, match=r"`starts\[0\]` must be an int"):
+        AttnRanges.from_bounds([True], [3])
+    with pytest.raises(TypeError, match=r"`ends\[0\]` must be an int"):
+        AttnRanges.from_bounds([0], [2.5])

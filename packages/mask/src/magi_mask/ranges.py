@@ -18,6 +18,8 @@ TypedSlice = tuple[int, int, int, int, int]  # (qs, qe, ks, ke, type code)
 
 def check_int(value: Any, name: str) -> int:
     """`value` as an int; TypeError for non-ints and bools (True as a token index is always a bug)."""
+    if type(value) is int:  # the common case first (a bool's type is bool, never int): millions per mask
+        return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
     return int(value.__index__())

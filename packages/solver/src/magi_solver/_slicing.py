@@ -64,7 +64,8 @@ def clip_rows(
         clipped: list[tuple[int, ...]] = []
         local = 0
         for a, b in dispatch.host_pairs(rank):
-            cand = sorted({i for c in range(a // cs, b // cs) for i in by_chunk[c]})
+            # -(-b // cs): an uneven shard's last chunk ends at total_seqlen, not at a chunk boundary
+            cand = sorted({i for c in range(a // cs, -(-b // cs)) for i in by_chunk[c]})
             for i in cand:
                 r = clip_region(regions[i], a, b, regions[i][2], regions[i][3])
                 if r is not None:

@@ -216,6 +216,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         chunk_size=args.chunk_size,
         max_degree=args.max_degree,
         overlap_degree=degree,
+        uneven_shard=args.uneven_shard,
     )
 
 
@@ -261,6 +262,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16")
     s.add_argument("--degree", default="dynamic", help="overlap degree: dynamic (default) or an int >= 0")
     s.add_argument("--max-degree", type=int, default=4, help="largest degree the dynamic choice tries")
+    s.add_argument(
+        "--uneven-shard",
+        action="store_true",
+        help="magi without padding (DispatchConfig(uneven_shard=True)); baselines stay padded",
+    )
 
     h = p.add_argument_group("hardware (a profile, then explicit numbers override it)")
     h.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
@@ -300,7 +306,8 @@ def _render(records: list[dict[str, Any]], header: str, hw: HardwareProfile, con
     for rec in records:
         degree = rec["overlap_degree"]
         title = (
-            f"cp {rec['cp']}: {rec['tokens_per_rank']:,} tokens per rank, chunk {rec['chunk_size']}, "
+            f"cp {rec['cp']}: {'up to ' if rec['uneven_shard'] else ''}{rec['tokens_per_rank']:,} tokens per "
+            f"rank{' (uneven shards)' if rec['uneven_shard'] else ''}, chunk {rec['chunk_size']}, "
             f"overlap degree {degree}, imbalance {rec['imbalance']:.3f} "
             f"(lower bound {rec['lower_bound_imbalance']:.3f}), planned in {rec['plan_seconds']:.2f} s"
         )

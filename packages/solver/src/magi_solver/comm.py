@@ -80,7 +80,7 @@ class GroupReduceArgs:
 
 
 def build_cast_args(
-    wants: Sequence[Sequence[Sequence[tuple[int, int]]]], local_seqlen: int
+    wants: Sequence[Sequence[Sequence[tuple[int, int]]]], local_seqlen: int | Sequence[int]
 ) -> list[GroupCastArgs]:
     """GroupCast args of every rank for one stage.
 
@@ -88,8 +88,10 @@ def build_cast_args(
     disjoint, in the order they sit in `dst`'s recv buffer (sources in rank order, each in its local order).
     Each sender's local tokens are cut at every interval boundary; a piece goes to every rank whose
     intervals cover it, so one output piece of a receiver is exactly one input piece of its source.
+    `local_seqlen`: the local token count of every rank (one int), or of each rank (uneven shards).
     """
     cp = len(wants)
+    local = [local_seqlen] * cp if isinstance(local_seqlen, int) else list(local_seqlen)
     # per sender: (position, +1/-1, dst) events over its local tokens
     events: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
     for dst in range(cp):
@@ -101,7 +103,7 @@ def build_cast_args(
     recv: list[list[list[int]]] = [[[] for _ in range(cp)] for _ in range(cp)]
     inputs: list[tuple[list[int], list[tuple[int, ...]]]] = []
     for src in range(cp):
-        bounds = sorted({0, local_seqlen, *(p for p, _, _ in events[src])})
+        bounds = sorted({0, local[src], *(p for p, _, _ in events[src])})
         by_pos: dict[int, list[tuple[int, int]]] = {}
         for p, d, dst in events[src]:
             by_pos.setdefault(p, []).append((d, dst))

@@ -4,6 +4,12 @@ the attention work (the mask area of each chunk's rows).
 Self-attention: q and k share one sequence and one dispatch. Rank r's local tokens are its chunks in
 ascending chunk id (`DispatchPlan.host_token_ranges(r)`), so the dispatched layout of a global tensor is
 `x[plan.permutation]` split into `cp_size` equal shards.
+
+Uneven shards (`uneven_shard=True`): the sequence is not padded. It is cut into `ceil(total / chunk_size)`
+chunks, the last one possibly shorter, and the chunk counts of two ranks differ by at most one, so ranks
+hold slightly different token counts (never more than a padded plan's shard); the balance by area is the
+same problem under those count limits. The short chunk has the largest id, so it is always the last chunk
+of its rank: every other chunk starts at `index * chunk_size` of its rank's local tokens.
 """
 
 from __future__ import annotations
@@ -54,13 +60,16 @@ class DispatchPlan:
     Attributes:
         total_seqlen: tokens in the (padded) global sequence.
         cp_size: number of ranks.
-        chunk_size: tokens per chunk.
-        num_chunks: `total_seqlen // chunk_size`.
-        partitions: per rank, its sorted global chunk ids (all of equal length `num_chunks // cp_size`).
+        chunk_size: tokens per chunk (the last chunk is shorter when `uneven_shard` and `chunk_size` does
+            not divide `total_seqlen`).
+        num_chunks: `total_seqlen // chunk_size` (`ceil(total_seqlen / chunk_size)` with `uneven_shard`).
+        partitions: per rank, its sorted global chunk ids (all of equal length `num_chunks // cp_size`;
+            with `uneven_shard` the lengths differ by at most one, and no rank is empty).
         chunk_areas: per chunk, the mask area of its rows.
         rank_areas: per rank, the sum of its chunks' areas.
         alg: the algorithm that produced the plan.
-        lower_bound: a lower bound on `max(rank_areas)` over every equal-count assignment.
+        lower_bound: a lower bound on `max(rank_areas)` over every assignment with these chunk counts.
+        uneven_shard: the sequence is not padded (see the module docstring).
     """
 
     total_seqlen: int
@@ -72,25 +81,49 @@ class DispatchPlan:
     rank_areas: tuple[int, ...]
     alg: DispatchAlg
     lower_bound: int
+    uneven_shard: bool = False
 
     def __post_init__(self) -> None:
-        per = self.num_chunks // self.cp_size
-        if len(self.partitions) != self.cp_size or any(len(p) != per for p in self.partitions):
-            raise ValueError(
-                f"DispatchPlan needs {self.cp_size} partitions of {per} chunks, got {self.partitions}"
-            )
+        if self.uneven_shard:
+            expected = -(-self.total_seqlen // self.chunk_size)
+            if self.num_chunks != expected:
+                raise ValueError(f"DispatchPlan: num_chunks must be {expected}, got {self.num_chunks}")
+            if len(self.partitions) != self.cp_size or any(len(p) == 0 for p in self.partitions):
+                raise ValueError(
+                    f"DispatchPlan needs {self.cp_size} non-empty partitions, got {self.partitions}"
+                )
+        else:
+            per = self.num_chunks // self.cp_size
+            if len(self.partitions) != self.cp_size or any(len(p) != per for p in self.partitions):
+                raise ValueError(
+                    f"DispatchPlan needs {self.cp_size} partitions of {per} chunks, got {self.partitions}"
+                )
         flat = sorted(c for p in self.partitions for c in p)
         if flat != list(range(self.num_chunks)) or any(list(p) != sorted(p) for p in self.partitions):
             raise ValueError("DispatchPlan partitions must be sorted and hold every chunk exactly once")
 
     @property
     def chunks_per_rank(self) -> int:
+        """Chunks of each rank (the smallest count with `uneven_shard`)."""
         return self.num_chunks // self.cp_size
 
     @property
+    def shard_seqlens(self) -> tuple[int, ...]:
+        """Local tokens of each rank (all `shard_seqlen` unless `uneven_shard`)."""
+        last, cs = self.num_chunks - 1, self.chunk_size
+        short = last * cs + cs - self.total_seqlen  # tokens the last chunk lacks (0 unless uneven)
+        return tuple(len(p) * cs - (short if p[-1] == last else 0) for p in self.partitions)
+
+    @property
     def shard_seqlen(self) -> int:
-        """Local tokens per rank."""
-        return self.chunks_per_rank * self.chunk_size
+        """Local tokens per rank; with `uneven_shard` the largest of `shard_seqlens` (a buffer size)."""
+        if not self.uneven_shard:
+            return self.chunks_per_rank * self.chunk_size
+        return max(self.shard_seqlens)
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """Global `[start, end)` tokens of `chunk` (the last one may be short with `uneven_shard`)."""
+        return chunk * self.chunk_size, min((chunk + 1) * self.chunk_size, self.total_seqlen)
 
     @property
     def imbalance(self) -> float:
@@ -117,25 +150,27 @@ class DispatchPlan:
         return AttnRanges(tuple(AttnRange(s, e) for s, e in self.host_pairs(rank)))
 
     def host_pairs(self, rank: int) -> list[tuple[int, int]]:
-        cs = self.chunk_size
         out: list[tuple[int, int]] = []
         for c in self.partitions[rank]:
-            if out and out[-1][1] == c * cs:
-                out[-1] = (out[-1][0], (c + 1) * cs)
+            s, e = self.chunk_range(c)
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
             else:
-                out.append((c * cs, (c + 1) * cs))
+                out.append((s, e))
         return out
 
+    def _token_ids(self, chunks: np.ndarray) -> np.ndarray:
+        ids = (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()
+        return ids[ids < self.total_seqlen] if self.uneven_shard else ids
+
     def position_ids(self, rank: int) -> np.ndarray:
-        """int64 `[shard_seqlen]`: the global index of each local token (for RoPE)."""
-        chunks = np.asarray(self.partitions[rank], dtype=np.int64)
-        return (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()
+        """int64 `[shard_seqlens[rank]]`: the global index of each local token (for RoPE)."""
+        return self._token_ids(np.asarray(self.partitions[rank], dtype=np.int64))
 
     @property
     def permutation(self) -> np.ndarray:
         """int64 `[total_seqlen]`: global token ids in dispatched order (rank 0's tokens, then rank 1's, ...)."""
-        chunks = np.asarray(self.partitions, dtype=np.int64).ravel()
-        return (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()
+        return self._token_ids(np.concatenate([np.asarray(p, dtype=np.int64) for p in self.partitions]))
 
     @property
     def unpermutation(self) -> np.ndarray:
@@ -146,8 +181,13 @@ class DispatchPlan:
         return inv
 
 
-def validate_geometry(total_seqlen: Any, cp_size: Any, chunk_size: Any) -> tuple[int, int, int]:
-    """Check the sequence / chunk / rank sizes; returns them as ints. Raises ValueError naming the argument."""
+def validate_geometry(
+    total_seqlen: Any, cp_size: Any, chunk_size: Any, *, uneven_shard: bool = False
+) -> tuple[int, int, int]:
+    """Check the sequence / chunk / rank sizes; returns them as ints. Raises ValueError naming the argument.
+
+    Padded geometry (default): `chunk_size * cp_size` divides `total_seqlen`. With `uneven_shard`, any
+    `total_seqlen` with at least `cp_size` chunks (`ceil(total_seqlen / chunk_size) >= cp_size`)."""
     total_seqlen = _check_int(total_seqlen, "total_seqlen")
     cp_size = _check_int(cp_size, "cp_size")
     chunk_size = _check_int(chunk_size, "chunk_size")
@@ -157,6 +197,17 @@ def validate_geometry(total_seqlen: Any, cp_size: Any, chunk_size: Any) -> tuple
         raise ValueError(f"`cp_size` must be positive, got {cp_size}")
     if chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
+    if not isinstance(uneven_shard, bool):
+        raise TypeError(f"`uneven_shard` must be a bool, got {type(uneven_shard).__name__}")
+    if uneven_shard:
+        num_chunks = -(-total_seqlen // chunk_size)
+        if cp_size > num_chunks:
+            raise ValueError(
+                f"`cp_size` = {cp_size} is larger than the chunk count {num_chunks} (total_seqlen "
+                f"{total_seqlen}, chunk_size {chunk_size}): every rank needs at least one chunk; use a smaller "
+                "chunk_size" + ("" if total_seqlen >= cp_size else " (or fewer ranks than tokens)")
+            )
+        return total_seqlen, cp_size, chunk_size
     if total_seqlen % chunk_size:
         raise ValueError(
             f"`chunk_size` = {chunk_size} must divide `total_seqlen` = {total_seqlen}; pad the sequence to a "
@@ -196,8 +247,9 @@ def _row_chunk_pairs(regs: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.
 def chunk_areas(
     slices: list[tuple[int, int, int, int, int]], total_seqlen: int, chunk_size: int
 ) -> np.ndarray:
-    """int64 `[num_chunks]`: mask area of each chunk's rows (vectorised over (slice, chunk) pairs)."""
-    num_chunks = total_seqlen // chunk_size
+    """int64 `[num_chunks]`: mask area of each chunk's rows (vectorised over (slice, chunk) pairs); a last,
+    shorter chunk when `chunk_size` does not divide `total_seqlen` (uneven shards)."""
+    num_chunks = -(-total_seqlen // chunk_size)
     regs = _region_arrays(slices)
     out = np.zeros(num_chunks, dtype=np.int64)
     if len(regs) == 0:
@@ -217,7 +269,8 @@ def chunk_areas(
 
 
 def dispatch_lower_bound(areas: Any, cp_size: int) -> int:
-    """Lower bound on the max rank load of any assignment with equal chunk counts.
+    """Lower bound on the max rank load of any assignment where every rank holds at least
+    `m = len(areas) // cp_size` chunks (equal counts, or uneven shards' counts that differ by one).
 
     Two bounds: the mean load (rounded up), and the largest chunk plus the `m - 1` smallest other chunks
     (its rank holds `m - 1` more chunks).
@@ -231,13 +284,20 @@ def dispatch_lower_bound(areas: Any, cp_size: int) -> int:
 
 
 def _min_heap(areas: list[int], cp_size: int, refine: bool = True) -> list[list[int]]:
-    cap = len(areas) // cp_size
+    """Largest chunk first to the least-loaded rank with room. Every rank holds `n // cp_size` chunks and,
+    when `cp_size` does not divide `n` (uneven shards), `n % cp_size` ranks hold one more."""
+    base, extra = divmod(len(areas), cp_size)
+    cap = base + (extra > 0)
     order = sorted(range(len(areas)), key=lambda c: (-areas[c], c))
     heap = [(0, r) for r in range(cp_size)]
     parts: list[list[int]] = [[] for _ in range(cp_size)]
     for c in order:
-        load, r = heapq.heappop(heap)  # full ranks are never pushed back, so r has room
+        load, r = heapq.heappop(heap)  # ranks at `cap` are never pushed back
+        while len(parts[r]) >= base and extra == 0:  # at `base` once every extra slot is taken: full
+            load, r = heapq.heappop(heap)
         parts[r].append(c)
+        if len(parts[r]) > base:
+            extra -= 1
         if len(parts[r]) < cap:
             heapq.heappush(heap, (load + areas[c], r))
     if refine and cp_size > 1:
@@ -250,17 +310,31 @@ _REFINE_MAX_PAIRS = 1 << 22  # entries of the [m, cp, m] swap table per round (3
 
 def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | None = None) -> None:
     """Swap one chunk of the most-loaded rank with one chunk of another rank while both end strictly below
-    the old maximum (so the max load never grows); pick the swap that best halves the gap. In place."""
-    a = np.asarray(areas, dtype=np.int64)
-    mat = np.asarray(parts, dtype=np.int64)  # [cp, m] chunk ids
+    the old maximum (so the max load never grows); pick the swap that best halves the gap. In place.
+
+    Chunk counts that differ by one (uneven shards) are padded with an empty slot (a sentinel chunk of area
+    0) on the ranks holding fewer: a swap with an empty slot moves a chunk from a rank holding more to a
+    rank holding fewer, which keeps the counts within one; the other moves through empty slots are masked.
+    """
+    n = len(areas)
+    width = max(len(p) for p in parts)
+    a = np.asarray([*areas, 0], dtype=np.int64)  # index n: the empty slot
+    mat = np.full((len(parts), width), n, dtype=np.int64)  # [cp, m] chunk ids
+    for r, p in enumerate(parts):
+        mat[r, : len(p)] = p
     if mat.shape[1] ** 2 * mat.shape[0] > _REFINE_MAX_PAIRS:
         return  # one round would build too large a table; the greedy result stands
+    ragged = bool((mat == n).any())
     loads = a[mat].sum(axis=1)
     for _ in range(max_rounds or 4 * len(parts)):
         top = int(np.argmax(loads))
         gap = loads[top] - loads  # per rank: how much the top rank is above it
         d = a[mat[top]][:, None, None] - a[mat][None, :, :]  # [m(top), cp, m]: area moved top -> rank
         ok = (d > 0) & (d < gap[None, :, None])
+        if ragged:
+            real = mat != n
+            # the top rank gives a real chunk; it may land in an empty slot only if the top rank holds more
+            ok &= real[top][:, None, None] & (real[None, :, :] | bool(real[top].all()))
         if not ok.any():
             break
         # best: the new max of the pair, max(top - d, rank + d), as small as possible
@@ -270,10 +344,22 @@ def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | No
         loads[top] -= d[i, r, j]
         loads[r] += d[i, r, j]
     for r in range(len(parts)):
-        parts[r] = mat[r].tolist()
+        parts[r] = [int(c) for c in mat[r] if c != n]
 
 
-def _zigzag(num_chunks: int, cp_size: int) -> list[list[int]]:
+def _sequential(num_chunks: int, cp_size: int) -> list[list[int]]:
+    """Contiguous blocks; with uneven shards the first `num_chunks % cp_size` ranks hold one chunk more."""
+    base, extra = divmod(num_chunks, cp_size)
+    starts = [r * base + min(r, extra) for r in range(cp_size + 1)]
+    return [list(range(starts[r], starts[r + 1])) for r in range(cp_size)]
+
+
+def _zigzag(num_chunks: int, cp_size: int, uneven_shard: bool = False) -> list[list[int]]:
+    if uneven_shard:
+        # 2*cp contiguous blocks whose sizes differ by at most one (the first ones larger); rank r takes
+        # blocks r and 2*cp-1-r, so chunk counts differ by at most one and no rank is empty
+        starts = _sequential(num_chunks, 2 * cp_size)
+        return [starts[r] + starts[2 * cp_size - 1 - r] for r in range(cp_size)]
     per = num_chunks // cp_size
     if per % 2:
         raise ValueError(
@@ -334,7 +420,7 @@ def _affinity(
     take the one with the most affinity (keys its rows need, or rows that need its keys); with no such rank,
     or no affinity anywhere, the least-loaded rank (MIN_HEAP's choice)."""
     n = len(areas)
-    cap = n // cp_size
+    base, extra = divmod(n, cp_size)  # counts: base each, `extra` ranks one more (uneven shards)
     if n > _AFFINITY_MAX_CHUNKS:
         raise ValueError(
             f"alg='affinity' keeps a num_chunks x num_chunks affinity table; {n} chunks is more than "
@@ -348,7 +434,7 @@ def _affinity(
     target = dispatch_lower_bound(areas, cp_size) * (1.0 + tolerance)
     parts: list[list[int]] = [[] for _ in range(cp_size)]
     for c in sorted(range(n), key=lambda c: (-areas[c], c)):
-        open_ranks = np.flatnonzero(counts < cap)
+        open_ranks = np.flatnonzero((counts < base) | ((counts == base) & (extra > 0)))
         fits = open_ranks[loads[open_ranks] + areas[c] <= target]
         score = aff[fits, c] if fits.size else np.zeros(0, dtype=np.float32)
         if fits.size and score.max() > 0:
@@ -358,6 +444,7 @@ def _affinity(
         r = int(best[np.argmin(loads[best])])  # least loaded among the best (then lowest id)
         parts[r].append(c)
         counts[r] += 1
+        extra -= int(counts[r] > base)
         loads[r] += areas[c]
         aff[r] += sym[c]
     # The greedy can lose to plain min-heap on both counts (e.g. block-causal video, where every late block
@@ -391,32 +478,45 @@ def solve_dispatch(
     *,
     affinity_tolerance: float = 0.0,
     total_seqlen_k: int | None = None,
+    uneven_shard: bool = False,
 ) -> DispatchPlan:
-    """Assign the `total_seqlen // chunk_size` chunks to `cp_size` ranks, `num_chunks // cp_size` each.
+    """Assign the `total_seqlen // chunk_size` chunks to `cp_size` ranks, `num_chunks // cp_size` each
+    (uneven shards: `ceil(total_seqlen / chunk_size)` chunks, counts within one of each other).
 
     Args:
         q_ranges, k_ranges: per slice `[start, end)` (a list of pairs, an `[n, 2]` array or `AttnRanges`);
             slices may overlap in q, in k and even in (q, k) pairs: the mask is their union.
         attn_mask_type: one type for all slices or one per slice: `AttnMaskType`, its name, or int code 0-3.
-        total_seqlen: tokens of the sequence (q and k: self-attention); a multiple of `chunk_size`.
-        cp_size: number of ranks; must divide the chunk count.
+        total_seqlen: tokens of the sequence (q and k: self-attention); a multiple of `chunk_size`
+            (any length with `uneven_shard`).
+        cp_size: number of ranks; must divide the chunk count (at most the chunk count with `uneven_shard`).
         chunk_size: tokens per chunk.
         alg: a `DispatchAlg` value ("min_heap", "sequential", "zigzag", "affinity").
         affinity_tolerance: for "affinity", how far above the balance lower bound (as a fraction) a rank's
             load may grow when it is chosen for affinity rather than for being least loaded.
         total_seqlen_k: cross-attention: length of the key sequence `k_ranges` index (None: self-attention,
             keys are the query sequence); only the queries are dispatched here.
+        uneven_shard: no padding: the last chunk may be short and the ranks' chunk counts may differ by one
+            (every algorithm; zigzag then cuts `2 * cp_size` blocks of sizes within one of each other).
 
     Returns:
         A `DispatchPlan`. Raises `ValueError` (naming the argument or slice) on bad input.
     """
-    total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
+    total_seqlen, cp_size, chunk_size = validate_geometry(
+        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
+    )
     if total_seqlen_k is not None and DispatchAlg(alg) is DispatchAlg.AFFINITY:
         raise ValueError("alg='affinity' pairs query and key chunks of one sequence: not for cross-attention")
     total_k = total_seqlen if total_seqlen_k is None else _check_int(total_seqlen_k, "total_seqlen_k")
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     return dispatch_slices(
-        slices, total_seqlen, cp_size, chunk_size, alg, affinity_tolerance=affinity_tolerance
+        slices,
+        total_seqlen,
+        cp_size,
+        chunk_size,
+        alg,
+        affinity_tolerance=affinity_tolerance,
+        uneven_shard=uneven_shard,
     )
 
 
@@ -428,6 +528,7 @@ def dispatch_slices(
     alg: str | DispatchAlg = "min_heap",
     *,
     affinity_tolerance: float = 0.0,
+    uneven_shard: bool = False,
 ) -> DispatchPlan:
     """`solve_dispatch` on already validated `(qs, qe, ks, ke, code)` slices."""
     try:
@@ -436,15 +537,14 @@ def dispatch_slices(
         raise ValueError(f"`alg` must be one of {[a.value for a in DispatchAlg]}, got {alg!r}") from None
     if not affinity_tolerance >= 0.0:
         raise ValueError(f"`affinity_tolerance` must be >= 0, got {affinity_tolerance}")
-    num_chunks = total_seqlen // chunk_size
     areas = chunk_areas(slices, total_seqlen, chunk_size).tolist()
-    per = num_chunks // cp_size
+    num_chunks = len(areas)
     if alg is DispatchAlg.MIN_HEAP:
         parts = _min_heap(areas, cp_size)
     elif alg is DispatchAlg.SEQUENTIAL:
-        parts = [list(range(r * per, (r + 1) * per)) for r in range(cp_size)]
+        parts = _sequential(num_chunks, cp_size)
     elif alg is DispatchAlg.ZIGZAG:
-        parts = _zigzag(num_chunks, cp_size)
+        parts = _zigzag(num_chunks, cp_size, uneven_shard)
     else:
         parts = _affinity(areas, cp_size, slices, chunk_size, affinity_tolerance)
     partitions = tuple(tuple(sorted(p)) for p in parts)
@@ -458,6 +558,7 @@ def dispatch_slices(
         rank_areas=tuple(sum(areas[c] for c in p) for p in partitions),
         alg=alg,
         lower_bound=dispatch_lower_bound(areas, cp_size),
+        uneven_shard=uneven_shard,
     )
 
 
@@ -478,4 +579,5 @@ def redispatch_areas(plan: DispatchPlan, slices: list[tuple[int, int, int, int, 
         rank_areas=tuple(sum(areas[c] for c in p) for p in plan.partitions),
         alg=plan.alg,
         lower_bound=dispatch_lower_bound(areas, plan.cp_size),
+        uneven_shard=plan.uneven_shard,
     )

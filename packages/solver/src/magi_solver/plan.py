@@ -132,12 +132,12 @@ class DistAttnPlan:
     @property
     def ring_remote_tokens_per_rank(self) -> tuple[int, ...]:
         """K/V tokens a ring (zigzag or not) passes through each rank: every other rank's shard."""
-        return (self.dispatch.total_seqlen - self.dispatch.shard_seqlen,) * self.cp_size
+        return tuple(self.dispatch.total_seqlen - n for n in self.dispatch.shard_seqlens)
 
     @property
     def all_gather_remote_tokens_per_rank(self) -> tuple[int, ...]:
         """K/V tokens an all-gather of K/V brings to each rank (the same count as a ring)."""
-        return (self.dispatch.total_seqlen - self.dispatch.shard_seqlen,) * self.cp_size
+        return self.ring_remote_tokens_per_rank
 
     def transfer_matrix(self, stage: int) -> np.ndarray:
         """int64 `[cp, cp]`: tokens rank `src` (row) sends to rank `dst` (column) in `stage`."""
@@ -151,7 +151,7 @@ class DistAttnPlan:
     def summary(self) -> dict[str, Any]:
         """Balance and communication in one dict (used by the demo and the benchmark)."""
         remote = self.remote_tokens_per_rank
-        ring = self.ring_remote_tokens_per_rank[0]
+        ring = max(self.ring_remote_tokens_per_rank)
         return {
             "cp_size": self.cp_size,
             "num_stages": self.num_stages,
@@ -161,7 +161,7 @@ class DistAttnPlan:
             "remote_tokens_max": max(remote),
             "remote_tokens_mean": sum(remote) / len(remote),
             "ring_tokens": ring,
-            "all_gather_tokens": self.all_gather_remote_tokens_per_rank[0],
+            "all_gather_tokens": max(self.all_gather_remote_tokens_per_rank),
             "remote_vs_ring": max(remote) / ring if ring else 0.0,
             "num_slices_max": max(
                 len(r.host_slices) + sum(len(s.remote_slices) for s in r.stages) for r in self.ranks
@@ -225,6 +225,7 @@ def plan_dist_attn(
     cost_model: OverlapCostModel | None = None,
     total_seqlen_k: int | None = None,
     kv_chunk_size: int | None = None,
+    uneven_shard: bool = False,
 ) -> DistAttnPlan:
     """Plan attention with context parallelism over `cp_size` ranks (a pure function).
 
@@ -254,11 +255,16 @@ def plan_dist_attn(
         total_seqlen_k: cross-attention: tokens of the padded key/value sequence (a multiple of
             `kv_chunk_size * cp_size`); None = self-attention. `k_ranges` then index this sequence.
         kv_chunk_size: cross-attention: key/value chunk size (default `chunk_size`).
+        uneven_shard: the sequences are not padded: `total_seqlen` (and `total_seqlen_k`) may be any length
+            with at least `cp_size` chunks; the last chunk may be short and ranks hold slightly different
+            token counts (`DispatchPlan.shard_seqlens`). A given `dispatch` must have been made the same way.
 
     Returns:
         A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
     """
-    total_seqlen, cp_size, chunk_size = validate_geometry(total_seqlen, cp_size, chunk_size)
+    total_seqlen, cp_size, chunk_size = validate_geometry(
+        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
+    )
     if cost_model is not None and not isinstance(cost_model, OverlapCostModel):
         raise TypeError(f"`cost_model` must be an OverlapCostModel or None, got {type(cost_model).__name__}")
     degree, mode = _validate_overlap(
@@ -272,7 +278,9 @@ def plan_dist_attn(
     )
     kv_layout = None
     if total_seqlen_k is not None:
-        kv_layout = KVLayout(total_seqlen_k, cp_size, chunk_size if kv_chunk_size is None else kv_chunk_size)
+        kv_layout = KVLayout(
+            total_seqlen_k, cp_size, chunk_size if kv_chunk_size is None else kv_chunk_size, uneven_shard
+        )
         if str(dispatch_alg) == "affinity" and dispatch is None:
             raise ValueError(
                 "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
@@ -282,15 +290,17 @@ def plan_dist_attn(
     total_k = total_seqlen if kv_layout is None else kv_layout.total_seqlen
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     if dispatch is None:
-        dispatch = dispatch_slices(slices, total_seqlen, cp_size, chunk_size, dispatch_alg)
+        dispatch = dispatch_slices(
+            slices, total_seqlen, cp_size, chunk_size, dispatch_alg, uneven_shard=uneven_shard
+        )
     else:
         if not isinstance(dispatch, DispatchPlan):
             raise TypeError(f"`dispatch` must be a DispatchPlan or None, got {type(dispatch).__name__}")
-        got = (dispatch.total_seqlen, dispatch.cp_size, dispatch.chunk_size)
-        if got != (total_seqlen, cp_size, chunk_size):
+        got = (dispatch.total_seqlen, dispatch.cp_size, dispatch.chunk_size, dispatch.uneven_shard)
+        if got != (total_seqlen, cp_size, chunk_size, uneven_shard):
             raise ValueError(
-                f"`dispatch` was made for (total_seqlen, cp_size, chunk_size) = {got}, "
-                f"not {(total_seqlen, cp_size, chunk_size)}"
+                f"`dispatch` was made for (total_seqlen, cp_size, chunk_size, uneven_shard) = {got}, "
+                f"not {(total_seqlen, cp_size, chunk_size, uneven_shard)}"
             )
         dispatch = redispatch_areas(dispatch, slices)
     return _plan(
@@ -318,10 +328,10 @@ def _plan(
     kv_layout: KVLayout | None = None,
 ) -> DistAttnPlan:
     cp = dispatch.cp_size
-    shard = dispatch.shard_seqlen  # local queries
+    shards = dispatch.shard_seqlens  # local queries per rank (equal unless uneven shards)
     # where keys live: with the queries (self-attention) or in their own contiguous shards
     kv = dispatch if kv_layout is None else kv_layout
-    cs, kv_shard, owner = kv.chunk_size, kv.shard_seqlen, kv.chunk_owner
+    cs, kv_shards, owner = kv.chunk_size, kv.shard_seqlens, kv.chunk_owner
     if kv_layout is None:
         local_pos = [0] * dispatch.num_chunks  # local offset of each chunk inside its owner
         for part in dispatch.partitions:
@@ -342,7 +352,7 @@ def _plan(
     ]
     times = {
         d: [
-            cost.total_time(d, host_area[r], layouts[r][d].areas, layouts[r][d].tokens, shard)
+            cost.total_time(d, host_area[r], layouts[r][d].areas, layouts[r][d].tokens, shards[r])
             for r in range(cp)
         ]
         for d in candidates
@@ -355,7 +365,7 @@ def _plan(
     runs = [
         [_recv_runs(stage_ranges[r][si], owner, local_pos, cs) for r in range(cp)] for si in range(num_stages)
     ]
-    cast_args = [_cast_args(runs[si], cp, kv_shard) for si in range(num_stages)]
+    cast_args = [_cast_args(runs[si], cp, kv_shards) for si in range(num_stages)]
     ranks = [
         _rank_plan(
             dispatch,
@@ -365,7 +375,7 @@ def _plan(
             host_area[r],
             [runs[si][r] for si in range(num_stages)],
             [cast_args[si][r] for si in range(num_stages)],
-            kv_shard,
+            kv_shards[r],
         )
         for r in range(cp)
     ]
@@ -411,8 +421,11 @@ def _recv_runs(
     return pieces
 
 
-def _cast_args(runs: list[list[tuple[int, int, int, int]]], cp: int, shard: int) -> list[GroupCastArgs]:
-    """GroupCast args of every rank for one stage, from every receiver's runs."""
+def _cast_args(
+    runs: list[list[tuple[int, int, int, int]]], cp: int, shards: tuple[int, ...]
+) -> list[GroupCastArgs]:
+    """GroupCast args of every rank for one stage, from every receiver's runs (`shards`: each rank's
+    local K/V tokens)."""
     wants: list[list[list[tuple[int, int]]]] = [[[] for _ in range(cp)] for _ in range(cp)]
     for dst in range(cp):
         for s, e, src, ls in runs[dst]:
@@ -421,7 +434,7 @@ def _cast_args(runs: list[list[tuple[int, int, int, int]]], cp: int, shard: int)
                 w[-1] = (w[-1][0], ls + e - s)
             else:
                 w.append((ls, ls + e - s))
-    return build_cast_args(wants, shard)
+    return build_cast_args(wants, shards)
 
 
 def _rank_plan(

@@ -58,6 +58,9 @@ class Workload:
     """None: dynamic (the runtime's default); an int: that many stages (0 = one merged stage)."""
     min_chunk_size: int = 512
     max_num_chunks: int = 64
+    uneven_shard: bool = False
+    """magi's dispatch without padding (`DispatchConfig(uneven_shard=True)`): ranks hold slightly different
+    token counts. The baselines are priced on the padded sequence either way (ring's zigzag needs it)."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads_q", "num_heads_kv", "head_dim", "bytes_per_elem", "chunk_size", "max_degree"):
@@ -70,6 +73,8 @@ class Workload:
             )
         if self.overlap_degree is not None and self.overlap_degree < 0:
             raise ValueError(f"`overlap_degree` must be >= 0 or None, got {self.overlap_degree}")
+        if not isinstance(self.uneven_shard, bool):
+            raise ValueError(f"`uneven_shard` must be a bool, got {self.uneven_shard!r}")
 
     def model(
         self, hw: HardwareProfile, family: MaskFamily, comm_gbps: float | None = None, heads_div: int = 1
@@ -148,7 +153,7 @@ def predict_cp(
     Args:
         q_ranges, k_ranges, attn_mask_type: the mask, as in `plan_dist_attn`.
         total_seqlen: tokens of the mask; padded up to a multiple of `chunk_size * cp_size` (padding rows
-            attend to nothing).
+            attend to nothing), except for magi's own plan when `workload.uneven_shard`.
         cp_size: number of ranks.
         hardware: kernel throughputs and links.
         family: which kernel throughput applies (`MaskFamily`).
@@ -163,7 +168,9 @@ def predict_cp(
     t0 = time.perf_counter()
     padded = padded_seqlen(int(total_seqlen), cp, w.chunk_size)
     shard = padded // cp
-    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, padded, padded)
+    # magi's sequence: the padded one, or the mask's own length with uneven shards
+    magi_total = int(total_seqlen) if w.uneven_shard else padded
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, magi_total, magi_total)
     area = total_area(slices)
     flop_fwd = 4.0 * area * w.num_heads_q * w.head_dim
     overlap = {
@@ -176,13 +183,15 @@ def predict_cp(
     hw = hardware
     nvl_model = w.model(hw, fam)
     q, k, t = _split(slices)
-    plan = plan_dist_attn(q, k, t, padded, cp, w.chunk_size, cost_model=nvl_model, **overlap)
+    overlap["uneven_shard"] = w.uneven_shard
+    plan = plan_dist_attn(q, k, t, magi_total, cp, w.chunk_size, cost_model=nvl_model, **overlap)
+    magi_shards = plan.dispatch.shard_seqlens
     split = _source_split(plan, hw) if cp > 1 else [(0, 0)]
     eff = [_effective_gbps(a, b, hw) for a, b in split]
     if cp > hw.gpus_per_node:  # re-price the degree choice with the inter-node links (same dispatch)
         model = w.model(hw, fam, min(eff))
         plan = plan_dist_attn(
-            q, k, t, padded, cp, w.chunk_size, cost_model=model, dispatch=plan.dispatch, **overlap
+            q, k, t, magi_total, cp, w.chunk_size, cost_model=model, dispatch=plan.dispatch, **overlap
         )
     plan_s = time.perf_counter() - t0
 
@@ -199,7 +208,7 @@ def predict_cp(
             rp.host_area,
             [s.area for s in rp.stages],
             [s.num_remote_tokens for s in rp.stages],
-            shard,
+            magi_shards[r],
         )
         fwd = max(fwd, m.schedule_time(*args, backward=False))
         bwd = max(bwd, m.schedule_time(*args, backward=True))
@@ -223,7 +232,8 @@ def predict_cp(
         "cp": cp,
         "total_seqlen": int(total_seqlen),
         "padded_seqlen": padded,
-        "tokens_per_rank": shard,
+        "tokens_per_rank": max(magi_shards),
+        "uneven_shard": w.uneven_shard,
         "chunk_size": w.chunk_size,
         "mask_area": area,
         "family": fam.value,
@@ -236,8 +246,9 @@ def predict_cp(
         "remote_kv_tokens_max": max(remote),
         "remote_kv_tokens_mean": sum(remote) / cp,
         "remote_kv_bytes_max": max(remote) * kv_tok,
-        "ring_kv_tokens_per_rank": plan.ring_remote_tokens_per_rank[0],
-        "all_gather_kv_tokens_per_rank": plan.all_gather_remote_tokens_per_rank[0],
+        # the baselines' geometry: the padded sequence in equal shards, every other shard moves
+        "ring_kv_tokens_per_rank": padded - shard,
+        "all_gather_kv_tokens_per_rank": padded - shard,
         "kv_bytes_per_token": kv_tok,
         "plan_seconds": plan_s,
         "schemes": schemes,

@@ -91,6 +91,23 @@ class AttnRanges:
         return cls(tuple(AttnRange(s, e) for s, e in as_int_pairs(ranges, "ranges")))
 
     @classmethod
+    def from_bounds(cls, starts: Sequence[int], ends: Sequence[int]) -> AttnRanges:
+        """From parallel sequences of starts and ends (`[starts[i], ends[i])`), checked as `AttnRange` does
+        (ints, `0 <= start <= end`), at a fraction of its per-range cost: for the millions of ranges of an
+        unstructured mask."""
+        if len(starts) != len(ends):
+            raise ValueError(f"`starts` and `ends` differ in length: {len(starts)} vs {len(ends)}")
+        make = AttnRange._trusted
+        out = []
+        for i, (a, b) in enumerate(zip(starts, ends)):
+            if type(a) is not int or type(b) is not int:  # the fast path's test; others go through the rule
+                a, b = _check_int(a, f"starts[{i}]"), _check_int(b, f"ends[{i}]")
+            if a < 0 or b < a:
+                raise ValueError(f"AttnRange needs 0 <= start <= end, got [{a}, {b}) at index {i}")
+            out.append(make(a, b))
+        return cls(tuple(out))
+
+    @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int]) -> AttnRanges:
         """`[0, 3, 7]` -> `[[0, 3), [3, 7))`. Must start at 0 and be non-decreasing (empty documents drop out)."""
         cu = [_check_int(v, f"cu_seqlens[{i}]") for i, v in enumerate(_tolist(cu_seqlens))]

@@ -211,7 +211,7 @@ def check_plan(plan: DistAttnPlan, dense: np.ndarray) -> None:
     for si in range(plan.num_stages):
         casts = [rp.stages[si].cast for rp in plan.ranks]
         for r, a in enumerate(casts):
-            assert sum(a.input_split_sizes) == plan.dispatch.shard_seqlen
+            assert sum(a.input_split_sizes) == len(local[r]) == plan.dispatch.shard_seqlens[r]
             assert all(list(d) == sorted(set(d)) and r not in d for d in a.dst_indices)
         outs = simulate_group_cast(casts, local)
         for rp, out in zip(plan.ranks, outs):
@@ -228,7 +228,7 @@ def check_plan(plan: DistAttnPlan, dense: np.ndarray) -> None:
         got = simulate_group_reduce(
             [rp.stages[si].reduce for rp in plan.ranks],
             parts,
-            [np.zeros(plan.dispatch.shard_seqlen, dtype=np.int64) for _ in range(cp)],
+            [np.zeros(len(local[r]), dtype=np.int64) for r in range(cp)],
         )
         expect = np.zeros(total, dtype=np.int64)
         for r, o in enumerate(outs):
