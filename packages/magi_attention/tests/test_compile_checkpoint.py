@@ -1,6 +1,6 @@
 """calc_attn, dispatch and undispatch inside torch.compile (one graph break per call) and under activation
 checkpointing (the recomputed forward gives identical results), with sinks, max logits and lse gradients,
-on gloo ranks at cp 1 and 2."""
+on gloo ranks at cp 1 and 2, and at cp 3 with uneven shards (ranks of different token counts)."""
 
 from __future__ import annotations
 
@@ -26,15 +26,20 @@ def _model(x, w, sink, key):
     return (y.tanh().sum() + 0.1 * lse.sum()), meta.max_logits
 
 
-def _worker(rank: int, world_size: int) -> None:
+def _worker(rank: int, world_size: int, uneven: bool = False) -> None:
     import warnings
 
     # dynamo itself probes `.grad` of non-leaf tensors it wraps (a UserWarning that pytest makes an error)
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
     torch._dynamo.reset()
-    cfg = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=4), overlap_config=OverlapConfig(degree=1))
+    cfg = DistAttnConfig(
+        dispatch_config=DispatchConfig(chunk_size=4, uneven_shard=uneven),
+        overlap_config=OverlapConfig(degree=1),
+    )
     key = magi_attn_varlen_key([0, 20, TOTAL], [0, 20, TOTAL], HQ, HKV, D, dist.group.WORLD, causal=True,
                                dist_attn_config=cfg)  # fmt: skip
+    if uneven:  # 16 chunks on 3 ranks: 6, 5, 5 (no padding)
+        assert sorted(key.shard_seqlens) == [20, 20, 24] and key.pad_size == 0
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(TOTAL, 16, dtype=torch.float64, generator=gen)
     ws = [torch.randn(16, h * D, dtype=torch.float64, generator=gen) * 0.3 for h in (HQ, HKV, HKV)]
@@ -72,6 +77,8 @@ def _worker(rank: int, world_size: int) -> None:
     assert all("torch.compiler.disable" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("world_size", [1, 2], ids=["cp1", "cp2"])
-def test_compile_and_checkpoint(world_size: int) -> None:
-    run_distributed(_worker, world_size, timeout=300)
+@pytest.mark.parametrize(
+    ("world_size", "uneven"), [(1, False), (2, False), (3, True)], ids=["cp1", "cp2", "cp3-uneven"]
+)
+def test_compile_and_checkpoint(world_size: int, uneven: bool) -> None:
+    run_distributed(_worker, world_size, uneven, timeout=300)

@@ -34,6 +34,7 @@ BOOLS = [
     (ma_env.deterministic_mode, "MAGI_ATTENTION_DETERMINISTIC_MODE", False),
     (ma_env.hierarchical_comm, "MAGI_ATTENTION_HIERARCHICAL_COMM", True),
     (ma_env.native_grpcoll, "MAGI_ATTENTION_NATIVE_GRPCOLL", False),
+    (ma_env.mask_mod_compile, "MAGI_ATTENTION_MASK_MOD_COMPILE", True),
     (ma_env.triton_interpret, "TRITON_INTERPRET", False),
 ]
 
@@ -60,9 +61,14 @@ def test_booleans_are_strict(monkeypatch, fn, name, default) -> None:
 
 VALUED = [
     (ffa_env.backend, "MAGI_FFA_BACKEND", "Torch", "torch", "cuda"),
-    (ffa_env.bwd_impl, "MAGI_FFA_BWD_IMPL", "fused", "fused", "fusd"),
     (lambda: ffa_env.tiles("fwd"), "MAGI_FFA_TILES_FWD", "32,16,4,1", (32, 16, 4, 1), "32,16"),
-    (lambda: ffa_env.tiles("dq"), "MAGI_FFA_TILES_DQ", "16,16,4,2", (16, 16, 4, 2), "24,16,4,1"),
+    (
+        lambda: ffa_env.tiles("bwd"),
+        "MAGI_FFA_TILES_BWD",
+        "64,128,128,64,8,3",
+        (64, 128, 128, 64, 8, 3),
+        "24,16,16,16,4,1",
+    ),
     (fa4_env.plan_cache_size, "MAGI_FFA_FA4_PLAN_CACHE", "8", 8, "0"),
     (gc_env.impl, "MAGI_GROUP_COLLECTIVE_IMPL", "A2AV", "a2av", "deepep"),
     (gc_env.kernels, "MAGI_GROUP_COLLECTIVE_KERNELS", "triton", "triton", "cuda"),
@@ -171,14 +177,96 @@ def _runtime_flags_worker(rank: int, world_size: int) -> None:
         assert plans and all(p.impl == want for p in plans), (flag, [p.impl for p in plans])
         assert torch.allclose(undispatch(out, key), ref, rtol=1e-10, atol=1e-12)
     del os.environ["MAGI_ATTENTION_HIERARCHICAL_COMM"]
-    os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1"
-    clear_cache()
+    # native on CPU / gloo: a clear error on every rank, naming the setting that chose it, before any
+    # group-collective data moves; an explicit config wins over the environment variable
+    from magi_attention.config import GrpCollConfig
+    from magi_group_collective import NativeUnavailableError
+
     group = dist.group.WORLD
-    key = magi_attn_varlen_key([0, 30, 64], [0, 30, 64], hq, hq, d, group, causal=True, dist_attn_config=cfg)
-    with pytest.raises(NotImplementedError, match="NATIVE"):
-        calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+    os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1"
+    for config_native, setting in ((None, "MAGI_ATTENTION_NATIVE_GRPCOLL=1"),
+                                   (True, "DistAttnConfig.grpcoll_config.native=True")):  # fmt: skip
+        clear_cache()
+        c = DistAttnConfig(
+            dispatch_config=cfg.dispatch_config,
+            overlap_config=cfg.overlap_config,
+            grpcoll_config=GrpCollConfig(native=config_native),
+        )
+        key = magi_attn_varlen_key(
+            [0, 30, 64], [0, 30, 64], hq, hq, d, group, causal=True, dist_attn_config=c
+        )
+        with pytest.raises(NativeUnavailableError, match="not a CUDA device") as err:
+            calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+        assert setting in str(err.value) and "impl='a2av'" in str(err.value), str(err.value)
+    # explicit native=False beats MAGI_ATTENTION_NATIVE_GRPCOLL=1: a2av, correct result
+    clear_cache()
+    c = DistAttnConfig(
+        dispatch_config=cfg.dispatch_config,
+        overlap_config=cfg.overlap_config,
+        grpcoll_config=GrpCollConfig(native=False),
+    )
+    key = magi_attn_varlen_key([0, 30, 64], [0, 30, 64], hq, hq, d, group, causal=True, dist_attn_config=c)
+    out, _ = calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+    plans = RUNTIME_CACHE.get(key).device_meta(torch.device("cpu")).cast_plans
+    assert plans and all(p.impl == GroupCollectiveImpl.A2AV for p in plans)
+    assert torch.allclose(undispatch(out, key), ref, rtol=1e-10, atol=1e-12)
     del os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"]
+    # MAGI_GROUP_COLLECTIVE_IMPL=native (the package's own setting) on a flat group is named as such
+    from magi_group_collective import _config
+
+    os.environ["MAGI_GROUP_COLLECTIVE_IMPL"] = "native"
+    _config.env_impl.cache_clear()
+    try:
+        clear_cache()
+        key = magi_attn_varlen_key(
+            [0, 30, 64], [0, 30, 64], hq, hq, d, group, causal=True, dist_attn_config=cfg
+        )
+        with pytest.raises(NativeUnavailableError, match="selected by MAGI_GROUP_COLLECTIVE_IMPL"):
+            calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+    finally:
+        del os.environ["MAGI_GROUP_COLLECTIVE_IMPL"]
+        _config.env_impl.cache_clear()
+        clear_cache()
 
 
 def test_hierarchical_comm_and_native_grpcoll_flags() -> None:
     run_distributed(_runtime_flags_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("config_native", "env_native", "mesh", "hier_env", "want"),
+    [
+        # explicit config wins over MAGI_ATTENTION_NATIVE_GRPCOLL
+        (True, "0", False, "1", "native"),
+        (True, "", True, "1", "native"),
+        (False, "1", False, "1", "a2av"),
+        (False, "1", True, "1", "hierarchical"),
+        (False, "1", True, "0", "a2av"),
+        # None: the environment variable decides
+        (None, "1", False, "1", "native"),
+        (None, "1", True, "0", "native"),
+        (None, "0", True, "1", "hierarchical"),
+        (None, "", True, "0", "a2av"),
+        (None, "", False, "1", None),  # flat group, nothing set: magi_group_collective decides
+    ],
+)
+def test_collective_impl_resolution(monkeypatch, config_native, env_native, mesh, hier_env, want) -> None:
+    """The documented table (docs/packages/group_collective.md, "Choosing the implementation")."""
+    from magi_attention._runtime import collective_impl
+
+    monkeypatch.setenv("MAGI_ATTENTION_NATIVE_GRPCOLL", env_native)
+    monkeypatch.setenv("MAGI_ATTENTION_HIERARCHICAL_COMM", hier_env)
+    got = collective_impl(mesh, config_native)
+    assert (None if got is None else got.value) == want
+
+
+def test_grpcoll_config_validation() -> None:
+    from magi_attention import DistAttnConfig, GrpCollConfig
+
+    assert DistAttnConfig().grpcoll_config == GrpCollConfig(native=None)
+    native = DistAttnConfig(grpcoll_config=GrpCollConfig(native=True))
+    assert native != DistAttnConfig() and hash(native) is not None  # part of the (hashable) runtime key
+    with pytest.raises(TypeError, match=r"GrpCollConfig\.native"):
+        GrpCollConfig(native="yes")
+    with pytest.raises(TypeError, match="grpcoll_config"):
+        DistAttnConfig(grpcoll_config={"native": True})

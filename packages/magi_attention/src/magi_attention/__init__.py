@@ -29,7 +29,15 @@ from .api import (
     undispatch,
     undispatch_kv,
 )
-from .config import DispatchAlg, DispatchConfig, DistAttnConfig, KernelBackend, OverlapConfig, OverlapMode
+from .config import (
+    DispatchAlg,
+    DispatchConfig,
+    DistAttnConfig,
+    GrpCollConfig,
+    KernelBackend,
+    OverlapConfig,
+    OverlapMode,
+)
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
@@ -42,6 +50,7 @@ __all__ = [
     "DispatchConfig",
     "DistAttnConfig",
     "DistAttnRuntimeKey",
+    "GrpCollConfig",
     "KernelBackend",
     "OverlapConfig",
     "OverlapMode",

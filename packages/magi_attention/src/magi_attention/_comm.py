@@ -11,8 +11,15 @@ from ._comm_errors import CommError
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> torch.Tensor:
-    """[n, ...] on every rank -> [world_size * n, ...], rank r's rows at r*n (equal n on every rank)."""
+def all_gather_tokens(
+    x: torch.Tensor, group: dist.ProcessGroup, world_size: int, rows: int | None = None
+) -> torch.Tensor:
+    """[n, ...] on every rank -> [world_size * n, ...], rank r's rows at r*n (equal n on every rank).
+
+    `rows`: ranks hold different token counts (uneven shards): each rank's `[n_r, ...]` is padded with zeros
+    to `rows` (the largest n_r) before the gather, so rank r's rows sit at `r * rows`."""
+    if rows is not None and x.shape[0] < rows:
+        x = torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))], dim=0)
     x = x.contiguous()
     out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
     try:

@@ -104,7 +104,7 @@ def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = No
     error: BaseException | None = None
     if not is_cached:
         try:  # a plan that cannot fit fails here, before the exchange, so the others hear of it
-            from ._runtime import choose_chunk_size
+            from ._layout import choose_chunk_size
 
             root = key.root_key
             chunk = choose_chunk_size(

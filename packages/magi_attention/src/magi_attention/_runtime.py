@@ -8,7 +8,6 @@ first call on a device and cached with the plan.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,23 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from magi_group_collective import GroupCastPlan, GroupCollectiveImpl, GroupReducePlan
+from magi_group_collective import GroupCastPlan, GroupCollectiveImpl, GroupReducePlan, NativeUnavailableError
 from magi_solver import (
     PROFILES,
-    DispatchPlan,
     DistAttnPlan,
-    KVLayout,
     OverlapCostModel,
     RankPlan,
     SliceList,
     get_profile,
     load_profile,
     plan_dist_attn,
-    solve_dispatch,
 )
 
 from ._cache_budget import runtime_nbytes
 from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel
+from ._layout import DispatchLayout, build_layout, remember_lengths
 from .config import KernelBackend, OverlapMode
 from .env import (
     cost_profile_override,
@@ -42,42 +39,6 @@ from .env import (
     runtime_dict_size,
 )
 from .key import DistAttnRuntimeKey
-
-_MIN_CHUNKS_PER_RANK = 8
-_DEFAULT_MAX_CHUNK = 2048
-
-
-def choose_chunk_size(total_seqlen: int, cp_size: int, chunk_size: int | None) -> int:
-    """User's chunk size, or min(2048, ceil(total / (8 * cp))) so each rank has ~8 chunks to balance."""
-    if chunk_size is not None:
-        return chunk_size
-    return max(1, min(_DEFAULT_MAX_CHUNK, math.ceil(total_seqlen / (_MIN_CHUNKS_PER_RANK * cp_size))))
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchLayout:
-    """Where every token lives after dispatch. Tokens past `total_seqlen` are padding (no keys, zero rows)."""
-
-    total_seqlen: int
-    padded_seqlen: int
-    shard_seqlen: int
-    cp_size: int
-    chunk_size: int
-    permutation: np.ndarray
-    """int64 [padded_seqlen]: global token id of each dispatched position (rank 0's tokens first)."""
-    dispatch_plan: DispatchPlan | None
-    kv_layout: KVLayout | None = None
-    """Cross-attention: the key/value sequence's contiguous shards (None: keys are the queries' tokens)."""
-    kv_total_seqlen: int | None = None
-    """Cross-attention: tokens of the key/value sequence before padding."""
-
-    def local_token_ids(self, rank: int) -> np.ndarray:
-        return self.permutation[rank * self.shard_seqlen : (rank + 1) * self.shard_seqlen]
-
-    @property
-    def kv_shard_seqlen(self) -> int:
-        """Key/value tokens each rank holds (its query shard in self-attention)."""
-        return self.shard_seqlen if self.kv_layout is None else self.kv_layout.shard_seqlen
 
 
 @dataclass(slots=True)
@@ -105,7 +66,9 @@ class DeviceMeta:
     """Everything one rank needs on one device to run the plan without host work."""
 
     local_ids: torch.Tensor  # int64 [shard]: global (padded) ids of local tokens
-    unpermutation: torch.Tensor  # int64 [padded]: dispatched position of each global token
+    # int64 [padded]: where each global token sits in an all-gather of every rank's local tokens, each rank's
+    # rows padded to the largest shard (the dispatched position, unless uneven shards)
+    unpermutation: torch.Tensor
     host: KernelSlices
     merged: KernelSlices
     stages: list[KernelSlices]
@@ -139,6 +102,16 @@ class DistAttnRuntime:
         return attn_kernel(self.kernel_choice.backend_for(dtype, self.key.head_dim))
 
     @property
+    def local_seqlen(self) -> int:
+        """This rank's query-side tokens."""
+        return self.layout.shard_seqlens[self.rank]
+
+    @property
+    def kv_local_seqlen(self) -> int:
+        """This rank's key/value tokens (its query tokens in self-attention)."""
+        return self.layout.kv_shard_seqlens[self.rank]
+
+    @property
     def rank_plan(self) -> RankPlan | None:
         return None if self.plan is None else self.plan.ranks[self.rank]
 
@@ -156,7 +129,7 @@ class DistAttnRuntime:
     def _build_device_meta(self, device: torch.device) -> DeviceMeta:
         layout = self.layout
         local_ids = torch.from_numpy(layout.local_token_ids(self.rank).astype(np.int64)).to(device)
-        unperm = torch.from_numpy(np.argsort(layout.permutation, kind="stable").astype(np.int64)).to(device)
+        unperm = torch.from_numpy(gather_positions(layout)).to(device)
         rank_plan = self.rank_plan
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
@@ -164,19 +137,30 @@ class DistAttnRuntime:
             host = KernelSlices.from_slice_list(whole)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
-        impl = collective_impl(self.key.cp_group.mesh is not None)
+        native = self.key.config.grpcoll_config.native
+        impl = collective_impl(self.key.cp_group.mesh is not None, native)
         cast_plans, reduce_plans = [], []
         for stage in rank_plan.stages:
             c = stage.cast
-            cast = GroupCastPlan(
-                list(c.input_split_sizes),
-                list(c.output_split_sizes),
-                [list(d) for d in c.dst_indices],
-                list(c.src_index),
-                group=group,
-                device=device,
-                impl=impl,
-            )
+            try:
+                cast = GroupCastPlan(
+                    list(c.input_split_sizes),
+                    list(c.output_split_sizes),
+                    [list(d) for d in c.dst_indices],
+                    list(c.src_index),
+                    group=group,
+                    device=device,
+                    impl=impl,
+                )
+            except NativeUnavailableError as exc:  # name the magi_attention setting that chose native
+                if impl is not GroupCollectiveImpl.NATIVE:  # MAGI_GROUP_COLLECTIVE_IMPL did (already named)
+                    raise
+                source = (
+                    "DistAttnConfig.grpcoll_config.native=True"
+                    if native
+                    else "MAGI_ATTENTION_NATIVE_GRPCOLL=1"
+                )
+                raise NativeUnavailableError(f"{exc} (magi_attention: selected by {source})") from None
             cast_plans.append(cast)
             reduce_plans.append(cast.transpose())
         return DeviceMeta(
@@ -191,48 +175,31 @@ class DistAttnRuntime:
         )
 
 
-def collective_impl(two_level_mesh: bool) -> GroupCollectiveImpl | None:
-    """The group-collective implementation of the runtime's plans: MAGI_ATTENTION_NATIVE_GRPCOLL = native
-    (raises NotImplementedError at plan construction today); on a 2-D mesh MAGI_ATTENTION_HIERARCHICAL_COMM
-    (default true) picks hierarchical, false a2av; otherwise None (MAGI_GROUP_COLLECTIVE_IMPL or a2av)."""
-    if native_grpcoll():
+def gather_positions(layout: DispatchLayout) -> np.ndarray:
+    """int64 `[padded_seqlen]`: for each global token, its row in the all-gather of every rank's local
+    tokens when each rank's rows are padded to `layout.shard_seqlen` (rank r's rows start at
+    r * shard_seqlen). With equal shards this is the dispatched position of each token."""
+    order = np.argsort(layout.permutation, kind="stable").astype(np.int64)  # global id -> dispatched position
+    shards = np.asarray(layout.shard_seqlens, dtype=np.int64)
+    if (shards == shards[0]).all():
+        return order
+    offsets = np.asarray(layout.shard_offsets[:-1], dtype=np.int64)
+    rank = np.searchsorted(offsets, order, side="right") - 1
+    return order + rank * layout.shard_seqlen - offsets[rank]
+
+
+def collective_impl(two_level_mesh: bool, native: bool | None = None) -> GroupCollectiveImpl | None:
+    """The group-collective implementation of the runtime's plans (the table in the docs of
+    magi-group-collective, "Choosing the implementation"): ``native`` (GrpCollConfig.native) if not None,
+    else MAGI_ATTENTION_NATIVE_GRPCOLL, selects native; otherwise on a 2-D mesh
+    MAGI_ATTENTION_HIERARCHICAL_COMM (default true) picks hierarchical, false a2av; on a flat group an
+    explicit ``native=False`` means a2av and None leaves it to magi_group_collective
+    (MAGI_GROUP_COLLECTIVE_IMPL, default a2av)."""
+    if native_grpcoll() if native is None else native:
         return GroupCollectiveImpl.NATIVE
     if two_level_mesh:
         return GroupCollectiveImpl.HIERARCHICAL if hierarchical_comm() else GroupCollectiveImpl.A2AV
-    return None
-
-
-def build_layout(key: DistAttnRuntimeKey) -> DispatchLayout:
-    """Dispatch of the key's own mask (only for root keys)."""
-    cp = key.cp_size
-    total = key.total_seqlen_q
-    dispatch_cfg = key.config.dispatch_config
-    kv, kv_total = None, None
-    if key.is_cross_attention:
-        # keys/values: contiguous equal shards of their own (padded) sequence, balanced by token count
-        kv_total = key.total_seqlen_k
-        kv_chunk = kv_total if cp == 1 else choose_chunk_size(kv_total, cp, dispatch_cfg.chunk_size)
-        kv = KVLayout(math.ceil(kv_total / (kv_chunk * cp)) * kv_chunk * cp, cp, kv_chunk)
-    if cp == 1:
-        return DispatchLayout(
-            total, total, total, 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
-        )
-    chunk = choose_chunk_size(total, cp, dispatch_cfg.chunk_size)
-    padded = math.ceil(total / (chunk * cp)) * chunk * cp
-    dplan = solve_dispatch(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        padded,
-        cp,
-        chunk,
-        alg=str(dispatch_cfg.alg),
-        total_seqlen_k=None if kv is None else kv.total_seqlen,
-    )
-    perm = np.concatenate(
-        [np.arange(c * chunk, (c + 1) * chunk, dtype=np.int64) for part in dplan.partitions for c in part]
-    )
-    return DispatchLayout(total, padded, padded // cp, cp, chunk, perm, dplan, kv, kv_total)
+    return None if native is None else GroupCollectiveImpl.A2AV
 
 
 def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
@@ -269,6 +236,7 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelCh
         key.cp_size,
         layout.chunk_size,
         dispatch_alg=str(key.config.dispatch_config.alg),
+        uneven_shard=key.config.dispatch_config.uneven_shard,
         overlap_degree=None if dynamic else ov.degree,
         overlap_mode="dynamic" if dynamic else "static",
         min_chunk_size=ov.min_chunk_size,
@@ -338,6 +306,7 @@ class RuntimeCache:
         if layout is None:
             layout = build_layout(root)
             self._layouts[root] = layout
+            remember_lengths(root, layout)
         choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
         try:
             runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)

@@ -162,6 +162,7 @@ def magi_attn_flex_key(
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
         pad_size: optional check (MagiAttention passes it): the padding the plan needs,
             `compute_pad_size(total_seqlen_q, cp_size, chunk_size)`; a different value raises ValueError.
+            With `DispatchConfig(uneven_shard=True)` nothing is padded: only None or 0 is accepted.
         chunk_size: tokens per dispatch chunk, as `DispatchConfig(chunk_size=...)` (giving both with
             different values raises ValueError).
 
@@ -183,6 +184,7 @@ def magi_attn_flex_key(
     if not isinstance(config, DistAttnConfig):
         raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
     config = _with_chunk_size(config, chunk_size)
+    _check_uneven_pad_size(config, pad_size)
     cp_group = _resolve_cp_group(cp_group_or_mesh)
     cp_group.local_rank()  # raises if this process is not in the group
     key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config)
@@ -200,6 +202,18 @@ def magi_attn_flex_key(
                 f"(chunk {layout.chunk_size} x cp {layout.cp_size}); pass {needed} or leave it None"
             )
     return key
+
+
+def _check_uneven_pad_size(config: DistAttnConfig, pad_size: Any) -> None:
+    """Uneven shards pad nothing: a pad_size other than None / 0 means the caller pads tensors itself, which
+    would not match the key's token count; refuse it before any collective."""
+    if config.dispatch_config.uneven_shard and pad_size is not None:
+        if isinstance(pad_size, bool) or not isinstance(pad_size, int) or pad_size != 0:
+            raise ValueError(
+                f"pad_size={pad_size!r} with DispatchConfig(uneven_shard=True): uneven shards pad nothing "
+                "(ranks hold different token counts instead); pass pad_size=0 or leave it None, and do not "
+                "pad the tensors"
+            )
 
 
 def _with_chunk_size(config: DistAttnConfig, chunk_size: int | None) -> DistAttnConfig:
@@ -357,7 +371,8 @@ def make_flex_key_for_new_mask_after_dispatch(
 
 
 def get_position_ids(key: DistAttnRuntimeKey) -> torch.Tensor:
-    """Global token index of each local token, int64 `[shard_seqlen]` (padding reuses the last valid id).
+    """Global token index of each local token, int64 `[key.shard_seqlen]` (padding reuses the last valid
+    id; with `DispatchConfig(uneven_shard=True)` there is no padding and the length differs per rank).
 
     Args:
         key: the runtime key the tensors are dispatched with.

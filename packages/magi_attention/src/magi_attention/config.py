@@ -14,7 +14,15 @@ from enum import StrEnum
 # min_heap, sequential, zigzag, affinity; static, dynamic), so a config's choice reaches the solver unchanged.
 from magi_solver import DispatchAlg, OverlapMode
 
-__all__ = ["DispatchAlg", "DispatchConfig", "DistAttnConfig", "KernelBackend", "OverlapConfig", "OverlapMode"]
+__all__ = [
+    "DispatchAlg",
+    "DispatchConfig",
+    "DistAttnConfig",
+    "GrpCollConfig",
+    "KernelBackend",
+    "OverlapConfig",
+    "OverlapMode",
+]
 
 
 class KernelBackend(StrEnum):
@@ -35,11 +43,21 @@ class KernelBackend(StrEnum):
 class DispatchConfig:
     chunk_size: int | None = None
     """Tokens per dispatch chunk. None picks min(2048, ceil(total / (8 * cp_size))) so every rank gets at
-    least about eight chunks to balance with. The sequence is padded to a multiple of chunk_size * cp_size."""
+    least about eight chunks to balance with. The sequence is padded to a multiple of chunk_size * cp_size
+    (unless `uneven_shard`)."""
     alg: DispatchAlg | str = DispatchAlg.MIN_HEAP
     """Balancing algorithm, a `DispatchAlg` or its name."""
+    uneven_shard: bool = False
+    """No padding: the sequence is cut into ceil(total / chunk_size) chunks (the last one possibly shorter),
+    ranks' chunk counts differ by at most one, so ranks hold slightly different token counts (never more
+    than a padded shard; `key.shard_seqlens` lists them) and balance by mask area still holds. Needs at
+    least one chunk per rank. A key's `pad_size` must then be None or 0."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.uneven_shard, bool):
+            raise TypeError(
+                f"DispatchConfig.uneven_shard must be a bool, got {type(self.uneven_shard).__name__}"
+            )
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(
                 f"DispatchConfig.chunk_size must be a positive int or None, got {self.chunk_size!r}"
@@ -96,6 +114,23 @@ class OverlapConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GrpCollConfig:
+    """How the runtime's GroupCast / GroupReduce (remote K/V out, partial dK/dV back) are carried out. The
+    table of how this combines with the environment variables and the device mesh is in the documentation
+    of magi-group-collective ("Choosing the implementation")."""
+
+    native: bool | None = None
+    """True: the native implementation (symmetric memory inside one node: CUDA tensors, an NCCL cp group on
+    one node, `magi-group-collective[native]`; elsewhere the first call raises NativeUnavailableError on
+    every rank). False: all-to-all-v (hierarchical on a 2-D mesh unless MAGI_ATTENTION_HIERARCHICAL_COMM=0).
+    None (default): the environment variable MAGI_ATTENTION_NATIVE_GRPCOLL decides (default false)."""
+
+    def __post_init__(self) -> None:
+        if self.native is not None and not isinstance(self.native, bool):
+            raise TypeError(f"GrpCollConfig.native must be a bool or None, got {type(self.native).__name__}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DistAttnConfig:
     dispatch_config: DispatchConfig = field(default_factory=DispatchConfig)
     overlap_config: OverlapConfig = field(default_factory=OverlapConfig)
@@ -105,6 +140,8 @@ class DistAttnConfig:
     high_precision_grad_reduce: bool = True
     """Sum the partial dK/dV that other ranks computed for this rank's keys in fp32 (True) or in the input
     dtype (False: half the backward communication, one more rounding per contributing rank)."""
+    grpcoll_config: GrpCollConfig = field(default_factory=GrpCollConfig)
+    """Which group-collective implementation the runtime uses (native or all-to-all-v)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.high_precision_grad_reduce, bool):
@@ -125,4 +162,8 @@ class DistAttnConfig:
         if not isinstance(self.overlap_config, OverlapConfig):
             raise TypeError(
                 f"overlap_config must be an OverlapConfig, got {type(self.overlap_config).__name__}"
+            )
+        if not isinstance(self.grpcoll_config, GrpCollConfig):
+            raise TypeError(
+                f"grpcoll_config must be a GrpCollConfig, got {type(self.grpcoll_config).__name__}"
             )

@@ -4,6 +4,9 @@
 ascending chunk order. Its backward all-gathers the local gradients, so every rank receives the full
 gradient of `x` (x is replicated on every rank). `undispatch(local_x, key)` all-gathers the shards and
 restores global order (padding removed); its backward keeps the local part of the gradient.
+
+With `DispatchConfig(uneven_shard=True)` nothing is padded and ranks hold different token counts: the
+all-gathers pad each rank's rows to the largest shard on the wire only, and the gather index skips them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tenso
     layout = runtime.layout
     meta = runtime.device_meta(local.device)
     group = runtime.key.cp_group.group
-    gathered = all_gather_tokens(local, group, layout.cp_size)
+    gathered = all_gather_tokens(local, group, layout.cp_size, layout.shard_seqlen)
     return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
 
 
@@ -78,7 +81,8 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
         pad_value: the value of the padding rows (e.g. -100 for labels); padding rows see no key.
 
     Returns:
-        `[shard_seqlen, ...]`: this rank's chunks (ascending chunk id).
+        `[key.shard_seqlen, ...]`: this rank's chunks (ascending chunk id); with
+        `DispatchConfig(uneven_shard=True)` ranks hold different counts (`key.shard_seqlens`).
     """
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
@@ -101,7 +105,7 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Gather every rank's shard back into the global tensor (padding removed).
 
     Args:
-        local_x: `[shard_seqlen, ...]`, this rank's tokens (e.g. the output of `calc_attn`, or its lse).
+        local_x: `[key.shard_seqlen, ...]`, this rank's tokens (e.g. the output of `calc_attn`, or its lse).
         key: the key the tensors were dispatched with.
 
     Returns:
@@ -110,7 +114,7 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
         lambda: (
-            _check_tokens(local_x, runtime.layout.shard_seqlen, "local_x", "this rank's shard of the key"),
+            _check_tokens(local_x, runtime.local_seqlen, "local_x", "this rank's shard of the key"),
             check_dispatch_tags(runtime, local_x=local_x),
         ),
         key.cp_group.group,
@@ -127,12 +131,19 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
 def _kv_shard(x: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
     kv = runtime.layout.kv_layout
     padded = _pad_tokens(x, kv.total_seqlen)
-    return padded[runtime.rank * kv.shard_seqlen : (runtime.rank + 1) * kv.shard_seqlen]
+    ((start, end),) = kv.host_pairs(runtime.rank)
+    return padded[start:end]
 
 
 def _kv_gather(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
-    gathered = all_gather_tokens(local, runtime.key.cp_group.group, runtime.layout.cp_size)
-    return gathered[: runtime.layout.kv_total_seqlen]
+    kv = runtime.layout.kv_layout
+    if not kv.uneven_shard:
+        gathered = all_gather_tokens(local, runtime.key.cp_group.group, runtime.layout.cp_size)
+        return gathered[: runtime.layout.kv_total_seqlen]
+    # uneven shards: rank r's rows arrive at r * rows, padded to the largest shard
+    rows = kv.shard_seqlen
+    gathered = all_gather_tokens(local, runtime.key.cp_group.group, runtime.layout.cp_size, rows)
+    return torch.cat([gathered[r * rows : r * rows + n] for r, n in enumerate(kv.shard_seqlens)], dim=0)
 
 
 class DispatchKVFunction(torch.autograd.Function):
@@ -167,9 +178,10 @@ def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
         key: a key from `magi_attn_flex_key` / `magi_attn_varlen_key`.
 
     Returns:
-        `[kv_shard_seqlen, ...]`: rank r holds key tokens `[r * kv_shard, (r + 1) * kv_shard)` of the padded
-        sequence (contiguous equal shards; padding rows are zero and no query sees them). Backward: every
-        rank receives the full gradient of `x`.
+        `[key.kv_shard_seqlen, ...]`: rank r holds key tokens `[r * kv_shard, (r + 1) * kv_shard)` of the
+        padded sequence (contiguous equal shards; padding rows are zero and no query sees them); with
+        `DispatchConfig(uneven_shard=True)`, contiguous unpadded shards of `key.kv_shard_seqlens` tokens.
+        Backward: every rank receives the full gradient of `x`.
     """
     if not key.is_cross_attention:
         return dispatch(x, key)
@@ -190,7 +202,7 @@ def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tenso
     removed); for a self-attention key this is `undispatch(local_x, key)`.
 
     Args:
-        local_x: `[kv_shard_seqlen, ...]`, this rank's key/value-side tokens (e.g. a dK / dV shard).
+        local_x: `[key.kv_shard_seqlen, ...]`, this rank's key/value-side tokens (e.g. a dK / dV shard).
         key: the key the tensors were dispatched with.
     """
     if not key.is_cross_attention:
@@ -198,7 +210,7 @@ def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tenso
     runtime = RUNTIME_CACHE.get(key)
     validate_on_all_ranks(
         lambda: _check_tokens(
-            local_x, runtime.layout.kv_shard_seqlen, "local_x", "this rank's key/value shard of the key"
+            local_x, runtime.kv_local_seqlen, "local_x", "this rank's key/value shard of the key"
         ),
         key.cp_group.group,
         device_of(local_x),

@@ -315,7 +315,7 @@ class DistAttnFunc(torch.autograd.Function):
 
 
 def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
-    q_shard, kv_shard = runtime.layout.shard_seqlen, runtime.layout.kv_shard_seqlen
+    q_shard, kv_shard = runtime.local_seqlen, runtime.kv_local_seqlen
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

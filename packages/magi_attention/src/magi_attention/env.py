@@ -13,8 +13,10 @@
   reproducible backward: e.g. FA4's ordered dQ/dK/dV accumulation, magi_ffa's split Triton backward).
 - ``MAGI_ATTENTION_HIERARCHICAL_COMM``: on a 2-D (inter, intra) mesh, run GroupCast / GroupReduce
   hierarchically (default true); false runs the flat all-to-all-v over the same ranks.
-- ``MAGI_ATTENTION_NATIVE_GRPCOLL``: true selects the native group-collective implementation (raises
-  NotImplementedError today; default false).
+- ``MAGI_ATTENTION_NATIVE_GRPCOLL``: true selects the native group-collective implementation (symmetric
+  memory inside one node) when ``DistAttnConfig.grpcoll_config.native`` is None (default false).
+- ``MAGI_ATTENTION_MASK_MOD_COMPILE``: on a GPU, ``infer_attn_mask_from_mask_mod`` evaluates the mask
+  through one ``torch.compile``-d kernel per tile first (default true); false keeps the eager pass only.
 - ``TRITON_INTERPRET`` (Triton's): 1 lets the Triton backend run on CPU tensors (tests).
 
 Booleans accept 0 / 1 / true / false in any case (unset or empty = the default) and raise ValueError naming
@@ -66,9 +68,18 @@ def hierarchical_comm() -> bool:
 
 def native_grpcoll() -> bool:
     """MAGI_ATTENTION_NATIVE_GRPCOLL (boolean, default false): use the native group-collective
-    implementation (`GroupCollectiveImpl.NATIVE`, a symmetric-memory kernel) instead of a2av / hierarchical.
-    Not implemented yet: true raises NotImplementedError when a plan is built."""
+    implementation (`GroupCollectiveImpl.NATIVE`: symmetric memory inside one node, CUDA + NCCL +
+    `magi-group-collective[native]`) instead of a2av / hierarchical, unless `GrpCollConfig.native` says
+    otherwise. Where native cannot run, the first call of a key raises NativeUnavailableError on every rank."""
     return _flag("MAGI_ATTENTION_NATIVE_GRPCOLL", False)
+
+
+def mask_mod_compile() -> bool:
+    """MAGI_ATTENTION_MASK_MOD_COMPILE (boolean, default true): on a GPU, `infer_attn_mask_from_mask_mod`
+    first evaluates large masks with `torch.compile` (mask, b/h check and per-row run statistics fused,
+    the mask never in memory); false evaluates every tile eagerly. The CPU always evaluates eagerly. Read
+    on each call."""
+    return _flag("MAGI_ATTENTION_MASK_MOD_COMPILE", True)
 
 
 def runtime_dict_size() -> int:

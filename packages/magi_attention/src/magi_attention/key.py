@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._layout import layout_lengths
 from .config import DistAttnConfig
 
 Ranges = tuple[tuple[int, int], ...]
@@ -75,3 +76,35 @@ class DistAttnRuntimeKey:
     def root_key(self) -> DistAttnRuntimeKey:
         """The key that owns the dispatch (itself unless this mask was made after dispatch)."""
         return self if self.dispatch_key is None else self.dispatch_key.root_key
+
+    # -- what dispatch does with the tokens (from the dispatch layout; no communication) ---------------------
+    @property
+    def uneven_shard(self) -> bool:
+        """`DispatchConfig.uneven_shard` of the key's config: no padding, per-rank token counts differ."""
+        return self.config.dispatch_config.uneven_shard
+
+    @property
+    def shard_seqlens(self) -> tuple[int, ...]:
+        """Tokens each rank of the cp group holds after `dispatch`, in group rank order (all equal unless
+        `uneven_shard`; padding included)."""
+        return layout_lengths(self).shard_seqlens
+
+    @property
+    def shard_seqlen(self) -> int:
+        """Tokens this rank holds after `dispatch` (the length of `dispatch(x, key)` on dim 0)."""
+        return self.shard_seqlens[self.cp_group.local_rank()]
+
+    @property
+    def kv_shard_seqlens(self) -> tuple[int, ...]:
+        """Key/value tokens each rank holds after `dispatch_kv` (`shard_seqlens` in self-attention)."""
+        return layout_lengths(self).kv_shard_seqlens
+
+    @property
+    def kv_shard_seqlen(self) -> int:
+        """Key/value tokens this rank holds after `dispatch_kv`."""
+        return self.kv_shard_seqlens[self.cp_group.local_rank()]
+
+    @property
+    def pad_size(self) -> int:
+        """Padding tokens dispatch appends to the query sequence (0 with `uneven_shard` or cp_size 1)."""
+        return layout_lengths(self).pad_size

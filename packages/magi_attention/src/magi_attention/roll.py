@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ._comm_errors import comm_step
-from ._runtime import RUNTIME_CACHE, DispatchLayout
+from ._layout import DispatchLayout
+from ._runtime import RUNTIME_CACHE
 from ._sanity import device_of, tensor_values, validate_on_all_ranks
 from .key import DistAttnRuntimeKey
 
@@ -37,22 +38,25 @@ class RollRoute:
 
 def roll_route(layout: DispatchLayout, shift: int, rank: int) -> RollRoute:
     """Routing of `torch.roll(global, shift)` for `rank`: output token g takes input token (g - shift) mod
-    total. Padding rows (global ids past the sequence) receive nothing (they stay 0)."""
-    total, shard, cp = layout.total_seqlen, layout.shard_seqlen, layout.cp_size
+    total. Padding rows (global ids past the sequence) receive nothing (they stay 0). Ranks may hold
+    different token counts (uneven shards): positions map to ranks through the shard offsets."""
+    total, cp = layout.total_seqlen, layout.cp_size
+    offsets = np.asarray(layout.shard_offsets, dtype=np.int64)
     perm = layout.permutation  # dispatched position -> global id
     where = np.empty_like(perm)
     where[perm] = np.arange(perm.shape[0])  # global id -> dispatched position
     dst_pos = np.nonzero(perm < total)[0]
     src_pos = where[(perm[dst_pos] - shift) % total]
-    dst_rank, src_rank = dst_pos // shard, src_pos // shard
+    dst_rank = np.searchsorted(offsets, dst_pos, side="right") - 1
+    src_rank = np.searchsorted(offsets, src_pos, side="right") - 1
     # both sides order a (source, destination) pair's rows by destination position: they agree
     mine_out = dst_rank == rank
     order = np.lexsort((dst_pos[mine_out], src_rank[mine_out]))
-    recv_rows = (dst_pos[mine_out] % shard)[order]
+    recv_rows = (dst_pos[mine_out] - offsets[rank])[order]
     recv_counts = np.bincount(src_rank[mine_out], minlength=cp).tolist()
     mine_in = src_rank == rank
     order = np.lexsort((dst_pos[mine_in], dst_rank[mine_in]))
-    send_rows = (src_pos[mine_in] % shard)[order]
+    send_rows = (src_pos[mine_in] - offsets[rank])[order]
     send_counts = np.bincount(dst_rank[mine_in], minlength=cp).tolist()
     return RollRoute(send_rows, send_counts, recv_rows, recv_counts)
 
@@ -110,8 +114,8 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
     """Cyclic shift of a dispatched tensor along the global sequence.
 
     Args:
-        x: a dispatched tensor: this rank's tokens on dimension `dim` (`shard_seqlen` of them), any other
-            dimensions and dtype.
+        x: a dispatched tensor: this rank's tokens on dimension `dim` (`key.shard_seqlen` of them), any
+            other dimensions and dtype.
         shift: like `torch.roll`: global token t of the result is global token (t - shift) mod
             total_seqlen of `x`. Negative shifts roll left (`shift=-1` gives next-token targets).
         dim: the token dimension of `x`.
@@ -131,10 +135,10 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
             raise TypeError(f"`shift` must be an int, got {type(shift).__name__}")
         if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
             raise ValueError(f"`dim` must be an int in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}")
-        if x.shape[dim] != runtime.layout.shard_seqlen:
+        if x.shape[dim] != runtime.local_seqlen:
             raise ValueError(
                 f"`x` has {x.shape[dim]} tokens on dim {dim}, this rank's shard of the key has "
-                f"{runtime.layout.shard_seqlen}: pass a dispatched tensor"
+                f"{runtime.local_seqlen}: pass a dispatched tensor"
             )
 
     validate_on_all_ranks(

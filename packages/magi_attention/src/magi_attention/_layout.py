@@ -1,0 +1,152 @@
+"""Dispatch layouts: where every token lives after dispatch, a pure function of a key's mask, sizes, cp size
+and dispatch config (no communication), and the per-rank token counts keys report.
+
+This module sits below `key.py` (keys read their local lengths from it) and `_runtime.py` (which caches
+full layouts with their plans); it reads a key by attribute and never imports the key module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from magi_solver import DispatchPlan, KVLayout, solve_dispatch
+
+_MIN_CHUNKS_PER_RANK = 8
+_DEFAULT_MAX_CHUNK = 2048
+
+
+def choose_chunk_size(total_seqlen: int, cp_size: int, chunk_size: int | None) -> int:
+    """User's chunk size, or min(2048, ceil(total / (8 * cp))) so each rank has ~8 chunks to balance."""
+    if chunk_size is not None:
+        return chunk_size
+    return max(1, min(_DEFAULT_MAX_CHUNK, math.ceil(total_seqlen / (_MIN_CHUNKS_PER_RANK * cp_size))))
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchLayout:
+    """Where every token lives after dispatch. Tokens past `total_seqlen` are padding (no keys, zero rows);
+    with uneven shards there is no padding and ranks hold different token counts."""
+
+    total_seqlen: int
+    padded_seqlen: int
+    """`total_seqlen` rounded up to a multiple of chunk_size * cp_size (`total_seqlen` with uneven shards)."""
+    shard_seqlens: tuple[int, ...]
+    """Local (query-side) tokens of each rank; all equal unless uneven shards."""
+    cp_size: int
+    chunk_size: int
+    permutation: np.ndarray
+    """int64 [padded_seqlen]: global token id of each dispatched position (rank 0's tokens first)."""
+    dispatch_plan: DispatchPlan | None
+    kv_layout: KVLayout | None = None
+    """Cross-attention: the key/value sequence's contiguous shards (None: keys are the queries' tokens)."""
+    kv_total_seqlen: int | None = None
+    """Cross-attention: tokens of the key/value sequence before padding."""
+
+    @property
+    def shard_seqlen(self) -> int:
+        """The largest local token count (every rank's, unless uneven shards): a buffer size."""
+        return max(self.shard_seqlens)
+
+    @property
+    def shard_offsets(self) -> tuple[int, ...]:
+        """Dispatched position of each rank's first token, and `padded_seqlen` at the end."""
+        return (0, *itertools.accumulate(self.shard_seqlens))
+
+    def local_seqlen(self, rank: int) -> int:
+        return self.shard_seqlens[rank]
+
+    def local_token_ids(self, rank: int) -> np.ndarray:
+        offsets = self.shard_offsets
+        return self.permutation[offsets[rank] : offsets[rank + 1]]
+
+    @property
+    def kv_shard_seqlens(self) -> tuple[int, ...]:
+        """Key/value tokens each rank holds (its query shard in self-attention)."""
+        return self.shard_seqlens if self.kv_layout is None else self.kv_layout.shard_seqlens
+
+    @property
+    def kv_shard_seqlen(self) -> int:
+        """The largest of `kv_shard_seqlens` (every rank's, unless uneven shards)."""
+        return max(self.kv_shard_seqlens)
+
+
+def _padded(total: int, cp: int, chunk: int, uneven: bool) -> int:
+    """The planned length: a multiple of chunk * cp, or the sequence itself (uneven shards, or cp 1)."""
+    return total if uneven or cp == 1 else math.ceil(total / (chunk * cp)) * chunk * cp
+
+
+def build_layout(key: Any) -> DispatchLayout:
+    """Dispatch of the key's own mask (`key`: a root `DistAttnRuntimeKey`, read by attribute: this module sits
+    below `key.py`). A pure function of the key: no communication."""
+    cp = key.cp_size
+    total = key.total_seqlen_q
+    dispatch_cfg = key.config.dispatch_config
+    uneven = dispatch_cfg.uneven_shard
+    kv, kv_total = None, None
+    if key.is_cross_attention:
+        # keys/values: contiguous shards of their own (padded) sequence, balanced by token count
+        kv_total = key.total_seqlen_k
+        kv_chunk = kv_total if cp == 1 else choose_chunk_size(kv_total, cp, dispatch_cfg.chunk_size)
+        kv = KVLayout(_padded(kv_total, cp, kv_chunk, uneven), cp, kv_chunk, uneven and cp > 1)
+    if cp == 1:
+        return DispatchLayout(
+            total, total, (total,), 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
+        )
+    chunk = choose_chunk_size(total, cp, dispatch_cfg.chunk_size)
+    padded = _padded(total, cp, chunk, uneven)
+    dplan = solve_dispatch(
+        [list(r) for r in key.q_ranges],
+        [list(r) for r in key.k_ranges],
+        list(key.attn_mask_type),
+        padded,
+        cp,
+        chunk,
+        alg=str(dispatch_cfg.alg),
+        total_seqlen_k=None if kv is None else kv.total_seqlen,
+        uneven_shard=uneven,
+    )
+    return DispatchLayout(
+        total, padded, dplan.shard_seqlens, cp, chunk, dplan.permutation, dplan, kv, kv_total
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutLengths:
+    """What a key reports about its dispatch: per-rank token counts and the padding appended."""
+
+    shard_seqlens: tuple[int, ...]
+    kv_shard_seqlens: tuple[int, ...]
+    pad_size: int
+
+    @classmethod
+    def of(cls, layout: DispatchLayout) -> LayoutLengths:
+        return cls(layout.shard_seqlens, layout.kv_shard_seqlens, layout.padded_seqlen - layout.total_seqlen)
+
+
+_LENGTHS: OrderedDict[Any, LayoutLengths] = OrderedDict()
+_LENGTHS_SIZE = 256  # a few ints per root key
+
+
+def remember_lengths(root: Any, layout: DispatchLayout) -> None:
+    """Record a built layout's lengths for `root` (the runtime cache calls this when it builds one)."""
+    _LENGTHS[root] = LayoutLengths.of(layout)
+    _LENGTHS.move_to_end(root)
+    while len(_LENGTHS) > _LENGTHS_SIZE:
+        _LENGTHS.popitem(last=False)
+
+
+def layout_lengths(key: Any) -> LayoutLengths:
+    """The lengths of `key`'s dispatch (its root key's): recorded when the runtime built the layout, else
+    computed now (the same deterministic solve, on this rank alone)."""
+    root = key.root_key
+    hit = _LENGTHS.get(root)
+    if hit is None:
+        remember_lengths(root, build_layout(root))
+        hit = _LENGTHS[root]
+    return hit
