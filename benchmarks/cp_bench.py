@@ -9,7 +9,9 @@ the same inputs.
   heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
 
 magi runs once per ``--degrees`` entry (an int = that many overlap stages, ``dynamic`` = the planner picks;
-the row records the degree the plan chose) with ``--kernel-backend``.
+the row records the degree the plan chose) with ``--kernel-backend``. Its group collectives: ``--grpcoll native`` (symmetric
+memory inside one node), ``a2av``, or by default ``MAGI_ATTENTION_NATIVE_GRPCOLL``; the table's header says
+which.
 
 One process per GPU (NCCL), or per CPU rank over gloo with ``--device cpu`` (toy sizes, for smoke runs)::
 
@@ -54,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the `baselines` libr
 from baselines import user
 from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
-from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
+from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention import _runtime as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_solver import SliceList
@@ -111,6 +113,8 @@ class BenchConfig:
     """magi: DistAttnConfig.kernel_backend ("auto", "fa4", "triton", "torch")."""
     grad_reduce: str = "fp32"
     """magi: dtype of the partial dK/dV reduction ("fp32" or "bf16": DistAttnConfig.high_precision_grad_reduce)."""
+    grpcoll: str = "env"
+    """magi: group collectives, "native" or "a2av" (GrpCollConfig.native), or "env": MAGI_ATTENTION_NATIVE_GRPCOLL."""
     block_size: int
     """varlen_block_causal: tokens per block."""
     seed: int
@@ -277,6 +281,18 @@ def _dist_attn_config(cfg: BenchConfig, degree: int | str) -> DistAttnConfig:
         overlap_config=overlap,
         kernel_backend=cfg.kernel_backend,
         high_precision_grad_reduce=cfg.grad_reduce == "fp32",
+        grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]),
+    )
+
+
+def _grpcoll_label(cfg: BenchConfig) -> str:
+    """The group-collective implementation magi rows use ("native", "a2av"; a2av is hierarchical on a 2-D mesh)."""
+    if cfg.grpcoll != "env":
+        return cfg.grpcoll
+    return (
+        "native"
+        if os.environ.get("MAGI_ATTENTION_NATIVE_GRPCOLL", "").strip().lower() in ("1", "true")
+        else "a2av"
     )
 
 
@@ -540,6 +556,7 @@ def _meta(cfg: BenchConfig, device) -> dict:
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "git": git_sha,
+        "grpcoll": _grpcoll_label(cfg),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }
 
@@ -572,7 +589,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
         f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
         f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
-        f"kernel backend {c['kernel_backend']}, dK/dV reduce {c['grad_reduce']} | varlen block {c['block_size']} | ms: median [p25, p75] of "
+        f"kernel backend {c['kernel_backend']}, dK/dV reduce {c['grad_reduce']}, group collectives "
+        f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
         f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
         f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
         "",
@@ -641,6 +659,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
     ap.add_argument(
         "--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype"
     )
+    ap.add_argument(
+        "--grpcoll",
+        choices=("env", "a2av", "native"),
+        default="env",
+        help="magi group collectives: GrpCollConfig(native=...); env = MAGI_ATTENTION_NATIVE_GRPCOLL decides",
+    )
     ap.add_argument("--block-size", type=int, default=2048, help="varlen_block_causal: tokens per block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -685,6 +709,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         min_chunk_size=a.min_chunk_size,
         kernel_backend=a.kernel_backend,
         grad_reduce=a.grad_reduce,
+        grpcoll=a.grpcoll,
         block_size=a.block_size,
         seed=a.seed,
         profile=a.profile,

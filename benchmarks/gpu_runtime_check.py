@@ -5,7 +5,10 @@ checks cp = 1 and the simulated ranks of larger cp sizes, N >= 2 runs the runtim
 (backend, mask, overlap degree): out, lse, dq, dk, dv of ``calc_attn`` (undispatched, whole sequence) must
 be within twice the error of ONE single-GPU call of the same backend's FFA on the whole mask, plus 1e-4
 (relative Frobenius error against a dense fp64 reference). Prints one line per case and a summary last;
-exits 1 on any failure. ``--out FILE`` writes the rows as JSON (rank 0).
+exits 1 on any failure. ``--out FILE`` writes the rows as JSON (rank 0). ``--uneven-shard`` plans with
+``DispatchConfig(uneven_shard=True)`` (no padding; pick ``--tokens`` not a multiple of 256 x N to see ranks
+of different token counts). ``--grpcoll native`` (or ``MAGI_ATTENTION_NATIVE_GRPCOLL=1``) runs the runtime's
+group collectives natively; the summary names the implementation the plans used.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+IMPLS_USED: set[str] = set()  # group-collective implementations the runtime's plans used (for the summary)
 
 
 def _docs(total: int, rng: random.Random) -> list[int]:
@@ -115,18 +119,22 @@ def check(got: dict, base: dict, ref: dict) -> tuple[bool, dict]:
     return ok, errs
 
 
-def run_dist(backend, degree, mask, total, q, k, v, do, hq, hkv, d, chunk):
+def run_dist(backend, degree, mask, total, q, k, v, do, hq, hkv, d, chunk, uneven=False):
     qr, kr, tm = mask
     overlap = OverlapConfig(degree=None if degree == "dynamic" else int(degree), min_chunk_size=256)
     config = DistAttnConfig(
-        dispatch_config=DispatchConfig(chunk_size=chunk), overlap_config=overlap, kernel_backend=backend
+        dispatch_config=DispatchConfig(chunk_size=chunk, uneven_shard=uneven),
+        overlap_config=overlap,
+        kernel_backend=backend,
     )
     key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
     ins = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
     out, meta = calc_attn(*ins, key)
     out.backward(dispatch(do, key))
-    plan = RUNTIME_CACHE.get(key).plan
+    runtime = RUNTIME_CACHE.get(key)
+    plan = runtime.plan
     chosen = getattr(plan, "overlap_degree", 0) if plan is not None else "-"
+    IMPLS_USED.update(p.impl.value for p in runtime.device_meta(q.device).cast_plans)
     got = {
         "out": undispatch(out.detach(), key),
         "lse": undispatch(meta.lse, key),
@@ -138,9 +146,11 @@ def run_dist(backend, degree, mask, total, q, k, v, do, hq, hkv, d, chunk):
     return got, chosen
 
 
-def run_simulated(backend, cp, mask, total, q, k, v, do, chunk):
+def run_simulated(backend, cp, mask, total, q, k, v, do, chunk, uneven=False):
     qr, kr, tm = mask
-    plan = plan_dist_attn(qr, kr, tm, total, cp, chunk, overlap_degree=2, min_chunk_size=128)
+    plan = plan_dist_attn(
+        qr, kr, tm, total, cp, chunk, overlap_degree=2, min_chunk_size=128, uneven_shard=uneven
+    )
     out, lse, dq, dk, dv = simulate_dist_attn(q, k, v, do, plan, kernel_backend=backend)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
@@ -154,7 +164,16 @@ def main() -> int:
     ap.add_argument("--degrees", default="0,1,2,dynamic")
     ap.add_argument("--simulate-cp", default="4,8", help="world size 1 only: simulated cp sizes")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--uneven-shard", action="store_true", help="DispatchConfig(uneven_shard=True)")
+    ap.add_argument(
+        "--grpcoll",
+        choices=("env", "a2av", "native"),
+        default="env",
+        help="group collectives of the runtime: sets MAGI_ATTENTION_NATIVE_GRPCOLL (env: leave it as it is)",
+    )
     a = ap.parse_args()
+    if a.grpcoll != "env":
+        os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1" if a.grpcoll == "native" else "0"
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -180,9 +199,9 @@ def main() -> int:
                 cases += [(f"sim-cp{c}", int(c)) for c in a.simulate_cp.split(",") if c]
             for label, deg in cases:
                 if label.startswith("sim"):
-                    got, chosen = run_simulated(b, deg, mask, total, q, k, v, do, 128), 2
+                    got, chosen = run_simulated(b, deg, mask, total, q, k, v, do, 128, a.uneven_shard), 2
                 else:
-                    got, chosen = run_dist(b, deg, mask, total, q, k, v, do, hq, hkv, d, 256)
+                    got, chosen = run_dist(b, deg, mask, total, q, k, v, do, hq, hkv, d, 256, a.uneven_shard)
                 ok, errs = check(got, base, ref)
                 failures += not ok
                 row = {
@@ -205,8 +224,9 @@ def main() -> int:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
         print(
-            f"gpu_runtime_check: world {world}, {len(rows)} cases, {failures} failed "
-            f"(err/single-call err per quantity; rule err <= 2x + 1e-4)"
+            f"gpu_runtime_check: world {world}{' uneven_shard' if a.uneven_shard else ''}, {len(rows)} cases, "
+            f"{failures} failed (err/single-call err per quantity; rule err <= 2x + 1e-4); group collectives "
+            f"{','.join(sorted(IMPLS_USED)) or 'none (cp 1)'}"
         )
     dist.destroy_process_group()
     return 1 if failures else 0
