@@ -34,9 +34,10 @@ def poison(*ts):
         t.fill_(float("nan"))
 
 
-def force_tiles(monkeypatch, tiles: str) -> None:
+def force_tiles(monkeypatch, tiles: str, *, split: bool = False) -> None:
     """``"BM,BN"`` tiles for every Triton kernel (forward ``BM x BN``, backward K/V programs ``BN x BM`` and q
-    programs ``BM x BN``), 4 warps, 1 stage: small tiles make every slice have both boundary and full tiles."""
+    programs ``BM x BN``), 4 warps, 1 stage: small tiles make every slice have both boundary and full tiles.
+    ``split``: the backward as two launches (K/V programs, then q programs)."""
     bm, bn = tiles.split(",")[:2]
     monkeypatch.setenv("MAGI_FFA_TILES_FWD", f"{bm},{bn},4,1")
-    monkeypatch.setenv("MAGI_FFA_TILES_BWD", f"{bn},{bm},{bm},{bn},4,1")
+    monkeypatch.setenv("MAGI_FFA_TILES_BWD", f"{bn},{bm},{bm},{bn},4,1,1,{int(split)}")

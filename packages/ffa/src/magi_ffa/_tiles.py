@@ -42,7 +42,9 @@ class BwdTiles:
     """Backward: K/V-owning programs walk ``block_m1`` rows against ``block_n1`` keys; q-owning programs walk
     ``block_n2`` keys against ``block_m2`` rows. One ``num_warps`` / ``num_stages`` for the single launch.
     ``head_major``: programs ordered kv head by kv head (each head's K/V programs, then its GQA group's q
-    programs, blocks fastest) rather than every K/V program first with heads fastest."""
+    programs, blocks fastest) rather than every K/V program first with heads fastest. ``split``: two launches,
+    the K/V programs' and then the q programs', each kernel compiled for one kind of program (its own register
+    budget) instead of one launch holding both."""
 
     block_m1: int
     block_n1: int
@@ -51,6 +53,7 @@ class BwdTiles:
     num_warps: int
     num_stages: int
     head_major: bool = True
+    split: bool = False
 
 
 _F, _B = FwdTiles, BwdTiles
@@ -144,7 +147,11 @@ def bwd_tiles(q: torch.Tensor) -> BwdTiles:
     """Backward tiles for ``q``; ``MAGI_FFA_TILES_BWD`` overrides."""
     forced = env.tiles("bwd")
     if forced:
-        return BwdTiles(*forced[:6], head_major=bool(forced[6]) if len(forced) > 6 else True)
+        return BwdTiles(
+            *forced[:6],
+            head_major=bool(forced[6]) if len(forced) > 6 else True,
+            split=bool(forced[7]) if len(forced) > 7 else False,
+        )
     if not q.is_cuda:
         return _INTERP_BWD
     return _row(_BWD[gpu_arch(q.device.index or 0)][_dtype_class(q.dtype)], q.shape[-1])

@@ -115,6 +115,131 @@ def dq_tile(
 
 
 @triton.jit
+def kv_program(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, hk, kv_rank,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """A K/V program: the ``kv_rank``-th block (most-work-first order) of kv head ``hk``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    blk = tl.load(KB_ORDER + kv_rank)
+    n0 = blk * BLOCK_N1
+    offs_n = n0 + tl.arange(0, BLOCK_N1)
+    col_ok = offs_n < total_k
+    kb = tl.load(
+        K + offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    vb = tl.load(
+        V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    if UPCAST:
+        kb = kb.to(tl.float32)
+        vb = vb.to(tl.float32)
+    dk_acc = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    e0 = tl.load(KB_PTR + blk)
+    e1 = tl.load(KB_PTR + blk + 1)
+    for e in range(e0, e1):
+        qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(KB_IDX + e))
+        # walking q rows from keys: the causal band bounds rows below, the inverse-causal one above
+        start, end, n_tiles, full_lo, full_hi = slice_walk(
+            n0, ks, ke, qs, qe, causal, -dk, inv, -dk_inv, BLOCK_N1, BLOCK_M1
+        )
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            # the boundary tiles (both ends) in one loop, then the full ones: two pipelined loops, not three
+            # (a third loop tripled the K/V program's register spills: ptxas, sm_90a)
+            n_full = full_hi - full_lo
+            for j in range(0, n_tiles - n_full):
+                i = tl.where(j < full_lo, j, j + n_full)
+                dk_acc, dv_acc = dkv_tile(
+                    Q, DO, LSE2, DELTA, kb, vb, dk_acc, dv_acc, h, start + i * BLOCK_M1, end, offs_n, offs_d,
+                    qs, qe, ks, ke, dk, dk_inv, causal, inv,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, sm_scale, softcap,
+                    BLOCK_M1, True, SOFTCAP, UPCAST, IEEE,
+                )  # fmt: skip
+            for i in range(full_lo, full_hi):
+                dk_acc, dv_acc = dkv_tile(
+                    Q, DO, LSE2, DELTA, kb, vb, dk_acc, dv_acc, h, start + i * BLOCK_M1, end, offs_n, offs_d,
+                    qs, qe, ks, ke, dk, dk_inv, causal, inv,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, sm_scale, softcap,
+                    BLOCK_M1, False, SOFTCAP, UPCAST, IEEE,
+                )  # fmt: skip
+    dk_acc = dk_acc * sm_scale
+    dk_ptrs = DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
+    dv_ptrs = DV + offs_n[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :]
+    if ACCUM:
+        dk_acc += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
+        dv_acc += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
+    tl.store(dk_ptrs, dk_acc.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptrs, dv_acc.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def q_program(
+    Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, h, q_rank,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+    stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+    GROUP, HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """A q program: the ``q_rank``-th block (most-work-first order) of q head ``h``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    blk = tl.load(QB_ORDER + q_rank)
+    hk = h // GROUP
+    m0 = blk * BLOCK_M2
+    offs_m = m0 + tl.arange(0, BLOCK_M2)
+    row_ok = offs_m < total_q
+    q = tl.load(
+        Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    do = tl.load(
+        DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(LSE2 + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
+    e0 = tl.load(QB_PTR + blk)
+    e1 = tl.load(QB_PTR + blk + 1)
+    for e in range(e0, e1):
+        qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(QB_IDX + e))
+        start, end, n_tiles, full_lo, full_hi = slice_walk(
+            m0, qs, qe, ks, ke, inv, dk_inv, causal, dk, BLOCK_M2, BLOCK_N2
+        )
+        # the boundary tiles (both ends) in one loop, then the full ones: two pipelined loops, not three
+        n_full = full_hi - full_lo
+        for j in range(0, n_tiles - n_full):
+            i = tl.where(j < full_lo, j, j + n_full)
+            dq = dq_tile(
+                dq, q, do, lse2, delta, K, V, hk, start + i * BLOCK_N2, end, offs_m, offs_d,
+                stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
+                sm_scale, softcap, BLOCK_N2, True, SOFTCAP, UPCAST, IEEE,
+            )  # fmt: skip
+        for i in range(full_lo, full_hi):
+            dq = dq_tile(
+                dq, q, do, lse2, delta, K, V, hk, start + i * BLOCK_N2, end, offs_m, offs_d,
+                stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
+                sm_scale, softcap, BLOCK_N2, False, SOFTCAP, UPCAST, IEEE,
+            )  # fmt: skip
+    dq = dq * sm_scale
+    dq_ptrs = DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :]
+    if ACCUM:
+        dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# which programs a launch runs: both kinds (one launch), or one kind (the split backward's two launches)
+BOTH = tl.constexpr(0)
+KV_ONLY = tl.constexpr(1)
+Q_ONLY = tl.constexpr(2)
+
+
+@triton.jit
 def ffa_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, SLICES,
     QB_PTR, QB_IDX, QB_ORDER, KB_PTR, KB_IDX, KB_ORDER,
@@ -124,141 +249,74 @@ def ffa_bwd_kernel(
     HQ, HK, GROUP, NUM_KB, NUM_QB, HEAD_DIM: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, PROGRAMS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if HEAD_MAJOR:
-        # per kv head: its K/V programs, then the q programs of its GQA group (blocks fastest, as
-        # FlexAttention orders them: the programs running together share one head's q / K/V stream in L2)
-        per_head = NUM_KB + GROUP * NUM_QB
-        z = pid // per_head
-        x = pid % per_head
-        is_kv = x < NUM_KB
-        kv_hk = z
-        kv_rank = x
-        q_h = z * GROUP + (x - NUM_KB) // NUM_QB
-        q_rank = (x - NUM_KB) % NUM_QB
+    if PROGRAMS == KV_ONLY:
+        # heads fastest, so the heaviest blocks of every head start first; head-major keeps a head's K/V
+        # stream together
+        if HEAD_MAJOR:
+            kv_program(
+                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, pid // NUM_KB, pid % NUM_KB,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
+        else:
+            kv_program(
+                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, pid % HK, pid // HK,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
+    elif PROGRAMS == Q_ONLY:
+        if HEAD_MAJOR:
+            q_program(
+                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, pid // NUM_QB, pid % NUM_QB,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
+        else:
+            q_program(
+                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, pid % HQ, pid // HQ,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
     else:
-        # every K/V program first, heads fastest (a GQA group's q programs adjacent)
-        is_kv = pid < NUM_KB * HK
-        kv_hk = pid % HK
-        kv_rank = pid // HK
-        q_h = (pid - NUM_KB * HK) % HQ
-        q_rank = (pid - NUM_KB * HK) // HQ
-    if is_kv:
-        # a K/V program; blocks in most-work-first order
-        hk = kv_hk
-        blk = tl.load(KB_ORDER + kv_rank)
-        n0 = blk * BLOCK_N1
-        offs_n = n0 + tl.arange(0, BLOCK_N1)
-        col_ok = offs_n < total_k
-        kb = tl.load(
-            K + offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
-            mask=col_ok[:, None],
-            other=0.0,
-        )
-        vb = tl.load(
-            V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
-            mask=col_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            kb = kb.to(tl.float32)
-            vb = vb.to(tl.float32)
-        dk_acc = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
-        dv_acc = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
-        e0 = tl.load(KB_PTR + blk)
-        e1 = tl.load(KB_PTR + blk + 1)
-        for e in range(e0, e1):
-            qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(KB_IDX + e))
-            # walking q rows from keys: the causal band bounds rows below, the inverse-causal one above
-            start, end, n_tiles, full_lo, full_hi = slice_walk(
-                n0, ks, ke, qs, qe, causal, -dk, inv, -dk_inv, BLOCK_N1, BLOCK_M1
-            )
-            for g in range(GROUP):
-                h = hk * GROUP + g
-                for i in range(0, full_lo):
-                    dk_acc, dv_acc = dkv_tile(
-                        Q, DO, LSE2, DELTA, kb, vb, dk_acc, dv_acc, h, start + i * BLOCK_M1, end, offs_n, offs_d,
-                        qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                        stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, sm_scale, softcap,
-                        BLOCK_M1, True, SOFTCAP, UPCAST, IEEE,
-                    )  # fmt: skip
-                for i in range(full_lo, full_hi):
-                    dk_acc, dv_acc = dkv_tile(
-                        Q, DO, LSE2, DELTA, kb, vb, dk_acc, dv_acc, h, start + i * BLOCK_M1, end, offs_n, offs_d,
-                        qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                        stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, sm_scale, softcap,
-                        BLOCK_M1, False, SOFTCAP, UPCAST, IEEE,
-                    )  # fmt: skip
-                for i in range(full_hi, n_tiles):
-                    dk_acc, dv_acc = dkv_tile(
-                        Q, DO, LSE2, DELTA, kb, vb, dk_acc, dv_acc, h, start + i * BLOCK_M1, end, offs_n, offs_d,
-                        qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                        stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, sm_scale, softcap,
-                        BLOCK_M1, True, SOFTCAP, UPCAST, IEEE,
-                    )  # fmt: skip
-        dk_acc = dk_acc * sm_scale
-        dk_ptrs = DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
-        dv_ptrs = DV + offs_n[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :]
-        if ACCUM:
-            dk_acc += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
-            dv_acc += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
-        tl.store(dk_ptrs, dk_acc.to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(dv_ptrs, dv_acc.to(DV.dtype.element_ty), mask=col_ok[:, None])
-    else:
-        # a q program
-        h = q_h
-        blk = tl.load(QB_ORDER + q_rank)
-        hk = h // GROUP
-        m0 = blk * BLOCK_M2
-        offs_m = m0 + tl.arange(0, BLOCK_M2)
-        row_ok = offs_m < total_q
-        q = tl.load(
-            Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
-        )
-        do = tl.load(
-            DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        lse2 = tl.load(LSE2 + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + h * stride_lh + offs_m, mask=row_ok, other=0.0)
-        dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
-        e0 = tl.load(QB_PTR + blk)
-        e1 = tl.load(QB_PTR + blk + 1)
-        for e in range(e0, e1):
-            qs, qe, ks, ke, dk, dk_inv, causal, inv = load_slice(SLICES, tl.load(QB_IDX + e))
-            start, end, n_tiles, full_lo, full_hi = slice_walk(
-                m0, qs, qe, ks, ke, inv, dk_inv, causal, dk, BLOCK_M2, BLOCK_N2
-            )
-            for i in range(0, full_lo):
-                dq = dq_tile(
-                    dq, q, do, lse2, delta, K, V, hk, start + i * BLOCK_N2, end, offs_m, offs_d,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                    sm_scale, softcap, BLOCK_N2, True, SOFTCAP, UPCAST, IEEE,
-                )  # fmt: skip
-            for i in range(full_lo, full_hi):
-                dq = dq_tile(
-                    dq, q, do, lse2, delta, K, V, hk, start + i * BLOCK_N2, end, offs_m, offs_d,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                    sm_scale, softcap, BLOCK_N2, False, SOFTCAP, UPCAST, IEEE,
-                )  # fmt: skip
-            for i in range(full_hi, n_tiles):
-                dq = dq_tile(
-                    dq, q, do, lse2, delta, K, V, hk, start + i * BLOCK_N2, end, offs_m, offs_d,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                    sm_scale, softcap, BLOCK_N2, True, SOFTCAP, UPCAST, IEEE,
-                )  # fmt: skip
-        dq = dq * sm_scale
-        dq_ptrs = DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :]
-        if ACCUM:
-            dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        if HEAD_MAJOR:
+            # per kv head: its K/V programs, then the q programs of its GQA group (blocks fastest, as
+            # FlexAttention orders them: the programs running together share one head's q / K/V stream in L2)
+            per_head = NUM_KB + GROUP * NUM_QB
+            z = pid // per_head
+            x = pid % per_head
+            is_kv = x < NUM_KB
+            kv_hk = z
+            kv_rank = x
+            q_h = z * GROUP + (x - NUM_KB) // NUM_QB
+            q_rank = (x - NUM_KB) % NUM_QB
+        else:
+            # every K/V program first, heads fastest (a GQA group's q programs adjacent)
+            is_kv = pid < NUM_KB * HK
+            kv_hk = pid % HK
+            kv_rank = pid // HK
+            q_h = (pid - NUM_KB * HK) % HQ
+            q_rank = (pid - NUM_KB * HK) // HQ
+        if is_kv:
+            kv_program(
+                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, kv_hk, kv_rank,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
+        else:
+            q_program(
+                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, q_h, q_rank,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
+            )  # fmt: skip
 
 
 def _grad_buffer(buf: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
@@ -305,7 +363,7 @@ def triton_bwd(
     dev = str(q.device)
     kmeta = axis_tiles(slices, tk, t.block_n1, "k", dev)
     qmeta = axis_tiles(slices, tq, t.block_m2, "q", dev)
-    ffa_bwd_kernel[(hk * kmeta.num_blocks + hq * qmeta.num_blocks,)](
+    args = dict(
         Q=q, K=k, V=v, DO=do, LSE2=lse2, DELTA=delta_t, DQ=gq, DK=gk, DV=gv, SLICES=qmeta.slices,
         QB_PTR=qmeta.ptr, QB_IDX=qmeta.idx, QB_ORDER=qmeta.order,
         KB_PTR=kmeta.ptr, KB_IDX=kmeta.idx, KB_ORDER=kmeta.order,
@@ -319,4 +377,11 @@ def triton_bwd(
         SOFTCAP=softcap > 0, ACCUM=dq is not None, UPCAST=upcast, IEEE=ieee, HEAD_MAJOR=t.head_major,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    n_kv, n_q = hk * kmeta.num_blocks, hq * qmeta.num_blocks
+    if t.split:
+        # two launches, each compiled for one kind of program (its own registers); still one owner per block
+        ffa_bwd_kernel[(n_kv,)](**args, PROGRAMS=1)
+        ffa_bwd_kernel[(n_q,)](**args, PROGRAMS=2)
+    else:
+        ffa_bwd_kernel[(n_kv + n_q,)](**args, PROGRAMS=0)
     return gq, gk, gv

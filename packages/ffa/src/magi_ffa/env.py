@@ -44,14 +44,14 @@ def backend() -> str | None:
 
 _TILE_FIELDS = {
     "fwd": "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]",
-    "bwd": "BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major]",
+    "bwd": "BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major[,split]]",
 }
 
 
 def tiles(kind: str) -> tuple[int, ...] | None:
     """``MAGI_FFA_TILES_FWD``: ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"``; ``MAGI_FFA_TILES_BWD``:
-    ``"BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major]"`` (positive ints, tma and
-    head_major 0 or 1; the blocks powers of two, at least 16) overriding the tile table of that Triton kernel
+    ``"BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,num_warps,num_stages[,head_major[,split]]"`` (positive ints; tma,
+    head_major and split 0 or 1; the blocks powers of two, at least 16) overriding the tile table of that Triton kernel
     (tuning sweeps, tests). Default: the table
     of ``_tiles.py`` for the GPU's architecture, the dtype and the head_dim."""
     fields = _TILE_FIELDS[kind]
@@ -66,7 +66,7 @@ def tiles(kind: str) -> tuple[int, ...] | None:
     nblocks = fields.count("BLOCK")
     n_required = fields.split("[")[0].count(",") + 1
     if (
-        len(vals) not in (n_required, fields.count(",") + 1)
+        not n_required <= len(vals) <= fields.count(",") + 1
         or min(vals[:n_required]) < 1
         or any(x not in (0, 1) for x in vals[n_required:])
         or any(b < 16 or b & (b - 1) for b in vals[:nblocks])
