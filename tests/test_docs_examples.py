@@ -55,6 +55,9 @@ def _env() -> dict[str, str]:
     return env
 
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def test_blocks_found() -> None:
     kinds = {kind.split()[0] for _, kind, _ in BLOCKS}
     assert kinds == {"python", "shell", "torchrun"}, kinds
@@ -84,6 +87,9 @@ def test_docs_block(page: str, kind: str, code: str, tmp_path: Path) -> None:
             str(script),
         ]
     r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    if kind.startswith("torchrun") and r.returncode != 0 and GLOO_TEARDOWN_ABORT in r.stderr:
+        # gloo's rare abort in C++ teardown after the script finished (see magi_attention.testing)
+        r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (
         f"{page} ({kind}) failed:\n{code}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
     )

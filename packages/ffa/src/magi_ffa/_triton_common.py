@@ -72,7 +72,7 @@ def slice_walk(
     ``[start, end)``, stepped as ``n_tiles`` tiles of ``X_BLOCK`` from ``start`` (a multiple of
     ``X_BLOCK``); tiles ``[full_lo, full_hi)`` are visible in every element (no element mask, no load mask),
     the rest are boundary tiles. Without full tiles,
-    ``full_lo = full_hi = n_tiles``, so the three loops ``[0, full_lo)``, ``[full_lo, full_hi)``, ``[full_hi,
+    ``full_lo = full_hi = n_tiles``, so the ranges ``[0, full_lo)``, ``[full_lo, full_hi)``, ``[full_hi,
     n_tiles)`` always cover every tile once.
     """
     r_lo = tl.maximum(a_lo, a0)

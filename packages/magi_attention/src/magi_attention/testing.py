@@ -100,7 +100,8 @@ def run_docs_example(
 
     Returns:
         The finished process (stdout and stderr captured as text); raises AssertionError if the page does not
-        hold exactly one such block.
+        hold exactly one such block. A run that fails only by gloo's rare abort at process teardown is run
+        once more (its stderr says so).
     """
     blocks = re.findall(r"```python\n(.*?)```", Path(page).read_text(), flags=re.S)
     runnable = [b for b in blocks if "init_process_group" in b]
@@ -119,4 +120,15 @@ def run_docs_example(
         str(script),
     ]
     env = child_process_env(OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    if proc.returncode != 0 and _GLOO_TEARDOWN_ABORT in proc.stderr:
+        # Rarely (once in dozens of runs on 2 CPU cores, never reproduced on demand) a rank aborts in gloo's
+        # C++ teardown after the script has finished and destroyed its process group: a std::thread left
+        # joinable at exit. The example itself ran; one fresh run tells a flaky teardown from a real failure.
+        first = proc
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+        proc.stderr = f"[first run aborted in teardown, rerun once]\n{first.stderr[-2000:]}\n{proc.stderr}"
+    return proc
+
+
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
