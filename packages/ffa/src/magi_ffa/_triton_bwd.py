@@ -253,37 +253,32 @@ def ffa_bwd_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PROGRAMS == KV_ONLY:
-        # heads fastest, so the heaviest blocks of every head start first; head-major keeps a head's K/V
-        # stream together
+        # head-major keeps a head's K/V stream together; heads fastest starts every head's heaviest blocks first
         if HEAD_MAJOR:
-            kv_program(
-                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, pid // NUM_KB, pid % NUM_KB,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            kv_hk = pid // NUM_KB
+            kv_rank = pid % NUM_KB
         else:
-            kv_program(
-                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, pid % HK, pid // HK,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            kv_hk = pid % HK
+            kv_rank = pid // HK
+        kv_program(
+            Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, kv_hk, kv_rank,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+            stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+            GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
+        )  # fmt: skip
     elif PROGRAMS == Q_ONLY:
         if HEAD_MAJOR:
-            q_program(
-                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, pid // NUM_QB, pid % NUM_QB,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            q_h = pid // NUM_QB
+            q_rank = pid % NUM_QB
         else:
-            q_program(
-                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, pid % HQ, pid // HQ,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            q_h = pid % HQ
+            q_rank = pid // HQ
+        q_program(
+            Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, q_h, q_rank,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+            stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+            GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
+        )  # fmt: skip
     else:
         if HEAD_MAJOR:
             # per kv head: its K/V programs, then the q programs of its GQA group (blocks fastest, as
