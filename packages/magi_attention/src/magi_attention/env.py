@@ -53,8 +53,8 @@ def sanity_check_enabled() -> bool:
 
 def deterministic_mode() -> bool:
     """MAGI_ATTENTION_DETERMINISTIC_MODE (boolean, default false): every kernel call of `calc_attn` gets
-    `deterministic=True` (bitwise reproducible gradients; FA4 then orders its dQ / dK / dV accumulation and
-    magi_ffa keeps the split Triton backward). Read on each call."""
+    `deterministic=True` (bitwise reproducible gradients: FA4 then orders its dQ / dK / dV accumulation;
+    magi_ffa's Triton backward is deterministic always). Read on each call."""
     return _flag("MAGI_ATTENTION_DETERMINISTIC_MODE", False)
 
 

@@ -146,7 +146,12 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
         key.cp_group.group,
         device_of(x),
         site="roll",
-        values=lambda: {"shift": float(shift), "dim": float(dim % x.ndim), **tensor_values(x, "x")},
+        # the token dim first: with uneven shards only its length differs between ranks
+        values=lambda: {
+            "shift": float(shift),
+            "dim": float(dim % x.ndim),
+            **tensor_values(x.movedim(dim, 0), "x"),
+        },
     )
     if key.cp_size == 1:
         return torch.roll(x, shift, dim)
