@@ -80,6 +80,13 @@ def _key_disagreement_worker(rank: int, world: int) -> None:
     )  # fmt: skip
     # pad_size passed differently
     _raises(ValueError, "pad_size", _key, pad_size=0 if rank == last else None)
+    # the environment choosing different group collectives (native buffers on one rank, all-to-all-v on the
+    # others would cross collectives later)
+    os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1" if rank == last else "0"
+    try:
+        _raises(ValueError, "group-collective implementation", _key, "causal")
+    finally:
+        del os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"]
     # a key made after dispatch with a different mask on one rank
     base = _key("full")
     _raises(

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from magi_group_collective import GroupCollectiveImpl
+from magi_group_collective import env as grpcoll_env
+
 from ._cache_budget import check_plan_fits
+from ._layout import choose_chunk_size
+from ._runtime import collective_impl
 from .env import sanity_check_enabled
 from .key import CpGroup, DistAttnRuntimeKey
 
@@ -36,6 +41,8 @@ PARTS = (
     "cp group",
     "key_for_dispatch",
     "pad_size",
+    "group-collective implementation (MAGI_ATTENTION_NATIVE_GRPCOLL, MAGI_ATTENTION_HIERARCHICAL_COMM, "
+    "MAGI_GROUP_COLLECTIVE_IMPL, MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB)",
 )
 _OK, _FAILED = 0, 1
 
@@ -56,7 +63,17 @@ def key_fingerprint(key: DistAttnRuntimeKey, pad_size: object = None) -> list[in
         _h((group.name, group.ranks, group.mesh_shape)),
         _h(dispatch),
         _h(pad_size),
+        _h(_collective_choice(key)),
     ]
+
+
+def _collective_choice(key: DistAttnRuntimeKey) -> tuple[object, ...]:
+    """What the environment adds to the config in choosing the group collectives: ranks that chose
+    differently would enter different collectives (native buffer set-up against an all-to-all) and hang."""
+    impl = collective_impl(key.cp_group.mesh is not None, key.config.grpcoll_config.native)
+    fallback = grpcoll_env.impl() if impl is None else None  # magi_group_collective decides then
+    native = impl is GroupCollectiveImpl.NATIVE or fallback == "native"
+    return (impl, fallback, grpcoll_env.native_buffer_mb() if native else None)
 
 
 def _flag_device(group: Any) -> torch.device:
@@ -104,8 +121,6 @@ def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = No
     error: BaseException | None = None
     if not is_cached:
         try:  # a plan that cannot fit fails here, before the exchange, so the others hear of it
-            from ._layout import choose_chunk_size
-
             root = key.root_key
             chunk = choose_chunk_size(
                 root.total_seqlen_q, cp_group.size, root.config.dispatch_config.chunk_size
