@@ -401,3 +401,24 @@ def test_symmetric_buffer_on_one_gpu(tmp_path) -> None:
         assert buf.capacity == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_native_buffer_sizes_must_agree_on_every_rank() -> None:
+    """Ranks that would map different buffer sizes (MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB set differently)
+    raise at set-up, alike on every rank: later growth decisions would not be collective otherwise."""
+    import types
+
+    from magi_group_collective._symmetric import NativeBuffer
+
+    class TwoRanks:  # the buffer's collective set-up with rank 1's record asking for twice the size
+        comm = types.SimpleNamespace(rank=0, world_size=2)
+        _dev = 0
+
+        def _gather(self, record):
+            return [record, {**record, "nbytes": 2 * record["nbytes"]}]
+
+        def _free_own(self, rt):
+            pass
+
+    with pytest.raises(NativeUnavailableError, match="NATIVE_BUFFER_MB must be equal on every rank"):
+        NativeBuffer._map(TwoRanks(), 64 << 20)

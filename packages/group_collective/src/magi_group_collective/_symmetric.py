@@ -175,7 +175,13 @@ class NativeBuffer:
         """Allocate ``nbytes`` here, exchange handles, open every peer's; raise on every rank alike."""
         me, W = self.comm.rank, self.comm.world_size
         dev = self._dev
-        record = {"host": _host_id(), "hostname": socket.gethostname(), "error": None, "handle": None}
+        record = {
+            "host": _host_id(),
+            "hostname": socket.gethostname(),
+            "error": None,
+            "handle": None,
+            "nbytes": nbytes,
+        }
         rt = None
         try:
             record["uuid"] = str(torch.cuda.get_device_properties(dev).uuid)
@@ -198,6 +204,12 @@ class NativeBuffer:
             names = sorted({rec["hostname"] for rec in records})
             problems.append(
                 f"the group spans {len(hosts)} nodes ({', '.join(names)}); native is intra-node only"
+            )
+        sizes = [rec["nbytes"] for rec in records]
+        if len(set(sizes)) > 1:  # every rank must map the same size, or the next growth is not collective
+            problems.append(
+                f"the ranks asked for buffers of different sizes (MiB by rank: {[b >> 20 for b in sizes]}); "
+                "MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB must be equal on every rank"
             )
         uuids = [rec.get("uuid") for rec in records]
         for r in range(W):
