@@ -58,9 +58,6 @@ class DispatchLayout:
         """Dispatched position of each rank's first token, and `padded_seqlen` at the end."""
         return (0, *itertools.accumulate(self.shard_seqlens))
 
-    def local_seqlen(self, rank: int) -> int:
-        return self.shard_seqlens[rank]
-
     def local_token_ids(self, rank: int) -> np.ndarray:
         offsets = self.shard_offsets
         return self.permutation[offsets[rank] : offsets[rank + 1]]
@@ -130,7 +127,9 @@ class LayoutLengths:
 
 
 _LENGTHS: OrderedDict[Any, LayoutLengths] = OrderedDict()
-_LENGTHS_SIZE = 256  # a few ints per root key
+# a few ints per root key: room for far more keys than the runtime cache holds (1000 by default), so a
+# cached key never re-solves its dispatch to report its lengths
+_LENGTHS_SIZE = 8192
 
 
 def remember_lengths(root: Any, layout: DispatchLayout) -> None:
@@ -149,4 +148,6 @@ def layout_lengths(key: Any) -> LayoutLengths:
     if hit is None:
         remember_lengths(root, build_layout(root))
         hit = _LENGTHS[root]
+    else:
+        _LENGTHS.move_to_end(root)  # least recently used goes first
     return hit

@@ -31,7 +31,7 @@ Only tiles holding a row with more runs go through the marking pass above. A mas
 ``torch.compile`` cannot trace, or a mask whose first tile is mostly rows of more than two runs, takes the
 marking pass everywhere (same result, slower); ``MAGI_ATTENTION_MASK_MOD_COMPILE=0`` turns the compiled
 pass off. Compiling costs seconds, so masks under ``_COMPILED_MIN_ELEMENTS`` (about 512K x 512K) take the
-compiled pass only once it is compiled for their mask_mod and size.
+marking pass.
 """
 
 from __future__ import annotations
@@ -395,9 +395,9 @@ _NOT_COMPILED = object()
 _COMPILED_ENTRIES = 16
 
 _COMPILED_MIN_ELEMENTS = 1 << 38
-"""Masks smaller than this (about 512K x 512K) take the compiled pass only once it is compiled for their
-mask_mod and size: compiling costs seconds, the marking pass evaluates about 75 G elements a second on an
-H200, so a first call pays off only on masks about this large."""
+"""Masks smaller than this (about 512K x 512K) take the marking pass: compiling costs seconds, the marking
+pass evaluates about 75 G elements a second on an H200, so compiling pays off only on masks about this
+large."""
 
 
 def _stats_key(
@@ -569,8 +569,7 @@ def infer_attn_mask_from_mask_mod(
         # mostly have at most two; otherwise most tiles would need the marking pass anyway
         two_runs = bool(np.mean(counts > 1) > _COMPILED_MAX_UNRESOLVED_SHARE)  # Python bool: static
         resolvable = np.mean(counts > 1 + two_runs) <= _COMPILED_MAX_UNRESOLVED_SHARE
-        key = _stats_key(mask_mod, min(rows_per_tile, tq - first_rows), tk, tq, dev, two_runs)
-        if resolvable and (tq * tk >= _COMPILED_MIN_ELEMENTS or _COMPILED.get(key) is not None):
+        if resolvable and tq * tk >= _COMPILED_MIN_ELEMENTS:
             stats = _compiled_run_stats(mask_mod, first_rows, tq, rows_per_tile, kv_idx, index, two_runs)
     if stats is None:
         for batch in _marked_rows(mask_mod, first_rows, tq, rows_per_tile, kv_idx, index):
