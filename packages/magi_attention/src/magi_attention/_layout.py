@@ -90,7 +90,12 @@ def build_layout(key: Any) -> DispatchLayout:
         # keys/values: contiguous shards of their own (padded) sequence, balanced by token count
         kv_total = key.total_seqlen_k
         kv_chunk = kv_total if cp == 1 else choose_chunk_size(kv_total, cp, dispatch_cfg.chunk_size)
-        kv = KVLayout(_padded(kv_total, cp, kv_chunk, uneven), cp, kv_chunk, uneven and cp > 1)
+        if uneven and cp > 1:  # no padding: a short key/value sequence still needs a chunk on every rank
+            kv_chunk = min(kv_chunk, max(1, math.ceil(kv_total / cp)))
+        try:
+            kv = KVLayout(_padded(kv_total, cp, kv_chunk, uneven), cp, kv_chunk, uneven and cp > 1)
+        except ValueError as exc:  # the solver names its own argument, `total_seqlen`
+            raise ValueError(f"key/value side (total_seqlen_k={kv_total}): {exc}") from None
     if cp == 1:
         return DispatchLayout(
             total, total, (total,), 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
