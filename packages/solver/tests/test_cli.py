@@ -178,7 +178,7 @@ def test_uneven_shard_needs_no_padding(capsys: pytest.CaptureFixture[str]) -> No
     assert sum(shards) == 10000 and rec["tokens_per_rank"] == max(shards)
     assert main([*argv, "--uneven-shard", "--quiet"]) == 0
     assert "up to" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="uneven_shard"):
+    with pytest.raises(TypeError, match="uneven_shard"):
         Workload(uneven_shard=1)
 
 

@@ -155,8 +155,9 @@ def magi_attn_flex_key(
             BI_CAUSAL (both), as an `AttnMaskType`, a name, an int code 0-3, or a list of them.
         total_seqlen_q, total_seqlen_k: sequence lengths. Equal: self-attention (q, k and v are one sequence,
             dispatched with `dispatch`). Different: cross-attention (keys and values come from another
-            sequence of `total_seqlen_k` tokens, dispatched with `dispatch_kv`: contiguous equal shards; the
-            queries are balanced by mask area).
+            sequence of `total_seqlen_k` tokens, dispatched with `dispatch_kv`: contiguous shards balanced by
+            token count, equal unless `DispatchConfig(uneven_shard=True)`; the queries are balanced by mask
+            area).
         num_heads_q, num_heads_kv, head_dim: attention shapes (num_heads_q % num_heads_kv == 0).
         cp_group_or_mesh: the context-parallel ProcessGroup, a 1-D DeviceMesh, or a 2-D (inter, intra) mesh.
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).

@@ -1,5 +1,5 @@
-"""Dispatch solver: cut the sequence into chunks and give every rank the same number of chunks, balancing
-the attention work (the mask area of each chunk's rows).
+"""Dispatch solver: cut the sequence into chunks and give every rank the same number of chunks (within one
+with uneven shards), balancing the attention work (the mask area of each chunk's rows).
 
 Self-attention: q and k share one sequence and one dispatch. Rank r's local tokens are its chunks in
 ascending chunk id (`DispatchPlan.host_token_ranges(r)`), so the dispatched layout of a global tensor is
@@ -133,7 +133,8 @@ class DispatchPlan:
 
     @property
     def lower_bound_imbalance(self) -> float:
-        """`lower_bound / mean(rank_areas)`: no equal-count assignment can have a smaller imbalance."""
+        """`lower_bound / mean(rank_areas)`: no assignment under the plan's chunk-count limits (equal counts,
+        or counts within one with uneven shards) can have a smaller imbalance."""
         total = sum(self.rank_areas)
         return self.lower_bound * self.cp_size / total if total else 1.0
 

@@ -74,7 +74,7 @@ class Workload:
         if self.overlap_degree is not None and self.overlap_degree < 0:
             raise ValueError(f"`overlap_degree` must be >= 0 or None, got {self.overlap_degree}")
         if not isinstance(self.uneven_shard, bool):
-            raise ValueError(f"`uneven_shard` must be a bool, got {self.uneven_shard!r}")
+            raise TypeError(f"`uneven_shard` must be a bool, got {self.uneven_shard!r}")
 
     def model(
         self, hw: HardwareProfile, family: MaskFamily, comm_gbps: float | None = None, heads_div: int = 1
