@@ -59,6 +59,7 @@ from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shar
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention import _runtime as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
+from magi_attention.env import native_grpcoll
 from magi_solver import SliceList
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -289,11 +290,7 @@ def _grpcoll_label(cfg: BenchConfig) -> str:
     """The group-collective implementation magi rows use ("native", "a2av"; a2av is hierarchical on a 2-D mesh)."""
     if cfg.grpcoll != "env":
         return cfg.grpcoll
-    return (
-        "native"
-        if os.environ.get("MAGI_ATTENTION_NATIVE_GRPCOLL", "").strip().lower() in ("1", "true")
-        else "a2av"
-    )
+    return "native" if native_grpcoll() else "a2av"
 
 
 def _magi_runtime(key):
