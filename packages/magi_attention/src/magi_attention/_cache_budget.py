@@ -21,6 +21,8 @@ import os
 
 import numpy as np
 
+from magi_solver import padded_seqlen
+
 _INT_BYTES = 32  # a Python int object plus the pointer that holds it
 _SEQ_BYTES = 56  # tuple / list header
 _PER_CHUNK_PLAN_BYTES = 256  # solver state per dispatch chunk (partitions, heaps, areas)
@@ -84,7 +86,7 @@ def _available_host_bytes() -> int | None:
 def plan_metadata_bytes(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
     """Host bytes the dispatch metadata of `total_seqlen` tokens needs (permutation, its inverse while it is
     built, per-chunk solver state), before the mask's own slices."""
-    padded = math.ceil(total_seqlen / (chunk_size * cp_size)) * chunk_size * cp_size
+    padded = padded_seqlen(total_seqlen, cp_size, chunk_size)
     num_chunks = padded // chunk_size
     return 3 * 8 * padded + num_chunks * _PER_CHUNK_PLAN_BYTES
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from magi_solver import DispatchPlan, KVLayout, solve_dispatch
+from magi_solver import DispatchPlan, KVLayout, padded_seqlen, solve_dispatch
 
 _MIN_CHUNKS_PER_RANK = 8
 _DEFAULT_MAX_CHUNK = 2048
@@ -75,7 +75,7 @@ class DispatchLayout:
 
 def _padded(total: int, cp: int, chunk: int, uneven: bool) -> int:
     """The planned length: a multiple of chunk * cp, or the sequence itself (uneven shards, or cp 1)."""
-    return total if uneven or cp == 1 else math.ceil(total / (chunk * cp)) * chunk * cp
+    return total if uneven or cp == 1 else padded_seqlen(total, cp, chunk)
 
 
 def build_layout(key: Any) -> DispatchLayout:

@@ -4,13 +4,12 @@ the slice forms of sliding windows and packed documents."""
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
 import torch
 from magi_mask import decompose_region, tighten_region
 
-from magi_solver import AttnMaskType, AttnRanges
+from magi_solver import AttnMaskType, AttnRanges, padded_seqlen
 
 
 def _positive(value: object, name: str) -> int:
@@ -31,8 +30,7 @@ def compute_pad_size(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
         `ceil(total_seqlen / (chunk_size * cp_size)) * chunk_size * cp_size - total_seqlen` (>= 0).
     """
     total = _positive(total_seqlen, "total_seqlen")
-    unit = _positive(chunk_size, "chunk_size") * _positive(cp_size, "cp_size")
-    return math.ceil(total / unit) * unit - total
+    return padded_seqlen(total, _positive(cp_size, "cp_size"), _positive(chunk_size, "chunk_size")) - total
 
 
 def squash_batch_dim(x: torch.Tensor) -> torch.Tensor:

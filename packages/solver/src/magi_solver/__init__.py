@@ -18,7 +18,7 @@ from .builders import (
 )
 from .comm import GroupCastArgs, GroupReduceArgs
 from .cost_model import PROFILES, CostProfile, OverlapCostModel, get_profile, gpu_kind, load_profile
-from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, solve_dispatch
+from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen, solve_dispatch
 from .kv_layout import KVLayout
 from .mask import AttnMaskType, AttnSlice, SliceList
 from .overlap import OverlapMode, estimate_cost_factors, predicted_time
@@ -58,6 +58,7 @@ __all__ = [
     "make_sliding_window_mask",
     "make_varlen_causal_mask",
     "make_varlen_full_mask",
+    "padded_seqlen",
     "plan_dist_attn",
     "predicted_time",
     "solve_dispatch",

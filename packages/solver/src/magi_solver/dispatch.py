@@ -182,6 +182,13 @@ class DispatchPlan:
         return inv
 
 
+def padded_seqlen(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
+    """`total_seqlen` rounded up to a multiple of `chunk_size * cp_size`: the padded geometry's length (the
+    same number of whole chunks on every rank)."""
+    step = chunk_size * cp_size
+    return -(-total_seqlen // step) * step
+
+
 def validate_geometry(
     total_seqlen: Any, cp_size: Any, chunk_size: Any, *, uneven_shard: bool = False
 ) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._slicing import clip_rows, host_area_of
 from .cost_model import BWD_FLOP_RATIO, OverlapCostModel
-from .dispatch import DispatchPlan, dispatch_slices
+from .dispatch import DispatchPlan, dispatch_slices, padded_seqlen
 from .hardware import HardwareProfile, MaskFamily
 from .mask import normalize_mask, total_area
 from .plan import DistAttnPlan, plan_dist_attn
@@ -87,12 +87,6 @@ class Workload:
             self.head_dim,
             bytes_per_elem=self.bytes_per_elem,
         )
-
-
-def padded_seqlen(total: int, cp: int, chunk_size: int) -> int:
-    """`total` rounded up to a multiple of `chunk_size * cp` (the planner's geometry)."""
-    step = chunk_size * cp
-    return -(-total // step) * step
 
 
 def _link_time(intra_bytes: float, inter_bytes: float, hw: HardwareProfile) -> float:
