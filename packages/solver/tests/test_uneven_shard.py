@@ -191,3 +191,14 @@ def test_uneven_flag_must_match_a_given_dispatch() -> None:
         plan_dist_attn([[0, 32]], [[0, 32]], 1, 32, 2, 4, dispatch=padded, uneven_shard=True)
     with pytest.raises(TypeError, match="uneven_shard"):
         solve_dispatch([[0, 32]], [[0, 32]], 1, 32, 2, 4, uneven_shard=1)
+
+
+def test_dispatch_plan_rejects_counts_that_differ_by_more_than_one() -> None:
+    """A hand-built uneven plan must keep to the count rule the runtime's buffers rely on."""
+    from magi_solver import DispatchAlg, DispatchPlan
+
+    common = dict(total_seqlen=40, cp_size=2, chunk_size=8, num_chunks=5, chunk_areas=(1,) * 5,
+                  alg=DispatchAlg.MIN_HEAP, lower_bound=1, uneven_shard=True)  # fmt: skip
+    DispatchPlan(partitions=((0, 1, 2), (3, 4)), rank_areas=(3, 2), **common)
+    with pytest.raises(ValueError, match="differ by at most one"):
+        DispatchPlan(partitions=((0, 1, 2, 3), (4,)), rank_areas=(4, 1), **common)

@@ -88,9 +88,11 @@ class DispatchPlan:
             expected = -(-self.total_seqlen // self.chunk_size)
             if self.num_chunks != expected:
                 raise ValueError(f"DispatchPlan: num_chunks must be {expected}, got {self.num_chunks}")
-            if len(self.partitions) != self.cp_size or any(len(p) == 0 for p in self.partitions):
+            counts = [len(p) for p in self.partitions]
+            if len(counts) != self.cp_size or min(counts) == 0 or max(counts) - min(counts) > 1:
                 raise ValueError(
-                    f"DispatchPlan needs {self.cp_size} non-empty partitions, got {self.partitions}"
+                    f"DispatchPlan needs {self.cp_size} non-empty partitions whose chunk counts differ by at "
+                    f"most one, got counts {counts}"
                 )
         else:
             per = self.num_chunks // self.cp_size
