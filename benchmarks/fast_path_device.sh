@@ -2,7 +2,7 @@
 # GPU runs of the runtime's fast path, in phases (the device machine, repo root; one or two H200s):
 #   bash benchmarks/fast_path_device.sh park                 first call of a fresh machine (carry .fa4/a)
 #   bash benchmarks/fast_path_device.sh install tests calib  next call (carry .fa4/b and .whl)
-#   bash benchmarks/fast_path_device.sh bench16 | bench32 | sim | profile
+#   bash benchmarks/fast_path_device.sh bench16 | bench32 | sim | profile | headdims
 # flash-attn-4 reaches the machine as wheels split in two halves (see docs/benchmarks/cp.md); every phase
 # after `install` needs it. Logs and results go to $OUT (at most 8 files come back), calibrated cost
 # profiles to $CALIB, which survives between calls while the machine stays warm.
@@ -71,6 +71,15 @@ phase_sim() {
     --cp1-tokens 32768 --json "$OUT/sim_fa4.json"
 }
 phase_profile() { cp_bench 16384 64:8 --masks varlen_causal --systems magi --degrees dynamic --profile "$OUT"; }
+phase_headdims() {  # the runtime at head_dim 64 and 256 (auto: FA4 at 64, the Triton kernels at 256)
+  local d
+  for d in 64 256; do
+    BENCH_S=260 cp_bench 16384 64:8 --head-dim "$d" --masks full,varlen_causal \
+      --systems magi,ulysses_cudnn,ulysses_fa4 --degrees 0,dynamic
+    mv "$OUT/cp_bench_16384_64-8.md" "$OUT/cp16_d$d.md"
+    mv "$OUT/cp_bench_16384_64-8.json" "$OUT/cp16_d$d.json"
+  done
+}
 
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
 for phase in "$@"; do
