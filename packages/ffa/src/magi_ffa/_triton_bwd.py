@@ -252,34 +252,7 @@ def ffa_bwd_kernel(
     HEAD_MAJOR: tl.constexpr, PROGRAMS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    if PROGRAMS == KV_ONLY:
-        # head-major keeps a head's K/V stream together; heads fastest starts every head's heaviest blocks first
-        if HEAD_MAJOR:
-            kv_hk = pid // NUM_KB
-            kv_rank = pid % NUM_KB
-        else:
-            kv_hk = pid % HK
-            kv_rank = pid // HK
-        kv_program(
-            Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, kv_hk, kv_rank,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-            stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
-            GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
-        )  # fmt: skip
-    elif PROGRAMS == Q_ONLY:
-        if HEAD_MAJOR:
-            q_h = pid // NUM_QB
-            q_rank = pid % NUM_QB
-        else:
-            q_h = pid % HQ
-            q_rank = pid // HQ
-        q_program(
-            Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, q_h, q_rank,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-            stride_dqt, stride_dqh, total_q, sm_scale, softcap,
-            GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
-        )  # fmt: skip
-    else:
+    if PROGRAMS == BOTH:
         if HEAD_MAJOR:
             # per kv head: its K/V programs, then the q programs of its GQA group (blocks fastest, as
             # FlexAttention orders them: the programs running together share one head's q / K/V stream in L2)
@@ -298,20 +271,37 @@ def ffa_bwd_kernel(
             kv_rank = pid // HK
             q_h = (pid - NUM_KB * HK) % HQ
             q_rank = (pid - NUM_KB * HK) // HQ
+    else:
+        # one kind per launch (`is_kv` is a compile-time constant, so the other kind is not compiled);
+        # head-major keeps a head's stream together, heads fastest starts every head's heaviest blocks first
+        is_kv = PROGRAMS == KV_ONLY
         if is_kv:
-            kv_program(
-                Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, kv_hk, kv_rank,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            num_blocks = NUM_KB
+            num_heads = HK
         else:
-            q_program(
-                Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, q_h, q_rank,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-                stride_dqt, stride_dqh, total_q, sm_scale, softcap,
-                GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
-            )  # fmt: skip
+            num_blocks = NUM_QB
+            num_heads = HQ
+        if HEAD_MAJOR:
+            head = pid // num_blocks
+            rank = pid % num_blocks
+        else:
+            head = pid % num_heads
+            rank = pid // num_heads
+        kv_hk, kv_rank, q_h, q_rank = head, rank, head, rank
+    if is_kv:
+        kv_program(
+            Q, K, V, DO, LSE2, DELTA, DK, DV, SLICES, KB_PTR, KB_IDX, KB_ORDER, kv_hk, kv_rank,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+            stride_dkt, stride_dkh, stride_dvt, stride_dvh, total_k, sm_scale, softcap,
+            GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, SOFTCAP, ACCUM, UPCAST, IEEE,
+        )  # fmt: skip
+    else:
+        q_program(
+            Q, K, V, DO, LSE2, DELTA, DQ, SLICES, QB_PTR, QB_IDX, QB_ORDER, q_h, q_rank,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+            stride_dqt, stride_dqh, total_q, sm_scale, softcap,
+            GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, SOFTCAP, ACCUM, UPCAST, IEEE,
+        )  # fmt: skip
 
 
 def _grad_buffer(buf: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
