@@ -101,16 +101,22 @@ def _stage_rows(sizes: Sequence[int], pieces: Sequence[int]) -> torch.Tensor:
     return _rows([off[i] for i in pieces], [sizes[i] for i in pieces])
 
 
-def cast_layout(all_tables: Sequence[CastTables], rank: int) -> NativeCastLayout:
-    """Native GroupCast tables of ``rank`` from every rank's (consistent) tables."""
-    W = len(all_tables)
-    me = all_tables[rank]
-    staged = [cast_staged_pieces(t, s) for s, t in enumerate(all_tables)]
+def _staging(all_tables: Sequence, rank: int, staged_pieces) -> tuple[list, list, list[int], list]:
+    """Per source rank: the input pieces it stages (``staged_pieces(tables, source)``), their offsets in its
+    staging slot and its staged row count; and the pieces each source sends to ``rank``, in order."""
+    staged = [staged_pieces(t, s) for s, t in enumerate(all_tables)]
     stage_off = [staging_offsets(t.input_split_sizes, staged[s]) for s, t in enumerate(all_tables)]
     stage_counts = [sum(t.input_split_sizes[i] for i in staged[s]) for s, t in enumerate(all_tables)]
+    sent_to_me = [t.sends()[rank] for t in all_tables]
+    return staged, stage_off, stage_counts, sent_to_me
+
+
+def cast_layout(all_tables: Sequence[CastTables], rank: int) -> NativeCastLayout:
+    """Native GroupCast tables of ``rank`` from every rank's (consistent) tables."""
+    me = all_tables[rank]
+    staged, stage_off, stage_counts, sent_to_me = _staging(all_tables, rank, cast_staged_pieces)
     # matching rule: the k-th piece s sends to me is my k-th output piece from s
-    sent_to_me = [all_tables[s].sends()[rank] for s in range(W)]
-    pos = [0] * W
+    pos = [0] * len(all_tables)
     in_off = offsets(me.input_split_sizes)
     starts, sizes, ranks = [], [], []
     for j, s in enumerate(me.src_index):
@@ -132,13 +138,9 @@ def cast_layout(all_tables: Sequence[CastTables], rank: int) -> NativeCastLayout
 def reduce_layout(all_tables: Sequence[ReduceTables], rank: int) -> NativeReduceLayout:
     """Native GroupReduce tables of ``rank``: for every output row, its contributions ordered by source rank
     (the order in which the all-to-all-v path reduces them, so both give the same sums)."""
-    W = len(all_tables)
     me = all_tables[rank]
-    staged = [reduce_staged_pieces(t, s) for s, t in enumerate(all_tables)]
-    stage_off = [staging_offsets(t.input_split_sizes, staged[s]) for s, t in enumerate(all_tables)]
-    stage_counts = [sum(t.input_split_sizes[i] for i in staged[s]) for s, t in enumerate(all_tables)]
-    sent_to_me = [all_tables[s].sends()[rank] for s in range(W)]
-    pos = [0] * W
+    staged, stage_off, stage_counts, sent_to_me = _staging(all_tables, rank, reduce_staged_pieces)
+    pos = [0] * len(all_tables)
     in_off = offsets(me.input_split_sizes)
     out_off = offsets(me.output_split_sizes)
     touched, counts, c_src, c_row, weights = [], [], [], [], []
