@@ -85,8 +85,8 @@ def mask_slices(name: str, total: int, seed: int = 0):
 
 def section_intervals_check() -> None:
     """Triton interval kernel (compiled, on the GPU) against the torch reference on random masks."""
+    from magi_ffa.intervals import row_intervals, row_intervals_reference
     from magi_ffa_fa4.blocks import build_block_meta
-    from magi_ffa_fa4.intervals import row_intervals, row_intervals_reference
 
     rng = random.Random(1)
     for trial in range(20):
@@ -150,9 +150,9 @@ def _timed(fn, reps: int = 5) -> float:
 
 
 def section_metadata(total: int) -> None:
+    from magi_ffa.intervals import row_intervals
     from magi_ffa_fa4._plan import build_plan, tile_sizes
     from magi_ffa_fa4.blocks import build_block_meta
-    from magi_ffa_fa4.intervals import row_intervals
 
     dev = torch.device("cuda")
     (bm, bn), _ = tile_sizes(dev)
@@ -254,7 +254,7 @@ def section_bench(total: int, hq: int, hk: int, d: int, masks: list[str], deadli
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     import magi_ffa_fa4
-    from magi_ffa_fa4.intervals import row_intervals
+    from magi_ffa.intervals import row_intervals
 
     dev = torch.device("cuda")
     q = torch.randn(total, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)

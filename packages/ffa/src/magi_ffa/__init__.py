@@ -2,7 +2,8 @@
 
 ``flex_flash_attn_func`` is the autograd / torch.compile entry; ``ffa_fwd`` / ``ffa_bwd`` are the launchers the
 distributed runtime calls; ``reference`` is the blockwise torch path; ``testing`` holds shared test helpers;
-``validation`` the input checks of the FFA contract; ``merge_out_lse`` (torch, differentiable) and
+``validation`` the input checks of the FFA contract; ``intervals`` the per-row key intervals of a slice
+mask (torch and Triton builders, shared by the FA4 and cuDNN backends); ``merge_out_lse`` (torch, differentiable) and
 ``merge_out_lse_`` (fused Triton, in place) the out/lse merge; ``merge_sink`` / ``sink_grad`` attention sinks
 on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alone (a QK pass). ``AttnType`` and ``Backend`` are the old names of
 ``magi_mask.AttnMaskType`` (the one mask-type enum) and ``KernelBackend``.
@@ -10,12 +11,13 @@ on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alon
 
 from magi_mask import AttnMaskType
 
-from . import reference, testing, validation
+from . import intervals, reference, testing, validation
 from ._common import Backend, KernelBackend, triton_head_dim_ok
 from ._merge import merge_out_lse, merge_out_lse_
 from ._ops import ffa_bwd, ffa_fwd, ffa_max_logits, flex_flash_attn_func
 from ._sink import merge_sink, sink_grad
 from ._slice import AttnType
+from .intervals import RowIntervals, row_intervals, row_intervals_reference
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
@@ -24,14 +26,18 @@ __all__ = [
     "AttnType",
     "Backend",
     "KernelBackend",
+    "RowIntervals",
     "ffa_bwd",
     "ffa_fwd",
     "ffa_max_logits",
     "flex_flash_attn_func",
+    "intervals",
     "merge_out_lse",
     "merge_out_lse_",
     "merge_sink",
     "reference",
+    "row_intervals",
+    "row_intervals_reference",
     "sink_grad",
     "testing",
     "triton_head_dim_ok",

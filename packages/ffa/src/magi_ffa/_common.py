@@ -127,6 +127,31 @@ def _host_slices_cached(blob: bytes, n: int, total_q: int, total_k: int) -> tupl
     return disjoint_slices(out)
 
 
+def slices_on_device(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three slice tables as contiguous int32 tensors on ``device`` (shapes and dtypes checked, values
+    not: :func:`check_slice_values` does that). Tensors on another device are moved through the host, for the
+    metadata builders that compute on one device whatever the caller passed."""
+
+    def host(x):
+        return x.cpu() if isinstance(x, torch.Tensor) and x.device != device else x
+
+    qr = as_ranges(host(q_ranges), "q_ranges", device).to(device).contiguous()
+    kr = as_ranges(host(k_ranges), "k_ranges", device).to(device).contiguous()
+    tm = as_type_map(host(attn_type_map), qr.shape[0], device).to(device).contiguous()
+    return qr, kr, tm
+
+
+def check_slice_values(
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, type_map: torch.Tensor, total_q: int, total_k: int
+) -> None:
+    """Raise ValueError naming the first bad slice or size (:func:`host_slices`, cached by value)."""
+    if not isinstance(total_q, int) or not isinstance(total_k, int) or total_q < 0 or total_k < 0:
+        _fail(f"`total_q` and `total_k` must be ints >= 0, got {total_q!r} and {total_k!r}")
+    host_slices(q_ranges.cpu(), k_ranges.cpu(), type_map.cpu(), total_q, total_k)
+
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

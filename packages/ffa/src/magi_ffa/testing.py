@@ -3,7 +3,7 @@
 - :func:`make_attn_mask`: dense bool mask ``[total_q, total_k]`` from slices (union of slice masks).
 - :func:`ref_attn`: dense, autograd-capable reference attention in the inputs' dtype; call it with float64
   copies for ground truth and with same-dtype copies for the "naive low-precision" error.
-- :func:`random_slices`, :func:`varlen_slices`: seeded slice generators (all four types, q and k overlaps,
+- :func:`random_slices`, :func:`varlen_slices`, :func:`random_overlapping_slices`: slice generators (all four types, q and k overlaps,
   empty slices, rows with no keys); :func:`random_qkv`: seeded inputs.
 - :func:`assert_close_to_ref` / :func:`tolerance_for`: the acceptance rule of MagiAttention's tests: the
   error to the float64 reference may be at most ``norm_ratio`` (2) times the error of the same-dtype naive
@@ -26,6 +26,7 @@ from ._slice import AttnType, make_slice
 __all__ = [
     "assert_close_to_ref",
     "make_attn_mask",
+    "random_overlapping_slices",
     "random_qkv",
     "random_slices",
     "ref_attn",
@@ -142,6 +143,27 @@ def _sub(lo: int, hi: int, rng: random.Random, empty_prob: float) -> tuple[int, 
     if a == b:  # keep non-empty unless asked
         a, b = lo, hi
     return a, b
+
+
+def random_overlapping_slices(
+    rng: random.Random,
+    total_q: int,
+    total_k: int,
+    num_slices: int,
+    *,
+    types: tuple[int, ...] = (0, 1, 2, 3),
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Uniformly random slices: any two may overlap in q, in k and in (q, k) pairs; some are empty.
+
+    Returns python lists ``(q_ranges, k_ranges, attn_type_map)`` of ``num_slices`` entries."""
+    qr, kr, tm = [], [], []
+    for _ in range(num_slices):
+        a, b = sorted(rng.randrange(total_q + 1) for _ in range(2))
+        c, e = sorted(rng.randrange(total_k + 1) for _ in range(2))
+        qr.append([a, b])
+        kr.append([c, e])
+        tm.append(rng.choice(types))
+    return qr, kr, tm
 
 
 def random_slices(

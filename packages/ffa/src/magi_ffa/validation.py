@@ -2,6 +2,8 @@
 
 - :func:`as_ranges` / :func:`as_type_map`: ranges and types (tensors, lists, names) to int32 tensors.
 - :func:`host_slices`: bound checks and the host slices, union-rewritten, cached by value.
+- :func:`slices_on_device` / :func:`check_slice_values`: the slice tables on one device, and their values
+  checked (for the metadata builders of every backend).
 - :func:`validate_qkv`, :func:`validate_scalars`, :func:`validate_out_lse`, :func:`validate_grad_buffers`,
   :func:`validate_bwd_inputs`:
   shapes, dtypes and devices of the tensors; :func:`acc_dtype`: the accumulator / lse dtype.
@@ -13,7 +15,9 @@ from ._common import (
     acc_dtype,
     as_ranges,
     as_type_map,
+    check_slice_values,
     host_slices,
+    slices_on_device,
     validate_bwd_inputs,
     validate_grad_buffers,
     validate_out_lse,
@@ -27,7 +31,9 @@ __all__ = [
     "acc_dtype",
     "as_ranges",
     "as_type_map",
+    "check_slice_values",
     "host_slices",
+    "slices_on_device",
     "validate_bwd_inputs",
     "validate_grad_buffers",
     "validate_out_lse",

@@ -1,15 +1,16 @@
 """magi_ffa_fa4: the FFA API on FlashAttention-4's CuTe DSL kernels (validated on Hopper sm90; the same code
 selects FA4's sm100 kernels on Blackwell, where it has not run).
 
-The metadata parts (row intervals, tile classes, block lists) need only torch and Triton; the attention entry
+The metadata parts (tile classes and block lists on magi_ffa's row intervals, re-exported here) need only torch and Triton; the attention entry
 point needs ``flash-attn-4`` and raises an ImportError saying what to install when it is missing.
 """
+
+from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_reference
 
 from ._launch_meta import clear_launch_cache, clear_plan_cache
 from ._validation import AttnType
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
-from .intervals import RowIntervals, row_intervals, row_intervals_reference
 from .merge import merge_out_lse_
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)

@@ -2,24 +2,22 @@
 
 ``LaunchMeta`` is everything FA4 needs besides q/k/v (not a *plan*: that word is the planner's, see
 docs/glossary.md): the interval bounds (mask_mod's aux tensor), the forward
-(q->k) and backward (k->q) block lists in FA4's layout, the mask_mod for the interval count. Plans are
-cached by the *values* of the range tensors (plus sizes, device and tile sizes); a second dict keyed by
-tensor identity (checked with a weak reference and the tensor's version counter) lets a repeated call with
-the very same tensors skip the device->host copy that the value key needs.
+(q->k) and backward (k->q) block lists in FA4's layout, the mask_mod for the interval count. Entries are
+cached by the *values* of the range tensors (``magi_ffa.mask_cache.MaskValueCache``).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from magi_ffa.intervals import row_intervals
+from magi_ffa.mask_cache import MaskValueCache
+from magi_ffa.validation import RangesLike, TypeMapLike
+
 from . import env
-from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
-from .intervals import row_intervals
 
 CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
@@ -117,15 +115,7 @@ def build_launch_meta(
     )
 
 
-_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
-_BY_IDENTITY: dict[tuple, tuple] = {}
-
-
-def _identity_key(ts: tuple[object, ...], total_q: int, total_k: int, device: torch.device) -> tuple | None:
-    if not all(t is None or isinstance(t, torch.Tensor) for t in ts):
-        return None
-    ids = tuple((id(t), t._version) if t is not None else None for t in ts)  # type: ignore[union-attr]
-    return (ids, total_q, total_k, str(device))
+_CACHE: MaskValueCache[LaunchMeta] = MaskValueCache(CACHE_SIZE)
 
 
 def get_launch_meta(
@@ -137,42 +127,16 @@ def get_launch_meta(
     device: torch.device,
 ) -> LaunchMeta:
     """The cached launch metadata of this mask, building (and validating) it on a miss."""
-    raw = (q_ranges, k_ranges, attn_type_map)
-    ikey = _identity_key(raw, total_q, total_k, device)
-    if ikey is not None:
-        hit = _BY_IDENTITY.get(ikey)
-        if hit is not None:
-            refs, vkey = hit
-            if all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, raw)):
-                plan = _CACHE.get(vkey)
-                if plan is not None:
-                    _CACHE.move_to_end(vkey)
-                    return plan
-    qr = as_ranges(q_ranges, "q_ranges", device)
-    kr = as_ranges(k_ranges, "k_ranges", device)
-    tm = as_type_map(attn_type_map, qr.shape[0], device)
-    packed = torch.cat([qr.reshape(-1), kr.reshape(-1), tm]).cpu()
-    vkey = (packed.numpy().tobytes(), qr.shape[0], total_q, total_k, str(device))
-    plan = _CACHE.get(vkey)
-    if plan is None:
-        check_slices(qr, kr, tm, total_q, total_k)
-        plan = build_launch_meta(qr, kr, tm, total_q, total_k, device)
-        _CACHE[vkey] = plan
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(vkey)
-    if ikey is not None:
-        if len(_BY_IDENTITY) > 4 * CACHE_SIZE:
-            _BY_IDENTITY.clear()
-        _BY_IDENTITY[ikey] = (tuple(weakref.ref(t) if t is not None else None for t in raw), vkey)
-    return plan
+
+    def build(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> LaunchMeta:
+        return build_launch_meta(qr, kr, tm, total_q, total_k, device)
+
+    return _CACHE.get(q_ranges, k_ranges, attn_type_map, total_q, total_k, device, build)
 
 
 def clear_launch_cache() -> None:
     """Drop every cached launch metadata (frees their device tensors)."""
     _CACHE.clear()
-    _BY_IDENTITY.clear()
 
 
 # the names before the rename ("plan" is the planner's word); ``clear_plan_cache`` is public

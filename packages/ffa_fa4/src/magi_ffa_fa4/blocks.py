@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from magi_ffa.intervals import RowIntervals, row_intervals
+
 from ._validation import RangesLike, TypeMapLike, check_block
-from .intervals import RowIntervals, row_intervals
 
 __all__ = [
     "EMPTY",
@@ -168,7 +169,7 @@ def build_block_meta(iv: RowIntervals, block_m: int, block_n: int) -> BlockSpars
     """Classify every tile of the ``block_m x block_n`` grid and build the q->k and k->q block lists.
 
     Args:
-        iv: per-row intervals of the mask (:func:`magi_ffa_fa4.intervals.row_intervals`).
+        iv: per-row intervals of the mask (:func:`magi_ffa.intervals.row_intervals`).
         block_m: tile height in query rows.
         block_n: tile width in keys.
     """

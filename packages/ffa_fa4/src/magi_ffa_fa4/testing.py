@@ -5,11 +5,11 @@ mask generators and the tolerance rule. Independent of the interval and block co
 from __future__ import annotations
 
 import math
-import random
 
 import torch
 
 from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_ffa.testing import random_overlapping_slices as random_slices  # this package's name for it
 from magi_ffa.validation import RangesLike, TypeMapLike
 
 __all__ = [
@@ -52,25 +52,6 @@ def ref_attention(
     """
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
     return ref_attn(qf, kf, vf, mask, softmax_scale=softmax_scale, softcap=softcap)
-
-
-def random_slices(
-    rng: random.Random,
-    total_q: int,
-    total_k: int,
-    num_slices: int,
-    *,
-    types: tuple[int, ...] = (0, 1, 2, 3),
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Random, possibly overlapping slices (some empty), with random types."""
-    qr, kr, tm = [], [], []
-    for _ in range(num_slices):
-        a, b = sorted(rng.randrange(total_q + 1) for _ in range(2))
-        c, e = sorted(rng.randrange(total_k + 1) for _ in range(2))
-        qr.append([a, b])
-        kr.append([c, e])
-        tm.append(rng.choice(types))
-    return qr, kr, tm
 
 
 def assert_close_to_ref(

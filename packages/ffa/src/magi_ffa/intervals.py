@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ._common import RangesLike, TypeMapLike, check_slice_values, slices_on_device
 from ._row_intervals import RowIntervals
-from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
 
 __all__ = ["RowIntervals", "row_intervals", "row_intervals_reference", "slice_row_pairs"]
 
@@ -101,10 +101,8 @@ def row_intervals_reference(
         total_k: number of key tokens.
     """
     device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
-    qr = as_ranges(q_ranges, "q_ranges", device)
-    kr = as_ranges(k_ranges, "k_ranges", device)
-    tm = as_type_map(attn_type_map, qr.shape[0], device)
-    check_slices(qr, kr, tm, total_q, total_k)
+    qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
+    check_slice_values(qr, kr, tm, total_q, total_k)
     rows, starts, ends = slice_row_pairs(qr, kr, tm)
     return _merge_sorted_pairs(rows, starts, ends, total_q, total_k)
 

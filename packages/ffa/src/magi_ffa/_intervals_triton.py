@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import RangesLike, TypeMapLike, check_slice_values, slices_on_device
 from ._row_intervals import RowIntervals
-from ._validation import RangesLike, TypeMapLike, as_ranges, as_type_map, check_slices
 
 BLOCK_R = 64  # rows per program: 64 x CAP x CAP int32 for the final ranking stays small in registers
 CAP_START = 4  # slots per row on the first try (masks in practice need 1-3)
@@ -104,12 +104,10 @@ def row_intervals_triton(
     total_q: int,
     total_k: int,
 ) -> RowIntervals:
-    """Same contract as :func:`magi_ffa_fa4.intervals.row_intervals_reference`, via the Triton kernel."""
+    """Same contract as :func:`magi_ffa.intervals.row_intervals_reference`, via the Triton kernel."""
     device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
-    qr = as_ranges(q_ranges, "q_ranges", device)
-    kr = as_ranges(k_ranges, "k_ranges", device)
-    tm = as_type_map(attn_type_map, qr.shape[0], device)
-    check_slices(qr, kr, tm, total_q, total_k)
+    qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
+    check_slice_values(qr, kr, tm, total_q, total_k)
     if total_q == 0:
         z = torch.zeros(0, 1, dtype=torch.int32, device=device)
         return RowIntervals(z, z.clone(), torch.zeros(0, dtype=torch.int32, device=device), 1, total_k)
