@@ -3,6 +3,7 @@
 #   bash benchmarks/fast_path_device.sh park                 first call of a fresh machine (carry .fa4/a)
 #   bash benchmarks/fast_path_device.sh install tests calib  next call (carry .fa4/b and .whl)
 #   bash benchmarks/fast_path_device.sh bench16 | bench32 | sim | profile | headdims
+#   bash benchmarks/fast_path_device.sh kernel_tests | kernels | kernels256 | plans | fa4prof | fa4ncu
 # flash-attn-4 reaches the machine as wheels split in two halves (see docs/benchmarks/cp.md); every phase
 # after `install` needs it. Logs and results go to $OUT (at most 8 files come back), calibrated cost
 # profiles to $CALIB, which survives between calls while the machine stays warm.
@@ -13,7 +14,7 @@ mkdir -p "$OUT" "$CALIB"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/root/fa4_cache
-export PYTHONPATH=packages/solver/src:packages/ffa/src:packages/ffa_fa4/src:packages/group_collective/src:packages/magi_attention/src:${PYTHONPATH:-}
+export PYTHONPATH=packages/mask/src:packages/solver/src:packages/ffa/src:packages/ffa_fa4/src:packages/ffa_cudnn/src:packages/group_collective/src:packages/magi_attention/src:${PYTHONPATH:-}
 NGPU=$(nvidia-smi -L | wc -l)
 LOG=$OUT/device.log
 say() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
@@ -31,6 +32,7 @@ phase_install() {
   fi
   python3 -c "import pytest, hypothesis" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
   python3 -c "import flash_attn.cute, torch, triton; print('flash-attn-4 ready; torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+  python3 -c "import cudnn.flex_attention; print('cudnn flex_attention ready')" 2>&1 | tail -1 | tee -a "$LOG"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 }
 
@@ -79,6 +81,36 @@ phase_headdims() {  # the runtime at head_dim 64 and 256 (auto: FA4 at 64, the T
     mv "$OUT/cp_bench_16384_64-8.md" "$OUT/cp16_d$d.md"
     mv "$OUT/cp_bench_16384_64-8.json" "$OUT/cp16_d$d.json"
   done
+}
+
+# -- the kernel backends (magi-ffa-cudnn beside magi-ffa-fa4, FA4 native, cuDNN's own flex_attention) --------
+phase_kernel_tests() {
+  run 420 python3 -m pytest -q -p no:cacheprovider -x packages/ffa_cudnn/tests packages/ffa_fa4/tests \
+    packages/ffa/tests/test_intervals.py
+}
+phase_kernels() {  # d 128, 8k and 32k, every backend interleaved
+  run "${BENCH_S:-560}" python3 benchmarks/kernel_backends_bench.py --seqlens "${SEQLENS:-8192,32768}" --d 128 \
+    --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex}" --out-dir "$OUT" --tag kernels_d128
+}
+phase_kernels256() {  # d 256 (cuDNN and FlexAttention and the Triton kernel; FA4 stops at 128)
+  run "${BENCH_S:-400}" python3 benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 256 \
+    --masks full,varlen_causal,random --kernels ffa_cudnn,cudnn_flex,flex,ffa --out-dir "$OUT" --tag kernels_d256
+}
+phase_plans() {
+  run 300 python3 benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans
+}
+phase_fa4prof() {  # the FA4 backend's backward and its degree-1 stages beside FA4 native (torch.profiler)
+  run 300 python3 benchmarks/fa4_bwd_profile.py --what kernels --tokens "${PROF_TOKENS:-32768}" \
+    --masks varlen_causal,swa_causal_w2048,full --out "$OUT/fa4_bwd_kernels.json"
+  run 200 python3 benchmarks/fa4_bwd_profile.py --what stages --tokens 8192 --cp 8 --masks varlen_causal \
+    --out "$OUT/fa4_stages.json"
+}
+phase_fa4ncu() {  # Nsight Compute on both backward kernels (varlen causal and sliding window, 32k)
+  run 420 ncu --clock-control none --profile-from-start off --target-processes all \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --csv --page details python3 benchmarks/fa4_bwd_profile.py --what kernels --ncu \
+    --masks varlen_causal,swa_causal_w2048 > "$OUT/fa4_ncu.csv" 2>&1
+  tail -5 "$OUT/fa4_ncu.csv"
 }
 
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"

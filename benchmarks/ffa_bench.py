@@ -8,7 +8,10 @@ Inputs and Flex block masks are built outside the timed region.
     python benchmarks/ffa_bench.py --render /tmp/ffa/ffa_bench.json      # -> docs/benchmarks/ffa.md
 
 Kernels: ffa (magi_ffa.flex_flash_attn_func), flex, sdpa_cudnn, sdpa_flash (full/causal only), and, when
-importable, ffa_fa4 (magi_ffa_fa4.flex_flash_attn_func) and fa4 (flash_attn.cute native calls).
+importable, ffa_fa4 (magi_ffa_fa4.flex_flash_attn_func), fa4 (flash_attn.cute native calls), ffa_cudnn
+(magi_ffa_cudnn.flex_flash_attn_func), cudnn_flex (cuDNN's own ``flex_attn_func`` on the same interval mask,
+its plan built outside the timing) and cudnn_varlen (``flex_attn_func`` on the varlen THD path, one sample per
+document with local intervals; varlen masks only).
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffa_masks import MASK_NAMES, BenchMask, build_mask
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ("ffa", "flex", "sdpa_cudnn", "sdpa_flash", "ffa_fa4", "fa4")
+KERNELS = (
+    "ffa",
+    "flex",
+    "sdpa_cudnn",
+    "sdpa_flash",
+    "ffa_fa4",
+    "fa4",
+    "ffa_cudnn",
+    "cudnn_flex",
+    "cudnn_varlen",
+)
 
 
 def _flex_setup():
@@ -63,6 +76,29 @@ def _runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], 
             )
         except Exception as e:  # optional entry
             print(f"# ffa_fa4 unavailable: {e!r}"[:200])
+    if "ffa_cudnn" in kernels:
+        try:
+            import magi_ffa_cudnn
+
+            magi_ffa_cudnn.get_mask_plan(
+                q, k, m.q_ranges, m.k_ranges, m.attn_type_map
+            )  # plan outside the timing
+            out["ffa_cudnn"] = (
+                lambda: magi_ffa_cudnn.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[
+                    0
+                ],
+                (q, k, v),
+            )
+        except Exception as e:  # optional entry
+            print(f"# ffa_cudnn unavailable: {e!r}"[:200])
+    for name in ("cudnn_flex", "cudnn_varlen"):
+        if name in kernels:
+            try:
+                runner = _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen")
+                if runner is not None:
+                    out[name] = runner
+            except Exception as e:  # optional entry
+                print(f"# {name} unavailable for {m.name}: {e!r}"[:200])
     qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # [1, h, S, d]
     gqa = hq != hk
     if "flex" in kernels:
@@ -109,6 +145,34 @@ def _fa4_runner(m: BenchMask, q, k, v):
         w = int(m.name.removeprefix("swa_causal_w"))
         return (lambda: flash_attn_func(q4, k4, v4, causal=True, window_size=(w - 1, 0))[0], (q4, k4, v4))
     raise NotImplementedError(m.name)
+
+
+def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
+    """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
+    or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
+    from cudnn.flex_attention import create_mask_plan, flex_attn_func
+    from magi_ffa_cudnn import mask_func_from_intervals
+
+    from magi_ffa.intervals import row_intervals
+
+    S = q.shape[0]
+    if not varlen:
+        iv = row_intervals(m.q_ranges.cuda(), m.k_ranges.cuda(), m.attn_type_map.cuda(), S, S)
+        func = mask_func_from_intervals(iv)
+        q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (q, k, v))
+        plan = create_mask_plan(func, q4, k4, v4, build_backward=True)
+        return (lambda: flex_attn_func(q4, k4, v4, mask_plan=plan), (q4, k4, v4))
+    if m.name not in ("varlen_full", "varlen_causal"):
+        return None
+    cu = torch.tensor([0, *m.q_ranges[:, 1].tolist()], dtype=torch.int32, device=q.device)
+    mx = int((m.q_ranges[:, 1] - m.q_ranges[:, 0]).max())
+    pos = torch.arange(S, device=q.device) - torch.repeat_interleave(cu[:-1], cu.diff())
+    end = pos + 1 if m.name == "varlen_causal" else torch.repeat_interleave(cu.diff(), cu.diff())
+    func = end.to(torch.int32).reshape(1, 1, S).contiguous()
+    qv, kv, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    plan = create_mask_plan(func, qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
+                            build_backward=True)  # fmt: skip
+    return (lambda: flex_attn_func(qv, kv, vv, mask_plan=plan), (qv, kv, vv))
 
 
 def bench(args) -> list[dict]:

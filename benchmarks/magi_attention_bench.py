@@ -43,6 +43,10 @@ def raw_attn_func():
         import magi_ffa_fa4
 
         return magi_ffa_fa4.flex_flash_attn_func
+    if BACKEND == KernelBackend.CUDNN:
+        import magi_ffa_cudnn
+
+        return magi_ffa_cudnn.flex_flash_attn_func
     import magi_ffa
 
     return magi_ffa.flex_flash_attn_func
@@ -319,7 +323,7 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
     )
-    ap.add_argument("--kernel-backend", choices=("fa4", "triton"), default="fa4")
+    ap.add_argument("--kernel-backend", choices=("fa4", "cudnn", "triton"), default="fa4")
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
     ap.add_argument("--single-max-tokens", type=int, default=131072)
     args = ap.parse_args()

@@ -28,7 +28,7 @@ setup() {
   "$PY" -m pip install -q -r requirements/ci.txt
   # Siblings in one pip command so no name is ever looked up on PyPI.
   "$PY" -m pip install -q --no-deps -e packages/mask -e packages/solver -e packages/ffa -e packages/group_collective \
-    -e packages/magi_attention -e packages/ffa_fa4
+    -e packages/magi_attention -e packages/ffa_fa4 -e packages/ffa_cudnn
   echo "$want" > "$stamp"
 }
 
@@ -56,7 +56,7 @@ case "$cmd" in
     ;;
   wheels)
     rm -rf dist && mkdir -p dist
-    for pkg in mask solver ffa ffa_fa4 group_collective magi_attention; do
+    for pkg in mask solver ffa ffa_fa4 ffa_cudnn group_collective magi_attention; do
       "$PY" -m pip wheel -q --no-deps -w dist "packages/$pkg"
     done
     # The planner must stay installable without torch.

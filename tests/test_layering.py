@@ -3,7 +3,7 @@ a circle.
 
 magi_mask (the mask vocabulary and algebra) is the lowest layer and imports none of ours, nor torch; magi_solver
 imports no torch; magi_ffa and magi_group_collective import neither each other nor the solver; magi_ffa_fa4
-sits on top of magi_ffa; only magi_attention composes them. Inside a package the modules import each other
+and magi_ffa_cudnn sit on top of magi_ffa (and not on each other); only magi_attention composes them. Inside a package the modules import each other
 without cycles, function-level (lazy) imports included: a type two modules share lives a module below both.
 """
 
@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"magi_mask", "magi_solver", "magi_ffa", "magi_ffa_fa4", "magi_group_collective", "magi_attention"}
+OURS = {
+    "magi_mask",
+    "magi_solver",
+    "magi_ffa",
+    "magi_ffa_fa4",
+    "magi_ffa_cudnn",
+    "magi_group_collective",
+    "magi_attention",
+}
 
 # package dir -> (import name, first-party packages it may import, third-party top-level names it must not)
 RULES = {
@@ -27,6 +35,7 @@ RULES = {
     "ffa": ("magi_ffa", {"magi_mask"}, set()),
     "group_collective": ("magi_group_collective", {"magi_mask"}, set()),
     "ffa_fa4": ("magi_ffa_fa4", {"magi_mask", "magi_ffa"}, set()),
+    "ffa_cudnn": ("magi_ffa_cudnn", {"magi_mask", "magi_ffa"}, set()),
     "magi_attention": ("magi_attention", OURS - {"magi_attention"}, set()),
 }
 

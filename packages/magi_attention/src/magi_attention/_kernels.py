@@ -1,11 +1,12 @@
 """Which attention kernel the runtime calls, agreed by every rank of a cp group before any plan is made.
 
-Each rank probes what it can run (flash-attn-4 importable, GPU architecture, CUDA at all); the ranks
+Each rank probes what it can run (flash-attn-4 / cuDNN's flex_attention importable, GPU architecture, CUDA
+at all); the ranks
 exchange those flags once per (group, requested backend, head_dim) with one tiny all-gather, and every rank
 resolves the same backend from the same gathered flags. So ranks with different software never plan or
 compute differently, and an explicit choice that some rank cannot run raises on every rank, before any
-collective of the attention itself. The dtype is only known at `calc_attn`: `KernelChoice.backend_for`
-refines the choice for it (a deterministic function of values every rank shares).
+collective of the attention itself. The dtype and softcap are only known at `calc_attn`:
+`KernelChoice.backend_for` refines the choice for them (a deterministic function of values every rank shares).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ GPU_KINDS = ("cpu", "h100", "h200", "b200", "other")
 """GPU kinds as exchanged between ranks (index = code); the cost profile is chosen by rank 0's kind."""
 
 _FA4_DTYPES = (torch.float16, torch.bfloat16)
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -37,6 +39,7 @@ class LocalCapability:
     fa4_missing: str
     triton_missing: str
     gpu_kind: str
+    cudnn_missing: str = "magi-ffa-cudnn was not probed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +54,33 @@ class KernelChoice:
     """Rank 0's GPU kind ("h200", ..., "cpu"): selects the shipped overlap cost profile."""
     triton_everywhere: bool
 
-    def backend_for(self, dtype: torch.dtype, head_dim: int) -> KernelBackend:
-        """The backend for inputs of `dtype`: the same on every rank, ValueError if an explicit choice cannot
-        take that dtype."""
+    fa4_everywhere: bool = False
+    """Every rank can run FA4 at this head_dim (the fallback of a cuDNN choice that cannot take a call)."""
+
+    def backend_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend:
+        """The backend for inputs of `dtype` with this `softcap`: the same on every rank, ValueError if an
+        explicit choice cannot take them."""
+        if self.backend == KernelBackend.CUDNN and (dtype not in _CUDNN_DTYPES or softcap != 0):
+            if self.requested == KernelBackend.CUDNN:
+                if softcap != 0:
+                    raise ValueError(
+                        f"`softcap` must be 0 with kernel_backend='cudnn' (cuDNN flex_attention has no "
+                        f"soft-capping), got {softcap!r}; use kernel_backend='fa4', 'triton' or 'auto'"
+                    )
+                raise ValueError(
+                    f"kernel_backend='cudnn' needs float16/bfloat16 inputs, got {dtype}; "
+                    "use kernel_backend='auto', 'triton' (fp32) or 'torch' (fp64)"
+                )
+            if dtype in _FA4_DTYPES and self.fa4_everywhere:
+                return KernelBackend.FA4
+            return self._fallback(dtype, head_dim)
         if self.backend == KernelBackend.FA4 and dtype not in _FA4_DTYPES:
             if self.requested == KernelBackend.FA4:
                 raise ValueError(
                     f"kernel_backend='fa4' needs float16/bfloat16 inputs, got {dtype}; "
                     "use kernel_backend='auto', 'triton' (fp32) or 'torch' (fp64)"
                 )
-            ok = self.triton_everywhere and dtype in _TRITON_DTYPES and magi_ffa.triton_head_dim_ok(head_dim)
-            return KernelBackend.TRITON if ok else KernelBackend.TORCH
+            return self._fallback(dtype, head_dim)
         if self.backend == KernelBackend.TRITON and dtype not in _TRITON_DTYPES:
             if self.requested == KernelBackend.TRITON:
                 raise ValueError(
@@ -69,6 +88,10 @@ class KernelChoice:
                 )
             return KernelBackend.TORCH
         return self.backend
+
+    def _fallback(self, dtype: torch.dtype, head_dim: int) -> KernelBackend:
+        ok = self.triton_everywhere and dtype in _TRITON_DTYPES and magi_ffa.triton_head_dim_ok(head_dim)
+        return KernelBackend.TRITON if ok else KernelBackend.TORCH
 
 
 def probe_local() -> LocalCapability:
@@ -81,7 +104,9 @@ def probe_local() -> LocalCapability:
     else:
         kind = "cpu"
         triton_missing = "" if triton_interpret() else "no CUDA GPU (and TRITON_INTERPRET is not set)"
-    return LocalCapability(_fa4_missing(), triton_missing, kind if kind in GPU_KINDS else "other")
+    return LocalCapability(
+        _fa4_missing(), triton_missing, kind if kind in GPU_KINDS else "other", _cudnn_missing()
+    )
 
 
 def _fa4_missing() -> str:
@@ -96,6 +121,21 @@ def _fa4_missing() -> str:
     major = torch.cuda.get_device_capability()[0]
     if major not in (9, 10, 11):
         return f"the GPU is sm{major}x; FA4 needs Hopper (sm90) or Blackwell (sm100/sm110)"
+    return ""
+
+
+def _cudnn_missing() -> str:
+    try:
+        import magi_ffa_cudnn
+    except ImportError:
+        return "magi-ffa-cudnn is not installed (pip install 'magi-attention[cudnn]')"
+    if not magi_ffa_cudnn.cudnn_available():
+        return "cuDNN's flex_attention does not import (" + magi_ffa_cudnn.INSTALL_HINT + ")"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10):
+        return f"the GPU is sm{major}x; cuDNN flex_attention needs Hopper (sm90) or Blackwell (sm100/sm103)"
     return ""
 
 
@@ -127,7 +167,12 @@ def _gather(cp_group: CpGroup, local: LocalCapability) -> list[LocalCapability]:
         else torch.device("cpu")
     )
     mine = torch.tensor(
-        [int(not local.fa4_missing), int(not local.triton_missing), GPU_KINDS.index(local.gpu_kind)],
+        [
+            int(not local.fa4_missing),
+            int(not local.triton_missing),
+            GPU_KINDS.index(local.gpu_kind),
+            int(not local.cudnn_missing),
+        ],
         dtype=torch.int64,
         device=device,
     )
@@ -139,12 +184,13 @@ def _gather(cp_group: CpGroup, local: LocalCapability) -> list[LocalCapability]:
         if r == me:
             out.append(local)
             continue
-        fa4_ok, triton_ok, kind = (int(x) for x in p.tolist())
+        fa4_ok, triton_ok, kind, cudnn_ok = (int(x) for x in p.tolist())
         out.append(
             LocalCapability(
                 "" if fa4_ok else "FA4 cannot run there",
                 "" if triton_ok else "no CUDA GPU there",
                 GPU_KINDS[kind],
+                "" if cudnn_ok else "cuDNN flex_attention cannot run there",
             )
         )
     return out
@@ -152,6 +198,7 @@ def _gather(cp_group: CpGroup, local: LocalCapability) -> list[LocalCapability]:
 
 def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapability]) -> KernelChoice:
     fa4_everywhere = all(not r.fa4_missing for r in ranks)
+    cudnn_everywhere = all(not r.cudnn_missing for r in ranks)
     triton_everywhere = all(not r.triton_missing for r in ranks)
     kind = ranks[0].gpu_kind
     fa4_dim_ok = _fa4_head_dim_ok(head_dim)
@@ -163,6 +210,13 @@ def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapabilit
                 f"kernel_backend='fa4' needs head_dim <= 128 and a multiple of 8, got {head_dim}"
             )
         backend = KernelBackend.FA4
+    elif requested == KernelBackend.CUDNN:
+        _require(cudnn_everywhere, "cudnn", ranks, lambda r: r.cudnn_missing)
+        if not _cudnn_head_dim_ok(head_dim):
+            raise ValueError(
+                f"kernel_backend='cudnn' needs head_dim a multiple of 8 up to 128, or 256, got {head_dim}"
+            )
+        backend = KernelBackend.CUDNN
     elif requested == KernelBackend.TRITON:
         _require(triton_everywhere, "triton", ranks, lambda r: r.triton_missing)
         if not triton_dim_ok:
@@ -178,7 +232,7 @@ def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapabilit
         backend = KernelBackend.TRITON
     else:
         backend = KernelBackend.TORCH
-    return KernelChoice(backend, requested, kind, triton_everywhere)
+    return KernelChoice(backend, requested, kind, triton_everywhere, fa4_everywhere and fa4_dim_ok)
 
 
 def _require(
@@ -196,6 +250,14 @@ def _fa4_head_dim_ok(head_dim: int) -> bool:
     except ImportError:
         return False
     return magi_ffa_fa4.head_dim_supported(head_dim)
+
+
+def _cudnn_head_dim_ok(head_dim: int) -> bool:
+    try:
+        import magi_ffa_cudnn
+    except ImportError:
+        return False
+    return magi_ffa_cudnn.head_dim_supported(head_dim)
 
 
 def clear_agreements() -> None:
@@ -218,6 +280,10 @@ def attn_kernel(backend: KernelBackend) -> AttnKernel:
         import magi_ffa_fa4
 
         return AttnKernel(backend, magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd)
+    if backend == KernelBackend.CUDNN:
+        import magi_ffa_cudnn
+
+        return AttnKernel(backend, magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd)
     if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
         raise ValueError(f"no kernel for backend {backend!r}")
     return AttnKernel(

@@ -97,9 +97,9 @@ class DistAttnRuntime:
         self._device_meta: dict[torch.device, DeviceMeta] = {}
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
 
-    def kernel(self, dtype: torch.dtype) -> AttnKernel:
-        """The launchers for inputs of `dtype` (same backend on every rank)."""
-        return attn_kernel(self.kernel_choice.backend_for(dtype, self.key.head_dim))
+    def kernel(self, dtype: torch.dtype, softcap: float = 0.0) -> AttnKernel:
+        """The launchers for inputs of `dtype` with this `softcap` (same backend on every rank)."""
+        return attn_kernel(self.kernel_choice.backend_for(dtype, self.key.head_dim, softcap))
 
     @property
     def local_seqlen(self) -> int:

@@ -33,6 +33,9 @@ class KernelBackend(StrEnum):
     head_dim are supported; else Triton on CUDA GPUs; else torch."""
     FA4 = "fa4"
     """magi_ffa_fa4: FlashAttention-4's CuTe DSL kernels (fp16/bf16, head_dim <= 128, Hopper/Blackwell)."""
+    CUDNN = "cudnn"
+    """magi_ffa_cudnn: cuDNN's flex_attention kernels (fp16/bf16, head_dim a multiple of 8 up to 128 or 256,
+    no softcap, Hopper/Blackwell). Chosen only when asked for (``auto`` does not pick it)."""
     TRITON = "triton"
     """magi_ffa's Triton kernels (fp16/bf16/fp32, power-of-two head_dim 16..256, any CUDA GPU)."""
     TORCH = "torch"

@@ -185,7 +185,7 @@ def _bwd_call(
 def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, *, extras=None):
     """Returns (out in q.dtype, lse in the accumulation dtype). `extras` (`_Extras`): sinks merged into the
     first kernel call that runs; max logits reduced into `extras.max_logits` (all-reduce MAX over the group)."""
-    kernel = runtime.kernel(q.dtype)
+    kernel = runtime.kernel(q.dtype, softcap)
     cp_group = runtime.key.cp_group
     with comm_step(cp_group, "building the GroupCast plans (tables checked across ranks) of calc_attn"):
         meta = runtime.device_meta(q.device)
@@ -221,7 +221,7 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
 
 def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float, dlse=None):
     """dq, dk, dv of this rank's q/k/v given the final out/lse and, optionally, the lse's gradient `dlse`."""
-    kernel = runtime.kernel(q.dtype)
+    kernel = runtime.kernel(q.dtype, softcap)
     meta = runtime.device_meta(q.device)
     acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
@@ -385,6 +385,7 @@ def calc_attn(
         validate_sink(sink, q)
         check_dtype(q)
         scalars[:] = check_scalars(softmax_scale, softcap, key.head_dim)
+        runtime.kernel_choice.backend_for(q.dtype, key.head_dim, scalars[1])  # e.g. softcap with 'cudnn'
         check_dispatch_tags(runtime, q=q, k=k, v=v)
 
     validate_on_all_ranks(
@@ -403,17 +404,25 @@ def calc_attn(
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)
 
 
+def _flex_flash_attn_func(backend: KernelBackend):
+    if backend == KernelBackend.CUDNN:
+        import magi_ffa_cudnn
+
+        return magi_ffa_cudnn.flex_flash_attn_func
+    import magi_ffa_fa4
+
+    return magi_ffa_fa4.flex_flash_attn_func
+
+
 def _calc_attn_single(
     q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, sink=None, ret_max: bool = False
 ):
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
-    kernel = runtime.kernel(q.dtype)
-    if kernel.backend == KernelBackend.FA4 and not deterministic_mode():
-        import magi_ffa_fa4
-
-        # FA4's own autograd function: the raw kernel's cost, nothing around it
-        out, lse, *mx = magi_ffa_fa4.flex_flash_attn_func(
+    kernel = runtime.kernel(q.dtype, softcap)
+    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not deterministic_mode():
+        # the backend's own autograd function: the raw kernel's cost, nothing around it
+        out, lse, *mx = _flex_flash_attn_func(kernel.backend)(
             q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,
             sink=sink, return_max_logits=ret_max,
         )  # fmt: skip

@@ -6,7 +6,7 @@
 - ``MAGI_ATTENTION_RUNTIME_CACHE_MB``: estimated memory of the plans kept per cp group (LRU, default 1024).
   Every rank must see the same values of both (evictions must match across ranks).
 - ``MAGI_ATTENTION_KERNEL_BACKEND``: overrides ``DistAttnConfig(kernel_backend="auto")``; one of ``auto``,
-  ``fa4``, ``triton`` (or MagiAttention's ``ffa``), ``torch`` (or ``sdpa``).
+  ``fa4``, ``cudnn``, ``triton`` (or MagiAttention's ``ffa``), ``torch`` (or ``sdpa``).
 - ``MAGI_ATTENTION_COST_PROFILE``: overlap cost-model profile (a name of ``magi_solver.PROFILES`` or a JSON
   file) when ``OverlapConfig.cost_profile`` is None.
 - ``MAGI_ATTENTION_DETERMINISTIC_MODE``: true passes ``deterministic=True`` to every kernel call (bitwise

@@ -1,0 +1,234 @@
+"""The kernel backends side by side, interleaved: magi-ffa-cudnn, magi-ffa-fa4, magi-ffa (Triton) beside cuDNN's
+own flex_attention, FlashAttention-4's native calls and FlexAttention, on the same inputs in one process.
+
+Each (size, heads, head_dim, mask) builds every runner once (inputs, plans and block masks outside the timing),
+then runs ``--repeats`` rounds; a round times every kernel once, forward and forward + backward
+(``triton.testing.do_bench`` medians over ``--rep`` ms), so slow drifts of the GPU hit every kernel alike.
+A cell is the median over the rounds; the spread is (max - min) / median over the rounds. TFLOP/s from the
+masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+
+    python benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
+    python benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir /tmp/kb
+
+``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
+backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
+the cache is cleared, and a cached lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ffa_bench import _flex_setup, _runners, environment
+from ffa_masks import build_mask
+
+DEFAULT_KERNELS = "ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
+PAIRS = (("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"))
+
+
+def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
+    from triton.testing import do_bench
+
+    tf = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    tfb = do_bench(lambda: torch.autograd.grad(fn(), xs, g), warmup=warmup, rep=rep, return_mode="median")
+    return tf, tfb - tf
+
+
+def bench(args) -> list[dict]:
+    kernels = set(args.kernels.split(","))
+    flex_tools = _flex_setup() if "flex" in kernels else None
+    rows = []
+    for d in (int(x) for x in args.d.split(",")):
+        for S in (int(s) for s in args.seqlens.split(",")):
+            for heads in args.heads.split(","):
+                hq, hk = (int(x) for x in heads.split(":"))
+                for name in args.masks.split(","):
+                    m = build_mask(name, S)
+                    flops = 4 * m.area * hq * d
+                    runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
+                    grads, times, errors = {}, {k: ([], []) for k in runners}, {}
+                    for kname, (fn, _xs) in runners.items():
+                        try:
+                            grads[kname] = torch.randn_like(fn())
+                        except Exception as e:  # a kernel that cannot run a shape is reported, not hidden
+                            errors[kname] = repr(e)[:300]
+                    for _ in range(args.repeats):
+                        for kname, (fn, xs) in runners.items():
+                            if kname in errors:
+                                continue
+                            try:
+                                tf, tb = _time_round(fn, xs, grads[kname], args.warmup, args.rep)
+                            except Exception as e:
+                                errors[kname] = repr(e)[:300]
+                                continue
+                            times[kname][0].append(tf)
+                            times[kname][1].append(tb)
+                    for kname in runners:
+                        r = dict(kernel=kname, mask=name, S=S, hq=hq, hk=hk, d=d, area=m.area)
+                        if kname in errors:
+                            r["error"] = errors[kname]
+                        else:
+                            fw, bw = times[kname]
+                            mf, mb = statistics.median(fw), statistics.median(bw)
+                            r.update(
+                                fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
+                                fwd_tflops=round(flops / mf / 1e9, 1), bwd_tflops=round(2.5 * flops / mb / 1e9, 1),
+                                fwd_spread=round((max(fw) - min(fw)) / mf, 3),
+                                bwd_spread=round((max(bw) - min(bw)) / mb, 3),
+                            )  # fmt: skip
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+                    del runners
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def plan_times(sizes: list[int], masks: list[str], hq: int, hk: int, d: int) -> list[dict]:
+    import magi_ffa_cudnn
+
+    out = []
+    for S in sizes:
+        q = torch.empty(S, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(S, hk, d, device="cuda", dtype=torch.bfloat16)
+        for name in masks:
+            m = build_mask(name, S)
+            row = dict(S=S, mask=name, hq=hq, hk=hk, d=d, slices=int(m.q_ranges.shape[0]))
+            for label in ("first", "rebuilt"):
+                magi_ffa_cudnn.clear_plan_cache()
+                t0 = time.perf_counter()
+                plan = magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
+                row[f"{label}_s"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            for _ in range(100):
+                magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
+            row["cached_us"] = round((time.perf_counter() - t0) / 100 * 1e6, 1)
+            row["nfunc"] = plan.nfunc
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        del q, k
+        torch.cuda.empty_cache()
+    return out
+
+
+def render(data: dict) -> str:
+    env, rows = data["env"], data.get("rows", [])
+    lines = [
+        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['git']}"
+        f"{', ' + env['versions'] if env.get('versions') else ''}; `benchmarks/kernel_backends_bench.py`, one "
+        "process, kernels interleaved, median of the rounds (spread = (max - min) / median). Cells: fwd / bwd "
+        "TFLOP/s.",
+        "",
+    ]
+    if rows:
+        kern = [k for k in DEFAULT_KERNELS.split(",") if any(r["kernel"] == k for r in rows)]
+        lines += [
+            "| S | heads | d | mask | " + " | ".join(kern) + " | " + " | ".join(f"{a} / {b}" for a, b in PAIRS)
+            + " | max spread |",
+            "|---|---|---|---|" + "---|" * (len(kern) + len(PAIRS) + 1),
+        ]  # fmt: skip
+        keys = sorted(
+            {(r["S"], r["hq"], r["hk"], r["d"], r["mask"]) for r in rows}, key=lambda x: (x[3], x[0], x[4])
+        )
+        for S, hq, hk, d, mask in keys:
+            by = {
+                r["kernel"]: r
+                for r in rows
+                if (r["S"], r["hq"], r["hk"], r["d"], r["mask"]) == (S, hq, hk, d, mask)
+            }
+
+            def cell(k, by=by):
+                r = by.get(k)
+                if r is None:
+                    return "-"
+                return "err" if "error" in r else f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f}"
+
+            def ratio(a, b, by=by):
+                ra, rb = by.get(a), by.get(b)
+                if not ra or not rb or "error" in ra or "error" in rb:
+                    return "-"
+                return (
+                    f"{ra['fwd_tflops'] / rb['fwd_tflops']:.2f} / {ra['bwd_tflops'] / rb['bwd_tflops']:.2f}"
+                )
+
+            spread = max(
+                (max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0
+            )
+            lines.append(
+                f"| {S // 1024}k | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(k) for k in kern) + " | "
+                + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {spread:.0%} |"
+            )  # fmt: skip
+    if data.get("plans"):
+        lines += [
+            "",
+            "Plan builds of magi-ffa-cudnn (row intervals + mask_func + cuDNN's plan with its backward payload):",
+            "",
+            "| tokens | mask | slices | nfunc | first build in the process (s) | rebuilt (s) | cached lookup (us) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for p in data["plans"]:
+            lines.append(
+                f"| {p['S']} | {p['mask']} | {p['slices']} | {p['nfunc']} | {p['first_s']:.3f} | {p['rebuilt_s']:.3f} "
+                f"| {p['cached_us']:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--masks", default="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random")
+    ap.add_argument("--seqlens", default="8192,32768")
+    ap.add_argument("--heads", default="64:8")
+    ap.add_argument("--d", default="128")
+    ap.add_argument("--kernels", default=DEFAULT_KERNELS)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the cell is their median)")
+    ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
+    ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
+    ap.add_argument("--plan-times", default="", help="comma-separated token counts: time plan builds instead")
+    ap.add_argument("--plan-masks", default="varlen_causal,swa_causal_w1024")
+    ap.add_argument("--out-dir", default=".")
+    ap.add_argument("--tag", default="kernel_backends")
+    args = ap.parse_args()
+    env = environment()
+    env["versions"] = _versions()
+    data = dict(env=env)
+    if args.plan_times:
+        hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
+        data["plans"] = plan_times(
+            [int(s) for s in args.plan_times.split(",")],
+            args.plan_masks.split(","),
+            hq,
+            hk,
+            int(args.d.split(",")[0]),
+        )
+    else:
+        data["rows"] = bench(args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
+    text = render(data)
+    (out / f"{args.tag}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

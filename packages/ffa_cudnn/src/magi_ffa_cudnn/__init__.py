@@ -1,0 +1,35 @@
+"""magi_ffa_cudnn: the FFA API on cuDNN's flex_attention kernels (CuTe DSL; Hopper sm90, Blackwell sm100).
+
+A mask of slices becomes magi_ffa's per-row key intervals, then cuDNN's ``mask_func`` and a mask plan cached
+by the mask's value and geometry. The conversion needs only torch (and Triton on CUDA); the attention entry
+points need ``nvidia-cudnn-frontend`` and raise an ImportError saying what to install when it is missing.
+"""
+
+from .interface import (
+    INSTALL_HINT,
+    CudnnMaskPlan,
+    clear_plan_cache,
+    cudnn_available,
+    ffa_bwd,
+    ffa_fwd,
+    flex_flash_attn_func,
+    get_mask_plan,
+    head_dim_supported,
+)
+from .mask_func import mask_func_from_intervals, visible_from_mask_func
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
+
+__all__ = [
+    "INSTALL_HINT",
+    "CudnnMaskPlan",
+    "clear_plan_cache",
+    "cudnn_available",
+    "ffa_bwd",
+    "ffa_fwd",
+    "flex_flash_attn_func",
+    "get_mask_plan",
+    "head_dim_supported",
+    "mask_func_from_intervals",
+    "visible_from_mask_func",
+]
