@@ -57,16 +57,18 @@ _EXECUTION = None
 
 
 def _cudnn():
-    """cuDNN's execution module (imported on first use; ImportError with the install hint without it)."""
+    """``cudnn.flex_attention`` (imported on first use; ImportError with the install hint without it); its
+    ``execution`` submodule holds the reusable-plan forward and backward."""
     global _EXECUTION
     if _EXECUTION is not None:
         return _EXECUTION
     try:
-        from cudnn.flex_attention import execution
+        import cudnn.flex_attention as flex
+        from cudnn.flex_attention import execution  # noqa: F401  (flex.execution below)
     except (ImportError, OSError) as e:  # OSError: a frontend whose shared libraries do not load
         raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
-    _EXECUTION = execution
-    return execution
+    _EXECUTION = flex
+    return flex
 
 
 def cudnn_available() -> bool:
@@ -201,7 +203,7 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
     max logits fp32 ``[hq]`` or None."""
     ex = _cudnn()
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    res = ex._flex_attention_forward(
+    res = ex.execution._flex_attention_forward(
         q[None], k[None], v[None], mask_plan=plan.mask_plan, softmax_scale=scale, return_lse=True,
         return_max_logit=want_max,
     )  # fmt: skip
@@ -221,7 +223,7 @@ def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, determin
     do = _kernel_layout(do.to(q.dtype))
     # rows at lse -inf see no key anywhere: +inf makes every P of theirs 0 inside the kernel (no inf - inf)
     lse_k = torch.where(torch.isneginf(lse), float("inf"), lse).t()[None].contiguous()
-    res = ex._flex_attention_backward(
+    res = ex.execution._flex_attention_backward(
         q[None], k[None], v[None], out[None], do[None], lse_k,
         mask_plan=plan.mask_plan, softmax_scale=scale, deterministic=bool(deterministic),
         dlse_tensor=None if dlse is None else dlse.float().t()[None].contiguous(),
