@@ -63,6 +63,9 @@ def _profile(fn, label: str, iters: int = 3) -> dict:
 
 
 def _tile_counts(meta) -> dict:
+    if meta.varlen is not None:  # FA4's own varlen kernels: no sparse blocks
+        return {"varlen_groups": [dict(entries=len(g.q_ranges), window=[g.window_left, g.window_right])
+                                  for g in meta.varlen.groups]}  # fmt: skip
     res = {}
     for name, sm in (("fwd", meta.meta_fwd), ("bwd", meta.meta_bwd)):
         lists = sm.q2k if name == "fwd" else sm.k2q

@@ -89,8 +89,10 @@ phase_kernel_tests() {
     packages/ffa/tests/test_intervals.py
 }
 phase_kernels() {  # d 128, 8k and 32k, every backend interleaved
-  run "${BENCH_S:-560}" python3 benchmarks/kernel_backends_bench.py --seqlens "${SEQLENS:-8192,32768}" --d 128 \
-    --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex}" --out-dir "$OUT" --tag kernels_d128
+  local masks=${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}
+  run "${BENCH_S:-560}" python3 benchmarks/kernel_backends_bench.py --seqlens "${SEQLENS:-8192,32768}" \
+    --d "${HEAD_DIMS:-128}" --masks "$masks" --rep "${REP:-25}" \
+    --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex}" --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
 }
 phase_kernels256() {  # d 256 (cuDNN and FlexAttention and the Triton kernel; FA4 stops at 128)
   run "${BENCH_S:-400}" python3 benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 256 \
@@ -104,6 +106,16 @@ phase_fa4prof() {  # the FA4 backend's backward and its degree-1 stages beside F
     --masks varlen_causal,swa_causal_w2048,full --out "$OUT/fa4_bwd_kernels.json"
   run 200 python3 benchmarks/fa4_bwd_profile.py --what stages --tokens 8192 --cp 8 --masks varlen_causal \
     --out "$OUT/fa4_stages.json"
+}
+phase_stages() {  # simulated cp 8, 8k tokens per GPU: the slowest rank at degree 0 and 1, per backend
+  local b deg
+  for b in ${STAGE_BACKENDS:-fa4 cudnn}; do
+    for deg in 0 1; do
+      run 200 python3 benchmarks/magi_attention_bench.py --kernel-backend "$b" --tokens-per-gpu 8192 --cps 8 \
+        --masks "${STAGE_MASKS:-varlen_causal,full}" --degree "$deg" --no-single --no-cp1 --json "$OUT/stages_${b}_deg$deg.json" \
+        | grep -v '^{' | tail -8
+    done
+  done
 }
 phase_fa4ncu() {  # Nsight Compute on both backward kernels (varlen causal and sliding window, 32k)
   run 420 ncu --clock-control none --profile-from-start off --target-processes all \

@@ -47,7 +47,9 @@ def fake_fa4(monkeypatch):
         )  # fmt: skip
         return tuple(g[None] for g in grads)
 
-    meta = SimpleNamespace(has_empty_rows=False, mask_mod=None, fwd_bst=None, bwd_bst=None, bounds=None)
+    meta = SimpleNamespace(
+        has_empty_rows=False, mask_mod=None, fwd_bst=None, bwd_bst=None, bounds=None, varlen=None
+    )
     monkeypatch.setattr(interface, "_fa4", lambda: SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
     monkeypatch.setattr(interface, "_check_arch", lambda device: None)
     monkeypatch.setattr(interface, "get_launch_meta", lambda *a, **k: meta)

@@ -30,6 +30,7 @@ BOOLS = [
     (ffa_env.triton_interpret, "TRITON_INTERPRET", False),
     (fa4_env.poison, "MAGI_FFA_FA4_POISON", False),
     (fa4_env.r2p, "MAGI_FFA_FA4_R2P", True),
+    (fa4_env.varlen, "MAGI_FFA_FA4_VARLEN", True),
     (gc_env.debug, "MAGI_GROUP_COLLECTIVE_DEBUG", False),
     (ma_env.sanity_check_enabled, "MAGI_ATTENTION_SANITY_CHECK", False),
     (ma_env.deterministic_mode, "MAGI_ATTENTION_DETERMINISTIC_MODE", False),

@@ -14,10 +14,11 @@ import torch
 
 from magi_ffa.intervals import row_intervals
 from magi_ffa.mask_cache import MaskValueCache
-from magi_ffa.validation import RangesLike, TypeMapLike
+from magi_ffa.validation import RangesLike, TypeMapLike, host_slices
 
 from . import env
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
+from .varlen import VarlenPlan, plan_varlen
 
 CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
@@ -32,13 +33,16 @@ class LaunchMeta:
     total_q: int
     total_k: int
     width: int
-    bounds: torch.Tensor
-    meta_fwd: BlockSparseMeta
-    meta_bwd: BlockSparseMeta
+    bounds: torch.Tensor | None
+    meta_fwd: BlockSparseMeta | None
+    meta_bwd: BlockSparseMeta | None
     fwd_bst: object
     bwd_bst: object
     mask_mod: object
     has_empty_rows: bool
+    varlen: VarlenPlan | None = None
+    """Set when the mask runs as FA4 varlen calls (``varlen.plan_varlen``): then the block-sparse fields are
+    None and both directions use the groups."""
 
 
 def tile_sizes(device: torch.device) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -90,8 +94,17 @@ def build_launch_meta(
     total_k: int,
     device: torch.device,
 ) -> LaunchMeta:
-    """Build the launch metadata on ``device`` (intervals by the Triton kernel on CUDA)."""
-    from ._fa4_mask import install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p
+    """Build the launch metadata on ``device``: FA4 varlen groups when the mask's slices form few of them
+    (and ``MAGI_FFA_FA4_VARLEN`` allows), else intervals (the Triton kernel on CUDA) and block lists."""
+    if env.varlen():
+        slices = host_slices(q_ranges.cpu(), k_ranges.cpu(), type_map.cpu(), total_q, total_k)
+        plan = plan_varlen(slices, total_q, total_k, device)
+        if plan is not None:
+            return LaunchMeta(
+                total_q=total_q, total_k=total_k, width=0, bounds=None, meta_fwd=None, meta_bwd=None,
+                fwd_bst=None, bwd_bst=None, mask_mod=None, has_empty_rows=not plan.q_covered, varlen=plan,
+            )  # fmt: skip
+    from ._fa4_mask import install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p  # imports cutlass
 
     iv = row_intervals(q_ranges, k_ranges, type_map, total_q, total_k)
     fwd_block, bwd_block = tile_sizes(device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["plan_cache_size", "poison", "r2p"]
+__all__ = ["plan_cache_size", "poison", "r2p", "varlen"]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -45,6 +45,13 @@ def r2p() -> bool:
     back to the per-element mask_mod everywhere. Read when launch metadata is built (call
     ``clear_launch_cache`` after changing it)."""
     return _flag("MAGI_FFA_FA4_R2P", True)
+
+
+def varlen() -> bool:
+    """``MAGI_FFA_FA4_VARLEN`` (boolean, default true): masks whose slices form a few FA4 varlen calls (documents,
+    sliding windows) run FA4's own varlen kernels; false keeps the block-sparse path for every mask. Read when
+    launch metadata is built (call ``clear_launch_cache`` after changing it)."""
+    return _flag("MAGI_FFA_FA4_VARLEN", True)
 
 
 def poison() -> bool:

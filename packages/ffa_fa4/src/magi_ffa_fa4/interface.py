@@ -24,6 +24,7 @@ from magi_ffa.validation import (
 
 from . import env
 from ._launch_meta import LaunchMeta, get_launch_meta
+from ._varlen_kernels import backward_varlen, forward_varlen
 
 INSTALL_HINT = (
     "magi_ffa_fa4.flex_flash_attn_func needs FlashAttention-4 (CuTe DSL). Install it with "
@@ -84,6 +85,9 @@ def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
 def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float):
     """FA4 forward; returns out ``[1, total_q, hq, d]`` and lse ``[1, hq, total_q]`` (4-D/3-D FA4 layout)."""
     fa = _fa4()
+    if meta.varlen is not None:
+        out, lse = forward_varlen(fa, q, k, v, meta.varlen, scale, softcap)
+        return out[None], lse[None]
     q4, k4, v4 = q[None], k[None], v[None]
     # tests set MAGI_FFA_FA4_POISON=1 so that any element the kernel does not write shows up as NaN
     poison = torch.full_like(q4, float("nan")) if env.poison() else None
@@ -134,27 +138,33 @@ class _FA4Func(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        fa = _fa4()
         q4, k4, v4, out4, lse3 = ctx.saved_tensors
-        meta: LaunchMeta = ctx.meta
         if dout is None:
             dout = torch.zeros_like(out4[0])
-        dq, dk, dv = fa._flash_attn_bwd(
-            q4,
-            k4,
-            v4,
-            out4,
-            dout[None],
-            lse3,
-            ctx.scale,
-            False,
-            ctx.softcap,
-            mask_mod=meta.mask_mod,
-            aux_tensors=[meta.bounds],
-            block_sparse_tensors=meta.bwd_bst,
-            dlse=None if dlse is None else dlse.t()[None].contiguous(),
-        )[:3]
-        return dq[0], dk[0], dv[0], None, None, None
+        if dlse is not None:
+            dlse = torch.where(torch.isneginf(lse3[0].t()), 0.0, dlse.float())
+        dq, dk, dv = _backward(
+            dout, q4[0], k4[0], v4[0], out4[0], lse3[0].t(), ctx.meta, ctx.scale, ctx.softcap, False, dlse
+        )
+        return dq, dk, dv, None, None, None
+
+
+def _backward(
+    do, q, k, v, out, lse, meta: LaunchMeta, scale: float, softcap: float, deterministic: bool, dlse
+):
+    """FA4 backward of this call's mask from a (possibly merged) out / lse ``[total_q, hq]``: dq, dk, dv in q's
+    dtype. ``dlse``: fp32 ``[total_q, hq]`` or None (0 on rows whose lse is -inf)."""
+    fa = _fa4()
+    out = out.to(q.dtype)
+    if meta.varlen is not None:
+        return backward_varlen(fa, do, q, k, v, out, lse, meta.varlen, scale, softcap, deterministic, dlse)
+    gq, gk, gv = fa._flash_attn_bwd(
+        q[None], k[None], v[None], out[None], do[None], lse.t()[None].contiguous(), softmax_scale=scale,
+        softcap=float(softcap), deterministic=bool(deterministic), mask_mod=meta.mask_mod,
+        aux_tensors=[meta.bounds], block_sparse_tensors=meta.bwd_bst,
+        dlse=None if dlse is None else dlse.t()[None].contiguous(),
+    )[:3]  # fmt: skip
+    return gq[0], gk[0], gv[0]
 
 
 def flex_flash_attn_func(
@@ -355,7 +365,7 @@ def ffa_bwd(
         ``(dq, dk, dv)``: the given accumulators, or fresh tensors in the input dtype; with ``sink``,
         ``(dq, dk, dv, dsink)``.
     """
-    fa = _fa4()
+    _fa4()
     scale = _check_inputs(q, k, v, softmax_scale, softcap, None, None)
     _check_arch(q.device)
     validate_bwd_inputs(do, out, lse, q, k, dq, dk, dv)
@@ -370,22 +380,8 @@ def ffa_bwd(
         fresh = [torch.zeros_like(t) for t in (q, k, v)]
         res0 = tuple(f if b is None else b for f, b in zip(fresh, (dq, dk, dv)))
         return (*res0, *extra)
-    gq, gk, gv = fa._flash_attn_bwd(
-        q[None],
-        k[None],
-        v[None],
-        out.to(q.dtype)[None],
-        do[None],
-        lse.t()[None].contiguous(),
-        softmax_scale=scale,
-        softcap=float(softcap),
-        deterministic=bool(deterministic),
-        mask_mod=meta.mask_mod,
-        aux_tensors=[meta.bounds],
-        block_sparse_tensors=meta.bwd_bst,
-        dlse=None if dlse is None else dlse.t()[None].contiguous(),
-    )[:3]
+    gq, gk, gv = _backward(do, q, k, v, out, lse, meta, scale, softcap, deterministic, dlse)
     res = []
-    for acc, g in ((dq, gq[0]), (dk, gk[0]), (dv, gv[0])):
+    for acc, g in ((dq, gq), (dk, gk), (dv, gv)):
         res.append(g if acc is None else acc.add_(g))
     return (res[0], res[1], res[2], *extra)

@@ -1,0 +1,198 @@
+"""Masks FlashAttention-4 runs natively: slices grouped into FA4 varlen calls, one batch entry per slice.
+
+FA4's own varlen kernels (``cu_seqlens`` offsets, ``seqused`` lengths, ``causal`` / ``window_size``) know
+where every document starts, so no tile is masked element by element unless it holds a diagonal; the
+block-sparse path (``_launch_meta``) treats a document start inside a 128-row tile as a Partial tile and
+masks it with the interval mask_mod, which costs most in the backward. A mask whose slices all have a shape
+FA4 expresses with one window per call is therefore split into a few *groups*; each group is one varlen
+call whose entries are its slices:
+
+- entry ``b``: query rows ``[q_start, q_end)`` and keys ``[k_start, k_end)``; FA4 aligns its window to the
+  entry's bottom-right corner: local row ``i`` sees local keys ``j`` with
+  ``i + lk - lq - left <= j <= i + lk - lq + right`` (``None`` = unbounded);
+- a slice's exact constraint from its diagonals (``magi_ffa``'s ``Slice.dk`` / ``dk_inv``): the causal part
+  fixes ``right = dk - (k_end - q_end)`` (0 for CAUSAL and BI_CAUSAL), the inverse-causal part fixes
+  ``left = (k_end - q_end) - dk_inv``; a side without a diagonal accepts any window that cuts nothing
+  (``right >= lq - 1``, ``left >= lk - 1``) or none;
+- within a group the entries' query ranges are disjoint and ascending (each output row is written once)
+  and so are their key ranges (each dK / dV row is written once); all entries accept the group's window.
+
+Greedy in query order; a mask needing more than ``MAX_GROUPS`` groups, or with tiny entries (mean query
+length under ``MIN_MEAN_ROWS``, where per-entry tile padding would cost more than the masking saves), keeps
+the block-sparse path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from magi_ffa._slice import Slice
+
+__all__ = ["MAX_GROUPS", "MIN_MEAN_ROWS", "VarlenGroup", "VarlenPlan", "plan_varlen"]
+
+MAX_GROUPS = 4
+MIN_MEAN_ROWS = 256
+
+_Bound = tuple[int, int | None]  # accepted window values [lo, hi], hi None = unbounded
+
+
+def _meet(a: _Bound, b: _Bound) -> _Bound | None:
+    lo = max(a[0], b[0])
+    hi = a[1] if b[1] is None else b[1] if a[1] is None else min(a[1], b[1])
+    return None if hi is not None and lo > hi else (lo, hi)
+
+
+def _window_bounds(s: Slice) -> tuple[_Bound, _Bound]:
+    """(left, right) values FA4's window may take for this slice as one entry (see the module docstring)."""
+    lq, lk = s.q_end - s.q_start, s.k_end - s.k_start
+    corner = s.k_end - s.q_end  # FA4's bottom-right diagonal, in global key - row
+    right = (s.dk - corner, s.dk - corner) if s.is_causal else (lq - 1, None)
+    left = (corner - s.dk_inv, corner - s.dk_inv) if s.is_inv_causal else (lk - 1, None)
+    return left, right
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenGroup:
+    """One FA4 varlen call: entries (slices) with disjoint, ascending query and key ranges, one window.
+
+    ``window_left`` / ``window_right``: FA4's window (``None`` = unbounded; ``(None, 0)`` is causal).
+    The tensors are int32 on the device: ``cu_seqlens_q`` / ``cu_seqlens_k`` ``[n + 1]`` (entry starts, then
+    the last end), ``seqused_q`` / ``seqused_k`` ``[n]`` entry lengths, or None when the entries are
+    contiguous (the lengths are then the differences of ``cu_seqlens``).
+    """
+
+    q_ranges: tuple[tuple[int, int], ...]
+    k_ranges: tuple[tuple[int, int], ...]
+    window_left: int | None
+    window_right: int | None
+    cu_seqlens_q: torch.Tensor = field(repr=False)
+    cu_seqlens_k: torch.Tensor = field(repr=False)
+    seqused_q: torch.Tensor | None = field(repr=False)
+    seqused_k: torch.Tensor | None = field(repr=False)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    covers_q: bool
+    """Its entries hold every query row (else the rows of no entry are left unwritten by FA4)."""
+    covers_k: bool
+    """Its entries hold every key (else FA4 leaves the dK / dV rows of the other keys unwritten)."""
+
+    def fa4_kwargs(self) -> dict:
+        """The keyword arguments of ``_flash_attn_fwd`` / ``_flash_attn_bwd`` for this group."""
+        causal = self.window_left is None and self.window_right == 0
+        return dict(
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            seqused_q=self.seqused_q,
+            seqused_k=self.seqused_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            causal=causal,
+            window_size_left=None if causal else self.window_left,
+            window_size_right=None if causal else self.window_right,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenPlan:
+    """The groups of a mask, and what the launchers must add around them.
+
+    ``q_disjoint``: no query row is in two groups (the forward writes one output, no merge).
+    ``q_covered`` / ``k_covered``: every query row / key is in some entry (else rows with no key get out 0
+    and lse -inf, and uncovered dQ / dK / dV rows 0, by pre-filled buffers).
+    """
+
+    groups: tuple[VarlenGroup, ...]
+    q_disjoint: bool
+    q_covered: bool
+    k_covered: bool
+
+
+@dataclass
+class _Open:
+    left: _Bound
+    right: _Bound
+    slices: list[Slice]
+
+
+def _group(slices: Sequence[Slice], max_groups: int) -> list[_Open] | None:
+    groups: list[_Open] = []
+    for s in sorted(slices, key=lambda x: (x.q_start, x.k_start)):
+        left, right = _window_bounds(s)
+        for g in groups:
+            last = g.slices[-1]
+            if s.q_start < last.q_end or s.k_start < last.k_end:
+                continue
+            nl, nr = _meet(g.left, left), _meet(g.right, right)
+            if nl is not None and nr is not None:
+                g.left, g.right = nl, nr
+                g.slices.append(s)
+                break
+        else:
+            if len(groups) == max_groups:
+                return None
+            groups.append(_Open(left, right, [s]))
+    return groups
+
+
+def _union_len(ranges: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for a, b in sorted(ranges):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _tensors(ranges: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    starts = [a for a, _ in ranges]
+    cu = torch.tensor([*starts, ranges[-1][1]], dtype=torch.int32)
+    contiguous = all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    used = None if contiguous else torch.tensor([b - a for a, b in ranges], dtype=torch.int32).to(device)
+    return cu.to(device), used
+
+
+def plan_varlen(
+    slices: Sequence[Slice],
+    total_q: int,
+    total_k: int,
+    device: torch.device,
+    *,
+    max_groups: int = MAX_GROUPS,
+    min_mean_rows: int = MIN_MEAN_ROWS,
+) -> VarlenPlan | None:
+    """The varlen groups of these disjoint-area slices (``magi_ffa.validation.host_slices``), or None when
+    the mask is better served by the block-sparse path (see the module docstring)."""
+    if not slices or sum(s.q_end - s.q_start for s in slices) < min_mean_rows * len(slices):
+        return None
+    opened = _group(slices, max_groups)
+    if opened is None:
+        return None
+    groups = []
+    for g in opened:
+        qr = [(s.q_start, s.q_end) for s in g.slices]
+        kr = [(s.k_start, s.k_end) for s in g.slices]
+        cu_q, used_q = _tensors(qr, device)
+        cu_k, used_k = _tensors(kr, device)
+        groups.append(
+            VarlenGroup(
+                q_ranges=tuple(qr), k_ranges=tuple(kr),
+                window_left=None if g.left[1] is None else g.left[0],
+                window_right=None if g.right[1] is None else g.right[0],
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
+                max_seqlen_q=max(b - a for a, b in qr), max_seqlen_k=max(b - a for a, b in kr),
+                covers_q=sum(b - a for a, b in qr) == total_q, covers_k=sum(b - a for a, b in kr) == total_k,
+            )
+        )  # fmt: skip
+    all_q = [r for g in groups for r in g.q_ranges]
+    all_k = [r for g in groups for r in g.k_ranges]
+    q_union = _union_len(all_q)
+    return VarlenPlan(
+        groups=tuple(groups),
+        q_disjoint=q_union == sum(b - a for a, b in all_q),
+        q_covered=q_union == total_q,
+        k_covered=_union_len(all_k) == total_k,
+    )
