@@ -20,6 +20,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not magi_ffa_fa4.fa4_available(), reason="needs flash-attn-4"),
+    # the CuTe DSL warns that FA4's varlen forward passes an empty AuxData it cannot type (harmless: compiled
+    # as a constant); this repository's pytest.ini turns warnings into errors
+    pytest.mark.filterwarnings("ignore:Argument aux_data"),
 ]
 
 RTOL = {"out": 0.05, "lse": 1e-3, "dq": 0.3, "dk": 0.15, "dv": 0.05}  # bf16 values of the FFA tests

@@ -117,6 +117,11 @@ def test_random_slices_fall_back_and_documents_group() -> None:
     assert (
         g.fa4_kwargs()["causal"] and g.seqused_q is None and g.cu_seqlens_q.tolist() == [0, 700, 1500, 2048]
     )
+    # two groups (a sliding window's causal head beside its band) keep the block-sparse path by default
+    swa = [[0, 512], [512, 2048]], [[0, 512], [1, 2048]], [1, 3]
+    slices = host_slices(*(torch.tensor(x, dtype=torch.int32) for x in swa), 2048, 2048)
+    assert plan_varlen(slices, 2048, 2048, CPU) is None
+    assert len(plan_varlen(slices, 2048, 2048, CPU, max_groups=2).groups) == 2
     # tiny entries keep the block-sparse path
     small = [[i, i + 16] for i in range(0, 2048, 16)]
     slices = host_slices(*(torch.tensor(x, dtype=torch.int32) for x in (small, small, [1] * 128)), 2048, 2048)

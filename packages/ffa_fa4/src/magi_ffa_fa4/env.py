@@ -48,8 +48,8 @@ def r2p() -> bool:
 
 
 def varlen() -> bool:
-    """``MAGI_FFA_FA4_VARLEN`` (boolean, default true): masks whose slices form a few FA4 varlen calls (documents,
-    sliding windows) run FA4's own varlen kernels; false keeps the block-sparse path for every mask. Read when
+    """``MAGI_FFA_FA4_VARLEN`` (boolean, default true): masks whose slices form one FA4 varlen call (packed
+    documents, causal or full; ``varlen.plan_varlen``) run FA4's own varlen kernels; false keeps the block-sparse path for every mask. Read when
     launch metadata is built (call ``clear_launch_cache`` after changing it)."""
     return _flag("MAGI_FFA_FA4_VARLEN", True)
 
