@@ -1,0 +1,49 @@
+"""torchtitan's Llama 3 and Qwen 3 with magi-attention context parallelism over packed documents.
+
+The main entry point is the command line, through this package's config functions::
+
+    torchrun --nproc-per-node 4 -m torchtitan.train --module magi_attention_torchtitan \
+        --config magi_llama3_tiny --parallelism.context_parallel_degree 2
+
+Pieces, for your own config functions: `magi_model_spec` (torchtitan's model config with `MagiAttention` as
+inner attention, `parallelize_magi` as parallelize function), `MagiTrainer` (dispatches each batch with
+`dispatch_batch`: one magi key per batch from its documents), `SyntheticDocumentsDataLoader` and
+`tokenizer_path` (offline data).
+"""
+
+from importlib.metadata import version as _version
+
+from .attention import MagiAttention, MagiAttentionConverter, MagiAttentionMask
+from .batch import IGNORE_INDEX, MagiBatch, RopePositions, dispatch_batch, document_cu_seqlens
+from .data import SyntheticDocumentsDataLoader, SyntheticDocumentsDataset, synthetic_document, tokenizer_path
+from .models import MODELS, magi_model_spec, model_flavors
+from .parallelize import apply_magi_fsdp, fsdp_mesh, parallelize_magi
+from .trainer import MagiAttentionConfig, MagiTrainer, attention_shapes, prepare_magi_input
+
+__version__ = _version("magi-attention-torchtitan")
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MODELS",
+    "MagiAttention",
+    "MagiAttentionConfig",
+    "MagiAttentionConverter",
+    "MagiAttentionMask",
+    "MagiBatch",
+    "MagiTrainer",
+    "RopePositions",
+    "SyntheticDocumentsDataLoader",
+    "SyntheticDocumentsDataset",
+    "__version__",
+    "apply_magi_fsdp",
+    "attention_shapes",
+    "dispatch_batch",
+    "document_cu_seqlens",
+    "fsdp_mesh",
+    "magi_model_spec",
+    "model_flavors",
+    "parallelize_magi",
+    "prepare_magi_input",
+    "synthetic_document",
+    "tokenizer_path",
+]
