@@ -221,8 +221,12 @@ def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, determin
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = _kernel_layout(out.to(q.dtype))
     do = _kernel_layout(do.to(q.dtype))
-    # rows at lse -inf see no key anywhere: +inf makes every P of theirs 0 inside the kernel (no inf - inf)
-    lse_k = torch.where(torch.isneginf(lse), float("inf"), lse).t()[None].contiguous()
+    # A row whose FINAL lse is -inf sees no key in any call, so it is one of this call's empty rows: only then
+    # +inf makes every P of its (masked) scores 0 inside a Partial tile instead of exp(-inf - -inf) = NaN.
+    # Otherwise the forward's own [hq, total_q] buffer goes back as it is (lse is its transposed view).
+    if plan.empty_rows is not None:
+        lse = torch.where(torch.isneginf(lse), float("inf"), lse)
+    lse_k = lse.t()[None].contiguous()
     res = ex.execution._flex_attention_backward(
         q[None], k[None], v[None], out[None], do[None], lse_k,
         mask_plan=plan.mask_plan, softmax_scale=scale, deterministic=bool(deterministic),
