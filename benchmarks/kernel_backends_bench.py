@@ -10,6 +10,13 @@ masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOP
     python benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
     python benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir /tmp/kb
 
+``--write-table OUT --sources A.json[:mask,...],B.json[:mask,...]`` turns measured rows into the table
+``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
+each runtime backend's forward and backward milliseconds (``ffa_fa4`` -> fa4, ``ffa_cudnn`` -> cudnn,
+``ffa`` -> triton) and the mask's features (``magi_solver.kernel_choice.mask_features``). A later source
+replaces an earlier one's row of the same size, head_dim and mask (a row's backends always come from one
+run); ``:mask,...`` keeps only those masks of a source.
+
 ``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
 backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
 the cache is cleared, and a cached lookup.
@@ -30,8 +37,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffa_bench import _flex_setup, _runners, environment
 from ffa_masks import build_mask
 
-DEFAULT_KERNELS = "ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
+DEFAULT_KERNELS = "auto,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
 PAIRS = (("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"))
+
+
+def _all_runners(m, S, hq, hk, d, kernels, flex_tools):
+    """ffa_bench's runners, plus ``auto``: the runtime's ``calc_attn`` at cp = 1 with
+    ``kernel_backend="auto"`` (its choice printed), on the same inputs."""
+    out = _runners(m, S, hq, hk, d, kernels, flex_tools)
+    if "auto" in kernels:
+        from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key
+
+        q, k, v = (
+            torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for h in (hq, hk, hk)
+        )
+        key = magi_attn_flex_key(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), S, S, hq, hk, d,
+                                 None, DistAttnConfig(kernel_backend="auto"))  # fmt: skip
+        backend, reason = get_kernel_backend(key)
+        print(f"# auto on {m.name} {S}: {backend.value} ({reason})", flush=True)
+        out["auto"] = (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
+    return out
 
 
 def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
@@ -53,7 +79,7 @@ def bench(args) -> list[dict]:
                 for name in args.masks.split(","):
                     m = build_mask(name, S)
                     flops = 4 * m.area * hq * d
-                    runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
+                    runners = _all_runners(m, S, hq, hk, d, kernels, flex_tools)
                     grads, times, errors = {}, {k: ([], []) for k in runners}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
@@ -181,6 +207,47 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+RUNTIME_NAMES = {"ffa_fa4": "fa4", "ffa_cudnn": "cudnn", "ffa": "triton"}
+
+
+def write_table(out: str, sources: str) -> dict:
+    """The auto table from measured rows (see the module docstring)."""
+    from magi_solver import gpu_kind
+    from magi_solver.kernel_choice import mask_features
+
+    rows: dict[tuple, dict] = {}
+    env = None
+    for spec in sources.split(","):
+        path, _, masks = spec.partition(":")
+        keep = set(masks.split("+")) if masks else None
+        data = json.loads(Path(path).read_text())
+        env = env or data["env"]
+        found: dict[tuple, dict] = {}
+        for r in data["rows"]:
+            name = RUNTIME_NAMES.get(r["kernel"])
+            if name is None or "error" in r or (keep is not None and r["mask"] not in keep):
+                continue
+            key = (r["S"], r["d"], r["hq"], r["hk"], r["mask"])
+            found.setdefault(key, {})[name] = [r["fwd_ms"], r["bwd_ms"]]
+        for key, ms in found.items():
+            S, d, hq, hk, mask = key
+            m = build_mask(mask, S, device="cpu")
+            f = mask_features(zip(*(t.tolist() for t in (m.q_ranges[:, 0], m.q_ranges[:, 1], m.k_ranges[:, 0],
+                                                         m.k_ranges[:, 1], m.attn_type_map))), S)  # fmt: skip
+            rows[key] = {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
+                         "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
+                         "documents": f.documents,
+                         "ms": ms, "source": Path(path).name}  # fmt: skip
+    table = {
+        "gpu_kind": gpu_kind(env["gpu"]),
+        "source": f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
+        f"{env.get('versions', '')}",
+        "rows": [rows[k] for k in sorted(rows)],
+    }
+    Path(out).write_text(json.dumps(table, indent=1) + "\n")
+    return table
+
+
 def _versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -205,9 +272,17 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
     ap.add_argument("--plan-times", default="", help="comma-separated token counts: time plan builds instead")
     ap.add_argument("--plan-masks", default="varlen_causal,swa_causal_w1024")
+    ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
+    ap.add_argument(
+        "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
+    )
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--tag", default="kernel_backends")
     args = ap.parse_args()
+    if args.write_table:
+        table = write_table(args.write_table, args.sources)
+        print(f"{len(table['rows'])} rows for {table['gpu_kind']} -> {args.write_table}")
+        return
     env = environment()
     env["versions"] = _versions()
     data = dict(env=env)

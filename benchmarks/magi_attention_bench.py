@@ -177,9 +177,9 @@ def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
-def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list) -> tuple[float, float]:
+def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, backend=None) -> tuple[float, float]:
     """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages)."""
-    kern = attn_kernel(BACKEND)
+    kern = attn_kernel(backend or BACKEND)
 
     def fwd():
         # as the runtime: the first call writes the accumulator, later stages merge into it
@@ -224,6 +224,22 @@ def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
     )
 
 
+def auto_backend(mask: str, total: int, plan) -> KernelBackend:
+    """What `kernel_backend="auto"` picks for this simulated plan on this GPU (the runtime's rule, every
+    backend this process can run as a candidate)."""
+    import numpy as np
+
+    from magi_attention._kernels import _resolve, choose_auto, probe_local
+    from magi_solver.kernel_choice import busiest_rank_features
+
+    q_ranges, k_ranges, types = make_mask(mask, total)
+    rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
+    choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
+                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows))  # fmt: skip
+    print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
+    return choice.backend
+
+
 def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     """What needs no GPU: compute balance and the K/V bytes the busiest rank receives (bf16 K and V)."""
     _, plan = make_plan(mask, cp, tokens_per_gpu, degree)
@@ -251,13 +267,14 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     max_remote = max(max((s.num_remote_tokens for s in r.stages), default=0) for r in plan.ranks)
     rk = torch.randn(max(1, max_remote), HKV, D, device=dev, dtype=torch.bfloat16)
     rv = torch.randn_like(rk)
+    backend = auto_backend(mask, total, plan) if BACKEND == KernelBackend.AUTO else BACKEND
     rows = []
     for rp in plan.ranks:
         calls = [(rp.host_slices, k, v)] + [
             (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rp.stages
         ]
         calls = [(kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)]
-        t_f, t_b = _time_rank(q, do, calls)
+        t_f, t_b = _time_rank(q, do, calls, backend)
         area = rp.host_area + sum(s.area for s in rp.stages)
         comm_bytes = [s.num_remote_tokens * 2 * HKV * D * 2 for s in rp.stages]
         rows.append({"rank": rp.rank, "area": area, "fwd_ms": t_f, "bwd_ms": t_b, "stage_bytes": comm_bytes})
@@ -270,6 +287,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     return {
         "mask": mask,
         "cp": cp,
+        "backend": backend.value,
         "tokens_per_gpu": tokens_per_gpu,
         "degree": degree,
         "imbalance": max(r["area"] for r in rows) / mean_area,
@@ -323,13 +341,15 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
     )
-    ap.add_argument("--kernel-backend", choices=("fa4", "cudnn", "triton"), default="fa4")
+    ap.add_argument("--kernel-backend", choices=("auto", "fa4", "cudnn", "triton"), default="fa4")
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
     ap.add_argument("--no-cp1", action="store_true", help="skip the cp = 1 overhead rows")
     ap.add_argument("--single-max-tokens", type=int, default=131072)
     args = ap.parse_args()
     global BACKEND
     BACKEND = KernelBackend(args.kernel_backend)
+    if BACKEND == KernelBackend.AUTO and not (args.no_single and args.no_cp1):
+        ap.error("--kernel-backend auto simulates cp only: add --no-single --no-cp1")
     if args.plan_only:
         print(
             "| mask | cp | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | comm ms @50GB/s |"

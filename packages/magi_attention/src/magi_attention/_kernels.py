@@ -11,6 +11,7 @@ collective of the attention itself. The dtype and softcap are only known at `cal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import magi_ffa
+from magi_solver.kernel_choice import MaskFeatures, load_kernel_table, pick_kernel
 
 from .config import KernelBackend
 from .env import kernel_backend_override, triton_interpret
@@ -56,6 +58,10 @@ class KernelChoice:
 
     fa4_everywhere: bool = False
     """Every rank can run FA4 at this head_dim (the fallback of a cuDNN choice that cannot take a call)."""
+    cudnn_everywhere: bool = False
+    """Every rank can run cuDNN's flex_attention at this head_dim (a candidate of `auto`)."""
+    reason: str = ""
+    """Why this backend: the explicit request, the capability rule, or `auto`'s table row."""
 
     def backend_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend:
         """The backend for inputs of `dtype` with this `softcap`: the same on every rank, ValueError if an
@@ -232,7 +238,47 @@ def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapabilit
         backend = KernelBackend.TRITON
     else:
         backend = KernelBackend.TORCH
-    return KernelChoice(backend, requested, kind, triton_everywhere, fa4_everywhere and fa4_dim_ok)
+    if requested != KernelBackend.AUTO:
+        reason = f"kernel_backend={requested.value!r} (explicit)"
+    elif backend == KernelBackend.FA4:
+        reason = "auto: FA4 runs on every rank (no measured table applied yet)"
+    else:
+        reason = f"auto: {backend.value} by the capability rule (FA4, then Triton on a GPU, then torch)"
+    return KernelChoice(
+        backend, requested, kind, triton_everywhere, fa4_everywhere and fa4_dim_ok,
+        cudnn_everywhere and _cudnn_head_dim_ok(head_dim), reason,
+    )  # fmt: skip
+
+
+def choose_auto(choice: KernelChoice, head_dim: int, features: Callable[[], MaskFeatures]) -> KernelChoice:
+    """`auto` refined by the shipped table of rank 0's GPU kind: the candidate every rank can run with the
+    smallest measured forward + backward time on the nearest measured row (`magi_solver.kernel_choice`).
+    `features` is called only when a table and two candidates exist; it must return the same value on every
+    rank (it is computed from the global mask and the dispatch). Without a table the capability rule stays and
+    the reason says so."""
+    if choice.requested != KernelBackend.AUTO or choice.backend == KernelBackend.TORCH:
+        return choice
+    candidates = [
+        name
+        for name, ok in (
+            ("fa4", choice.fa4_everywhere),
+            ("cudnn", choice.cudnn_everywhere),
+            ("triton", choice.triton_everywhere and magi_ffa.triton_head_dim_ok(head_dim)),
+        )
+        if ok
+    ]
+    table = load_kernel_table(choice.gpu_kind)
+    if table is None:
+        reason = f"auto: no measured kernel table for GPU kind {choice.gpu_kind!r}; the capability rule ({choice.reason})"
+        return dataclasses.replace(choice, reason=reason)
+    if len(candidates) < 2:
+        return choice
+    picked = pick_kernel(table, features(), head_dim, candidates)
+    if picked is None:
+        reason = f"auto: the {choice.gpu_kind} table has no row for head_dim {head_dim}; the capability rule"
+        return dataclasses.replace(choice, reason=f"{reason} ({choice.reason})")
+    name, why = picked
+    return dataclasses.replace(choice, backend=KernelBackend(name), reason=f"auto: {why}")
 
 
 def _require(

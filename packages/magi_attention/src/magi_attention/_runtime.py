@@ -8,6 +8,7 @@ first call on a device and cached with the plan.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ from magi_solver import (
     load_profile,
     plan_dist_attn,
 )
+from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
 
 from ._cache_budget import runtime_nbytes
-from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel
+from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel, choose_auto
 from ._layout import DispatchLayout, build_layout, remember_lengths
 from .config import KernelBackend, OverlapMode
 from .env import (
@@ -39,6 +41,8 @@ from .env import (
     runtime_dict_size,
 )
 from .key import DistAttnRuntimeKey
+
+_LOG = logging.getLogger("magi_attention")
 
 
 @dataclass(slots=True)
@@ -222,6 +226,16 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
     )
 
 
+def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> MaskFeatures:
+    """The busiest rank's problem after dispatch (its query rows against the global mask), as `auto`'s table
+    describes masks; a function of the key and the layout alone, so the same on every rank."""
+    offsets = layout.shard_offsets
+    rows = [layout.permutation[offsets[r] : offsets[r + 1]] for r in range(layout.cp_size)]
+    return busiest_rank_features(
+        [list(r) for r in key.q_ranges], [list(r) for r in key.k_ranges], list(key.attn_mask_type), rows
+    )
+
+
 def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
     """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
     if key.cp_size == 1:
@@ -308,6 +322,9 @@ class RuntimeCache:
             self._layouts[root] = layout
             remember_lengths(root, layout)
         choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
+        choice = choose_auto(choice, key.head_dim, lambda: rank_problem_features(key, layout))
+        _LOG.debug("magi_attention key %s: kernel backend %s (%s)", key.cp_group.name, choice.backend.value,
+                   choice.reason)  # fmt: skip
         try:
             runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
         except BaseException:

@@ -25,7 +25,7 @@ from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 from ._fingerprint import agree_on_key, collective_key_build
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
-from .config import DistAttnConfig, OverlapMode
+from .config import DistAttnConfig, KernelBackend, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
 from .helpers import (
@@ -400,6 +400,24 @@ def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | No
         cp_group_or_mesh: the group or mesh the key was built for (None: the default group).
     """
     return RUNTIME_CACHE.most_recent_key(_resolve_cp_group(cp_group_or_mesh).name)
+
+
+def get_kernel_backend(key: DistAttnRuntimeKey, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelBackend, str]:
+    """The attention kernel `calc_attn` uses for this key with inputs of `dtype`, and why.
+
+    The same on every rank: an explicit `kernel_backend` (or `MAGI_ATTENTION_KERNEL_BACKEND`) as asked, `auto`
+    from the shipped table of measured kernel times (nearest measured mask and size, among the backends every
+    rank can run) or, without a table for the GPU, the capability rule. A `softcap` that the chosen backend
+    cannot take moves a `calc_attn` call to another backend (see `KernelBackend`). Plans the key if needed
+    (a collective on first use, as `dispatch`).
+
+    Returns:
+        ``(backend, reason)``: the resolved `KernelBackend` (never AUTO) and a one-line explanation.
+    """
+    choice = RUNTIME_CACHE.get(key).kernel_choice
+    backend = choice.backend_for(dtype, key.head_dim)
+    reason = choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend.value}"
+    return backend, reason
 
 
 def clear_cache(cp_group_or_mesh: Any = None) -> None:

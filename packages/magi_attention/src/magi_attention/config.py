@@ -29,8 +29,10 @@ class KernelBackend(StrEnum):
     """The attention kernel the runtime computes with (every kernel call of a key, on every rank)."""
 
     AUTO = "auto"
-    """FA4 when magi-ffa-fa4 and flash-attn-4 import on every rank, the GPUs are sm90/sm100 and dtype and
-    head_dim are supported; else Triton on CUDA GPUs; else torch."""
+    """Among the backends every rank can run, the fastest for the key's mask by the shipped table of measured
+    kernel times of rank 0's GPU kind (``magi_solver.kernel_choice``); without a table (or a row for the
+    head_dim) FA4 when it runs on every rank, else Triton on CUDA GPUs, else torch. Refined per call by dtype
+    and softcap; ``get_kernel_backend(key)`` says which and why."""
     FA4 = "fa4"
     """magi_ffa_fa4: FlashAttention-4's CuTe DSL kernels (fp16/bf16, head_dim <= 128, Hopper/Blackwell)."""
     CUDNN = "cudnn"

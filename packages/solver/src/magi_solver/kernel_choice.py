@@ -1,0 +1,222 @@
+"""Which attention kernel is fastest for a mask: features every rank computes alike, and a measured table.
+
+The runtime's ``kernel_backend="auto"`` asks this module once per key. The features describe the problem one
+rank computes (the busiest rank's query rows after dispatch against every key its mask reaches), from the
+global mask and the dispatch alone, so every rank computes the same numbers with no communication:
+
+- ``tokens``: the rank's query rows;
+- ``tile_fill``: the mask's area over the area of the 128 x 128 tiles it touches (1 for a full mask; lower
+  when document starts and diagonals cut tiles, which is where the kernels differ most);
+- ``slices_per_row``: how many slices a covered row belongs to on average (1 for packed documents; more for
+  fragmented masks);
+- ``documents``: the slices have disjoint, ascending query ranges and disjoint, ascending key ranges in the
+  same order, all of one type, FULL or CAUSAL (packed documents; one slice is one document): a mask a kernel
+  can run as independent sequences (FA4's varlen kernels do).
+
+A table measured on one GPU kind (``benchmarks/kernel_backends_bench.py --write-table``; shipped as package
+data, ``kernel_tables/<gpu kind>.json``) holds, per measured mask and size, each backend's forward and backward
+milliseconds and the mask's features. :func:`pick_kernel` takes the nearest measured row of the same head_dim
+and returns the backend with the smallest forward + backward time among the candidates (the backward's 2.5x
+FLOPs are in its time), with the reason. No timing at run time: same inputs, same answer on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import numpy as np
+
+from .mask import AttnSlice, SliceList
+
+__all__ = [
+    "TILE",
+    "KernelTable",
+    "MaskFeatures",
+    "busiest_rank_features",
+    "load_kernel_table",
+    "mask_features",
+    "pick_kernel",
+]
+
+TILE = 128
+"""Tile edge of the features (the forward tile of the FA4 and cuDNN kernels on Hopper)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MaskFeatures:
+    """The features of one rank's attention problem (see the module docstring)."""
+
+    tokens: int
+    area: int
+    tile_fill: float
+    slices_per_row: float
+    documents: bool
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "area": self.area,
+            "tile_fill": round(self.tile_fill, 4),
+            "slices_per_row": round(self.slices_per_row, 4),
+            "documents": self.documents,
+        }
+
+
+def _documents(raw: list[tuple[int, int, int, int, int]]) -> bool:
+    if not raw or len({t for *_, t in raw}) != 1 or raw[0][4] not in (0, 1):
+        return False
+    ordered = sorted(raw)
+    return all(a[1] <= b[0] and a[3] <= b[2] for a, b in itertools.pairwise(ordered))
+
+
+def _row_bounds(qs: int, qe: int, ks: int, ke: int, t: int, a: int, b: int) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` that rows ``[a, b)`` of slice ``(qs, qe, ks, ke, t)`` see, together (magi's shapes:
+    CAUSAL bottom-right aligned, INV_CAUSAL top-left aligned)."""
+    lo = ks + (a - qs) if t & 2 else ks
+    hi = ke - (qe - b) if t & 1 else ke
+    return max(lo, ks), min(hi, ke)
+
+
+def mask_features(slices: Iterable[AttnSlice | tuple], total_q: int) -> MaskFeatures:
+    """Features of the mask made of ``slices`` over ``total_q`` query rows (slices as ``AttnSlice`` or
+    ``(q_start, q_end, k_start, k_end, type)``; overlapping slices count their shared area twice)."""
+    raw = [
+        (s.q_range.start, s.q_range.end, s.k_range.start, s.k_range.end, s.mask_type.code)
+        if isinstance(s, AttnSlice)
+        else tuple(int(x) for x in s)
+        for s in slices
+    ]
+    area, rows_in_slices = 0, 0
+    covered = np.zeros(max(total_q, 1), dtype=bool)
+    per_block: dict[int, list[tuple[int, int]]] = {}
+    for qs, qe, ks, ke, t in raw:
+        if qe <= qs or ke <= ks:
+            continue
+        a = AttnSlice((qs, qe), (ks, ke), t).area()
+        if a == 0:
+            continue
+        area += a
+        rows_in_slices += qe - qs
+        covered[qs:qe] = True
+        for m in range(qs // TILE, (qe - 1) // TILE + 1):
+            lo, hi = _row_bounds(qs, qe, ks, ke, t, max(qs, m * TILE), min(qe, (m + 1) * TILE))
+            if lo < hi:
+                per_block.setdefault(m, []).append((lo // TILE, -(-hi // TILE)))
+    tiles = 0
+    for ranges in per_block.values():
+        end = -1
+        for lo, hi in sorted(ranges):
+            if hi > end:
+                tiles += hi - max(lo, end)
+                end = hi
+    rows = int(covered[:total_q].sum())
+    return MaskFeatures(
+        tokens=total_q,
+        area=area,
+        tile_fill=area / (tiles * TILE * TILE) if tiles else 1.0,
+        slices_per_row=rows_in_slices / rows if rows else 1.0,
+        documents=_documents([r for r in raw if r[1] > r[0] and r[3] > r[2]]),
+    )
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Sorted global row ids -> ``(global start, global end, local start)`` runs."""
+    if rows.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [rows.size]])
+    return [(int(rows[s]), int(rows[e - 1]) + 1, int(s)) for s, e in zip(starts, ends)]
+
+
+def busiest_rank_features(
+    q_ranges: Sequence[Sequence[int]],
+    k_ranges: Sequence[Sequence[int]],
+    types: Sequence[int],
+    rank_rows: Sequence[np.ndarray],
+) -> MaskFeatures:
+    """Features of the busiest rank's problem: its query rows (global ids in ``rank_rows[r]``, in any order;
+    padding ids past the mask are fine) against the global mask's keys. The busiest rank is the one with
+    the largest area (ties: the lowest rank), so every rank picks the same one."""
+    best: MaskFeatures | None = None
+    slices = SliceList(tuple(map(tuple, q_ranges)), tuple(map(tuple, k_ranges)), tuple(int(t) for t in types))
+    for rows in rank_rows:
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        local: list[tuple[int, int, int, int, int]] = []
+        for g0, g1, l0 in _runs(rows):
+            for (qs, qe), (ks, ke), t in slices.typed_pairs():
+                for part in AttnSlice((qs, qe), (ks, ke), t).clip_q(g0, g1):
+                    off = l0 - g0
+                    local.append((part.q_range.start + off, part.q_range.end + off, part.k_range.start,
+                                  part.k_range.end, part.mask_type.code))  # fmt: skip
+        f = mask_features(local, int(rows.size))
+        if best is None or f.area > best.area:
+            best = f
+    return best if best is not None else MaskFeatures(0, 0, 1.0, 1.0, False)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTable:
+    """Measured rows of one GPU kind (see :func:`load_kernel_table` for the file)."""
+
+    gpu_kind: str
+    source: str
+    rows: tuple[dict, ...]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KernelTable:
+        for i, row in enumerate(data["rows"]):
+            missing = {"mask", "tokens", "head_dim", "tile_fill", "slices_per_row", "documents", "ms"} - set(
+                row
+            )
+            if missing:
+                raise ValueError(f"kernel table row {i} lacks {sorted(missing)}")
+        return cls(str(data["gpu_kind"]), str(data.get("source", "")), tuple(data["rows"]))
+
+
+@cache
+def load_kernel_table(gpu_kind: str) -> KernelTable | None:
+    """The shipped table of ``gpu_kind`` ("h200", ...), or None when none was measured for it."""
+    name = f"{gpu_kind}.json"
+    folder = resources.files("magi_solver").joinpath("kernel_tables")
+    if not folder.joinpath(name).is_file():
+        return None
+    return KernelTable.from_dict(json.loads(folder.joinpath(name).read_text()))
+
+
+def _distance(f: MaskFeatures, row: dict) -> float:
+    """Rows of the other document-ness first never win; then size (log2), tile fill, slices per row."""
+    tok = abs(math.log2(max(f.tokens, 1) / max(row["tokens"], 1)))
+    spr = abs(math.log2(max(f.slices_per_row, 1e-3) / max(row["slices_per_row"], 1e-3)))
+    return 8.0 * (f.documents != row["documents"]) + tok + 4.0 * abs(f.tile_fill - row["tile_fill"]) + spr
+
+
+def pick_kernel(
+    table: KernelTable | None, features: MaskFeatures, head_dim: int, candidates: Sequence[str]
+) -> tuple[str, str] | None:
+    """``(backend, reason)``: the candidate with the smallest measured forward + backward time on the nearest
+    row of ``head_dim``; None when the table has no such row or measured none of the candidates."""
+    if table is None:
+        return None
+    rows = [r for r in table.rows if r["head_dim"] == head_dim]
+    if not rows:
+        return None
+    row = min(rows, key=lambda r: (_distance(features, r), r["mask"], r["tokens"]))
+    times = {b: sum(row["ms"][b]) for b in candidates if b in row["ms"]}
+    if not times:
+        return None
+    best = min(times, key=lambda b: (times[b], b))
+    others = ", ".join(f"{b} {t:.3f} ms" for b, t in sorted(times.items()) if b != best)
+    reason = (
+        f"{table.gpu_kind} table, nearest measured row {row['mask']} at {row['tokens']} tokens, d {head_dim} "
+        f"(rank problem: {features.tokens} tokens, tile fill {features.tile_fill:.2f}, "
+        f"{features.slices_per_row:.2f} slices per row{', documents' if features.documents else ''}): "
+        f"{best} {times[best]:.3f} ms fwd + bwd" + (f" against {others}" if others else "")
+    )
+    return best, reason

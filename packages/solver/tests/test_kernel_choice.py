@@ -1,0 +1,102 @@
+"""The features `kernel_backend="auto"` keys its table by, the shipped table, and the pick (no torch)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from magi_solver.kernel_choice import (
+    KernelTable,
+    MaskFeatures,
+    busiest_rank_features,
+    load_kernel_table,
+    mask_features,
+    pick_kernel,
+)
+
+
+def test_features_of_common_masks() -> None:
+    full = mask_features([(0, 1024, 0, 1024, 0)], 1024)
+    assert full == MaskFeatures(1024, 1024 * 1024, 1.0, 1.0, True)
+    causal = mask_features([(0, 1024, 0, 1024, 1)], 1024)
+    assert causal.area == 1024 * 1025 // 2 and causal.documents
+    # 8 x 8 tiles, the diagonal ones half full: fill = area / (36 tiles)
+    assert causal.tile_fill == pytest.approx(causal.area / (36 * 128 * 128))
+    docs = [(0, 300, 0, 300, 1), (300, 1000, 300, 1000, 1)]
+    f = mask_features(docs, 1000)
+    assert f.documents and f.slices_per_row == 1.0 and f.tile_fill < causal.tile_fill
+    # nested key ranges (block-causal), two types, or a row in two slices: not documents
+    assert not mask_features([(0, 100, 0, 100, 0), (100, 200, 0, 200, 0)], 200).documents
+    assert not mask_features([(0, 100, 0, 100, 0), (100, 200, 100, 200, 1)], 200).documents
+    two = mask_features([(0, 100, 0, 50, 0), (0, 100, 60, 100, 0)], 100)
+    assert two.slices_per_row == 2.0 and not two.documents
+    # empty slices and uncovered rows count nothing
+    assert mask_features([(0, 0, 0, 10, 0), (5, 10, 0, 10, 0)], 20).slices_per_row == 1.0
+
+
+def test_busiest_rank_is_the_same_whatever_the_row_order() -> None:
+    q, k, t = [[0, 4096]], [[0, 4096]], [1]
+    perm = np.arange(4096).reshape(8, 512)
+    ranks = [np.concatenate([perm[i], perm[7 - i]]) for i in range(4)]  # causal zigzag: balanced
+    f = busiest_rank_features(q, k, t, ranks)
+    shuffled = [np.random.default_rng(i).permutation(r) for i, r in enumerate(ranks)]
+    assert busiest_rank_features(q, k, t, shuffled) == f
+    assert f.tokens == 1024 and not f.documents  # a rank's two chunks see overlapping key prefixes
+    # the rank with the most area wins: the last chunks of a causal mask
+    plain = [perm[2 * i : 2 * i + 2].reshape(-1) for i in range(4)]
+    g = busiest_rank_features(q, k, t, plain)
+    assert g.area == sum(r + 1 for r in range(3072, 4096))
+    # padding rows (ids past the mask) add tokens, not area
+    pad = busiest_rank_features([[0, 100]], [[0, 100]], [0], [np.arange(0, 60), np.arange(60, 120)])
+    assert pad.area == 60 * 100 and pad.tokens == 60
+
+
+def test_shipped_table_loads_and_unknown_kinds_have_none() -> None:
+    table = load_kernel_table("h200")
+    assert table is not None and table.gpu_kind == "h200" and len(table.rows) >= 10
+    assert {b for r in table.rows for b in r["ms"]} >= {"fa4", "cudnn"}
+    assert load_kernel_table("b200") is None
+    with pytest.raises(ValueError, match="lacks"):
+        KernelTable.from_dict({"gpu_kind": "x", "rows": [{"mask": "full", "tokens": 1}]})
+
+
+def _table(rows) -> KernelTable:
+    return KernelTable.from_dict(json.loads(json.dumps({"gpu_kind": "test", "rows": rows})))
+
+
+ROWS = [
+    {"mask": "docs", "tokens": 8192, "head_dim": 128, "tile_fill": 0.7, "slices_per_row": 1.0, "documents": True,
+     "ms": {"fa4": [1.0, 2.0], "cudnn": [1.5, 3.0]}},
+    {"mask": "frag", "tokens": 8192, "head_dim": 128, "tile_fill": 0.8, "slices_per_row": 4.0, "documents": False,
+     "ms": {"fa4": [1.0, 4.0], "cudnn": [1.0, 3.0]}},
+    {"mask": "big", "tokens": 32768, "head_dim": 128, "tile_fill": 0.9, "slices_per_row": 1.0, "documents": False,
+     "ms": {"cudnn": [9.0, 20.0]}},
+]  # fmt: skip
+
+
+def test_pick_takes_the_nearest_row_and_the_fastest_candidate() -> None:
+    t = _table(ROWS)
+    docs = MaskFeatures(9000, 1, 0.72, 1.0, True)
+    assert pick_kernel(t, docs, 128, ["fa4", "cudnn"])[0] == "fa4"
+    frag = MaskFeatures(8000, 1, 0.75, 3.0, False)
+    backend, reason = pick_kernel(t, frag, 128, ["fa4", "cudnn"])
+    assert backend == "cudnn" and "frag" in reason and "fa4 5.000 ms" in reason
+    # only the candidates every rank can run; a row that measured none of them: no pick
+    assert pick_kernel(t, frag, 128, ["fa4"])[0] == "fa4"
+    assert pick_kernel(t, MaskFeatures(32768, 1, 0.9, 1.0, False), 128, ["fa4"]) is None
+    # no row for the head_dim, or no table: no pick (the caller keeps its rule)
+    assert pick_kernel(t, docs, 256, ["fa4", "cudnn"]) is None
+    assert pick_kernel(None, docs, 128, ["fa4"]) is None
+    # ties are broken by name, so every rank agrees
+    tie = _table([{**ROWS[0], "ms": {"fa4": [1.0, 1.0], "cudnn": [1.0, 1.0]}}])
+    assert pick_kernel(tie, docs, 128, ["fa4", "cudnn"])[0] == "cudnn"
+
+
+def test_shipped_table_picks_what_it_measured() -> None:
+    t = load_kernel_table("h200")
+    for row in t.rows:
+        f = MaskFeatures(row["tokens"], 1, row["tile_fill"], row["slices_per_row"], row["documents"])
+        backend, _ = pick_kernel(t, f, row["head_dim"], ["fa4", "cudnn"])
+        assert backend == min(row["ms"], key=lambda b: (sum(row["ms"][b]), b)), row["mask"]
