@@ -3,6 +3,8 @@ refined per call by dtype and softcap, overridden by an explicit backend; visibl
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ FA4_ONLY = LocalCapability("", "", "h200", "cuDNN's flex_attention does not impo
 
 def _docs(total: int) -> list[list[int]]:
     cuts = [0, 900, 2500, 3100, 6000, total]
-    return [[a, b] for a, b in zip(cuts, cuts[1:])]
+    return [[a, b] for a, b in itertools.pairwise(cuts)]
 
 
 def _features(q, k, t, total):

@@ -402,7 +402,9 @@ def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | No
     return RUNTIME_CACHE.most_recent_key(_resolve_cp_group(cp_group_or_mesh).name)
 
 
-def get_kernel_backend(key: DistAttnRuntimeKey, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelBackend, str]:
+def get_kernel_backend(
+    key: DistAttnRuntimeKey, dtype: torch.dtype = torch.bfloat16
+) -> tuple[KernelBackend, str]:
     """The attention kernel `calc_attn` uses for this key with inputs of `dtype`, and why.
 
     The same on every rank: an explicit `kernel_backend` (or `MAGI_ATTENTION_KERNEL_BACKEND`) as asked, `auto`
@@ -416,7 +418,9 @@ def get_kernel_backend(key: DistAttnRuntimeKey, dtype: torch.dtype = torch.bfloa
     """
     choice = RUNTIME_CACHE.get(key).kernel_choice
     backend = choice.backend_for(dtype, key.head_dim)
-    reason = choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend.value}"
+    reason = (
+        choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend.value}"
+    )
     return backend, reason
 
 
