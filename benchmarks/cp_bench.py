@@ -5,7 +5,7 @@ the same inputs.
   computing with magi_ffa like magi, so the comparison isolates the distribution scheme.
 - What a user would pick today (benchmarks/baselines/user.py), each with the best local kernel for the
   mask: Ulysses + FlashAttention-4 (dense or varlen), Ulysses + cuDNN SDPA, PyTorch's native context_parallel
-  (SDPA ring), Ulysses + magi_ffa_fa4 (any mask). A system that cannot run a case (mask it cannot express,
+  (SDPA ring), Ulysses + magi_ffa_fa4 / magi_ffa_cudnn (any mask). A system that cannot run a case (mask it cannot express,
   heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
 
 magi runs once per ``--degrees`` entry (an int = that many overlap stages, ``dynamic`` = the planner picks;
@@ -80,11 +80,13 @@ class System(StrEnum):
     """PyTorch native context_parallel, SDPA ring (full / causal; CUDA + NCCL)."""
     ULYSSES_FFA_FA4 = "ulysses_ffa_fa4"
     """Ulysses + magi_ffa_fa4 (any mask)."""
+    ULYSSES_FFA_CUDNN = "ulysses_ffa_cudnn"
+    """Ulysses + magi_ffa_cudnn (any mask)."""
 
 
 SAME_KERNEL = (System.ULYSSES, System.RING_ZIGZAG, System.ALLGATHER_KV)
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
-KERNEL_BACKENDS = ("auto", "fa4", "triton", "torch")
+KERNEL_BACKENDS = ("auto", "fa4", "cudnn", "triton", "torch")
 DYNAMIC = "dynamic"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -268,6 +270,7 @@ class _Case:
 MAGI_KERNELS = {
     "auto": "FFA, kernel backend auto",
     "fa4": "FFA on FA4 (magi_ffa_fa4)",
+    "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)",
     "triton": "FFA Triton (magi_ffa)",
     "torch": "FFA torch path (magi_ffa)",
 }

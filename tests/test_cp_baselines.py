@@ -234,7 +234,7 @@ def _bench_rank(rank: int, world_size: int, argv: list[str]) -> list[dict]:
 
 
 # systems that may report "skipped" on a CPU run over gloo (no GPU, no FlashAttention-4, no NCCL)
-CPU_SKIPPABLE = {"ulysses_fa4", "ulysses_cudnn", "torch_cp", "ulysses_ffa_fa4"}
+CPU_SKIPPABLE = {"ulysses_fa4", "ulysses_cudnn", "torch_cp", "ulysses_ffa_fa4", "ulysses_ffa_cudnn"}
 
 
 @pytest.mark.parametrize(
@@ -342,8 +342,12 @@ def _install_stand_ins() -> None:
     cute.flash_attn_func, cute.flash_attn_varlen_func = _fake_fa4_func, _fake_fa4_varlen
     ffa4 = types.ModuleType("cp_test_ffa_fa4_stand_in")
     ffa4.fa4_available, ffa4.flex_flash_attn_func = (lambda: True), _fake_ffa_fa4
-    sys.modules.update({m.__name__: m for m in (cute, ffa4)})
-    user_baselines.KERNEL_MODULES.update(fa4=cute.__name__, ffa_fa4=ffa4.__name__)
+    ffa_cudnn = types.ModuleType("cp_test_ffa_cudnn_stand_in")  # the same FFA contract
+    ffa_cudnn.cudnn_available, ffa_cudnn.flex_flash_attn_func = (lambda: True), _fake_ffa_fa4
+    sys.modules.update({m.__name__: m for m in (cute, ffa4, ffa_cudnn)})
+    user_baselines.KERNEL_MODULES.update(
+        fa4=cute.__name__, ffa_fa4=ffa4.__name__, ffa_cudnn=ffa_cudnn.__name__
+    )
 
 
 def _ulysses_routing(rank: int, world_size: int) -> bool:
@@ -386,7 +390,7 @@ def test_cp_bench_user_baselines_with_stand_in_kernels(tmp_path: Path) -> None:
     argv += ["--chunk-size", "8", "--min-chunk-size", "4", "--warmup", "0", "--iters", "2", "--masks", masks]
     argv += [
         "--systems",
-        "magi,ulysses_fa4,ulysses_cudnn,torch_cp,ulysses_ffa_fa4",
+        "magi,ulysses_fa4,ulysses_cudnn,torch_cp,ulysses_ffa_fa4,ulysses_ffa_cudnn",
         "--degrees",
         "0,1,dynamic",
     ]
@@ -399,13 +403,15 @@ def test_cp_bench_user_baselines_with_stand_in_kernels(tmp_path: Path) -> None:
         "ulysses_cudnn": {"full", "causal"},
         "torch_cp": set(),
         "ulysses_ffa_fa4": set(masks.split(",")),
+        "ulysses_ffa_cudnn": set(masks.split(",")),
     }
     kernels = {
         "ulysses_fa4": "FA4 flash_attn",
         "ulysses_cudnn": "SDPA math",
         "ulysses_ffa_fa4": "magi_ffa_fa4",
+        "ulysses_ffa_cudnn": "magi_ffa_cudnn",
     }
-    assert len(rows) == 5 * (3 + 4)
+    assert len(rows) == 5 * (3 + 5)
     for mask in masks.split(","):
         magi = [r for r in rows if r["mask"] == mask and r["system"] == "magi"]
         assert [r["degree"] for r in magi] == [0, 1, "dynamic"], magi

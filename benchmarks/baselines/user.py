@@ -7,6 +7,8 @@ benchmarks/cp_bench.py (next to the same-kernel baselines of baselines/same_kern
 - ``ulysses_cudnn``: Ulysses with ``F.scaled_dot_product_attention`` under the cuDNN backend; full / causal.
 - ``torch_cp``: PyTorch's native ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA,
   head-tail load balancing for causal); full / causal, CUDA + NCCL only.
+- ``ulysses_ffa_cudnn``: the same with ``magi_ffa_cudnn.flex_flash_attn_func`` (FFA slices on cuDNN's
+  flex_attention), any mask.
 - ``ulysses_ffa_fa4``: Ulysses with ``magi_ffa_fa4.flex_flash_attn_func`` (FFA slices on FlashAttention-4), any
   mask: the baseline for masks neither FA4 varlen nor cuDNN express (for example varlen block-causal).
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 Ranges = Sequence[Sequence[int]]
 
-KERNEL_MODULES = {"fa4": "flash_attn.cute", "ffa_fa4": "magi_ffa_fa4"}
+KERNEL_MODULES = {"fa4": "flash_attn.cute", "ffa_fa4": "magi_ffa_fa4", "ffa_cudnn": "magi_ffa_cudnn"}
 """Where the CUDA-only kernels are imported from (by name, on first use); tests point these at CPU stand-ins
 with the same call signatures, without shadowing the real packages for anyone else."""
 
@@ -419,11 +421,31 @@ def build_ulysses_ffa_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
     )
 
 
+# -- ulysses_ffa_cudnn ----------------------------------------------------------------------------------------------
+def build_ulysses_ffa_cudnn(q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """Ulysses + ``magi_ffa_cudnn.flex_flash_attn_func`` on the whole mask's slices (any mask)."""
+    mod = _import("ffa_cudnn", "magi_ffa_cudnn")
+    if not mod.cudnn_available():
+        raise Unavailable("nvidia-cudnn-frontend not importable: magi_ffa_cudnn needs cuDNN's flex_attention")
+    dev = q.device
+    qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
+    kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
+    tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
+
+    def local(qh, kh, vh):  # the same tensors every call: magi_ffa_cudnn caches its plan by their identity
+        return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
+
+    return _ulysses_case(
+        q, k, v, do, group, local, f"magi_ffa_cudnn flex_flash_attn_func ({len(mask.types)} slices)"
+    )
+
+
 BUILDERS: dict[str, Callable[..., UserCase]] = {
     "ulysses_fa4": build_ulysses_fa4,
     "ulysses_cudnn": build_ulysses_cudnn,
     "torch_cp": build_torch_cp,
     "ulysses_ffa_fa4": build_ulysses_ffa_fa4,
+    "ulysses_ffa_cudnn": build_ulysses_ffa_cudnn,
 }
 
 
