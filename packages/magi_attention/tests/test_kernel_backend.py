@@ -102,9 +102,9 @@ def test_dtype_refinement() -> None:
         KernelChoice(B.TRITON, B.TRITON, "h200", True).backend_for(torch.float64, 64)
 
 
-def _explicit_fa4_worker(rank: int, world_size: int) -> str:
+def _explicit_fa4_worker(rank: int, world_size: int, backend: str = "fa4") -> str:
     clear_agreements()
-    config = DistAttnConfig(kernel_backend="fa4")
+    config = DistAttnConfig(kernel_backend=backend)
     try:
         magi_attn_flex_key([[0, 64]], [[0, 64]], "causal", 64, 64, 2, 1, 16, dist.group.WORLD, config)
     except ValueError as exc:
@@ -112,9 +112,12 @@ def _explicit_fa4_worker(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def test_explicit_fa4_without_it_raises_on_every_rank() -> None:
-    messages = run_distributed(_explicit_fa4_worker, 2, timeout=120)
-    assert all("kernel_backend='fa4' cannot run on every rank" in m for m in messages), messages
+@pytest.mark.parametrize("backend", ["fa4", "cudnn"])
+def test_explicit_fa4_without_it_raises_on_every_rank(backend: str) -> None:
+    """Here neither FA4 nor cuDNN's flex_attention runs: every rank raises, naming the ranks and the reason."""
+    messages = run_distributed(_explicit_fa4_worker, 2, backend, timeout=120)
+    assert all(f"kernel_backend='{backend}' cannot run on every rank" in m for m in messages), messages
+    assert all("rank 0:" in m and "rank 1:" in m for m in messages), messages
 
 
 def _backend_worker(rank: int, world_size: int, env_backend: str) -> tuple[str, float, int]:
