@@ -276,6 +276,14 @@ def validate_bwd_inputs(
     validate_grad_buffers(dq, dk, dv, q, k)
 
 
+def validate_dlse(dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
+    """``dlse`` (the gradient of the final lse) must be None or a tensor of lse's shape on lse's device."""
+    if dlse is None:
+        return
+    if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape or dlse.device != lse.device:
+        _fail(f"`dlse` must be a tensor of lse's shape {tuple(lse.shape)} on {lse.device}")
+
+
 def backend_for(q: torch.Tensor) -> KernelBackend:
     """Pick the backend: ``MAGI_FFA_BACKEND`` if set, else triton for CUDA fp16/bf16 and torch otherwise."""
     forced = env.backend()  # ValueError naming MAGI_FFA_BACKEND for anything but triton / torch

@@ -17,6 +17,7 @@ from ._common import (
     resolve_backend,
     triton_head_dim_ok,
     validate_bwd_inputs,
+    validate_dlse,
     validate_out_lse,
     validate_qkv,
     validate_scalars,
@@ -259,9 +260,8 @@ def _delta(do, out, lse, dlse, q) -> torch.Tensor:
     """``rowsum(do * out) - dlse`` in the accumulator dtype (dlse checked: lse's shape)."""
     adt = acc_dtype(q.dtype)
     delta = (do.to(adt) * out.to(adt)).sum(-1)
+    validate_dlse(dlse, lse)
     if dlse is not None:
-        if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape or dlse.device != lse.device:
-            raise ValueError(f"`dlse` must be a tensor of lse's shape {tuple(lse.shape)} on {lse.device}")
         delta = delta - dlse.to(adt)
     return delta
 

@@ -16,6 +16,7 @@ from ._common import (
     TypeMapLike,
     acc_dtype,
     prepare,
+    validate_dlse,
     validate_grad_buffers,
     validate_out_lse,
 )
@@ -246,9 +247,8 @@ def ffa_bwd(
     validate_sink(sink, q)
     adt = acc_dtype(q.dtype)
     delta = (do.to(adt) * out.to(adt)).sum(-1)
+    validate_dlse(dlse, lse)
     if dlse is not None:
-        if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape:
-            raise ValueError(f"`dlse` must be a tensor of lse's shape {tuple(lse.shape)}")
         delta = delta - dlse.to(adt)
     gq, gk, gv = bwd_core(do, q, k, v, lse, delta, slices, scale, float(softcap))
     res = []

@@ -5,7 +5,7 @@
 - :func:`slices_on_device` / :func:`check_slice_values`: the slice tables on one device, and their values
   checked (for the metadata builders of every backend).
 - :func:`validate_qkv`, :func:`validate_scalars`, :func:`validate_out_lse`, :func:`validate_grad_buffers`,
-  :func:`validate_bwd_inputs`:
+  :func:`validate_bwd_inputs`, :func:`validate_dlse`:
   shapes, dtypes and devices of the tensors; :func:`acc_dtype`: the accumulator / lse dtype.
 """
 
@@ -19,6 +19,7 @@ from ._common import (
     host_slices,
     slices_on_device,
     validate_bwd_inputs,
+    validate_dlse,
     validate_grad_buffers,
     validate_out_lse,
     validate_qkv,
@@ -35,6 +36,7 @@ __all__ = [
     "host_slices",
     "slices_on_device",
     "validate_bwd_inputs",
+    "validate_dlse",
     "validate_grad_buffers",
     "validate_out_lse",
     "validate_qkv",

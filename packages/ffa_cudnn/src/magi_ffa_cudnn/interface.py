@@ -26,6 +26,7 @@ from magi_ffa.validation import (
     RangesLike,
     TypeMapLike,
     validate_bwd_inputs,
+    validate_dlse,
     validate_out_lse,
     validate_qkv,
     validate_scalars,
@@ -395,9 +396,8 @@ def ffa_bwd(
     _check_arch(q.device)
     validate_bwd_inputs(do, out, lse, q, k, dq, dk, dv)
     validate_sink(sink, q)
+    validate_dlse(dlse, lse)
     if dlse is not None:
-        if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape:
-            raise ValueError(f"`dlse` must be a tensor of lse's shape {tuple(lse.shape)}")
         dlse = torch.where(torch.isneginf(lse), 0.0, dlse.float())  # rows without keys take no gradient
     extra = () if sink is None else (sink_grad(do, out, lse, sink, dlse),)
     plan = get_mask_plan(q, k, q_ranges, k_ranges, attn_type_map)
