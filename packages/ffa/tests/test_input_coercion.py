@@ -47,3 +47,17 @@ def test_int64_ranges_within_int32_still_work():
     )
     ref, _ = magi_ffa.flex_flash_attn_func(Q, K, V, [[0, 8]], [[0, 8]], "causal")
     assert torch.equal(out, ref) and torch.isfinite(out).all()
+
+
+def test_dlse_must_match_lse() -> None:
+    import pytest
+    import torch
+
+    from magi_ffa.validation import validate_dlse
+
+    lse = torch.zeros(4, 2)
+    validate_dlse(None, lse)
+    validate_dlse(torch.ones(4, 2), lse)
+    for bad in (torch.ones(2, 4), "x", torch.ones(4, 2, 1)):
+        with pytest.raises(ValueError, match="`dlse`"):
+            validate_dlse(bad, lse)
