@@ -116,7 +116,7 @@ def _key_error_on_one_rank_worker(rank: int, world: int) -> None:
                 dist.group.WORLD)  # fmt: skip
     else:  # ... and the others are told instead of waiting for it in dispatch / calc_attn
         for _ in range(2):
-            _raises(ValueError, r"rank\(s\) \[1\] .* failed to build this key", _key)
+            _raises(ValueError, r"rank\(s\) \[1\] rejected their input", _key)
         _raises(ValueError, r"rank\(s\) \[1\]", magi_attn_varlen_key, [0, TOTAL], [0, TOTAL], HQ, HKV, D,
                 dist.group.WORLD)  # fmt: skip
     key = _key("causal")  # in step again
@@ -205,12 +205,31 @@ def test_sanity_mode_agrees_on_call_arguments(world):
     run_distributed(_sanity_worker, world, timeout=WAIT)
 
 
-# -- a stalled peer: the process group's timeout bounds the wait; the error names rank, phase, stage -----
-def _stalled_peer_worker(rank: int, world: int, phase: str) -> str:
+# -- a stalled peer: the process group's timeout bounds the wait; the error names the call, the phase (and
+# the stage, inside the data collectives) and the peer that did not report ---------------------------------
+def _stalled_peer_worker(rank: int, world: int, phase: str, where: str) -> str:
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=4))
     key = _key("full", group=group)
     q, k, v = (t.requires_grad_() for t in _qkv(key))
     if rank == 1:
+        if where == "inside":  # rank 1 agrees, then stalls before the first GroupCast of the phase
+            import magi_attention.dist_attn as da
+
+            real_start = da._KVFetcher.start
+
+            def stalled_start(self, stage):
+                if self.phase == phase:
+                    time.sleep(8)
+                return real_start(self, stage)
+
+            da._KVFetcher.start = stalled_start
+            try:
+                with pytest.raises(RuntimeError):  # its peer gave up meanwhile
+                    out, _ = calc_attn(q, k, v, key)
+                    out.sum().backward()
+            finally:
+                da._KVFetcher.start = real_start
+            return ""
         if phase == "backward":
             out, _ = calc_attn(q, k, v, key)  # forward together, then never run the backward
         time.sleep(8)
@@ -226,12 +245,17 @@ def _stalled_peer_worker(rank: int, world: int, phase: str) -> str:
     return str(info.value)
 
 
+@pytest.mark.parametrize("where", ["skipped", "inside"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_stalled_peer_error_names_rank_phase_and_stage(phase):
-    msgs = run_distributed(_stalled_peer_worker, 2, phase, timeout=WAIT)
+def test_stalled_peer_error_names_call_phase_and_peer(phase, where):
+    msgs = run_distributed(_stalled_peer_worker, 2, phase, where, timeout=WAIT)
     msg = msgs[0]
-    assert "rank 0 of cp group" in msg and f"in the {phase} of calc_attn" in msg, msg
-    assert "stage 0" in msg and ("GroupCast" in msg or "GroupReduce" in msg), msg
+    assert "rank 0 of cp group" in msg and "rank(s) [1] did not report" in msg, msg
+    if where == "skipped":  # rank 1 never reached the call: its status agreement names it
+        assert f"the status agreement of calc_attn ({phase}) failed" in msg, msg
+    else:  # rank 1 stalled after the agreement: the data collective of the phase names it
+        assert f"in the {phase} of calc_attn" in msg, msg
+        assert "stage 0" in msg and ("GroupCast" in msg or "GroupReduce" in msg), msg
 
 
 # -- the wrong key for dispatched tensors ------------------------------------------------------------------

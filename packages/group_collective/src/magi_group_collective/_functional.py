@@ -1,7 +1,16 @@
-"""Functional API: ``group_cast`` / ``group_reduce`` (plan cache + autograd)."""
+"""Functional API: ``group_cast`` / ``group_reduce`` (plan cache + autograd + the status agreement).
+
+Every call (and every backward of one) first runs the host-side status agreement of
+:mod:`magi_group_collective.agreement`: each rank validates its tables and tensors locally, then the ranks
+exchange one small row: ok / failed, the call, the dtype and trailing shape, and two checksums of the
+traffic each rank sends and expects per (sender, receiver) pair. A rank whose input is wrong, or tables
+that disagree across ranks (one sends 3 rows, the other expects 4), make every rank raise before any data
+moves; the table mismatch is then named pair by pair from a second exchange of the full tables.
+"""
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -10,8 +19,10 @@ import torch
 from ._a2av import get_impl
 from ._comm import resolve_comm
 from ._config import ReduceOp, env_debug, parse_reduce_op
-from ._plan import GroupCastPlan, GroupReducePlan, _resolve_impl
+from ._plan import GroupCastPlan, GroupReducePlan, _resolve_impl, _validate_reduce_extras, check_tensor_pair
+from ._tables import CastTables, ReduceTables, cross_check
 from ._work import Work
+from .agreement import agree, host_group_of, pair_checksum
 
 #: Plans kept by the functional API (least recently used evicted). Only plans whose construction
 #: communicates nothing are cached: a hit on one rank and a miss on another must never decide whether a
@@ -49,8 +60,75 @@ def _get_plan(cls, tables: tuple, group, device: torch.device):
 
 
 def clear_plan_cache() -> None:
-    """Drop the plans cached by :func:`group_cast` / :func:`group_reduce`."""
+    """Drop the plans cached by :func:`group_cast` / :func:`group_reduce` (local: building a functional
+    plan communicates nothing, so ranks may clear at different times)."""
     _cache.clear()
+    _checked.clear()
+
+
+#: Validated tables and their traffic checksums, by table value (so a repeated call validates nothing again).
+_checked: OrderedDict = OrderedDict()
+
+
+def _traffic(tables: CastTables | ReduceTables, rank: int) -> list[int]:
+    """[sent, expected]: checksums of the piece sizes this rank sends to / expects from every rank, per
+    (sender, receiver) pair. Summed over the ranks, the two totals are equal iff every pair agrees."""
+    sends, recvs = tables.sends(), tables.recvs()
+    world = tables.world_size
+    sent = {(rank, r): tuple(tables.input_split_sizes[i] for i in sends[r]) for r in range(world)}
+    expected = {(s, rank): tuple(tables.output_split_sizes[j] for j in recvs[s]) for s in range(world)}
+    return [pair_checksum(sent), pair_checksum(expected)]
+
+
+def _validated(cls, tables: tuple, world: int, rank: int) -> tuple[CastTables | ReduceTables, list[int]]:
+    try:
+        key = (cls.__name__, *(_freeze(t) for t in tables), world, rank)
+        hit = _checked.get(key)
+    except TypeError:  # unhashable entries: validation below names them
+        key, hit = None, None
+    if hit is not None:
+        _checked.move_to_end(key)
+        return hit
+    built = cls.build(*tables, world)
+    hit = (built, _traffic(built, rank))
+    if key is not None:
+        _checked[key] = hit
+        if len(_checked) > _CACHE_SIZE:
+            _checked.popitem(last=False)
+    return hit
+
+
+def _agree_on_call(call: str, comm, cls, tables: tuple, check, same) -> None:
+    """Validate locally (`check`), then agree with every rank (raises on every rank if any failed), then
+    check the traffic checksums of all ranks; a mismatch is named pair by pair on every rank."""
+    error: Exception | None = None
+    traffic: list[int] = []
+    values: dict = {}
+    try:
+        built, traffic = _validated(cls, tables, comm.world_size, comm.rank)
+        check(built)
+        values = same()
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    extras = agree(comm.group, call, error=error, same=values, extra=traffic)
+    if comm.world_size == 1:
+        return
+    modulus = 1 << 63
+    if sum(x[0] for x in extras) % modulus != sum(x[1] for x in extras) % modulus:
+        # every rank saw the same checksums: every rank gathers the tables to name the pairs, and raises
+        host = host_group_of(comm.group)
+        every = [pickle.loads(b) for b in host.gather_bytes(pickle.dumps(built))]
+        problems = cross_check(every) or ["the traffic checksums differ (no pair found: a hash collision?)"]
+        raise ValueError(
+            f"{call}: the tables of the ranks do not match (rank {comm.rank} of a group of {comm.world_size}; "
+            "checked before any data moved):\n  " + "\n  ".join(problems)
+        )
+
+
+def _same(input: torch.Tensor) -> dict:
+    """What every rank must pass alike: a dtype or a trailing shape that differs would make the backend
+    receive another byte count than it expects (gloo aborts the process) or mix rows of different layouts."""
+    return {"dtype": input.dtype, "trailing shape": tuple(input.shape[1:])}
 
 
 def _device_of(t: object) -> torch.device:
@@ -71,6 +149,7 @@ class _CastFn(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         # d/dx of cast is the transposed reduce (sum): a multicast piece gets the sum of its copies' grads.
         plan: GroupCastPlan = ctx.plan
+        _agree_on_backward("group_cast (backward)", plan, grad_out)
         n_in = sum(plan.tables.input_split_sizes)
         grad_in = grad_out.new_zeros((n_in, *grad_out.shape[1:]))
         plan.transpose().reduce(grad_out.contiguous(), grad_in, reduce_op="sum")
@@ -91,6 +170,7 @@ class _ReduceFn(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         # d/dx of reduce(sum) is the transposed cast; avg scales each output row by 1/|sources| first.
         plan: GroupReducePlan = ctx.plan
+        _agree_on_backward("group_reduce (backward)", plan, grad_out)
         g = grad_out.contiguous()
         if ctx.op is ReduceOp.AVG:
             g = g * plan.avg_row_scale().to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
@@ -98,6 +178,11 @@ class _ReduceFn(torch.autograd.Function):
         grad_in = g.new_empty((n_in, *g.shape[1:]))
         plan.transpose().cast(g, grad_in)
         return grad_in, None, None, None
+
+
+def _agree_on_backward(call: str, plan, grad: torch.Tensor) -> None:
+    """Every rank runs the backward of the call (a rank that skipped it is named instead of awaited)."""
+    agree(plan.group, call, same={"dtype": grad.dtype, "trailing shape": tuple(grad.shape[1:])})
 
 
 def _needs_grad(*tensors) -> bool:
@@ -133,11 +218,15 @@ def group_cast(
         Plans are cached by table value (see :class:`GroupCastPlan` for the hot path).
     """
     tables = (input_split_sizes, output_split_sizes, dst_indices, src_index)
-    plan = _get_plan(GroupCastPlan, tables, group, _device_of(input))
+    comm = resolve_comm(group)  # a bad `group` names no group to tell: it raises here, on this rank only
+
+    def check(built: CastTables) -> None:
+        _device_of(input)
+        check_tensor_pair(input, output, sum(built.input_split_sizes), sum(built.output_split_sizes))
+
+    _agree_on_call("group_cast", comm, CastTables, tables, check, lambda: _same(input))
+    plan = _get_plan(GroupCastPlan, tables, group, input.device)
     if _needs_grad(input, output):
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"`output` must be a torch.Tensor, got {type(output).__name__}")
-        plan._check_tensor_pair(input, output, plan._n_in, plan._n_out)
         result = _CastFn.apply(input, plan, tuple(output.shape))
         output.copy_(result)  # recorded by autograd: output now depends on input
         return Work.completed()
@@ -179,19 +268,25 @@ def group_reduce(
         gradient scaled by 1/|sources|). ``"lse"`` has no autograd (NotImplementedError).
     """
     tables = (input_split_sizes, output_split_sizes, dst_index, src_indices)
-    plan = _get_plan(GroupReducePlan, tables, group, _device_of(input))
-    op = parse_reduce_op(reduce_op)
-    if _needs_grad(input, output, input_lse, output_lse):
-        if op is ReduceOp.LSE:
+    comm = resolve_comm(group)  # a bad `group` names no group to tell: it raises here, on this rank only
+    ops: list[ReduceOp] = []
+
+    def check(built: ReduceTables) -> None:
+        _device_of(input)
+        ops.append(parse_reduce_op(reduce_op))
+        check_tensor_pair(input, output, sum(built.input_split_sizes), sum(built.output_split_sizes))
+        _validate_reduce_extras(ops[0], input, output, input_lse, output_lse)
+        if ops[0] is ReduceOp.LSE and _needs_grad(input, output, input_lse, output_lse):
             raise NotImplementedError(
                 "autograd through group_reduce(reduce_op='lse') is not supported; call it under torch.no_grad()"
             )
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"`output` must be a torch.Tensor, got {type(output).__name__}")
-        plan._check_tensor_pair(input, output, plan._n_in, plan._n_out)
-        from ._plan import _validate_reduce_extras
 
-        _validate_reduce_extras(op, input, output, input_lse, output_lse)
+    _agree_on_call(
+        "group_reduce", comm, ReduceTables, tables, check, lambda: {**_same(input), "reduce_op": str(ops[0])}
+    )
+    op = ops[0]
+    plan = _get_plan(GroupReducePlan, tables, group, input.device)
+    if _needs_grad(input, output, input_lse, output_lse):
         delta = _ReduceFn.apply(input, plan, op, tuple(output.shape))
         output.add_(delta)  # accumulate onto output, recorded by autograd
         return Work.completed()

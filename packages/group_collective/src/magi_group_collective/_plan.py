@@ -55,6 +55,32 @@ def _gather_tables(tables, comm: Comm, check: bool) -> list:
     return gathered
 
 
+def check_tensor_pair(input, output, n_in: int, n_out: int, device: torch.device | None = None) -> None:
+    """`input` / `output` of a call against the tables' token counts (and the plan's device, if given):
+    ValueError / TypeError naming the argument; communicates nothing."""
+    for name, t in (("input", input), ("output", output)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 1:
+            raise ValueError(f"`{name}` must have tokens on dim 0 (ndim >= 1), got a 0-d tensor")
+        if device is not None and t.device != device:
+            raise ValueError(
+                f"`{name}` is on {t.device} but the plan's index tensors are on {device}; "
+                f"build the plan with device={t.device}"
+            )
+    if input.shape[0] != n_in:
+        raise ValueError(f"`input` has {input.shape[0]} tokens but sum(input_split_sizes) = {n_in}")
+    if output.shape[0] != n_out:
+        raise ValueError(f"`output` has {output.shape[0]} tokens but sum(output_split_sizes) = {n_out}")
+    if input.dtype != output.dtype:
+        raise TypeError(f"`input` dtype {input.dtype} != `output` dtype {output.dtype}; they must match")
+    if input.shape[1:] != output.shape[1:]:
+        raise ValueError(
+            f"`input` trailing shape {tuple(input.shape[1:])} != `output` trailing shape "
+            f"{tuple(output.shape[1:])}; every token must have the same shape"
+        )
+
+
 class _PlanBase:
     __slots__ = ("_all_tables", "_comm", "_debug", "_impl", "_transposed", "device", "tables")
 
@@ -94,27 +120,7 @@ class _PlanBase:
         return self._comm.group
 
     def _check_tensor_pair(self, input, output, n_in: int, n_out: int) -> None:
-        for name, t in (("input", input), ("output", output)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() < 1:
-                raise ValueError(f"`{name}` must have tokens on dim 0 (ndim >= 1), got a 0-d tensor")
-            if t.device != self.device:
-                raise ValueError(
-                    f"`{name}` is on {t.device} but the plan's index tensors are on {self.device}; "
-                    f"build the plan with device={t.device}"
-                )
-        if input.shape[0] != n_in:
-            raise ValueError(f"`input` has {input.shape[0]} tokens but sum(input_split_sizes) = {n_in}")
-        if output.shape[0] != n_out:
-            raise ValueError(f"`output` has {output.shape[0]} tokens but sum(output_split_sizes) = {n_out}")
-        if input.dtype != output.dtype:
-            raise TypeError(f"`input` dtype {input.dtype} != `output` dtype {output.dtype}; they must match")
-        if input.shape[1:] != output.shape[1:]:
-            raise ValueError(
-                f"`input` trailing shape {tuple(input.shape[1:])} != `output` trailing shape "
-                f"{tuple(output.shape[1:])}; every token must have the same shape"
-            )
+        check_tensor_pair(input, output, n_in, n_out, self.device)
 
     def _debug_check_call(self, input: torch.Tensor) -> None:
         """Debug mode: every rank must pass the same dtype and trailing shape (collective)."""

@@ -4,7 +4,9 @@ torch.distributed reports a stalled or failed peer as a bare backend error ("Tim
 for recv operation", "Connection closed by peer"). Every collective of the runtime runs inside
 `comm_step(...)`, which re-raises such an error as `CommError` (a RuntimeError; the original error is its
 `__cause__`) naming, e.g., "rank 1 of cp group 'default_pg' (2 ranks): GroupCast of stage 2 in the
-backward of calc_attn".
+backward of calc_attn", and, where the group's store can tell, the peers that did not report the same
+failure within 2 s (dead, or blocked elsewhere: `magi_group_collective.agreement.unresponsive_ranks`).
+The status agreement that opens every public call (`_sanity`) raises CommError the same way.
 
 How long a wait lasts is the process group's timeout (`dist.init_process_group(..., timeout=...)` or
 `dist.new_group(..., timeout=...)`; torch's default is 30 minutes for gloo, 10 for NCCL): the library
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
+
+from magi_group_collective.agreement import unresponsive_ranks
 
 
 class CommError(RuntimeError):
@@ -39,7 +43,9 @@ def comm_step(cp_group: object, what: str) -> Iterator[None]:
     except CommError:
         raise
     except RuntimeError as exc:
+        group = getattr(cp_group, "group", None)
+        peers = unresponsive_ranks(group, what) if group is not None else ""
         raise CommError(
-            f"{where(cp_group)}: {what} failed: {exc}\n(a peer rank failed, stopped or never reached this "
-            "call; the wait is bounded by the process group's timeout)"
+            f"{where(cp_group)}: {what} failed: {exc}\n" + (f"({peers})\n" if peers else "") + "(a peer rank "
+            "failed, stopped or never reached this call; the wait is bounded by the process group's timeout)"
         ) from exc

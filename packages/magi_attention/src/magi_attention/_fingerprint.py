@@ -4,10 +4,12 @@ A key is a value every rank computes on its own; nothing forces two ranks to com
 a size, a head count or a config that differs across ranks would give plans whose GroupCast tables do not
 match (stale rows, or gloo aborting the process). So when a key is built for the first time (a cache miss),
 the ranks all-gather one small int64 row each: a status flag and one 63-bit hash per part of the key (mask,
-sizes, heads, config, group, dispatch key, pad size). Different hashes raise on every rank, naming the
-part and the ranks; a rank whose key build failed sends the failed flag instead, so the others raise too
-rather than wait for it in the next collective. Cache hits communicate nothing (in sanity mode,
-MAGI_ATTENTION_SANITY_CHECK=1, every key build exchanges, hits included, so no rank can be left waiting).
+sizes, heads, config, group, dispatch key, pad size), through the host-side status agreement every public
+collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch` on
+another meet and are told so). Different hashes raise on every rank, naming the part and the ranks; a rank
+whose key build failed sends the failed flag instead, so the others raise too rather than wait for it in
+the next collective. Cache hits communicate nothing (in sanity mode, MAGI_ATTENTION_SANITY_CHECK=1, every
+key build exchanges, hits included, so no rank can be left waiting).
 
 Rule that follows: every rank of a cp group must build its keys in the same order (as for any collective).
 """
@@ -21,13 +23,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from magi_group_collective import GroupCollectiveImpl
 from magi_group_collective import env as grpcoll_env
+from magi_group_collective.agreement import ExchangeError, agree
 
 from ._cache_budget import check_plan_fits
+from ._comm_errors import CommError, where
 from ._layout import choose_chunk_size
 from ._runtime import collective_impl
 from .env import sanity_check_enabled
@@ -44,27 +45,31 @@ PARTS = (
     "group-collective implementation (MAGI_ATTENTION_NATIVE_GRPCOLL, MAGI_ATTENTION_HIERARCHICAL_COMM, "
     "MAGI_GROUP_COLLECTIVE_IMPL, MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB)",
 )
-_OK, _FAILED = 0, 1
 
 
 def _h(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
 
 
-def key_fingerprint(key: DistAttnRuntimeKey, pad_size: object = None) -> list[int]:
-    """One 63-bit hash per entry of `PARTS` (deterministic across processes: no Python `hash`)."""
+def key_parts(key: DistAttnRuntimeKey, pad_size: object = None) -> list[object]:
+    """The value of each entry of `PARTS` (compared across ranks by a deterministic hash of their repr)."""
     group = key.cp_group
     dispatch = None if key.dispatch_key is None else key_fingerprint(key.dispatch_key)
     return [
-        _h((key.q_ranges, key.k_ranges, key.attn_mask_type)),
-        _h((key.total_seqlen_q, key.total_seqlen_k)),
-        _h((key.num_heads_q, key.num_heads_kv, key.head_dim)),
-        _h(key.config),
-        _h((group.name, group.ranks, group.mesh_shape)),
-        _h(dispatch),
-        _h(pad_size),
-        _h(_collective_choice(key)),
+        (key.q_ranges, key.k_ranges, key.attn_mask_type),
+        (key.total_seqlen_q, key.total_seqlen_k),
+        (key.num_heads_q, key.num_heads_kv, key.head_dim),
+        key.config,
+        (group.name, group.ranks, group.mesh_shape),
+        dispatch,
+        pad_size,
+        _collective_choice(key),
     ]
+
+
+def key_fingerprint(key: DistAttnRuntimeKey, pad_size: object = None) -> list[int]:
+    """One 63-bit hash per entry of `PARTS` (deterministic across processes: no Python `hash`)."""
+    return [_h(part) for part in key_parts(key, pad_size)]
 
 
 def _collective_choice(key: DistAttnRuntimeKey) -> tuple[object, ...]:
@@ -76,25 +81,20 @@ def _collective_choice(key: DistAttnRuntimeKey) -> tuple[object, ...]:
     return (impl, fallback, grpcoll_env.native_buffer_mb() if native else None)
 
 
-def _flag_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+KEY_CALL = "the key build (magi_attn_*_key / make_*_key_for_new_mask_after_dispatch)"
 
 
-def _exchange(cp_group: CpGroup, row: list[int]) -> list[list[int]]:
-    group = cp_group.group
-    mine = torch.tensor(row, dtype=torch.int64, device=_flag_device(group))
-    parts = [torch.empty_like(mine) for _ in range(cp_group.size)]
+def _agree(cp_group: CpGroup, error: BaseException | None, parts: list[object]) -> None:
+    """The key's status agreement (raises `error` here, AgreementError on the others, CommError when the
+    exchange itself fails)."""
+    same = dict(zip(PARTS, parts))
     try:
-        dist.all_gather(parts, mine, group=group)
-    except RuntimeError as exc:
-        raise type(exc)(
-            f"rank {dist.get_rank(group)} of cp group {cp_group.name!r}: the key-agreement all-gather of "
-            f"magi_attn_flex_key failed (a rank did not build the key, or built keys in another order; "
-            f"the process group's timeout bounds this wait): {exc}"
+        agree(cp_group.group, KEY_CALL, error=error, same=same)
+    except ExchangeError as exc:
+        raise CommError(
+            f"{where(cp_group)}: the status agreement of {KEY_CALL} failed: {exc.detail}\n(a rank did not "
+            "build the key, or built keys in another order; the process group's timeout bounds this wait)"
         ) from exc
-    return [p.tolist() for p in parts]
 
 
 def _collective(cp_group: CpGroup) -> bool:
@@ -117,7 +117,7 @@ def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = No
     if not _collective(cp_group) or (is_cached and not sanity):
         _STATE.settled = True
         return
-    row = [_OK, *key_fingerprint(key, pad_size)]
+    parts = key_parts(key, pad_size)
     error: BaseException | None = None
     if not is_cached:
         try:  # a plan that cannot fit fails here, before the exchange, so the others hear of it
@@ -130,42 +130,16 @@ def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = No
                 check_plan_fits(root.total_seqlen_k, cp_group.size, chunk, "total_seqlen_k")
         except (MemoryError, ValueError) as exc:
             error = exc
-            row[0] = _FAILED
-    rows = _exchange(cp_group, row)
     _STATE.settled = True
-    if error is not None:
-        raise error
-    _raise_on_disagreement(cp_group, rows, dist.get_rank(cp_group.group))
+    _agree(cp_group, error, parts)
 
 
-def _raise_on_disagreement(cp_group: CpGroup, rows: list[list[int]], me: int) -> None:
-    failed = [r for r, row in enumerate(rows) if row[0] != _OK]
-    if failed:
-        raise ValueError(
-            f"rank(s) {failed} of cp group {cp_group.name!r} failed to build this key (see their error); "
-            f"rank {me} stops too instead of waiting for them in a collective"
-        )
-    reference = rows[0]
-    problems = []
-    for i, part in enumerate(PARTS):
-        groups: dict[int, list[int]] = {}
-        for r, row in enumerate(rows):
-            groups.setdefault(row[1 + i], []).append(r)
-        if len(groups) > 1:
-            sides = " vs ".join(f"ranks {ranks}" for ranks in groups.values())
-            problems.append(f"{part} differs: {sides}")
-    if problems or any(row != reference for row in rows):
-        raise ValueError(
-            f"the ranks of cp group {cp_group.name!r} built different keys (every rank must pass the same mask, "
-            "sizes, heads and config, and build its keys in the same order): " + "; ".join(problems)
-        )
-
-
-def _report_failure(cp_group: CpGroup) -> None:
-    """This rank's key build failed before it could agree: tell the others (they raise too)."""
+def _report_failure(cp_group: CpGroup, error: BaseException) -> None:
+    """This rank's key build failed before it could agree: tell the others (they raise too); the caller
+    re-raises `error` itself."""
     try:
-        _exchange(cp_group, [_FAILED] + [0] * len(PARTS))
-    except Exception:
+        _agree(cp_group, error, [None] * len(PARTS))
+    except BaseException:  # `error` re-raised by the agreement, or a failed exchange: the caller raises
         pass
 
 
@@ -184,11 +158,11 @@ def collective_key_build(group_of: Callable[[inspect.BoundArguments], CpGroup | 
             _STATE.depth, _STATE.settled = 1, False
             try:
                 return fn(*args, **kwargs)
-            except Exception:
+            except Exception as exc:
                 if not _STATE.settled:
                     cp_group = _group_or_none(signature, group_of, args, kwargs)
                     if cp_group is not None and _collective(cp_group):
-                        _report_failure(cp_group)
+                        _report_failure(cp_group, exc)
                 raise
             finally:
                 _STATE.depth, _STATE.settled = 0, False

@@ -1,10 +1,17 @@
-"""Input checks that every rank agrees on, so one rank's bad input never leaves the others hanging.
+"""The status agreement of every public collective call, so one rank's bad input never leaves the others
+hanging (and a dtype that differs across ranks never reaches gloo, which aborts the process on it).
 
-By default each rank validates its own arguments before the first collective; since keys and shapes are
-usually computed the same way on every rank, bad input then fails on every rank. When only some ranks
-could be wrong (data-dependent shapes), set `MAGI_ATTENTION_SANITY_CHECK=1`: the ranks then exchange one
-row (a tiny all-gather of an error flag, the call site and the values every rank must pass alike: dtypes,
-softmax_scale, softcap; it syncs the host, hence off by default) and all raise together.
+`dispatch`, `undispatch`, `dispatch_kv`, `undispatch_kv`, `roll`, `calc_attn` (forward and backward) and
+`clear_cache` each validate their arguments locally, then call `agree_on_call`: the ranks of the cp group
+exchange one small host-side row (`magi_group_collective.agreement`: ok / failed, the call, a hash of the
+values every rank must pass alike, a flag saying whether this rank must build the plan's device tensors).
+If any rank failed, every rank raises (the failing rank its own error, the others an `AgreementError`, a
+ValueError, naming the call, the failing rank(s) and their reason); so do ranks in different calls, or with
+different values (dtype, trailing shape, softmax_scale, ...). The exchange runs on the host (on the cp group
+when it takes CPU tensors, else on a gloo group beside it): no device synchronisation.
+
+`MAGI_ATTENTION_SANITY_CHECK=1` adds one more exchange: key builds that hit the cache (which communicate
+nothing by default) agree too (`_fingerprint`).
 """
 
 from __future__ import annotations
@@ -12,107 +19,63 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from .env import sanity_check_enabled
+from magi_group_collective.agreement import ExchangeError, agree
 
-
-def device_of(x: object) -> torch.device:
-    """Device for the sanity flag: the tensor's, or the CPU when the argument is not a tensor."""
-    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+from ._comm_errors import CommError, where
+from .key import CpGroup
 
 
-_MAX_VALUES = 6
-_DTYPES = (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small int per dtype, the same on every rank (for the sanity exchange)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-
-
-def tensor_values(x: object, name: str) -> dict[str, float]:
-    """What every rank must pass alike for a token tensor: its dtype and the size of one token (dim 0 aside)."""
+def tensor_values(x: object, name: str) -> dict[str, object]:
+    """What every rank must pass alike for a token tensor: its dtype and its shape past dim 0 (a gather of
+    rows whose byte sizes differ across ranks aborts gloo; rows of different layouts would mix silently)."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1:
         return {}
-    return {f"{name}.dtype": dtype_code(x.dtype), f"{name}.shape[1:]": float(x[:1].numel())}
+    return {f"{name}.dtype": x.dtype, f"{name}.shape[1:]": tuple(x.shape[1:])}
 
 
-def validate_on_all_ranks(
+def agree_on_call(
+    cp_group: CpGroup,
+    call: str,
     check: Callable[[], None],
-    group: dist.ProcessGroup | None,
-    device: torch.device,
     *,
-    site: str = "",
-    values: Callable[[], dict[str, float]] | None = None,
-) -> None:
-    """Run `check` (which raises ValueError/TypeError); in sanity mode make every rank raise if any rank does,
-    and (with `values`, called after a passing check) if the ranks passed different values, naming them.
+    same: Callable[[], dict[str, object]] | None = None,
+    extra: Callable[[], list[int]] | None = None,
+) -> list[list[int]]:
+    """Run `check` (the call's local validation), then agree with every rank of `cp_group` before any data
+    moves: raises on every rank if any rank's check failed, if the ranks are in different calls, or if the
+    values of `same` (called after a passing check) differ. Returns `extra()` of every rank.
 
-    The sanity exchange is one all-gather of a fixed-size row (flag, call site, up to 6 values), so ranks at
-    different call sites are told so instead of crossing collectives."""
-    if group is None or not sanity_check_enabled():
+    A cp group of one rank (or no process group) communicates nothing: `check` alone runs."""
+    if cp_group.group is None or cp_group.size == 1:
         check()
-        return
+        return [list(extra()) if extra is not None else []]
     error: Exception | None = None
-    row = [0.0] * (3 + _MAX_VALUES)
-    named: dict[str, float] = {}
+    values: dict[str, object] = {}
+    extras: list[int] = []
     try:
         check()
-        named = dict(values()) if values is not None else {}
-    except (ValueError, TypeError) as exc:
+        values = dict(same()) if same is not None else {}
+        extras = list(extra()) if extra is not None else []
+    except Exception as exc:  # any local failure is reported, so no rank is left waiting for this one
         error = exc
-        row[0] = 1.0
-    row[1] = float(_site_code(site))
-    row[2] = float(len(named))
-    row[3 : 3 + len(named)] = [float(v) for v in list(named.values())[:_MAX_VALUES]]
-    flag_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(row, dtype=torch.float64, device=flag_device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    rows = [p.tolist() for p in parts]
-    if error is not None:
-        raise error
-    me = dist.get_rank(group)
-    failed = [r for r, x in enumerate(rows) if x[0]]
-    if failed:
-        raise ValueError(
-            f"{len(failed)} other rank(s) of the cp group ({failed}) rejected their input (see their error); "
-            f"rank {me} stops too instead of waiting in a collective"
-        )
-    sites = {r: _SITES[int(x[1])] if int(x[1]) < len(_SITES) else "?" for r, x in enumerate(rows)}
-    if len(set(sites.values())) > 1:
-        raise ValueError(
-            f"ranks are in different calls (sanity check): {sites}; every rank must make the same calls"
-        )
-    problems = []
-    for i, name in enumerate(list(named)[:_MAX_VALUES]):
-        seen: dict[float, list[int]] = {}
-        for r, x in enumerate(rows):
-            seen.setdefault(x[3 + i], []).append(r)
-        if len(seen) > 1:
-            problems.append(
-                f"`{name}` differs: " + ", ".join(f"ranks {rs}: {_show(name, v)}" for v, rs in seen.items())
-            )
-    if problems:
-        raise ValueError(
-            f"ranks passed different arguments to {site or 'this call'} (sanity check): "
-            + "; ".join(problems)
-        )
+    try:
+        return agree(cp_group.group, call, error=error, same=values, extra=extras)
+    except ExchangeError as exc:
+        raise CommError(
+            f"{where(cp_group)}: the status agreement of {call} failed: {exc.detail}\n(a peer rank failed, "
+            "stopped or never reached this call; the wait is bounded by the process group's timeout)"
+        ) from exc
 
 
-_SITES = ("", "dispatch", "undispatch", "dispatch_kv", "undispatch_kv", "calc_attn", "roll")
+def needs_device_meta(runtime: object, device: torch.device) -> int:
+    """1 when this rank has not built the plan's device tensors for `device` yet (that build is collective:
+    the GroupCast tables of every rank are checked against each other)."""
+    return int(device not in runtime._device_meta)
 
 
-def _site_code(site: str) -> int:
-    return _SITES.index(site) if site in _SITES else 0
-
-
-def _show(name: str, value: float) -> str:
-    if name.endswith("dtype"):
-        i = int(value)
-        return str(_DTYPES[i]) if i < len(_DTYPES) else "another dtype"
-    return repr(value)
+def build_device_meta_together(runtime: object, device: torch.device, flags: list[list[int]]) -> None:
+    """After the agreement: if any rank must build the device tensors, every rank rebuilds them, so the
+    collective table check of the build runs on every rank (never on one rank alone, which would hang)."""
+    if any(f and f[0] for f in flags):
+        runtime._device_meta.pop(device, None)

@@ -25,6 +25,7 @@ from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 from ._fingerprint import agree_on_key, collective_key_build
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
+from ._sanity import agree_on_call
 from .config import DistAttnConfig, KernelBackend, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
@@ -425,9 +426,23 @@ def get_kernel_backend(
 
 
 def clear_cache(cp_group_or_mesh: Any = None) -> None:
-    """Drop cached plans.
+    """Drop cached plans. Collective: every rank of the group calls it at the same point of its calls.
+
+    A rank that dropped its plans alone would re-plan alone: its next key build would agree with no one and
+    its next `calc_attn` would check its GroupCast tables with no one, both waiting for the others until the
+    process group's timeout. So `clear_cache` runs the status agreement first: the ranks that call it clear
+    together, and a rank that meanwhile makes another call (`calc_attn`, `dispatch`, ...) raises on every
+    rank, naming the calls ("ranks are in different calls"), with nothing cleared anywhere.
 
     Args:
-        cp_group_or_mesh: drop only this group's plans; None drops every group's.
+        cp_group_or_mesh: drop only this group's plans (collective over it); None drops every group's plans
+            (collective over the default process group: every rank of the job calls it).
     """
-    RUNTIME_CACHE.clear(None if cp_group_or_mesh is None else _resolve_cp_group(cp_group_or_mesh).name)
+    if cp_group_or_mesh is None:
+        name = None
+        group = _resolve_cp_group(None)  # the default group, or one process without torch.distributed
+    else:
+        group = _resolve_cp_group(cp_group_or_mesh)
+        name = group.name
+    agree_on_call(group, "clear_cache", lambda: None, same=lambda: {"cp group": name})
+    RUNTIME_CACHE.clear(name)

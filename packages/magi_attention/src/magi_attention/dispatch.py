@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from ._call_checks import check_key
 from ._comm import all_gather_tokens
 from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._runtime import RUNTIME_CACHE, DistAttnRuntime
-from ._sanity import device_of, tensor_values, validate_on_all_ranks
+from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta, tensor_values
 from .key import DistAttnRuntimeKey
 
 
@@ -48,7 +49,13 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_local: torch.Tensor):
+        _agree_on_backward(ctx.runtime, "dispatch (backward)", grad_local)
         return _gather_global(grad_local, ctx.runtime), None, None
+
+
+def _agree_on_backward(runtime: DistAttnRuntime, call: str, grad: torch.Tensor) -> None:
+    """Every rank runs this backward (a rank that skipped it, or is elsewhere, is named, not awaited)."""
+    agree_on_call(runtime.key.cp_group, call, lambda: None, same=lambda: tensor_values(grad, "grad"))
 
 
 class UndispatchFunction(torch.autograd.Function):
@@ -60,6 +67,37 @@ class UndispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):
         return _select_local(grad_x, ctx.runtime), None
+
+
+def _check_pad_value(pad_value: object) -> None:
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int | float):
+        raise TypeError(f"pad_value must be an int or float, got {type(pad_value).__name__}")
+
+
+def _agree_on_tokens(
+    key: DistAttnRuntimeKey, call: str, x: object, check, same: dict | None = None, *, device_meta=True
+) -> DistAttnRuntime:
+    """The runtime of `key` after the status agreement of `call` on a token tensor `x`: `check` runs
+    locally, then every rank agrees (dtype and trailing shape of `x`, the values of `same`); raises on every
+    rank if any failed. With `device_meta`, a rank that must build the plan's device tensors for x's device
+    makes every rank build them (that build is collective)."""
+    got: list[DistAttnRuntime] = []
+
+    def local() -> None:
+        got.append(RUNTIME_CACHE.get(key))
+        check()
+
+    device = x.device if isinstance(x, torch.Tensor) else None
+    flags = agree_on_call(
+        key.cp_group,
+        call,
+        local,
+        same=lambda: {**tensor_values(x, "x" if call.startswith("dispatch") else "local_x"), **(same or {})},
+        extra=lambda: [needs_device_meta(got[0], device)] if device_meta else [],
+    )
+    if device_meta:
+        build_device_meta_together(got[0], device, flags)
+    return got[0]
 
 
 def _check_tokens(x: torch.Tensor, expected: int, name: str, what: str) -> None:
@@ -84,16 +122,17 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
         `[key.shard_seqlen, ...]`: this rank's chunks (ascending chunk id); with
         `DispatchConfig(uneven_shard=True)` ranks hold different counts (`key.shard_seqlens`).
     """
-    runtime = RUNTIME_CACHE.get(key)
-    validate_on_all_ranks(
-        lambda: _check_tokens(x, key.total_seqlen_q, "x", "the key's total_seqlen_q"),
-        key.cp_group.group,
-        device_of(x),
-        site="dispatch",
-        values=lambda: tensor_values(x, "x"),
+    check_key(key)  # a non-key names no group to tell: it raises here, on this rank only
+    runtime = _agree_on_tokens(
+        key,
+        "dispatch",
+        x,
+        lambda: (
+            _check_tokens(x, key.total_seqlen_q, "x", "the key's total_seqlen_q"),
+            _check_pad_value(pad_value),
+        ),
+        {"pad_value": float(pad_value) if isinstance(pad_value, int | float) else 0.0},
     )
-    if isinstance(pad_value, bool) or not isinstance(pad_value, int | float):
-        raise TypeError(f"pad_value must be an int or float, got {type(pad_value).__name__}")
     if key.cp_size == 1:
         return x
     pad = float(pad_value) if x.is_floating_point() else int(pad_value)
@@ -111,16 +150,16 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     Returns:
         `[total_seqlen_q, ...]` in global token order, the same on every rank.
     """
+    check_key(key)
     runtime = RUNTIME_CACHE.get(key)
-    validate_on_all_ranks(
+    _agree_on_tokens(
+        key,
+        "undispatch",
+        local_x,
         lambda: (
             _check_tokens(local_x, runtime.local_seqlen, "local_x", "this rank's shard of the key"),
             check_dispatch_tags(runtime, local_x=local_x),
         ),
-        key.cp_group.group,
-        device_of(local_x),
-        site="undispatch",
-        values=lambda: tensor_values(local_x, "local_x"),
     )
     if key.cp_size == 1:
         return local_x
@@ -154,6 +193,7 @@ class DispatchKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_local: torch.Tensor):
+        _agree_on_backward(ctx.runtime, "dispatch_kv (backward)", grad_local)
         return _kv_gather(grad_local.contiguous(), ctx.runtime), None
 
 
@@ -183,13 +223,14 @@ def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
         `DispatchConfig(uneven_shard=True)`, contiguous unpadded shards of `key.kv_shard_seqlens` tokens.
         Backward: every rank receives the full gradient of `x`.
     """
-    if not key.is_cross_attention:
+    if not check_key(key).is_cross_attention:
         return dispatch(x, key)
-    runtime = RUNTIME_CACHE.get(key)
-    validate_on_all_ranks(
+    runtime = _agree_on_tokens(
+        key,
+        "dispatch_kv",
+        x,
         lambda: _check_tokens(x, key.total_seqlen_k, "x", "the key's total_seqlen_k"),
-        key.cp_group.group,
-        device_of(x),
+        device_meta=False,
     )
     if key.cp_size == 1:
         return x
@@ -205,15 +246,17 @@ def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tenso
         local_x: `[key.kv_shard_seqlen, ...]`, this rank's key/value-side tokens (e.g. a dK / dV shard).
         key: the key the tensors were dispatched with.
     """
-    if not key.is_cross_attention:
+    if not check_key(key).is_cross_attention:
         return undispatch(local_x, key)
     runtime = RUNTIME_CACHE.get(key)
-    validate_on_all_ranks(
+    _agree_on_tokens(
+        key,
+        "undispatch_kv",
+        local_x,
         lambda: _check_tokens(
             local_x, runtime.kv_local_seqlen, "local_x", "this rank's key/value shard of the key"
         ),
-        key.cp_group.group,
-        device_of(local_x),
+        device_meta=False,
     )
     if key.cp_size == 1:
         return local_x

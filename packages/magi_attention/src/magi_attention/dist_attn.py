@@ -26,7 +26,7 @@ from ._comm_errors import comm_step
 from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._kernels import AttnKernel
 from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
-from ._sanity import device_of, dtype_code, validate_on_all_ranks
+from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta
 from .config import KernelBackend
 from .env import deterministic_mode
 from .key import DistAttnRuntimeKey
@@ -305,6 +305,17 @@ class DistAttnFunc(torch.autograd.Function):
         q, k, v, out, lse, *sink = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        # Every rank runs the backward before any data moves: a rank that skipped it (or is in another
+        # call) is named instead of awaited; a rank without the plan's device tensors makes all rebuild.
+        runtime = ctx.runtime
+        flags = agree_on_call(
+            runtime.key.cp_group,
+            "calc_attn (backward)",
+            lambda: None,
+            same=lambda: {"grad.dtype": grad_out.dtype},
+            extra=lambda: [needs_device_meta(runtime, q.device)],
+        )
+        build_device_meta_together(runtime, q.device, flags)
         dq, dk, dv = dist_attn_bwd(
             grad_out, q, k, v, out, lse, ctx.runtime, ctx.scale, ctx.softcap, dlse=grad_lse
         )
@@ -377,24 +388,36 @@ def calc_attn(
         and `meta.lse` `[shard_seqlen, num_heads_q]` fp32 (fp64 for fp64 inputs, -inf for rows with no keys),
         differentiable; `meta.max_logits` (None unless asked for).
     """
-    runtime = RUNTIME_CACHE.get(check_key(key))
+    check_key(key)  # a non-key names no group to tell: it raises here, on this rank only
     scalars: list[float] = []
+    got: list[DistAttnRuntime] = []
 
     def check() -> None:  # everything local, before the first collective of the call
-        _validate_calc_attn(q, k, v, key, runtime)
+        got.append(RUNTIME_CACHE.get(key))
+        _validate_calc_attn(q, k, v, key, got[0])
         validate_sink(sink, q)
         check_dtype(q)
         scalars[:] = check_scalars(softmax_scale, softcap, key.head_dim)
-        runtime.kernel_choice.backend_for(q.dtype, key.head_dim, scalars[1])  # e.g. softcap with 'cudnn'
-        check_dispatch_tags(runtime, q=q, k=k, v=v)
+        got[0].kernel_choice.backend_for(q.dtype, key.head_dim, scalars[1])  # e.g. softcap with 'cudnn'
+        check_dispatch_tags(got[0], q=q, k=k, v=v)
 
-    validate_on_all_ranks(
+    # what every rank must pass alike: the dtype (the byte counts of every exchange), the scalars (else the
+    # ranks compute different attentions), whether the max logits are reduced (an all-reduce) and sinks
+    flags = agree_on_call(
+        key.cp_group,
+        "calc_attn (forward)",
         check,
-        key.cp_group.group,
-        device_of(q),
-        site="calc_attn",
-        values=lambda: {"q.dtype": dtype_code(q.dtype), "softmax_scale": scalars[0], "softcap": scalars[1]},
+        same=lambda: {
+            "q.dtype": q.dtype,
+            "softmax_scale": scalars[0],
+            "softcap": scalars[1],
+            "return_max_logits": bool(return_max_logits),
+            "sink": sink is not None,
+        },
+        extra=lambda: [needs_device_meta(got[0], q.device)],
     )
+    runtime = got[0]
+    build_device_meta_together(runtime, q.device, flags)
     scale, softcap = scalars
     ret_max = bool(return_max_logits)
     if key.cp_size == 1:

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._call_checks import check_key
 from ._comm_errors import comm_step
 from ._layout import DispatchLayout
 from ._runtime import RUNTIME_CACHE
-from ._sanity import device_of, tensor_values, validate_on_all_ranks
+from ._sanity import agree_on_call, tensor_values
 from .key import DistAttnRuntimeKey
 
 _TABLE_CACHE_SIZE = 64
@@ -106,6 +107,10 @@ class _RollFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # every rank runs this backward: a rank that skipped it is named instead of awaited
+        agree_on_call(
+            ctx.key.cp_group, "roll (backward)", lambda: None, same=lambda: tensor_values(grad, "grad")
+        )
         # a roll is a permutation of the real tokens: its adjoint is the opposite roll
         return _shift_rows(grad.contiguous(), ctx.key, -ctx.shift), None, None
 
@@ -126,7 +131,7 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
         rows are 0. Differentiable (the backward rolls the gradient back). Collective: every rank of the cp
         group must call it with the same shift.
     """
-    runtime = RUNTIME_CACHE.get(key)
+    runtime = RUNTIME_CACHE.get(check_key(key))
 
     def check() -> None:
         if not isinstance(x, torch.Tensor):
@@ -141,17 +146,12 @@ def roll(x: torch.Tensor, shift: int, dim: int, key: DistAttnRuntimeKey) -> torc
                 f"{runtime.local_seqlen}: pass a dispatched tensor"
             )
 
-    validate_on_all_ranks(
+    agree_on_call(
+        key.cp_group,
+        "roll",
         check,
-        key.cp_group.group,
-        device_of(x),
-        site="roll",
         # the token dim first: with uneven shards only its length differs between ranks
-        values=lambda: {
-            "shift": float(shift),
-            "dim": float(dim % x.ndim),
-            **tensor_values(x.movedim(dim, 0), "x"),
-        },
+        same=lambda: {"shift": shift, "dim": dim % x.ndim, **tensor_values(x.movedim(dim, 0), "x")},
     )
     if key.cp_size == 1:
         return torch.roll(x, shift, dim)
