@@ -274,12 +274,12 @@ def group_reduce(
     def check(built: ReduceTables) -> None:
         _device_of(input)
         ops.append(parse_reduce_op(reduce_op))
-        check_tensor_pair(input, output, sum(built.input_split_sizes), sum(built.output_split_sizes))
-        _validate_reduce_extras(ops[0], input, output, input_lse, output_lse)
         if ops[0] is ReduceOp.LSE and _needs_grad(input, output, input_lse, output_lse):
             raise NotImplementedError(
                 "autograd through group_reduce(reduce_op='lse') is not supported; call it under torch.no_grad()"
             )
+        check_tensor_pair(input, output, sum(built.input_split_sizes), sum(built.output_split_sizes))
+        _validate_reduce_extras(ops[0], input, output, input_lse, output_lse)
 
     _agree_on_call(
         "group_reduce", comm, ReduceTables, tables, check, lambda: {**_same(input), "reduce_op": str(ops[0])}
