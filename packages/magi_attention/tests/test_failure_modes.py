@@ -168,8 +168,8 @@ def test_bad_call_arguments_raise_before_any_communication():
     run_distributed(_bad_call_args_worker, 2, timeout=WAIT)
 
 
-def _sanity_worker(rank: int, world: int) -> None:
-    os.environ["MAGI_ATTENTION_SANITY_CHECK"] = "1"
+def _sanity_worker(rank: int, world: int, sanity: str) -> None:
+    os.environ["MAGI_ATTENTION_SANITY_CHECK"] = sanity  # what sanity mode caught is now always caught
     last = world - 1
     key = _key("causal")
     q, k, v = _qkv(key)
@@ -200,9 +200,25 @@ def _sanity_worker(rank: int, world: int) -> None:
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("sanity", ["1", "0"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_sanity_mode_agrees_on_call_arguments(world):
-    run_distributed(_sanity_worker, world, timeout=WAIT)
+def test_call_arguments_agree_with_and_without_sanity_mode(world, sanity):
+    run_distributed(_sanity_worker, world, sanity, timeout=WAIT)
+
+
+def _sanity_key_hit_worker(rank: int, world: int) -> None:
+    """Sanity mode's extra: key builds that hit the cache agree too, so a rank whose build fails is heard
+    even when the others hit the cache (by default those communicate nothing)."""
+    os.environ["MAGI_ATTENTION_SANITY_CHECK"] = "1"
+    _key("causal")
+    if rank == 1:
+        _raises(ValueError, "num_heads_q", _key, hq=0)
+    else:
+        _raises(ValueError, r"rank\(s\) \[1\] rejected", _key, "causal")  # a cache hit, agreed anyway
+
+
+def test_sanity_mode_agrees_on_key_cache_hits():
+    run_distributed(_sanity_key_hit_worker, 2, timeout=WAIT)
 
 
 # -- a stalled peer: the process group's timeout bounds the wait; the error names the call, the phase (and
