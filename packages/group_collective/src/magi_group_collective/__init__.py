@@ -10,10 +10,13 @@ from ._plan import GroupCastPlan, GroupReducePlan
 from ._symmetric import NativeUnavailableError
 from ._symmetric import release_buffers as release_native_buffers
 from ._work import Work
+from .agreement import AgreementError, ExchangeError
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
+    "AgreementError",
+    "ExchangeError",
     "GroupCastPlan",
     "GroupCollectiveImpl",
     "GroupReducePlan",

@@ -1,7 +1,7 @@
 """Every environment variable magi_attention reads, in one place (read on each call, so tests can set them).
 
-- ``MAGI_ATTENTION_SANITY_CHECK``: 1 = ranks exchange one flag before collectives so bad input on any rank
-  makes every rank raise (a host sync per call; off by default).
+- ``MAGI_ATTENTION_SANITY_CHECK``: 1 = key builds that hit the plan cache agree across ranks too (every
+  public collective call agrees always; off by default).
 - ``MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE``: plans kept per cp group (LRU, default 1000).
 - ``MAGI_ATTENTION_RUNTIME_CACHE_MB``: estimated memory of the plans kept per cp group (LRU, default 1024).
   Every rank must see the same values of both (evictions must match across ranks).
@@ -46,8 +46,9 @@ def _flag(name: str, default: bool) -> bool:
 
 
 def sanity_check_enabled() -> bool:
-    """MAGI_ATTENTION_SANITY_CHECK (boolean, default false): ranks exchange a flag (and key fingerprints)
-    before collectives, so bad input on any rank makes every rank raise (a host sync per call)."""
+    """MAGI_ATTENTION_SANITY_CHECK (boolean, default false): key builds that hit the plan cache take part in
+    the key agreement too (a cache hit communicates nothing by default), so a key build that fails on one
+    rank is heard by the others even when they hit the cache. Every public collective call agrees always."""
     return _flag("MAGI_ATTENTION_SANITY_CHECK", False)
 
 
