@@ -3,16 +3,16 @@
 - key creation on a cache miss, with and without the key-fingerprint all-gather (the plan is built in
   both), and on a cache hit (collective-free);
 - the GroupCast/GroupReduce table check at plan construction (once per key and device);
-- calc_attn's extra local checks (scalars, dtype, dispatch tags) in microseconds per call.
-
+- calc_attn's extra local checks (scalars, dtype, dispatch tags) in microseconds per call;
 - the status agreement of every public collective call (`--agreement`): its host time per call alone,
   and a `calc_attn` forward + backward with and without it (same process, alternating), plus the device
-  synchronisations a step makes with and without it (torch.profiler; CUDA only).
+  synchronisations a step makes with and without it (torch.profiler; CUDA only), and on CUDA the same
+  steps back to back (the host running ahead, as in training).
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/failure_checks_overhead.py
      OMP_NUM_THREADS=1 .venv/bin/python benchmarks/failure_checks_overhead.py --agreement     # CPU, gloo, cp 2
      torchrun --standalone --nproc-per-node 2 benchmarks/failure_checks_overhead.py --agreement \
-         --heads 32 --dtype bf16                                                              # GPUs, NCCL
+         --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
 (`--nproc-per-node 1` runs cp 1, where no agreement is exchanged at all.) Prints one table on rank 0.
 """
 
@@ -183,15 +183,30 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
+    def back_to_back(n):  # the training regime: the host runs ahead, one device sync per n steps
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / n
+
     step()  # plan, device tensors, kernels compiled
     with _agreement_off():
         step()
-    on, off = [], []
+    on, off, on_b2b, off_b2b = [], [], [], []
     for _ in range(args.rounds):  # alternate, so drift hits both alike
         on.append(timed_steps(args.iters))
         with _agreement_off():
             off.append(timed_steps(args.iters))
+        if cuda:
+            on_b2b.append(back_to_back(args.iters))
+            with _agreement_off():
+                off_b2b.append(back_to_back(args.iters))
     row["step_ms_with"], row["step_ms_without"] = statistics.median(on), statistics.median(off)
+    if cuda:
+        row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
     if cuda:  # device synchronisations of one step, with and without the agreement
         from torch.profiler import ProfilerActivity, profile
 
@@ -225,6 +240,10 @@ def _print_agreement(rows: list[dict]) -> None:
         print(f"| {rank} | {r['agreement_us']:.1f} | {r['step_ms_with']:.2f} | {r['step_ms_without']:.2f} | "
               f"{syncs} |")  # fmt: skip
     print(f"{agreements} agreements per step x the slowest rank's agreement = {share:.3f} % of the step")
+    if "b2b_ms_with" in r0:
+        b2b = [(r["b2b_ms_with"], r["b2b_ms_without"]) for r in rows]
+        print("steps back to back (one device sync per --iters steps), ms per step with / without: "
+              + ", ".join(f"rank {i}: {w:.3f} / {wo:.3f}" for i, (w, wo) in enumerate(b2b)))  # fmt: skip
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -234,7 +253,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=1, help="heads (q = kv); the CPU torch kernel is slow")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp64")
-    p.add_argument("--iters", type=int, default=1, help="timed steps per round")
+    p.add_argument("--iters", type=int, default=1, help="timed steps per round (GPU: e.g. 20)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds with / without the agreement")
     p.add_argument("--agree-iters", type=int, default=500, help="agreements timed alone")
     return p.parse_args(argv)
