@@ -205,6 +205,8 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             with _agreement_off():
                 off_b2b.append(back_to_back(args.iters))
     row["step_ms_with"], row["step_ms_without"] = statistics.median(on), statistics.median(off)
+    # paired (with - without) of each round: drift between rounds cancels
+    row["step_ms_paired_diff"] = statistics.median(a - b for a, b in zip(on, off))
     if cuda:
         row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
     if cuda:  # device synchronisations of one step, with and without the agreement
@@ -240,6 +242,8 @@ def _print_agreement(rows: list[dict]) -> None:
         print(f"| {rank} | {r['agreement_us']:.1f} | {r['step_ms_with']:.2f} | {r['step_ms_without']:.2f} | "
               f"{syncs} |")  # fmt: skip
     print(f"{agreements} agreements per step x the slowest rank's agreement = {share:.3f} % of the step")
+    diffs = ", ".join(f"rank {i}: {r['step_ms_paired_diff']:+.2f} ms" for i, r in enumerate(rows))
+    print(f"step with - without, median of the rounds' paired differences: {diffs}")
     if "b2b_ms_with" in r0:
         b2b = [(r["b2b_ms_with"], r["b2b_ms_without"]) for r in rows]
         print("steps back to back (one device sync per --iters steps), ms per step with / without: "
