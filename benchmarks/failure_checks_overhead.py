@@ -117,7 +117,11 @@ def _worker(rank: int, world: int) -> dict:
 
 # -- the status agreement of every call --------------------------------------------------------------------
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+# host-side events that wait for the device (a blocking copy's `_local_scalar_dense` is `.item()` / `.tolist()`)
+_SYNC_EVENTS = frozenset(
+    ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+     "aten::_local_scalar_dense")
+)  # fmt: skip
 
 
 @contextmanager
@@ -153,7 +157,7 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     key = api.magi_attn_varlen_key(cu, cu, h, h, d, dist.group.WORLD, causal=True, dist_attn_config=conf)
     gen = torch.Generator().manual_seed(rank)
     q, k, v, do = (
-        api.dispatch(torch.randn(total, h, d, generator=gen, dtype=torch.float32).to(dtype), key).to(device)
+        api.dispatch(torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype), key)
         for _ in range(4)
     )
     row: dict = {"world": world, "device": str(device), "dtype": args.dtype, "tokens": total, "heads": h}
@@ -220,7 +224,7 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                 step()
                 sync()
             names = [e.name for e in prof.events()]
-            row[f"syncs_{label}"] = sum(1 for n in names if n.startswith(_SYNC_EVENTS))
+            row[f"syncs_{label}"] = sum(1 for n in names if n in _SYNC_EVENTS)
     return row
 
 

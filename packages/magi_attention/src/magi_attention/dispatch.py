@@ -15,8 +15,9 @@ import torch
 
 from ._call_checks import check_key
 from ._comm import all_gather_tokens
+from ._comm_errors import comm_step
 from ._dispatch_tags import check_dispatch_tags, tag_output
-from ._runtime import RUNTIME_CACHE, DistAttnRuntime
+from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime
 from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta, tensor_values
 from .key import DistAttnRuntimeKey
 
@@ -30,14 +31,21 @@ def _pad_tokens(x: torch.Tensor, padded: int, pad_value: float = 0.0) -> torch.T
 def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
     """Local shards of every rank -> the global tensor in original token order (padding removed)."""
     layout = runtime.layout
-    meta = runtime.device_meta(local.device)
+    meta = _device_meta(runtime, local.device)
     group = runtime.key.cp_group.group
     gathered = all_gather_tokens(local, group, layout.cp_size, layout.shard_seqlen)
     return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
 
 
+def _device_meta(runtime: DistAttnRuntime, device: torch.device) -> DeviceMeta:
+    """The plan's device tensors; their first build checks the GroupCast tables of every rank (a collective,
+    run by every rank together after the status agreement), so a failure there names the call and peers."""
+    with comm_step(runtime.key.cp_group, "building the plan's device tensors (tables checked across ranks)"):
+        return runtime.device_meta(device)
+
+
 def _select_local(x: torch.Tensor, runtime: DistAttnRuntime, pad_value: float = 0.0) -> torch.Tensor:
-    meta = runtime.device_meta(x.device)
+    meta = _device_meta(runtime, x.device)
     return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, meta.local_ids)
 
 
