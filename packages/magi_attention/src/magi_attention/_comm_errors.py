@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from magi_group_collective import NativeUnavailableError
 from magi_group_collective.agreement import unresponsive_ranks
 
 
@@ -40,7 +41,7 @@ def comm_step(cp_group: object, what: str) -> Iterator[None]:
     """Run a collective (or wait for one); a RuntimeError from it becomes a CommError naming `what`."""
     try:
         yield
-    except CommError:
+    except (CommError, NativeUnavailableError):  # the latter: a setting that cannot run, raised on every rank
         raise
     except RuntimeError as exc:
         group = getattr(cp_group, "group", None)
