@@ -357,7 +357,7 @@ def test_package_imports_without_cuda_python() -> None:
         "try:\n"
         "    _symmetric.import_cudart()\n"
         "except m.NativeUnavailableError as e:\n"
-        "    assert 'magi-group-collective[native]' in str(e)\n"
+        "    assert 'python scripts/install.py native' in str(e)\n"
         "else:\n"
         "    raise SystemExit('import_cudart must fail without cuda-bindings')\n"
     )

@@ -207,7 +207,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert 'pip install "magi-solver[plot]"' in r.stderr
+    assert "python scripts/install.py plot" in r.stderr
 
 
 def test_plot_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

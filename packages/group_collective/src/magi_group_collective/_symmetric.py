@@ -53,7 +53,8 @@ class NativeUnavailableError(RuntimeError):
     rank alike, before any data moves)."""
 
 
-INSTALL_HINT = 'pip install "magi-group-collective[native]" (cuda-bindings >= 13)'
+# Names the row of the install table (docs/install.md) that brings the `native` extra.
+INSTALL_HINT = 'cuda-bindings >= 13, the `native` extra of magi-group-collective: install row "native" (python scripts/install.py native, docs/install.md)'
 
 
 def native_requirements() -> str:

@@ -119,7 +119,7 @@ def _fa4_missing() -> str:
     try:
         import magi_ffa_fa4
     except ImportError:
-        return "magi-ffa-fa4 is not installed (pip install 'magi-attention[fa4]')"
+        return 'magi-ffa-fa4 is not installed (install row "fa4": python scripts/install.py fa4, docs/install.md)'
     if not magi_ffa_fa4.fa4_available():
         return "flash-attn-4 does not import (" + magi_ffa_fa4.INSTALL_HINT + ")"
     if not torch.cuda.is_available():

@@ -7,7 +7,8 @@ Pure Python (numpy and rich; no torch). Examples:
     magi-attention-plan --mask sliding-window --window 4096,0 --total 262144 --cp 8 --plot out/
     magi-attention-plan --slices my_mask.json --cp 16 --hardware b200
 
-Plots (`--plot DIR`) need matplotlib: `pip install "magi-solver[plot]"`.
+Plots (`--plot DIR`) need matplotlib, the `plot` extra: `python scripts/install.py plot` from a clone
+(the "plot" row of docs/install.md).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print a JSON list (one record per cp size)")
     o.add_argument(
-        "--plot", metavar="DIR", help='write PNGs to DIR (needs `pip install "magi-solver[plot]"`)'
+        "--plot", metavar="DIR", help="write PNGs to DIR (needs matplotlib: install row `plot`)"
     )
     o.add_argument("--quiet", action="store_true", help="no progress and no summary on stderr")
     return p.parse_args(argv)
@@ -364,10 +365,12 @@ def _write_plots(
 
 
 def _check_plot_backend() -> None:
+    from . import plot  # numpy only; matplotlib is imported by the drawing functions
+
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError('--plot needs matplotlib: pip install "magi-solver[plot]"') from None
+        raise CliError(f"--plot needs matplotlib: {plot.PLOT_INSTALL_HINT}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Pictures of masks and plans (PNG through matplotlib, the `magi-solver[plot]` extra).
 
 `mask_image` is pure numpy (exact areas per cell, no dense mask); every `save_*` function imports
-matplotlib on first use and raises `ImportError` naming `pip install "magi-solver[plot]"` without it.
+matplotlib on first use and raises `ImportError` naming the install row that brings it (`plot`) without it.
 Images are downsampled to at most `size` x `size` cells, so a million-token mask draws in well under a
 second and a PNG stays small.
 """
@@ -29,7 +29,8 @@ __all__ = [
     "save_scaling_png",
 ]
 
-PLOT_INSTALL_HINT = 'pip install "magi-solver[plot]"'
+# Names the row of the install table (docs/install.md) that brings the `plot` extra.
+PLOT_INSTALL_HINT = 'install row "plot" (python scripts/install.py plot, docs/install.md)'
 _DPI = 80
 
 
