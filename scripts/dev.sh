@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh clone: sets up .venv (pip, pinned torch/triton), then runs a job.
 #   bash scripts/dev.sh demo    the main job (the distributed-attention demo)
-#   bash scripts/dev.sh test    every test of every package (CPU; Triton kernels under the interpreter)
-#   bash scripts/dev.sh docs    mkdocs build --strict
+#   bash scripts/dev.sh test    every test: pytest.ini's suite, then each integration's tests with its own pytest
+#                               configuration (CPU; Triton kernels under the interpreter). With arguments:
+#                               pytest with them (an integrations/<x> path first: that integration's config)
+#   bash scripts/dev.sh docs    mkdocs build --strict (the site goes to site/)
 #   bash scripts/dev.sh lint    ruff check + ruff format --check
 #   bash scripts/dev.sh wheels  build each package's wheel on its own (into dist/)
 set -euo pipefail
@@ -22,14 +24,47 @@ setup() {
   local want
   want=$(cat requirements/ci.txt packages/*/pyproject.toml | sha1sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+  local t0=$SECONDS
+  echo "dev.sh: setting up $VENV (once; 1-2 min): torch 2.13.0 (CPU wheel on a machine without a GPU), triton 3.6.0," \
+    "numpy<2.4, pytest, ruff, mkdocs, matplotlib, and every package under packages/ editable" >&2
   [ -x "$PY" ] || python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   # pip, not uv: pip takes the local CPU torch wheel; uv would download the CUDA stack.
   "$PY" -m pip install -q -r requirements/ci.txt
   # Siblings in one pip command so no name is ever looked up on PyPI.
-  "$PY" -m pip install -q --no-deps -e packages/mask -e packages/solver -e packages/ffa -e packages/group_collective \
-    -e packages/magi_attention -e packages/ffa_fa4 -e packages/ffa_cudnn
+  local pkgs=() d
+  for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
+  "$PY" -m pip install -q --no-deps "${pkgs[@]}"
   echo "$want" > "$stamp"
+  echo "dev.sh: $VENV ready in $((SECONDS - t0)) s ($(du -sh "$VENV" | cut -f1))" >&2
+}
+
+integrations() {  # every integration with a package (a pyproject.toml)
+  local d
+  for d in integrations/*/; do [ -f "$d/pyproject.toml" ] && echo "${d%/}"; done
+  return 0
+}
+
+setup_integration() {  # setup_integration DIR: its test dependencies, on first use (transformers, megatron-core, ...)
+  local dir=$1 stamp want
+  stamp=$VENV/.magi-setup-$(basename "$dir")
+  want=$(cat "$dir/pyproject.toml" requirements/constraints.txt | sha1sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+  local t0=$SECONDS pkgs=() d
+  echo "dev.sh: installing $dir with its test dependencies into $VENV (once)" >&2
+  # the integration and every sibling in one pip command (no name looked up on PyPI); the constraints keep
+  # the pinned torch, triton and numpy
+  for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
+  "$PY" -m pip install -q -c requirements/constraints.txt "${pkgs[@]}" -e "$dir[test]"
+  echo "$want" > "$stamp"
+  echo "dev.sh: $dir installed in $((SECONDS - t0)) s" >&2
+}
+
+pytest_integration() {  # pytest_integration DIR [ARGS]: with the integration's own pytest configuration
+  local dir=$1
+  shift
+  setup_integration "$dir"
+  "$PY" -m pytest -q -c "$dir/pyproject.toml" --rootdir "$dir" "$@"
 }
 
 gpu_present() {
@@ -45,10 +80,33 @@ case "$cmd" in
     ;;
   test)
     gpu_present || export TRITON_INTERPRET=1
-    "$PY" -m pytest -q "$@"
+    if [ $# -gt 0 ]; then
+      case $1 in
+        integrations/*/*|integrations/*)
+          dir=$(cut -d/ -f1-2 <<<"$1")
+          pytest_integration "$dir" "$@"
+          ;;
+        *) "$PY" -m pytest -q "$@" ;;
+      esac
+      exit
+    fi
+    t0=$SECONDS
+    failed=()
+    echo "dev.sh: pytest.ini's suite (packages/*/tests, tests/)" >&2
+    "$PY" -m pytest -q || failed+=(pytest.ini)
+    for dir in $(integrations); do
+      echo "dev.sh: $dir/tests (its own pytest configuration)" >&2
+      pytest_integration "$dir" "$dir/tests" || failed+=("$dir")
+    done
+    if [ ${#failed[@]} -gt 0 ]; then
+      echo "dev.sh: FAILED: ${failed[*]} ($((SECONDS - t0)) s)" >&2
+      exit 1
+    fi
+    echo "dev.sh: every suite passed: pytest.ini's and $(integrations | wc -l) integrations' ($((SECONDS - t0)) s)" >&2
     ;;
   docs)
     "$PY" -m mkdocs build --strict -q -d "$ROOT/site"
+    echo "dev.sh: docs built: $ROOT/site/index.html (serve them: $VENV/bin/mkdocs serve)"
     ;;
   lint)
     "$VENV/bin/ruff" check .
@@ -56,8 +114,8 @@ case "$cmd" in
     ;;
   wheels)
     rm -rf dist && mkdir -p dist
-    for pkg in mask solver ffa ffa_fa4 ffa_cudnn group_collective magi_attention; do
-      "$PY" -m pip wheel -q --no-deps -w dist "packages/$pkg"
+    for dir in packages/*/ $(integrations); do
+      [ -f "$dir/pyproject.toml" ] && "$PY" -m pip wheel -q --no-deps -w dist "$dir"
     done
     # The planner must stay installable without torch.
     "$PY" - <<'PY'

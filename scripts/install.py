@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rc = subprocess.run(cmd).returncode
     if rc == 0:
-        print(f"installed {' + '.join(args.rows)} in {time.perf_counter() - t0:.0f} s")
+        done = "resolved" if "--dry-run" in args.pip_args else "installed"
+        print(f"{done} {' + '.join(args.rows)} in {time.perf_counter() - t0:.0f} s")
     return rc
 
 

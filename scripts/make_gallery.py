@@ -4,7 +4,7 @@
                                               # the generated tables in docs/benchmarks/cost_model.md
     python scripts/make_gallery.py --out DIR  # everything under DIR instead (the docs test uses this)
 
-Needs magi-solver with its plot extra (`pip install "./packages/solver[plot]"`); no torch, no GPU.
+Needs magi-solver with its plot extra (`python scripts/install.py plot`); no torch, no GPU.
 Inputs: the mask builders, the planner, the cost model, `docs/benchmarks/index.md` (kernel summary table)
 and `benchmarks/cp_results/*.md` (the measured cp = 2 runs).
 """
@@ -73,7 +73,7 @@ def gallery(out: Path) -> list[Path]:
     plan = plan_dist_attn(*spec, 4096, 4, 128, overlap_degree=1)
     img = mplot.mask_image(*spec, 4096, size=128)
     g = out / "gallery"
-    written.append(Path(mplot.save_dispatch_png(g / "dispatch_varlen_causal_cp4.png", plan, img)))
+    written.append(Path(mplot.save_dispatch_png(g / "dispatch_varlen_causal_cp4.png", plan, img, mask=spec)))
     written.append(Path(mplot.save_rank_areas_png(g / "rank_areas_varlen_causal_cp4.png", plan)))
     written.append(Path(mplot.save_comm_matrix_png(g / "comm_matrix_varlen_causal_cp4.png", plan)))
     # predicted scaling of the CLI's default mask: 1M tokens, 300 log-normal documents, causal

@@ -7,6 +7,7 @@
 #                                                 DIR's wheel alone in a fresh venv (declared deps + sibling wheels), its tests
 #   bash scripts/ci/job.sh repo [--drop A,B]      every package wheel in one venv, the root tests/
 #   bash scripts/ci/job.sh coverage               the pkg jobs together ran every test that the dev job collected
+#   bash scripts/ci/job.sh install-commands       every install command of the docs and READMEs, each in a fresh venv
 # Layout under $CI_OUT (default out/ci): wheels/, venvs/<job>/, ids/<job>.txt, work/<job>/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -222,6 +223,16 @@ job_dev() {
   if [ ${#failed[@]} -gt 0 ]; then say "failed: ${failed[*]}"; return 1; fi
 }
 
+job_install_commands() {
+  # scripts/ci/install_commands.py finds the commands (a new package's documented command is picked up
+  # by being written in a doc) and runs or resolves each; the table of seconds and venv sizes ends the log
+  local work=$CI_OUT/work/install-commands
+  [ "${MAGI_CI_DROP_VENVS:-0}" = 1 ] && trap "rm -rf '$work'" EXIT
+  tools_py scripts/ci/install_commands.py run --wheels "$WHEELS" --torch-base "$CI_OUT/venvs/torch-base" \
+    --work "$work" --python "$PYTHON" --jobs "${MAGI_CI_INSTALL_JOBS:-4}"
+  cp "$work/install-commands.md" "$CI_OUT/install-commands.md"
+}
+
 job_coverage() {
   tools_py scripts/ci/ciutil.py coverage "$CI_OUT/work/collected.txt" "$CI_OUT"/ids/*.txt
 }
@@ -235,6 +246,7 @@ case $cmd in
   pkg) job_pkg "$@" ;;
   repo) job_repo "$@" ;;
   coverage) job_coverage ;;
+  install-commands) job_install_commands ;;
   projects) projects ;;
   *) echo "unknown job $cmd" >&2; exit 2 ;;
 esac

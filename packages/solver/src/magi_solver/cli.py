@@ -48,6 +48,7 @@ MASKS = (
     "block-causal",
     "prefix-lm",
 )
+_DEFAULT_CP = "8,16,64"
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _SCHEME_LABEL = {
     "magi": "magi",
@@ -254,7 +255,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--family", choices=[f.value for f in MaskFamily], help="kernel throughput class to use")
 
     s = p.add_argument_group("model and planner")
-    s.add_argument("--cp", default="8,16,64", help="cp sizes (default 8,16,64)")
+    s.add_argument("--cp", default=_DEFAULT_CP, help=f"cp sizes (default {_DEFAULT_CP})")
     s.add_argument(
         "--chunk-size", type=int, default=2048, help="dispatch chunk size in tokens (default 2048)"
     )
@@ -283,6 +284,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     o.add_argument(
         "--plot", metavar="DIR", help="write PNGs to DIR (needs matplotlib: install row `plot`)"
     )
+    o.add_argument(
+        "--wide",
+        action="store_true",
+        help="one table per cp size with every column, however wide (a narrow terminal otherwise gets "
+        "the columns in two or more tables, so that no number is cut)",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress and no summary on stderr")
     return p.parse_args(argv)
 
@@ -300,9 +307,60 @@ def _fmt_tokens(n: float | None) -> str:
     return "-" if n is None else f"{n:,.0f}"
 
 
-def _render(records: list[dict[str, Any]], header: str, hw: HardwareProfile, console: Any) -> None:
+# (header, cell) of the per-scheme columns, in order; a narrow terminal gets them in several tables
+_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("imbal.", lambda s, t: f"{s['imbalance']:.3f}"),
+    ("K/V tokens/rank", lambda s, t: _fmt_tokens(s["comm_tokens_per_rank"])),
+    ("sent/rank fwd", lambda s, t: _fmt_bytes(s["comm_bytes_per_rank"])),
+    ("fwd ms", lambda s, t: f"{s['fwd_ms']:.2f}"),
+    ("bwd ms", lambda s, t: f"{s['bwd_ms']:.2f}"),
+    ("fwd TF/s/GPU", lambda s, t: f"{s['fwd_tflops_per_gpu']:.0f}"),
+    ("bwd TF/s/GPU", lambda s, t: f"{s['bwd_tflops_per_gpu']:.0f}"),
+    ("vs magi", lambda s, t: "" if t is None else f"{(s['fwd_ms'] + s['bwd_ms']) / t:.2f}x"),
+)
+
+
+def _scheme_table(rec: dict[str, Any], columns: Sequence[int], title: str | None) -> Any:
+    """One table of `rec`'s schemes with the `_COLUMNS` of the given indices (after the scheme name)."""
     from rich.table import Table
 
+    t = Table(title=title, title_justify="left", title_style="bold", caption_justify="left")
+    t.add_column("scheme", justify="left", no_wrap=True)
+    for i in columns:
+        t.add_column(_COLUMNS[i][0], justify="right", no_wrap=True)
+    magi = rec["schemes"]["magi"]
+    magi_total = magi["fwd_ms"] + magi["bwd_ms"]
+    for name in SCHEMES:
+        s = rec["schemes"][name]
+        if "skipped" in s:
+            t.add_row(f"{_SCHEME_LABEL[name]} (n/a)", *["-"] * len(columns))
+            t.caption = f"{_SCHEME_LABEL[name]}: {s['skipped']}"
+            continue
+        label = f"[bold]{_SCHEME_LABEL[name]}[/bold]" if name == "magi" else _SCHEME_LABEL[name]
+        ref = None if name == "magi" else magi_total
+        t.add_row(label, *(_COLUMNS[i][1](s, ref) for i in columns))
+    return t
+
+
+def _column_groups(rec: dict[str, Any], console: Any, wide: bool) -> list[list[int]]:
+    """The `_COLUMNS` split into consecutive groups whose tables fit the console's width (one group when
+    everything fits, or with --wide): a cut number is worse than a second table."""
+    everything = list(range(len(_COLUMNS)))
+    if wide:
+        return [everything]
+    unbounded = console.options.update_width(1 << 16)  # measure() clamps to the options' width
+
+    groups: list[list[int]] = [[]]
+    for i in everything:
+        trial = groups[-1] + [i]
+        if groups[-1] and console.measure(_scheme_table(rec, trial, None), options=unbounded).maximum > console.width:
+            groups.append([i])
+        else:
+            groups[-1] = trial
+    return groups
+
+
+def _render(records: list[dict[str, Any]], header: str, console: Any, wide: bool = False) -> None:
     console.print(header)
     for rec in records:
         degree = rec["overlap_degree"]
@@ -312,32 +370,12 @@ def _render(records: list[dict[str, Any]], header: str, hw: HardwareProfile, con
             f"overlap degree {degree}, imbalance {rec['imbalance']:.3f} "
             f"(lower bound {rec['lower_bound_imbalance']:.3f}), planned in {rec['plan_seconds']:.2f} s"
         )
-        t = Table(title=title, title_justify="left", title_style="bold", caption_justify="left")
-        cols = ("scheme", "imbal.", "K/V tokens/rank", "sent/rank fwd", "fwd ms", "bwd ms", "fwd TF/s/GPU",
-                "bwd TF/s/GPU", "vs magi")  # fmt: skip
-        for col in cols:
-            t.add_column(col, justify="left" if col == "scheme" else "right", no_wrap=True)
-        magi = rec["schemes"]["magi"]
-        magi_total = magi["fwd_ms"] + magi["bwd_ms"]
-        for name in SCHEMES:
-            s = rec["schemes"][name]
-            if "skipped" in s:
-                t.add_row(f"{_SCHEME_LABEL[name]} (n/a)", *["-"] * 8)
-                t.caption = f"{_SCHEME_LABEL[name]}: {s['skipped']}"
-                continue
-            speed = "" if name == "magi" else f"{(s['fwd_ms'] + s['bwd_ms']) / magi_total:.2f}x"
-            t.add_row(
-                f"[bold]{_SCHEME_LABEL[name]}[/bold]" if name == "magi" else _SCHEME_LABEL[name],
-                f"{s['imbalance']:.3f}",
-                _fmt_tokens(s["comm_tokens_per_rank"]),
-                _fmt_bytes(s["comm_bytes_per_rank"]),
-                f"{s['fwd_ms']:.2f}",
-                f"{s['bwd_ms']:.2f}",
-                f"{s['fwd_tflops_per_gpu']:.0f}",
-                f"{s['bwd_tflops_per_gpu']:.0f}",
-                speed,
-            )
-        console.print(t)
+        groups = _column_groups(rec, console, wide)
+        for n, cols in enumerate(groups):
+            table = _scheme_table(rec, cols, title if n == 0 else None)
+            if n != len(groups) - 1:
+                table.caption = None  # the note on a skipped scheme once, under the last part
+            console.print(table, crop=not wide, soft_wrap=wide)
     console.print(
         "[dim]Predicted by magi-solver's overlap cost model (slowest rank; TF/s/GPU = FLOP / (time x cp)). "
         "vs magi = the scheme's fwd + bwd time over magi's. Ring and all-gather use zigzag shards; "
@@ -345,22 +383,52 @@ def _render(records: list[dict[str, Any]], header: str, hw: HardwareProfile, con
     )
 
 
+# cells a side of the whole-mask pictures (about one per pixel at 150 dpi and 7 inches)
+_IMAGE_CELLS = 1000
+# A scaling curve needs this many cp sizes: with fewer, --plot adds the default sizes that fit the mask.
+_MIN_SCALING_POINTS = 3
+
+
+def scaling_cps(cps: Sequence[int], total: int, chunk_size: int, defaults: Sequence[int]) -> list[int]:
+    """The cp sizes of `scaling.png`: the user's, plus (when fewer than three) the default sizes and then
+    powers of two, keeping only sizes that give every rank at least one chunk."""
+    out = set(cps)
+    if len(out) >= _MIN_SCALING_POINTS:
+        return sorted(out)
+    chunks = -(-total // chunk_size)
+    extra = [c for c in defaults if c <= chunks] + [1 << i for i in range(1, 11) if (1 << i) <= chunks]
+    for c in extra:
+        if len(out) >= _MIN_SCALING_POINTS:
+            break
+        out.add(c)
+    return sorted(out)
+
+
 def _write_plots(
-    out_dir: str, q: Any, k: Any, t: Any, total: int, records: list[dict[str, Any]], plans: list[Any]
+    out_dir: str,
+    q: Any,
+    k: Any,
+    t: Any,
+    total: int,
+    records: list[dict[str, Any]],
+    plans: list[Any],
+    scaling: list[dict[str, Any]],
 ) -> list[str]:
     from . import plot
 
-    written = [
-        plot.save_mask_png(os.path.join(out_dir, "mask.png"), plot.mask_image(q, k, t, total), "mask", total)
-    ]
+    image = plot.mask_image(q, k, t, total, size=_IMAGE_CELLS)
+    written = [plot.save_mask_png(os.path.join(out_dir, "mask.png"), image, "mask", total)]
     for rec, plan in zip(records, plans):
         cp = rec["cp"]
-        img = plot.mask_image(q, k, t, plan.dispatch.total_seqlen)
-        written.append(plot.save_dispatch_png(os.path.join(out_dir, f"dispatch_cp{cp}.png"), plan, img))
+        padded = plan.dispatch.total_seqlen
+        img = image if padded == total else plot.mask_image(q, k, t, padded, size=_IMAGE_CELLS)
+        written.append(
+            plot.save_dispatch_png(os.path.join(out_dir, f"dispatch_cp{cp}.png"), plan, img, mask=(q, k, t))
+        )
         written.append(plot.save_rank_areas_png(os.path.join(out_dir, f"rank_areas_cp{cp}.png"), plan))
         written.append(plot.save_comm_matrix_png(os.path.join(out_dir, f"comm_matrix_cp{cp}.png"), plan))
-    if len(records) > 1:
-        written.append(plot.save_scaling_png(os.path.join(out_dir, "scaling.png"), records))
+    if len(scaling) > 1:
+        written.append(plot.save_scaling_png(os.path.join(out_dir, "scaling.png"), scaling))
     return written
 
 
@@ -387,10 +455,16 @@ def run(args: argparse.Namespace) -> int:
     work = _workload(args)
     q, k, t, total, fam, desc = build_mask(args)
     err = Console(stderr=True)
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+    # the terminal's width (or $COLUMNS); piped without $COLUMNS, wide enough for one table per cp size
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 132
+    out = Console(highlight=False, width=width)
     show_progress = not args.quiet and err.is_terminal
     t0 = time.perf_counter()
     records, plans = [], []
+    # --plot's scaling curve: the user's sizes, plus the defaults when fewer than three are given
+    curve = scaling_cps(cps, total, work.chunk_size, _int_list(_DEFAULT_CP, "--cp")) if args.plot else cps
+    extra = [c for c in curve if c not in cps]
+    by_cp: dict[int, dict[str, Any]] = {}
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -400,16 +474,19 @@ def run(args: argparse.Namespace) -> int:
         transient=True,
         disable=not show_progress,
     ) as progress:
-        task = progress.add_task("planning", total=len(cps))
-        for cp in cps:
+        task = progress.add_task("planning", total=len(cps) + len(extra))
+        for cp in [*cps, *extra]:
             progress.update(task, description=f"planning cp {cp}")
             rec, plan = predict_cp(q, k, t, total, cp, hardware=hw, family=fam, workload=work)
-            records.append(rec)
-            plans.append(plan)
+            if cp in cps:
+                records.append(rec)
+                plans.append(plan)
+            by_cp[cp] = rec
             progress.advance(task)
     written: list[str] = []
     if args.plot:
-        written = _write_plots(args.plot, q, k, t, total, records, plans)
+        scaling = [by_cp[c] for c in curve]
+        written = _write_plots(args.plot, q, k, t, total, records, plans, scaling)
     if args.json:
         print(json.dumps(records, indent=1))
     else:
@@ -419,11 +496,14 @@ def run(args: argparse.Namespace) -> int:
             f"{work.num_heads_q}:{work.num_heads_kv}, head_dim {work.head_dim}, {args.dtype}; hardware "
             f"{hw.name}{est}: {hw.source}"
         )
-        _render(records, header, hw, out)
+        _render(records, header, out, wide=args.wide)
     sys.stdout.flush()
     if not args.quiet:
         slowest = max(records, key=lambda r: r["plan_seconds"])
-        plots = f"; {len(written)} PNGs in {args.plot}" if written else ""
+        plots = ""
+        if written:
+            added = f" (cp {', '.join(map(str, extra))} added for the curve)" if extra else ""
+            plots = f"; {len(written)} PNGs in {args.plot}, scaling.png over cp {', '.join(map(str, curve))}{added}"
         err.print(
             f"[dim]planned {len(records)} cp size(s) in {time.perf_counter() - t0:.2f} s "
             f"(slowest: cp {slowest['cp']}, {slowest['plan_seconds']:.2f} s){plots}[/dim]",

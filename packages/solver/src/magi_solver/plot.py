@@ -2,8 +2,9 @@
 
 `mask_image` is pure numpy (exact areas per cell, no dense mask); every `save_*` function imports
 matplotlib on first use and raises `ImportError` naming the install row that brings it (`plot`) without it.
-Images are downsampled to at most `size` x `size` cells, so a million-token mask draws in well under a
-second and a PNG stays small.
+Images are downsampled to at most `size` x `size` cells, so a million-token mask draws in about a second
+and a PNG stays small. Pictures are drawn at 150 dpi; the CLI's are 1000 px or more on the long side, and
+its dispatch picture shows documents at a million tokens (one row per rank, and a zoom on the start).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "mask_image",
     "new_figure",
     "owner_image",
+    "zoom_window",
     "save_comm_matrix_png",
     "save_dispatch_png",
     "save_figure",
@@ -31,7 +33,12 @@ __all__ = [
 
 # Names the row of the install table (docs/install.md) that brings the `plot` extra.
 PLOT_INSTALL_HINT = 'install row "plot" (python scripts/install.py plot, docs/install.md)'
-_DPI = 80
+_DPI = 150
+# The dispatch picture zooms on the first tokens: at least this many chunks, at least 1/16 of the sequence.
+_ZOOM_MIN_CHUNKS = 8
+_ZOOM_FRACTION = 16
+# Document boundaries are drawn on the per-rank rows up to this many (beyond, they would fill the row).
+_MAX_BOUNDARIES = 600
 
 
 def new_figure(width: float, height: float) -> Any:
@@ -51,19 +58,34 @@ def save_figure(fig: Any, path: str | os.PathLike[str]) -> str:
     return path
 
 
-def mask_image(q_ranges: Any, k_ranges: Any, attn_mask_type: Any, total: int, size: int = 256) -> np.ndarray:
-    """float64 `[n, n]`, `n = min(size, total)`: the fraction of each cell's (q, k) pairs in the mask.
+def mask_image(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total: int,
+    size: int = 256,
+    window: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """float64 `[n, n]`: the fraction of each cell's (q, k) pairs in the mask.
 
-    Cell `(i, j)` covers rows `[i * total / n, (i + 1) * total / n)` and the same columns; areas are exact
-    (the slices are made disjoint first).
+    The picture covers tokens `[lo, hi)` of both axes (`window`, default the whole `[0, total)`) in
+    `n = min(size, hi - lo)` cells a side: cell `(i, j)` covers rows `[lo + i * (hi - lo) / n, ...)` and the
+    same columns. Areas are exact (the slices are made disjoint first, then clipped to the window).
     """
     total = int(total)
-    n = max(1, min(int(size), total))
-    edges = np.round(np.linspace(0, total, n + 1)).astype(np.int64)
+    lo_w, hi_w = (0, total) if window is None else (int(window[0]), int(window[1]))
+    if not 0 <= lo_w < hi_w <= total:
+        raise ValueError(f"`window` must satisfy 0 <= lo < hi <= total = {total}, got {window}")
+    n = max(1, min(int(size), hi_w - lo_w))
+    edges = np.round(np.linspace(lo_w, hi_w, n + 1)).astype(np.int64)
     cell = np.diff(edges).astype(np.float64)
     img = np.zeros((n, n), dtype=np.float64)
     for s in normalize_mask(q_ranges, k_ranges, attn_mask_type, total, total):
         qs, qe, ks, ke, lo, hi = region_of(*s)
+        # clip the bounding box to the window (lo/hi are diagonal offsets: clipping keeps them valid)
+        qs, qe, ks, ke = max(qs, lo_w), min(qe, hi_w), max(ks, lo_w), min(ke, hi_w)
+        if qs >= qe or ks >= ke:
+            continue
         i0, i1 = np.searchsorted(edges, qs, "right") - 1, np.searchsorted(edges, qe, "left")
         j0, j1 = np.searchsorted(edges, ks, "right") - 1, np.searchsorted(edges, ke, "left")
         rq0 = np.maximum(edges[i0:i1], qs)[:, None]
@@ -74,10 +96,12 @@ def mask_image(q_ranges: Any, k_ranges: Any, attn_mask_type: Any, total: int, si
     return img / (cell[:, None] * cell[None, :])
 
 
-def owner_image(plan: DistAttnPlan, n: int) -> np.ndarray:
-    """int `[n]`: the rank owning the middle token of each of `n` equal row cells."""
+def owner_image(plan: DistAttnPlan, n: int, window: tuple[int, int] | None = None) -> np.ndarray:
+    """int `[n]`: the rank owning the middle token of each of `n` equal row cells of `window` (default the
+    whole sequence)."""
     d = plan.dispatch
-    edges = np.linspace(0, d.total_seqlen, n + 1)
+    lo, hi = (0, d.total_seqlen) if window is None else window
+    edges = np.linspace(lo, hi, n + 1)
     mid = ((edges[:-1] + edges[1:]) / 2).astype(np.int64)
     return np.asarray(d.chunk_owner, dtype=np.int64)[np.minimum(mid // d.chunk_size, d.num_chunks - 1)]
 
@@ -87,7 +111,7 @@ def save_mask_png(
     image: np.ndarray,
     title: str = "",
     total: int | None = None,
-    inches: float = 3.0,
+    inches: float = 7.0,
 ) -> str:
     """Write a mask image (`mask_image`) as a PNG: dark = attended, white = masked."""
     fig = new_figure(inches, inches)
@@ -109,32 +133,88 @@ def _rank_colors(cp: int) -> np.ndarray:
     return np.asarray([cmap(r % cmap.N) for r in range(cp)])
 
 
+def _tinted(image: np.ndarray, owners: np.ndarray, colors: np.ndarray) -> np.ndarray:
+    """RGB of a mask image whose every row is tinted by the colour of the rank owning it."""
+    return 1.0 - image[:, :, None] * (1.0 - colors[owners][:, None, :3])
+
+
+def zoom_window(plan: DistAttnPlan) -> tuple[int, int]:
+    """The tokens the dispatch picture zooms on: the first `max(8 chunks, 1/16 of the sequence)`."""
+    d = plan.dispatch
+    want = max(_ZOOM_MIN_CHUNKS * d.chunk_size, d.total_seqlen // _ZOOM_FRACTION)
+    want = -(-want // d.chunk_size) * d.chunk_size  # whole chunks
+    return 0, min(d.total_seqlen, want)
+
+
 def save_dispatch_png(
-    path: str | os.PathLike[str], plan: DistAttnPlan, image: np.ndarray, title: str = ""
+    path: str | os.PathLike[str],
+    plan: DistAttnPlan,
+    image: np.ndarray,
+    title: str = "",
+    mask: tuple[Any, Any, Any] | None = None,
 ) -> str:
-    """The mask with every row tinted by the rank that owns it, and a strip of chunk owners above it."""
-    n = image.shape[0]
+    """Which rank owns which tokens: one row per rank along the sequence (with the document boundaries),
+    the mask with every row tinted by its owner, and, given the `mask` (`q_ranges, k_ranges, types`)
+    whose `image` this is, a zoom on the first tokens where single documents and chunks show."""
+    d = plan.dispatch
+    total, cp = d.total_seqlen, plan.cp_size
+    colors = _rank_colors(cp)
+    window = zoom_window(plan) if mask is not None else (0, total)
+    zoom = mask is not None and window[1] < total
+    fig = new_figure(11.0 if zoom else 7.0, 7.2)
+    grid = fig.add_gridspec(2, 2 if zoom else 1, height_ratios=[1, 3.2])
+    # one row per rank: a cell is coloured where the rank owns the tokens
+    n = 1200
     owners = owner_image(plan, n)
-    colors = _rank_colors(plan.cp_size)
-    rgb = 1.0 - image[:, :, None] * (1.0 - colors[owners][:, None, :3])
-    fig = new_figure(3.4, 3.8)
-    top, main = fig.subplots(2, 1, height_ratios=[1, 12])
-    strip = colors[owners][None, :, :3]
-    top.imshow(strip, aspect="auto", interpolation="nearest")
-    top.set_axis_off()
-    top.set_title(title or f"dispatch over {plan.cp_size} ranks (colour = owner)", fontsize=9)
-    total = plan.dispatch.total_seqlen
-    main.imshow(rgb, interpolation="nearest", extent=(0, total, total, 0))
+    rows = np.ones((cp, n, 3))
+    for r in range(cp):
+        rows[r, owners == r] = colors[r, :3]
+    strip = fig.add_subplot(grid[0, :])
+    strip.imshow(rows, aspect="auto", interpolation="nearest", extent=(0, total, cp - 0.5, -0.5))
+    if mask is not None:
+        slices = normalize_mask(*mask, total, total, check_disjoint=False)
+        starts = np.unique(np.asarray([sl[0] for sl in slices], dtype=np.int64))
+        starts = starts[(starts > 0) & (starts < total)]
+        if len(starts) <= _MAX_BOUNDARIES:
+            strip.vlines(starts, -0.5, cp - 0.5, colors="0.6", lw=0.25)
+    if zoom:
+        strip.axvspan(*window, color="k", alpha=0.08, lw=0)
+    strip.set_ylabel("rank")
+    strip.set_yticks(range(cp) if cp <= 16 else range(0, cp, max(1, cp // 8)))
+    strip.tick_params(labelsize=7)
+    strip.set_title(
+        title or f"dispatch over {cp} ranks: tokens each rank owns (grey lines: slice starts)", fontsize=9
+    )
+    main = fig.add_subplot(grid[1, 0])
+    main.imshow(_tinted(image, owner_image(plan, image.shape[0]), colors), interpolation="nearest",
+                extent=(0, total, total, 0))  # fmt: skip
     main.set_xlabel("key")
     main.set_ylabel("query (row colour = owning rank)")
+    main.set_title("the whole mask", fontsize=9)
     main.tick_params(labelsize=7)
+    if zoom:
+        main.add_patch(_rectangle(window))
+        zimg = mask_image(*mask, total, size=600, window=window)
+        ax = fig.add_subplot(grid[1, 1])
+        ax.imshow(_tinted(zimg, owner_image(plan, zimg.shape[0], window), colors), interpolation="nearest",
+                  extent=(window[0], window[1], window[1], window[0]))  # fmt: skip
+        ax.set_xlabel("key")
+        ax.set_title(f"zoom: tokens {window[0]:,} to {window[1]:,} ({window[1] // d.chunk_size} chunks)", fontsize=9)
+        ax.tick_params(labelsize=7)
     return save_figure(fig, path)
+
+
+def _rectangle(window: tuple[int, int]) -> Any:
+    from matplotlib.patches import Rectangle
+
+    lo, hi = window
+    return Rectangle((lo, lo), hi - lo, hi - lo, fill=False, ec="k", lw=0.8)
 
 
 def save_rank_areas_png(path: str | os.PathLike[str], plan: DistAttnPlan, title: str = "") -> str:
     """Bars of each rank's mask area, with the mean and the balance lower bound."""
     areas = np.asarray(plan.rank_areas, dtype=np.float64)
-    fig = new_figure(4.0, 2.6)
+    fig = new_figure(7.0, 4.0)
     ax = fig.add_subplot()
     ax.bar(np.arange(len(areas)), areas, color=_rank_colors(len(areas))[:, :3], width=0.9)
     ax.axhline(areas.mean(), color="k", lw=1, ls="--", label="mean")
@@ -150,7 +230,7 @@ def save_rank_areas_png(path: str | os.PathLike[str], plan: DistAttnPlan, title:
 def save_comm_matrix_png(path: str | os.PathLike[str], plan: DistAttnPlan, title: str = "") -> str:
     """Heat map of K/V tokens sent from rank (row) to rank (column), summed over the stages."""
     m = sum(plan.transfer_matrix(s) for s in range(plan.num_stages)).astype(np.float64)
-    fig = new_figure(3.6, 3.0)
+    fig = new_figure(7.0, 5.8)
     ax = fig.add_subplot()
     im = ax.imshow(m, cmap="viridis", interpolation="nearest")
     fig.colorbar(im, ax=ax, label="K/V tokens", shrink=0.8)
@@ -170,7 +250,7 @@ def save_scaling_png(
     """Predicted forward and backward TFLOP/s per GPU against cp, one line per scheme (`predict_cp` records)."""
     names = list(schemes) or list(records[0]["schemes"])
     cps = [r["cp"] for r in records]
-    fig = new_figure(6.0, 2.6)
+    fig = new_figure(8.0, 3.6)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, key, label in zip(axes, ("fwd_tflops_per_gpu", "bwd_tflops_per_gpu"), ("forward", "backward")):
         for name in names:
