@@ -4,6 +4,7 @@ input formats and errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -219,13 +220,76 @@ def test_plot_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "rank_areas_cp2.png", "rank_areas_cp4.png", "scaling.png",
     ]  # fmt: skip
     assert all(p.stat().st_size < 200_000 for p in tmp_path.glob("*.png"))
+    for png in tmp_path.glob("*.png"):  # readable: 150 dpi, 1000 px or more on the long side
+        width, height, dpi = _png_size(png)
+        assert max(width, height) >= 1000 and round(dpi) >= 150, (png.name, width, height, dpi)
 
 
-def test_mask_image_is_exact() -> None:
-    from magi_solver.plot import mask_image
+def _png_size(path: Path) -> tuple[int, int, float]:
+    """(width, height, dots per inch) from a PNG's IHDR and pHYs chunks."""
+    import struct
 
-    q, k, t = make_varlen_causal_mask([0, 5, 12, 16])
-    dense = make_varlen_causal_mask([0, 5, 12, 16]).to_dense(16)
-    np.testing.assert_allclose(mask_image(q, k, t, 16, size=16), dense.astype(float))
-    img = mask_image(q, k, t, 16, size=4)  # 4 x 4 cells of 4 x 4 tokens
-    np.testing.assert_allclose(img, dense.reshape(4, 4, 4, 4).mean(axis=(1, 3)))
+    data = path.read_bytes()
+    width, height = struct.unpack(">II", data[16:24])
+    i = data.index(b"pHYs")
+    ppm = struct.unpack(">I", data[i + 4 : i + 8])[0]  # pixels per metre (unit byte 1)
+    return width, height, ppm * 0.0254
+
+
+def test_scaling_curve_gets_three_cp_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot with one cp size: scaling.png is still a curve (the default sizes that fit the mask added)."""
+    pytest.importorskip("matplotlib")
+    assert main([*SMALL, "--cp", "4", "--plot", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    # 32768 tokens in chunks of 512 = 64 chunks: the defaults 8, 16 and 64 all fit; two are added
+    assert "scaling.png over cp 4, 8, 16 (cp 8, 16 added for the curve)" in " ".join(err.split())
+    assert sorted(p.name for p in tmp_path.glob("dispatch_*.png")) == ["dispatch_cp4.png"]
+
+
+def test_scaling_cps() -> None:
+    from magi_solver.cli import scaling_cps
+
+    assert scaling_cps([2, 4, 8], 1 << 20, 2048, [8, 16, 64]) == [2, 4, 8]  # three given: kept
+    assert scaling_cps([16], 1 << 20, 2048, [8, 16, 64]) == [8, 16, 64]
+    assert scaling_cps([2], 8192, 2048, [8, 16, 64]) == [2, 4]  # 4 chunks: no default fits, powers of two
+    assert scaling_cps([3], 1 << 16, 2048, [8, 16, 64]) == [3, 8, 16]
+
+
+# cp 8 and 64 at 256k tokens (H200 profile): the widest cells the CLI prints (MiB, five-digit token counts)
+NARROW = ["--mask", "varlen-causal", "--total", "262144", "--num-docs", "60", "--cp", "8,64", "--quiet"]
+
+
+@pytest.mark.parametrize("columns", [80, 100, 60])
+def test_table_fits_the_terminal(
+    columns: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At COLUMNS=80 (and narrower or wider) no line is longer than the terminal, no cell is cut (`…`), and
+    every number of the JSON records appears whole in the text."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    recs = _run_json(capsys, *NARROW)
+    assert main(NARROW) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= columns, max(lines, key=len)
+    assert "…" not in text
+    cells = {c.strip() for line in lines for c in line.split("│")}
+    for rec in recs:
+        magi = rec["schemes"]["magi"]
+        for name, s in rec["schemes"].items():
+            if "skipped" in s:
+                continue
+            want = [f"{s['fwd_ms']:.2f}", f"{s['bwd_ms']:.2f}", f"{s['imbalance']:.3f}",
+                    f"{s['fwd_tflops_per_gpu']:.0f}", f"{s['bwd_tflops_per_gpu']:.0f}"]  # fmt: skip
+            if name != "magi":
+                want.append(f"{(s['fwd_ms'] + s['bwd_ms']) / (magi['fwd_ms'] + magi['bwd_ms']):.2f}x")
+            missing = [w for w in want if w not in cells]
+            assert not missing, (rec["cp"], name, missing)
+
+
+def test_wide_keeps_one_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--wide: one table per cp size with every column whole, wider than COLUMNS."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main([*SMALL, "--cp", "2", "--quiet", "--wide"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("┃ scheme") == 1 and "vs magi" in out and "fwd ms" in out and "…" not in out
+    assert max(len(line) for line in out.splitlines()) > 80

@@ -375,7 +375,14 @@ def _render(records: list[dict[str, Any]], header: str, console: Any, wide: bool
             table = _scheme_table(rec, cols, title if n == 0 else None)
             if n != len(groups) - 1:
                 table.caption = None  # the note on a skipped scheme once, under the last part
-            console.print(table, crop=not wide, soft_wrap=wide)
+            if wide:  # the whole table, wider than the terminal if need be (the terminal then wraps lines)
+                need = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+                width = console.width
+                console.width = max(need, width)  # print(width=...) would clamp to the console's width
+                console.print(table, crop=False)
+                console.width = width
+            else:
+                console.print(table)
     console.print(
         "[dim]Predicted by magi-solver's overlap cost model (slowest rank; TF/s/GPU = FLOP / (time x cp)). "
         "vs magi = the scheme's fwd + bwd time over magi's. Ring and all-gather use zigzag shards; "
