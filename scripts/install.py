@@ -46,7 +46,13 @@ class Row:
     parts: tuple[str, ...]
 
 
-RUNTIME = ("packages/mask", "packages/solver", "packages/ffa", "packages/group_collective", "packages/magi_attention")
+RUNTIME = (
+    "packages/mask",
+    "packages/solver",
+    "packages/ffa",
+    "packages/group_collective",
+    "packages/magi_attention",
+)
 # The install table, one line a row. docs/install.md shows the same rows (tests/test_install_table.py).
 ROWS: dict[str, Row] = {
     "planner": Row("the planner and magi-attention-plan (numpy, rich; no torch)", ("packages/mask", "packages/solver")),
@@ -166,7 +172,9 @@ def pip_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             pins.append(f"torch=={version}")  # never replace the user's torch
             if cpu:
                 pins += CPU_PINS
-            notes.append(f"keeping torch {version}{' (CPU build: holding ' + ', '.join(CPU_PINS) + ')' if cpu else ''}")
+            notes.append(
+                f"keeping torch {version}{' (CPU build: holding ' + ', '.join(CPU_PINS) + ')' if cpu else ''}"
+            )
     # the pins go in as requirements (an installed torch satisfies its own pin), so that the printed
     # command (--print) is the whole story
     return cmd + targets + pins + args.pip_args, notes
@@ -184,11 +192,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("rows", nargs="*", metavar="ROW", help="one or more rows (see below)")
-    p.add_argument("--wheels", metavar="DIR", help="install our packages from the wheels in DIR (dev.sh wheels)")
-    p.add_argument("-e", "--editable", action="store_true", help="install our packages editable (development)")
+    p.add_argument(
+        "--wheels", metavar="DIR", help="install our packages from the wheels in DIR (dev.sh wheels)"
+    )
+    p.add_argument(
+        "-e", "--editable", action="store_true", help="install our packages editable (development)"
+    )
     p.add_argument("--print", action="store_true", help="print the pip command instead of running it")
     p.add_argument(
-        "--any-torch", action="store_true", help="without torch and without a GPU, let pip take the index's torch"
+        "--any-torch",
+        action="store_true",
+        help="without torch and without a GPU, let pip take the index's torch",
     )
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     args = p.parse_args(argv)

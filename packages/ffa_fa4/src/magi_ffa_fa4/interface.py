@@ -30,7 +30,7 @@ from ._varlen_kernels import backward_varlen, forward_varlen
 INSTALL_HINT = (
     "magi_ffa_fa4.flex_flash_attn_func needs FlashAttention-4 (CuTe DSL): install row "
     '"fa4" (python scripts/install.py fa4, docs/install.md), which pulls `flash-attn-4==4.0.0b36` and '
-    '`nvidia-cutlass-dsl[cu13]`; or install those two pinned names directly: '
+    "`nvidia-cutlass-dsl[cu13]`; or install those two pinned names directly: "
     '`pip install flash-attn-4==4.0.0b36 "nvidia-cutlass-dsl[cu13]"`.'
 )
 

@@ -281,9 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print a JSON list (one record per cp size)")
-    o.add_argument(
-        "--plot", metavar="DIR", help="write PNGs to DIR (needs matplotlib: install row `plot`)"
-    )
+    o.add_argument("--plot", metavar="DIR", help="write PNGs to DIR (needs matplotlib: install row `plot`)")
     o.add_argument(
         "--wide",
         action="store_true",
@@ -353,7 +351,10 @@ def _column_groups(rec: dict[str, Any], console: Any, wide: bool) -> list[list[i
     groups: list[list[int]] = [[]]
     for i in everything:
         trial = groups[-1] + [i]
-        if groups[-1] and console.measure(_scheme_table(rec, trial, None), options=unbounded).maximum > console.width:
+        if (
+            groups[-1]
+            and console.measure(_scheme_table(rec, trial, None), options=unbounded).maximum > console.width
+        ):
             groups.append([i])
         else:
             groups[-1] = trial

@@ -22,13 +22,13 @@ __all__ = [
     "mask_image",
     "new_figure",
     "owner_image",
-    "zoom_window",
     "save_comm_matrix_png",
     "save_dispatch_png",
     "save_figure",
     "save_mask_png",
     "save_rank_areas_png",
     "save_scaling_png",
+    "zoom_window",
 ]
 
 # Names the row of the install table (docs/install.md) that brings the `plot` extra.
@@ -199,7 +199,9 @@ def save_dispatch_png(
         ax.imshow(_tinted(zimg, owner_image(plan, zimg.shape[0], window), colors), interpolation="nearest",
                   extent=(window[0], window[1], window[1], window[0]))  # fmt: skip
         ax.set_xlabel("key")
-        ax.set_title(f"zoom: tokens {window[0]:,} to {window[1]:,} ({window[1] // d.chunk_size} chunks)", fontsize=9)
+        ax.set_title(
+            f"zoom: tokens {window[0]:,} to {window[1]:,} ({window[1] // d.chunk_size} chunks)", fontsize=9
+        )
         ax.tick_params(labelsize=7)
     return save_figure(fig, path)
 
