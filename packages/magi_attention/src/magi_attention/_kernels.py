@@ -134,7 +134,7 @@ def _cudnn_missing() -> str:
     try:
         import magi_ffa_cudnn
     except ImportError:
-        return "magi-ffa-cudnn is not installed (pip install 'magi-attention[cudnn]')"
+        return 'magi-ffa-cudnn is not installed (install row "cudnn": python scripts/install.py cudnn, docs/install.md)'
     if not magi_ffa_cudnn.cudnn_available():
         return "cuDNN's flex_attention does not import (" + magi_ffa_cudnn.INSTALL_HINT + ")"
     if not torch.cuda.is_available():
