@@ -24,7 +24,7 @@ def test_missing_cudnn_says_what_to_install(entry: str) -> None:
 def test_missing_cudnn_backward_says_what_to_install() -> None:
     x = torch.randn(4, 1, 8, dtype=BF)
     lse = torch.zeros(4, 1)
-    with pytest.raises(ImportError, match="python scripts/install.py cudnn"):
+    with pytest.raises(ImportError, match=r"python scripts/install\.py cudnn"):
         magi_ffa_cudnn.ffa_bwd(x, x, x, x, x, lse, [[0, 4]], [[0, 4]])
 
 

@@ -37,7 +37,7 @@ from .mask_func import mask_func_from_intervals
 
 INSTALL_HINT = (
     "magi_ffa_cudnn needs cuDNN's flex_attention: nvidia-cudnn-frontend==1.32.0 with the CuTe DSL "
-    "(nvidia-cutlass-dsl[cu13]), CUDA only. Install row \"cudnn\" (python scripts/install.py cudnn, "
+    '(nvidia-cutlass-dsl[cu13]), CUDA only. Install row "cudnn" (python scripts/install.py cudnn, '
     "docs/install.md: the runtime with magi-ffa-cudnn) pulls both; or install the two pinned names "
     'directly: `pip install nvidia-cudnn-frontend==1.32.0 "nvidia-cutlass-dsl[cu13]"`.'
 )
