@@ -342,7 +342,9 @@ def test_native_checks_that_need_cuda(monkeypatch) -> None:
         _native.check_native_usable(_FakeComm(4, (2, 2)), cuda, "impl='native'")
     monkeypatch.setitem(sys.modules, "cuda", None)  # cuda-python not installed
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(NativeUnavailableError, match=r"magi-group-collective\[native\]"):
+    with pytest.raises(
+        NativeUnavailableError, match=r"install row \"native\" \(python scripts/install\.py native"
+    ):
         _native.check_native_usable(_FakeComm(4, (1, 4)), cuda, "impl='native'")
     # one rank: no peers, so neither NCCL nor cuda-bindings is needed
     _native.check_native_usable(_FakeComm(1), cuda, "impl='native'")
