@@ -187,7 +187,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv, pip_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(
         prog="python scripts/install.py",
-        description="Install rows of the install table (docs/install.md) into this Python environment.",
+        usage="python scripts/install.py [options] ROW [ROW ...] [-- PIP_ARGS]",
+        description="Install rows of the install table (docs/install.md) into this Python environment. "
+        "Arguments after `--` go to pip.",
         epilog="rows:\n" + "\n".join(f"  {name:<13} {row.what}" for name, row in ROWS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
