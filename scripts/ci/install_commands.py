@@ -17,7 +17,7 @@ rendered page) changes what CI does with the block's commands:
 * `<!-- install: network -->`: needs a network CI lacks (another package index): listed, not run.
 
     python scripts/ci/install_commands.py list
-    python scripts/ci/install_commands.py run --wheels DIR --torch-base VENV --work DIR [--jobs N]
+    python scripts/ci/install_commands.py run --wheels DIR --torch-base VENV --work DIR [--jobs N] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    found = find_commands()
+    found = [c for c in find_commands() if not args.only or args.only in c.command]
     unique: dict[tuple[str, ...], Result] = {}
     for c in found:
         key = (*tuple(c.argv), c.mode)
@@ -438,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--torch-base", required=True, help="a venv with only the CPU torch")
     r.add_argument("--work", required=True, help="scratch folder (emptied)")
     r.add_argument("--python", default=sys.executable, help="interpreter of the new venvs")
+    r.add_argument("--only", metavar="TEXT", help="only the commands that contain TEXT (a developer's check)")
     r.add_argument("--jobs", type=int, default=4, help="commands at a time (pip mostly waits on the index)")
     args = p.parse_args(argv)
     return cmd_list(args) if args.cmd == "list" else cmd_run(args)
