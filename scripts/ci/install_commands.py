@@ -243,8 +243,8 @@ class Runner:
             k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_CONSTRAINT", "VIRTUAL_ENV")
         }
         env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-        # no .pyc at install time (Python writes them on first import): a quarter of the job's CPU time on
-        # 2 cores, and nothing that an install command's success depends on
+        # no .pyc at install time (Python writes them on first import): compiling every module of triton,
+        # transformers or megatron-core costs CPU that 2 cores lack, and no install's success depends on it
         env["PIP_NO_COMPILE"] = "1"
         if dry:
             env["PYTHONPATH"] = str(self.work / "hatchling")
