@@ -408,7 +408,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = Runner(args)
     runner.prepare()
     (runner.work / "torch-cpu-pin.txt").write_text("torch==2.13.0\n")
-    results = list(unique.values())
+    # longest first, so that the slowest command does not start last: integrations pull the most from the
+    # index (torchtitan: 79 distributions), then the other runs, then the dry runs only
+    inst = _load_install_script(ROOT)
+
+    def cost(res: Result) -> int:
+        """Sort key: integration rows 0, other runs 1, dry runs only 2, not run 3."""
+        integration = False
+        idx = _script_index(res.cmd.argv)
+        if idx is not None:
+            try:
+                rows = inst.parse_args(res.cmd.argv[idx + 1 :]).rows
+                integration = any(f.startswith("integrations/") for f in inst.projects(rows))
+            except (SystemExit, inst.InstallError):
+                pass  # the command fails when it runs, and says why
+        return {"run": 1, "resolve": 2, "network": 3}[res.cmd.mode] - integration
+
+    results = sorted(unique.values(), key=cost)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(runner.run_one, r, i): r for i, r in enumerate(results)}
