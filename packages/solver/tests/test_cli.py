@@ -292,3 +292,16 @@ def test_wide_keeps_one_table(capsys: pytest.CaptureFixture[str], monkeypatch: p
     out = capsys.readouterr().out
     assert out.count("┃ scheme") == 1 and "vs magi" in out and "fwd ms" in out and "…" not in out
     assert max(len(line) for line in out.splitlines()) > 80
+
+
+def test_auto_kernel_pick_per_cp_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """The kernel `auto` would pick: from the hardware's measured table when it has one, else the rule."""
+    docs = ["--mask", "varlen-causal", "--total", "32768", "--chunk-size", "1024", "--cp", "1,8"]
+    recs = _run_json(capsys, *docs)
+    assert all(r["kernel_auto"] in ("fa4", "cudnn") and "h200 table" in r["kernel_auto_reason"] for r in recs)
+    # one rank's whole packed sequence is a set of documents: FA4's varlen kernels win the measured rows
+    assert recs[0]["kernel_auto"] == "fa4" and "documents" in recs[0]["kernel_auto_reason"]
+    recs = _run_json(capsys, *docs, "--hardware", "b200")
+    assert all(r["kernel_auto"] is None and "capability rule" in r["kernel_auto_reason"] for r in recs)
+    assert main([*docs, "--quiet"]) == 0
+    assert "kernel_backend='auto' on h200, head_dim 128: cp 1: fa4, cp 8:" in capsys.readouterr().out

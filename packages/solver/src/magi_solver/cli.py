@@ -34,6 +34,7 @@ from . import (
 )
 from .cost_model import load_profile
 from .hardware import HARDWARE, HardwareProfile, MaskFamily, get_hardware
+from .kernel_choice import busiest_rank_features, load_kernel_table, pick_kernel
 from .predict import SCHEMES, Workload, predict_cp
 
 __all__ = ["build_mask", "main", "parse_args"]
@@ -449,6 +450,20 @@ def _check_plot_backend() -> None:
         raise CliError(f"--plot needs matplotlib: {plot.PLOT_INSTALL_HINT}") from None
 
 
+def auto_kernel(q, k, t, plan, hw: HardwareProfile, head_dim: int) -> tuple[str | None, str]:
+    """What the runtime's ``kernel_backend="auto"`` picks for this plan on ``hw`` (assuming the GPU runs
+    every backend its table measured): ``(backend, reason)``, backend None without a table or row."""
+    table = load_kernel_table(hw.name)
+    if table is None:
+        return None, f"no measured kernel table for {hw.name}: the runtime uses its capability rule"
+    rows = [plan.dispatch.position_ids(r) for r in range(plan.dispatch.cp_size)]
+    candidates = sorted({b for row in table.rows for b in row["ms"]})
+    picked = pick_kernel(table, busiest_rank_features(q, k, t, rows), head_dim, candidates)
+    if picked is None:
+        return None, f"the {hw.name} table has no row for head_dim {head_dim}: the runtime's capability rule"
+    return picked
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the CLI on parsed arguments (returns the exit status)."""
     from rich.console import Console
@@ -487,6 +502,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=f"planning cp {cp}")
             rec, plan = predict_cp(q, k, t, total, cp, hardware=hw, family=fam, workload=work)
             if cp in cps:
+                rec["kernel_auto"], rec["kernel_auto_reason"] = auto_kernel(q, k, t, plan, hw, work.head_dim)
                 records.append(rec)
                 plans.append(plan)
             by_cp[cp] = rec
@@ -505,6 +521,9 @@ def run(args: argparse.Namespace) -> int:
             f"{hw.name}{est}: {hw.source}"
         )
         _render(records, header, out, wide=args.wide)
+        picks = ", ".join(f"cp {r['cp']}: {r['kernel_auto'] or 'capability rule'}" for r in records)
+        out.print(f"kernel_backend='auto' on {hw.name}, head_dim {work.head_dim}: {picks}")
+        out.print(f"[dim]({records[0]['kernel_auto_reason']})[/dim]")
     sys.stdout.flush()
     if not args.quiet:
         slowest = max(records, key=lambda r: r["plan_seconds"])

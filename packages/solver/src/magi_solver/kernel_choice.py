@@ -31,6 +31,7 @@ from functools import cache
 from importlib import resources
 
 import numpy as np
+from magi_mask import normalize_types
 
 from .mask import AttnSlice, SliceList
 
@@ -138,14 +139,20 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
 def busiest_rank_features(
     q_ranges: Sequence[Sequence[int]],
     k_ranges: Sequence[Sequence[int]],
-    types: Sequence[int],
+    types: Sequence[int] | str,
     rank_rows: Sequence[np.ndarray],
 ) -> MaskFeatures:
     """Features of the busiest rank's problem: its query rows (global ids in ``rank_rows[r]``, in any order;
     padding ids past the mask are fine) against the global mask's keys. The busiest rank is the one with
     the largest area (ties: the lowest rank), so every rank picks the same one."""
     best: MaskFeatures | None = None
-    slices = SliceList(tuple(map(tuple, q_ranges)), tuple(map(tuple, k_ranges)), tuple(int(t) for t in types))
+
+    def pair(r) -> tuple[int, int]:  # (start, end) pairs or AttnRange objects
+        return (int(r.start), int(r.end)) if hasattr(r, "start") else (int(r[0]), int(r[1]))
+
+    q_pairs = tuple(map(pair, q_ranges))
+    codes = tuple(normalize_types(types, len(q_pairs), "types"))  # ints, names or AttnMaskType members
+    slices = SliceList(q_pairs, tuple(map(pair, k_ranges)), codes)
     for rows in rank_rows:
         rows = np.sort(np.asarray(rows, dtype=np.int64))
         local: list[tuple[int, int, int, int, int]] = []
