@@ -54,21 +54,21 @@ __all__ = [
     "head_dim_supported",
 ]
 
-_EXECUTION = None
+_FLEX = None
 
 
 def _cudnn():
     """``cudnn.flex_attention`` (imported on first use; ImportError with the install hint without it); its
     ``execution`` submodule holds the reusable-plan forward and backward."""
-    global _EXECUTION
-    if _EXECUTION is not None:
-        return _EXECUTION
+    global _FLEX
+    if _FLEX is not None:
+        return _FLEX
     try:
         import cudnn.flex_attention as flex
         from cudnn.flex_attention import execution  # noqa: F401  (flex.execution below)
     except (ImportError, OSError) as e:  # OSError: a frontend whose shared libraries do not load
         raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
-    _EXECUTION = flex
+    _FLEX = flex
     return flex
 
 
@@ -202,9 +202,9 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
 def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
     """cuDNN forward: out ``[total_q, hq, d]`` (q's dtype), lse fp32 ``[total_q, hq]`` (a transposed view),
     max logits fp32 ``[hq]`` or None."""
-    ex = _cudnn()
+    flex = _cudnn()
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    res = ex.execution._flex_attention_forward(
+    res = flex.execution._flex_attention_forward(
         q[None], k[None], v[None], mask_plan=plan.mask_plan, softmax_scale=scale, return_lse=True,
         return_max_logit=want_max,
     )  # fmt: skip
@@ -218,7 +218,7 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
 
 def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, deterministic: bool, dlse):
     """cuDNN backward from a (possibly merged) out / lse: dq, dk, dv in q's dtype."""
-    ex = _cudnn()
+    flex = _cudnn()
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = _kernel_layout(out.to(q.dtype))
     do = _kernel_layout(do.to(q.dtype))
@@ -228,7 +228,7 @@ def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, determin
     if plan.empty_rows is not None:
         lse = torch.where(torch.isneginf(lse), float("inf"), lse)
     lse_k = lse.t()[None].contiguous()
-    res = ex.execution._flex_attention_backward(
+    res = flex.execution._flex_attention_backward(
         q[None], k[None], v[None], out[None], do[None], lse_k,
         mask_plan=plan.mask_plan, softmax_scale=scale, deterministic=bool(deterministic),
         dlse_tensor=None if dlse is None else dlse.float().t()[None].contiguous(),
