@@ -21,6 +21,7 @@ ENV_MODULES = {
     "ffa/src/magi_ffa/env.py",
     "ffa_fa4/src/magi_ffa_fa4/env.py",
     "ffa_cudnn/src/magi_ffa_cudnn/env.py",
+    "solver/src/magi_solver/env.py",
     "group_collective/src/magi_group_collective/env.py",
     "magi_attention/src/magi_attention/env.py",
 }

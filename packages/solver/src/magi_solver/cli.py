@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import (
+    env,
     make_block_causal_mask,
     make_global_window_mask,
     make_prefix_lm_mask,
@@ -479,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
     q, k, t, total, fam, desc = build_mask(args)
     err = Console(stderr=True)
     # the terminal's width (or $COLUMNS); piped without $COLUMNS, wide enough for one table per cp size
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 132
+    width = None if sys.stdout.isatty() or env.columns_set() else 132
     out = Console(highlight=False, width=width)
     show_progress = not args.quiet and err.is_terminal
     t0 = time.perf_counter()
