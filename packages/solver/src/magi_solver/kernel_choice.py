@@ -153,11 +153,14 @@ def busiest_rank_features(
     q_pairs = tuple(map(pair, q_ranges))
     codes = tuple(normalize_types(types, len(q_pairs), "types"))  # ints, names or AttnMaskType members
     slices = SliceList(q_pairs, tuple(map(pair, k_ranges)), codes)
+    typed = list(slices.typed_pairs())
     for rows in rank_rows:
         rows = np.sort(np.asarray(rows, dtype=np.int64))
         local: list[tuple[int, int, int, int, int]] = []
         for g0, g1, l0 in _runs(rows):
-            for (qs, qe), (ks, ke), t in slices.typed_pairs():
+            for (qs, qe), (ks, ke), t in typed:
+                if qs >= g1 or qe <= g0:  # a cheap test first: a run meets few of the slices
+                    continue
                 for part in AttnSlice((qs, qe), (ks, ke), t).clip_q(g0, g1):
                     off = l0 - g0
                     local.append((part.q_range.start + off, part.q_range.end + off, part.k_range.start,
