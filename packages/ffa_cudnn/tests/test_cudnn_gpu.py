@@ -7,7 +7,6 @@ The rule of every FFA test: the error to float64 at most twice that of the same-
 
 from __future__ import annotations
 
-import itertools
 import random
 import zlib
 
@@ -21,6 +20,7 @@ from magi_ffa.testing import (
     random_overlapping_slices,
     ref_attn,
     ref_max_logits,
+    split_keys_into_stages,
 )
 
 pytestmark = [
@@ -120,21 +120,6 @@ def test_non_contiguous_inputs() -> None:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _split_keys(qr, kr, tm, cuts):
-    """Each key stage's slices in stage-local key coordinates (FULL slices cut at the bounds; any other slice
-    must lie inside one stage)."""
-    stages = [([], [], []) for _ in range(len(cuts) - 1)]
-    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
-        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-            a, b = max(ks, lo), min(ke, hi)
-            if a >= b:
-                continue
-            assert t == 0 or (a, b) == (ks, ke), "only FULL slices may span stages"
-            for part, value in zip(stages[i], ([qs, qe], [a - lo, b - lo], t)):
-                part.append(value)
-    return stages
-
-
 @pytest.mark.parametrize("hk", [8, 2])
 def test_stage_launchers_match_one_call(hk: int) -> None:
     """ffa_fwd merging stage by stage into fp32 out / lse, then ffa_bwd per stage from the FINAL out / lse
@@ -146,7 +131,7 @@ def test_stage_launchers_match_one_call(hk: int) -> None:
     q, k, v = (torch.randn(t, h, d, device=dev, dtype=DT) for h in (hq, hk, hk))
     do = torch.randn(t, hq, d, device=dev, dtype=DT)
     cuts = [0, 300, 700, t]
-    stages = _split_keys(qr, kr, tm, cuts)
+    stages = split_keys_into_stages(qr, kr, tm, cuts)
     out, lse = magi_ffa_cudnn.ffa_fwd(q, k[: cuts[1]], v[: cuts[1]], *stages[0])
     out = out.float()
     for i in range(1, len(stages)):

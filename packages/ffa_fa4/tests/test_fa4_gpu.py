@@ -6,7 +6,6 @@ Every case uses fresh random inputs and poisons FA4's output buffer with NaN (MA
 
 from __future__ import annotations
 
-import itertools
 import random
 import zlib
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import magi_ffa_fa4
+from magi_ffa.testing import split_keys_into_stages
 from magi_ffa_fa4.testing import assert_close_to_ref, dense_mask, random_slices, ref_attention
 
 pytestmark = [
@@ -143,21 +143,6 @@ def test_plan_cache_by_value() -> None:
     assert a is b and a is not c
 
 
-def _split_keys(qr, kr, tm, cuts):
-    """The slices of each key stage ``[cuts[i], cuts[i+1])`` in stage-local key coordinates. FULL slices are cut
-    at the stage bounds; any other slice must lie inside one stage (cutting a causal slice moves its diagonal)."""
-    stages = [([], [], []) for _ in range(len(cuts) - 1)]
-    for (qs, qe), (ks, ke), t in zip(qr, kr, tm):
-        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-            a, b = max(ks, lo), min(ke, hi)
-            if a >= b:
-                continue
-            assert t == 0 or (a, b) == (ks, ke), "only FULL slices may span stages"
-            for part, value in zip(stages[i], ([qs, qe], [a - lo, b - lo], t)):
-                part.append(value)
-    return stages
-
-
 @pytest.mark.parametrize("hk", [8, 2])
 def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
     """ffa_fwd merging stage by stage into fp32 out/lse, then ffa_bwd per stage with the FINAL out/lse
@@ -175,7 +160,7 @@ def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
     v = torch.randn(t, hk, d, device=dev, dtype=dt)
     do = torch.randn(t, hq, d, device=dev, dtype=dt)
     cuts = [0, 300, 700, t]
-    stages = _split_keys(qr, kr, tm, cuts)
+    stages = split_keys_into_stages(qr, kr, tm, cuts)
     out, lse = magi_ffa_fa4.ffa_fwd(q, k[: cuts[1]], v[: cuts[1]], *stages[0])
     out = out.float()
     for i in range(1, len(stages)):

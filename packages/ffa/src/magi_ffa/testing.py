@@ -31,6 +31,7 @@ __all__ = [
     "random_slices",
     "ref_attn",
     "ref_max_logits",
+    "split_keys_into_stages",
     "tolerance_for",
     "varlen_slices",
 ]
@@ -265,3 +266,25 @@ def assert_close_to_ref(
     bad_lp = ((lp - r).abs() > atol + rtol * r.abs()).double().mean().item()
     allowed = min(max(mismatch_ratio * bad_lp, min_mismatch), max_mismatch)
     assert bad <= allowed, f"{name}: {bad:.2%} elements beyond rtol {rtol} (allowed {allowed:.2%})"
+
+
+def split_keys_into_stages(
+    q_ranges: Sequence[Sequence[int]],
+    k_ranges: Sequence[Sequence[int]],
+    types: Sequence[int],
+    cuts: Sequence[int],
+) -> list[tuple[list, list, list]]:
+    """The slices of each key stage ``[cuts[i], cuts[i + 1])`` in stage-local key coordinates, as the runtime
+    splits keys into overlap stages (for tests of stage-wise launcher calls). FULL slices are cut at the stage
+    bounds; any other slice must lie inside one stage (cutting a causal slice would move its diagonal)."""
+    stages: list[tuple[list, list, list]] = [([], [], []) for _ in range(len(cuts) - 1)]
+    for (qs, qe), (ks, ke), t in zip(q_ranges, k_ranges, types):
+        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+            a, b = max(ks, lo), min(ke, hi)
+            if a >= b:
+                continue
+            if t != 0 and (a, b) != (ks, ke):
+                raise ValueError("only FULL slices may span stages")
+            for part, value in zip(stages[i], ([qs, qe], [a - lo, b - lo], t)):
+                part.append(value)
+    return stages
