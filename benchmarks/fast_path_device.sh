@@ -3,7 +3,8 @@
 #   bash benchmarks/fast_path_device.sh park                 first call of a fresh machine (carry .fa4/a)
 #   bash benchmarks/fast_path_device.sh install tests calib  next call (carry .fa4/b and .whl)
 #   bash benchmarks/fast_path_device.sh bench16 | bench32 | sim | profile | headdims
-#   bash benchmarks/fast_path_device.sh kernel_tests | kernels | kernels256 | plans | fa4prof | fa4ncu
+#   bash benchmarks/fast_path_device.sh kernel_tests | cudnn_tests | hostprof | kernels | kernels256 | plans
+#   bash benchmarks/fast_path_device.sh fa4prof | fa4ncu | stages
 # flash-attn-4 reaches the machine as wheels split in two halves (see docs/benchmarks/cp.md); every phase
 # after `install` needs it. Logs and results go to $OUT (at most 8 files come back), calibrated cost
 # profiles to $CALIB, which survives between calls while the machine stays warm.
@@ -97,6 +98,14 @@ phase_kernels() {  # d 128, 8k and 32k, every backend interleaved
 phase_kernels256() {  # d 256 (cuDNN and FlexAttention and the Triton kernel; FA4 stops at 128)
   run "${BENCH_S:-400}" python3 benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 256 \
     --masks full,varlen_causal,random --kernels ffa_cudnn,cudnn_flex,flex,ffa --out-dir "$OUT" --tag kernels_d256
+}
+phase_cudnn_tests() {  # the cuDNN backend's GPU tests (cached launches included)
+  run "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -x packages/ffa_cudnn/tests/test_cudnn_gpu.py
+}
+phase_hostprof() {  # host time against device time per call at 8k (our wrappers beside the kernels they wrap)
+  run "${BENCH_S:-240}" python3 benchmarks/kernel_host_profile.py --seqlen 8192 --cprofile "${CPROFILE:-12}" \
+    --masks "${MASKS:-varlen_causal,varlen_full,swa_causal_w1024,varlen_block_causal,full}" \
+    --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,ffa_fa4,fa4}" --out "$OUT/host_profile.json"
 }
 phase_plans() {
   run 300 python3 benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans

@@ -208,3 +208,35 @@ def test_plan_cache_by_value_and_geometry() -> None:
     c = magi_ffa_cudnn.get_mask_plan(q, k, [[0, 300]], [[0, 300]], [0])
     d = magi_ffa_cudnn.get_mask_plan(q.half(), k.half(), [[0, 300]], [[0, 300]], [1])
     assert a is b and a is not c and a is not d
+
+
+@pytest.mark.parametrize(("hk", "d"), [(2, 128), (8, 64), (2, 256)])
+def test_cached_launches_equal_first_calls(hk: int, d: int) -> None:
+    """The second call of a plan replays its recorded launches: on new inputs it must give exactly what a
+    first call (cuDNN's own dispatch) gives on them, deterministic backward, GQA and MHA, d 64 / 128 / 256."""
+    torch.manual_seed(11 + d)
+    dev, t, hq = torch.device("cuda"), 1300, 8
+    qr, kr, tm = _mask_case("random_overlap", t, 21)
+
+    def inputs():
+        xs = [torch.randn(t, h, d, device=dev, dtype=DT) for h in (hq, hk, hk)]
+        return xs, torch.randn(t, hq, d, device=dev, dtype=DT), torch.randn(t, hq, device=dev) * 0.1
+
+    def run(xs, do, dlse):
+        out, lse = magi_ffa_cudnn.ffa_fwd(*xs, qr, kr, tm)
+        return (
+            out,
+            lse,
+            *magi_ffa_cudnn.ffa_bwd(do, *xs, out, lse, qr, kr, tm, deterministic=True, dlse=dlse),
+        )
+
+    magi_ffa_cudnn.clear_plan_cache()
+    run(*inputs())  # first calls: recorded
+    xs, do, dlse = inputs()
+    replayed = run(xs, do, dlse)
+    magi_ffa_cudnn.clear_plan_cache()
+    first = run(xs, do, dlse)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, first):
+        assert torch.equal(a, b), name
+    plan = magi_ffa_cudnn.get_mask_plan(xs[0], xs[1], qr, kr, tm)
+    assert len(plan.launches) == 2  # one forward, one backward launch for this layout

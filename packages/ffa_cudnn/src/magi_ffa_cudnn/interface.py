@@ -1,9 +1,9 @@
 """The FFA contract on cuDNN's ``flex_attention``: slices -> row intervals -> ``mask_func`` -> cached mask plan.
 
-Forward and backward run cuDNN's CuTe DSL kernels through the frontend's reusable-plan entry points
-(``cudnn.flex_attention.execution``: the functions ``flex_attn_func`` itself calls, without its autograd
-wrapper, so that the runtime's launchers run with no graph and the backward can start from a FINAL out / lse
-merged over several calls). The packed problem is one fixed-length sample (BSHD with batch 1), so cuDNN's
+Forward and backward run cuDNN's CuTe DSL kernels through the frontend's reusable-plan classes
+(``cudnn.flex_attention.execution``, what ``flex_attn_func`` runs beneath its autograd wrapper, so that the
+runtime's launchers run with no graph and the backward can start from a FINAL out / lse merged over several
+calls), each plan keeping its launches (:mod:`magi_ffa_cudnn._launch`: cuDNN's per-call host work once). The packed problem is one fixed-length sample (BSHD with batch 1), so cuDNN's
 sample-local key intervals are our global ones.
 
 Mask semantics, shapes and the accumulate / sink / max-logits behaviour are ``magi_ffa``'s
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ from magi_ffa.validation import (
 )
 
 from . import env
+from ._launch import BackwardLaunch, ForwardLaunch, layout_key
 from .mask_func import mask_func_from_intervals
 
 INSTALL_HINT = (
@@ -59,13 +60,13 @@ _FLEX = None
 
 def _cudnn():
     """``cudnn.flex_attention`` (imported on first use; ImportError with the install hint without it); its
-    ``execution`` submodule holds the reusable-plan forward and backward."""
+    ``execution`` and ``dispatch`` submodules hold the reusable-plan forward and backward and their launches."""
     global _FLEX
     if _FLEX is not None:
         return _FLEX
     try:
         import cudnn.flex_attention as flex
-        from cudnn.flex_attention import execution  # noqa: F401  (flex.execution below)
+        from cudnn.flex_attention import dispatch, execution  # noqa: F401  (flex.execution, flex.dispatch)
     except (ImportError, OSError) as e:  # OSError: a frontend whose shared libraries do not load
         raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
     _FLEX = flex
@@ -133,12 +134,15 @@ class CudnnMaskPlan:
         empty_rows: bool ``[total_q]`` on the device, rows that see no key, or None when there are none (their
             out is set to 0 and lse to -inf after the kernel, whatever it left there).
         build_seconds: host wall time of the build (intervals, mask_func and cuDNN's plan, synchronized).
+        launches: the plan's launchers by layout and options (:mod:`magi_ffa_cudnn._launch`), built on first
+            use: cuDNN's per-call host work done once.
     """
 
     mask_plan: object
     nfunc: int
     empty_rows: torch.Tensor | None
     build_seconds: float
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 _PLANS: MaskValueCache[CudnnMaskPlan] = MaskValueCache(env.plan_cache_size())
@@ -202,13 +206,12 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
 def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
     """cuDNN forward: out ``[total_q, hq, d]`` (q's dtype), lse fp32 ``[total_q, hq]`` (a transposed view),
     max logits fp32 ``[hq]`` or None."""
-    flex = _cudnn()
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    res = flex.execution._flex_attention_forward(
-        q[None], k[None], v[None], mask_plan=plan.mask_plan, softmax_scale=scale, return_lse=True,
-        return_max_logit=want_max,
-    )  # fmt: skip
-    out4, lse3, max_logit = res
+    q4, k4, v4 = (_kernel_layout(t)[None] for t in (q, k, v))
+    key = ("fwd", layout_key(q4, k4, v4), want_max)
+    launch = plan.launches.get(key)
+    if launch is None:
+        launch = plan.launches[key] = ForwardLaunch(_cudnn(), plan.mask_plan, q4, k4, v4, want_max)
+    out4, lse3, max_logit = launch(q4, k4, v4, scale)
     out, lse = out4[0], lse3[0]
     if plan.empty_rows is not None:
         out.masked_fill_(plan.empty_rows[:, None, None], 0.0)
@@ -218,7 +221,6 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
 
 def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, deterministic: bool, dlse):
     """cuDNN backward from a (possibly merged) out / lse: dq, dk, dv in q's dtype."""
-    flex = _cudnn()
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = _kernel_layout(out.to(q.dtype))
     do = _kernel_layout(do.to(q.dtype))
@@ -227,13 +229,17 @@ def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, determin
     # Otherwise the forward's own [hq, total_q] buffer goes back as it is (lse is its transposed view).
     if plan.empty_rows is not None:
         lse = torch.where(torch.isneginf(lse), float("inf"), lse)
-    lse_k = lse.t()[None].contiguous()
-    res = flex.execution._flex_attention_backward(
-        q[None], k[None], v[None], out[None], do[None], lse_k,
-        mask_plan=plan.mask_plan, softmax_scale=scale, deterministic=bool(deterministic),
-        dlse_tensor=None if dlse is None else dlse.float().t()[None].contiguous(),
-    )  # fmt: skip
-    dq, dk, dv = res
+    tensors = {
+        "q": q[None], "k": k[None], "v": v[None], "o": out[None], "do": do[None], "lse": lse.t()[None].contiguous(),
+        "dlse": None if dlse is None else dlse.float().t()[None].contiguous(),
+    }  # fmt: skip
+    key = ("bwd", layout_key(*tensors.values()), scale, bool(deterministic))
+    launch = plan.launches.get(key)
+    if launch is None:
+        sample = {**tensors, "dq": torch.empty_like(tensors["q"]), "dk": torch.empty_like(tensors["k"]),
+                  "dv": torch.empty_like(tensors["v"])}  # fmt: skip
+        launch = plan.launches[key] = BackwardLaunch(_cudnn(), plan.mask_plan, sample, bool(deterministic))
+    dq, dk, dv = launch(tensors, scale)
     return dq[0], dk[0], dv[0]
 
 

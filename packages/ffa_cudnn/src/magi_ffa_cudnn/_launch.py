@@ -1,0 +1,188 @@
+"""Launches of cuDNN's flex_attention kernels whose per-call host work is done once per plan and layout.
+
+cuDNN's reusable-plan entry points (``cudnn.flex_attention.execution``) re-derive the launch on every call:
+tensor and plan signatures, the plan's compile key, geometry checks, the kernel configuration and, in the
+backward, the normalized block-sparse payload. That host work is fixed per mask plan, layout and options,
+and at 8k tokens it is as long as the kernels themselves (a call on a short sequence waited for the host, not
+the GPU). So each plan keeps one launcher per (layout, options): built with cuDNN's own classes and checks
+the first time, then a call allocates its outputs and workspace and launches the compiled kernels.
+
+- :class:`ForwardLaunch`: cuDNN's resolved forward dispatch and compiled kernel, launched by the frontend's
+  own launch function.
+- :class:`BackwardLaunch`: the backward's kernel calls (preprocess, main, dq / dk / dv postprocess) recorded
+  from one call through ``FlexAttentionBwd.execute``, with every per-call tensor (inputs, outputs, workspace
+  views) marked by its role; a later call replays them with its own tensors. Tensors that are no role (the
+  plan's payload) are the plan's and stay as they were.
+
+Pinned to nvidia-cudnn-frontend 1.32.0 (the package's requirement): these are the frontend's private pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["BackwardLaunch", "ForwardLaunch", "layout_key"]
+
+
+def layout_key(*tensors: torch.Tensor | None) -> tuple:
+    """What a compiled launch binds of its tensors: shapes, strides, dtypes (the device is the plan's)."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+class ForwardLaunch:
+    """The forward of one plan and layout: out ``[1, S, hq, dv]``, lse fp32 ``[1, hq, S]``, max logits."""
+
+    def __init__(
+        self, flex: Any, mask_plan: Any, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, want_max: bool
+    ):
+        execution, dispatch = flex.execution, flex.dispatch
+        md = mask_plan.metadata
+        device = q4.device
+        self.out_shape = (md.batch_size, md.total_q // md.batch_size, md.num_q_heads, md.head_dim_v)
+        self.lse_shape = (md.batch_size, md.num_q_heads, md.total_q // md.batch_size)
+        self.num_heads = md.num_q_heads
+        o = torch.empty(self.out_shape, dtype=q4.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        ml = torch.empty((md.num_q_heads,), dtype=torch.float32, device=device) if want_max else None
+        api = execution.FlexAttentionFwd(q4, k4, v4, o, mask_plan, lse, sample_max_logit=ml)
+        api.check_support()  # cuDNN's own checks of this layout against the plan, once
+        api.compile()  # a compile-cache hit for every plan of the same kernel configuration
+        self._dispatch = api._prepare(q4, k4, v4, mask_plan)
+        self._kernel = api._compiled_kernel
+        self._launch = dispatch._launch_flex_attn_fwd
+        self._cu_q, self._cu_k, _, _ = execution._sequence_args(mask_plan)
+        self._scheduler = self._dispatch.arch == 90  # sm90 kernels take a tile counter (zeroed per launch)
+        self.want_max = want_max
+
+    def __call__(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, scale: float):
+        device = q4.device
+        o = torch.empty(self.out_shape, dtype=q4.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        ml = torch.empty((self.num_heads,), dtype=torch.float32, device=device) if self.want_max else None
+        counter = torch.empty((1,), dtype=torch.int32, device=device) if self._scheduler else None
+        with torch.cuda.device(device):
+            self._launch(
+                self._dispatch, self._kernel, q4, k4, v4, o, lse, scale, self._cu_q, self._cu_k, counter,
+                max_logit=ml,
+            )  # fmt: skip
+        return o, lse, ml
+
+
+@dataclasses.dataclass(frozen=True)
+class _Role:
+    """A per-call tensor in a recorded kernel call: an input / output by name, or a workspace view."""
+
+    name: str
+
+
+class _Recorder:
+    """Stands in for one compiled kernel during the recording call: runs it and keeps its arguments."""
+
+    def __init__(self, fn: Callable, calls: list):
+        self.fn, self.calls = fn, calls
+
+    def __call__(self, *args):
+        self.calls.append((self.fn, args))
+        return self.fn(*args)
+
+
+_ZEROED = (
+    "dk_accum",
+    "dv_accum",
+    "dq_semaphore",
+    "dk_semaphore",
+    "dv_semaphore",
+)  # what cuDNN zeroes per call
+
+
+class BackwardLaunch:
+    """The backward of one plan, layout, scale, deterministic flag and dlse presence: dq, dk, dv in q's dtype.
+
+    The first call goes through ``FlexAttentionBwd.execute`` (cuDNN's checks and dispatch) with its kernels
+    recorded; later calls replay the recorded kernel calls with their own tensors and a fresh workspace.
+    """
+
+    _INPUTS = ("q", "k", "v", "o", "do", "lse", "dlse", "dq", "dk", "dv")
+
+    def __init__(
+        self, flex: Any, mask_plan: Any, sample: dict[str, torch.Tensor | None], deterministic: bool
+    ):
+        execution = flex.execution
+        s = sample
+        api = execution.FlexAttentionBwd(
+            s["q"], s["k"], s["v"], s["o"], s["do"], s["lse"], s["dq"], s["dk"], s["dv"], mask_plan, s["dlse"],
+            deterministic=deterministic,
+        )  # fmt: skip
+        api.check_support()
+        api.compile()
+        self._api, self._plan, self._execution = api, mask_plan, execution
+        self._specs = api._compiled_kernel.workspace_specs
+        self.workspace_size = api.workspace_size
+        self._calls: list[tuple[Callable, tuple]] | None = None
+
+    def _workspace(self, device: torch.device) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+        if not self.workspace_size:
+            return None, {}
+        ws = torch.empty((self.workspace_size,), dtype=torch.uint8, device=device)
+        carver = self._execution._WorkspaceCarver(ws, self.workspace_size, device, "FlexAttentionBwd")
+        views = {name: carver.take(shape, dtype) for name, shape, dtype in self._specs}
+        return ws, views
+
+    def __call__(self, tensors: dict[str, torch.Tensor | None], scale: float) -> tuple[torch.Tensor, ...]:
+        """``tensors``: q, k, v, o, do, lse, dlse (or None) in the compiled layout; returns dq, dk, dv."""
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
+        device = q.device
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ws, views = self._workspace(device)
+        roles = {**tensors, "dq": dq, "dk": dk, "dv": dv}
+        if self._calls is None:
+            self._record(roles, ws, views, scale)
+            return dq, dk, dv
+        for name in _ZEROED:
+            if views.get(name) is not None:
+                views[name].zero_()
+        roles.update(views)
+        with torch.cuda.device(device):
+            for fn, args in self._calls:
+                fn(*(roles[a.name] if isinstance(a, _Role) else a for a in args))
+        return dq, dk, dv
+
+    def _record(self, roles: dict, ws: torch.Tensor | None, views: dict, scale: float) -> None:
+        """One call through cuDNN's execute with the kernels recorded, then each argument marked by role."""
+        bundle = self._api._compiled_kernel
+        calls: list[tuple[Callable, tuple]] = []
+        fields = ("preprocess", "main", "post_dq", "post_dk", "post_dv")
+        recording = dataclasses.replace(
+            bundle,
+            **{f: _Recorder(getattr(bundle, f), calls) for f in fields if getattr(bundle, f) is not None},
+        )
+        self._api._compiled_kernel = recording
+        try:
+            self._api.execute(
+                roles["q"], roles["k"], roles["v"], roles["o"], roles["do"], roles["lse"], roles["dq"], roles["dk"],
+                roles["dv"], self._plan, roles["dlse"], workspace=ws, softmax_scale=scale,
+            )  # fmt: skip
+        finally:
+            self._api._compiled_kernel = bundle
+        by_ptr: dict[tuple, str] = {}
+        for name, t in (*((n, roles[n]) for n in self._INPUTS), *views.items()):
+            if t is not None:
+                by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), name)
+
+        def mark(a):
+            if isinstance(a, torch.Tensor):
+                name = by_ptr.get((a.data_ptr(), tuple(a.shape), a.dtype))
+                return a if name is None else _Role(name)
+            return a
+
+        self._calls = [(fn, tuple(mark(a) for a in args)) for fn, args in calls]
+        # a recorded call must depend on this call's tensors only through roles: the kernels' own arguments
+        # are tensors and plain values (the plan's payload travels as a tuple of the plan's tensors)
+        if not any(isinstance(a, _Role) for _, args in self._calls for a in args):
+            raise RuntimeError(
+                "cuDNN's backward kernels took none of the call's tensors: unexpected frontend"
+            )
