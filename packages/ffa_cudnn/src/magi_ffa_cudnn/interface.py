@@ -131,8 +131,9 @@ class CudnnMaskPlan:
     Attributes:
         mask_plan: ``cudnn.flex_attention.MaskPlan`` (forward and backward payloads).
         nfunc: endpoints per row of the ``mask_func`` it was built from.
-        empty_rows: bool ``[total_q]`` on the device, rows that see no key, or None when there are none (their
-            out is set to 0 and lse to -inf after the kernel, whatever it left there).
+        empty_rows: int64 indices on the device of the rows that see no key, or None when there are none
+            (their out is set to 0 and lse to -inf after the kernel, whatever it left there: an index fill
+            touches those rows only, not the whole output).
         build_seconds: host wall time of the build (intervals, mask_func and cuDNN's plan, synchronized).
         launches: the plan's launchers by layout and options (:mod:`magi_ffa_cudnn._launch`), built on first
             use: cuDNN's per-call host work done once.
@@ -174,9 +175,10 @@ def get_mask_plan(
         qs = q.detach()[None]
         ks = k.detach()[None]
         plan = flex.create_mask_plan(func, qs, ks, ks, build_backward=True) if total_q and total_k else None
-        has_empty = bool(empty.any())
+        empty_idx = empty.nonzero().flatten()
         torch.cuda.synchronize(q.device)
-        return CudnnMaskPlan(plan, func.shape[1], empty if has_empty else None, time.perf_counter() - t0)
+        rows = empty_idx if empty_idx.numel() else None
+        return CudnnMaskPlan(plan, func.shape[1], rows, time.perf_counter() - t0)
 
     return _PLANS.get(q_ranges, k_ranges, attn_type_map, total_q, total_k, q.device, build, extra=geometry)
 
@@ -214,8 +216,8 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
     out4, lse3, max_logit = launch(q4, k4, v4, scale)
     out, lse = out4[0], lse3[0]
     if plan.empty_rows is not None:
-        out.masked_fill_(plan.empty_rows[:, None, None], 0.0)
-        lse.masked_fill_(plan.empty_rows[None, :], float("-inf"))
+        out.index_fill_(0, plan.empty_rows, 0.0)
+        lse.index_fill_(1, plan.empty_rows, float("-inf"))
     return out, lse.t(), max_logit
 
 

@@ -43,6 +43,9 @@ class LaunchMeta:
     varlen: VarlenPlan | None = None
     """Set when the mask runs as FA4 varlen calls (``varlen.plan_varlen``): then the block-sparse fields are
     None and both directions use the groups."""
+    empty_rows: torch.Tensor | None = None
+    """int64 indices of the rows that see no key (block-sparse path, when ``has_empty_rows``): the forward
+    zeroes those rows only, not the whole output."""
 
 
 def tile_sizes(device: torch.device) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -125,6 +128,7 @@ def build_launch_meta(
         bwd_bst=_to_bst(meta_bwd.k2q, bwd_block),
         mask_mod=_mask_mod(iv.width, install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p),
         has_empty_rows=meta_fwd.has_empty_rows,
+        empty_rows=(iv.counts == 0).nonzero().flatten() if meta_fwd.has_empty_rows else None,
     )
 
 

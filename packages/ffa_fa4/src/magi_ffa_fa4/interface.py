@@ -111,7 +111,7 @@ def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float):
     )
     if meta.has_empty_rows:
         # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
-        out4.masked_fill_(torch.isneginf(lse3).transpose(1, 2)[..., None], 0.0)
+        out4.index_fill_(1, meta.empty_rows, 0.0)
     return out4, lse3
 
 
