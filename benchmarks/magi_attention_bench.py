@@ -177,9 +177,10 @@ def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
-def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, backend=None) -> tuple[float, float]:
-    """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages)."""
-    kern = attn_kernel(backend or BACKEND)
+def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern=None) -> tuple[float, float]:
+    """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages) with ``kern``'s
+    launchers (`attn_kernel`; default: ``--kernel-backend``'s)."""
+    kern = kern or attn_kernel(BACKEND)
 
     def fwd():
         # as the runtime: the first call writes the accumulator, later stages merge into it
@@ -224,9 +225,9 @@ def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
     )
 
 
-def auto_backend(mask: str, total: int, plan) -> KernelBackend:
-    """What `kernel_backend="auto"` picks for this simulated plan on this GPU (the runtime's rule, every
-    backend this process can run as a candidate)."""
+def auto_kernel(mask: str, total: int, plan):
+    """The launchers `kernel_backend="auto"` picks for this simulated plan on this GPU (the runtime's rule,
+    every backend this process can run as a candidate; the backward's backend may differ)."""
     import numpy as np
 
     from magi_attention._kernels import _resolve, choose_auto, probe_local
@@ -237,7 +238,7 @@ def auto_backend(mask: str, total: int, plan) -> KernelBackend:
     choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
                          lambda: busiest_rank_features(q_ranges, k_ranges, types, rows))  # fmt: skip
     print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
-    return choice.backend
+    return attn_kernel(choice.backend, choice.backward)
 
 
 def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
@@ -267,14 +268,17 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     max_remote = max(max((s.num_remote_tokens for s in r.stages), default=0) for r in plan.ranks)
     rk = torch.randn(max(1, max_remote), HKV, D, device=dev, dtype=torch.bfloat16)
     rv = torch.randn_like(rk)
-    backend = auto_backend(mask, total, plan) if BACKEND == KernelBackend.AUTO else BACKEND
+    kern = auto_kernel(mask, total, plan) if BACKEND == KernelBackend.AUTO else attn_kernel(BACKEND)
+    backend = kern.backend.value
+    if kern.backward_backend != kern.backend:
+        backend += "/" + kern.backward_backend.value
     rows = []
     for rp in plan.ranks:
         calls = [(rp.host_slices, k, v)] + [
             (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rp.stages
         ]
         calls = [(kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)]
-        t_f, t_b = _time_rank(q, do, calls, backend)
+        t_f, t_b = _time_rank(q, do, calls, kern)
         area = rp.host_area + sum(s.area for s in rp.stages)
         comm_bytes = [s.num_remote_tokens * 2 * HKV * D * 2 for s in rp.stages]
         rows.append({"rank": rp.rank, "area": area, "fwd_ms": t_f, "bwd_ms": t_b, "stage_bytes": comm_bytes})
@@ -287,7 +291,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     return {
         "mask": mask,
         "cp": cp,
-        "backend": backend.value,
+        "backend": backend,
         "tokens_per_gpu": tokens_per_gpu,
         "degree": degree,
         "imbalance": max(r["area"] for r in rows) / mean_area,

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+import magi_attention._kernels as kernels
+import magi_attention._runtime as runtime_mod
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
-from magi_attention._kernels import LocalCapability, _resolve, choose_auto
+from magi_attention._kernels import LocalCapability, _resolve, attn_kernel, choose_auto
 from magi_attention._layout import build_layout
 from magi_attention._runtime import rank_problem_features
 from magi_attention.config import KernelBackend as B
-from magi_solver.kernel_choice import busiest_rank_features
+from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_solver.kernel_choice import KernelTable, busiest_rank_features, load_kernel_table, pick_kernel
 
 FA4_CUDNN = LocalCapability("", "", "h200", "")
 FA4_ONLY = LocalCapability("", "", "h200", "cuDNN's flex_attention does not import")
@@ -37,7 +40,10 @@ def test_table_picks_per_mask_among_what_every_rank_runs() -> None:
     total = 8192
     docs = _docs(total)
     varlen = _auto([FA4_CUDNN, FA4_CUDNN], docs, docs, [1] * len(docs), total)
-    assert varlen.backend == B.FA4 and "nearest measured row varlen_" in varlen.reason
+    pick = pick_kernel(load_kernel_table("h200"), _features(docs, docs, [1] * len(docs), total)(), 128,
+                       ["fa4", "cudnn", "triton"])  # fmt: skip
+    assert varlen.backend == B(pick.forward) and varlen.backward_for(torch.bfloat16, 128) == B(pick.backward)
+    assert "nearest measured row" in varlen.reason and "documents" in varlen.reason
     # a fragmented mask: overlapping slices of several types
     q = [[0, 4096], [0, 4096], [2048, 8192], [4096, 8192]]
     k = [[0, 1024], [2048, 3072], [0, 8192], [5000, 6000]]
@@ -52,9 +58,11 @@ def test_without_a_table_or_a_row_the_capability_rule_stays_and_says_so() -> Non
     other = LocalCapability("", "", "b200", "")
     c = _auto([other], [[0, 10]], [[0, 10]], [0], 10)
     assert c.backend == B.FA4 and "no measured kernel table for GPU kind 'b200'" in c.reason
-    # head_dim 256: FA4 cannot, cuDNN and Triton can; the h200 table measured d 128 only
+    # head_dim 256: FA4 cannot, cuDNN and Triton can (the h200 table measured both); none of 64
     c = _auto([FA4_CUDNN], [[0, 10]], [[0, 10]], [0], 10, head_dim=256)
-    assert c.backend == B.TRITON and "no row for head_dim 256" in c.reason
+    assert c.backend == B.CUDNN and "d 256" in c.reason
+    c = _auto([FA4_CUDNN], [[0, 10]], [[0, 10]], [0], 10, head_dim=64)
+    assert c.backend == B.FA4 and "no row for head_dim 64" in c.reason
 
 
 def test_explicit_backends_are_never_changed() -> None:
@@ -89,3 +97,64 @@ def test_rank_problem_features_and_the_accessor_on_a_key(monkeypatch) -> None:
     clear_cache()  # the override is read when a key is planned
     key2 = magi_attn_flex_key(docs, docs, "causal", 8192, 8192, 4, 2, 64, None, DistAttnConfig())
     assert get_kernel_backend(key2) == (B.TORCH, "kernel_backend='torch' (explicit)")
+
+
+SPLIT_TABLE = KernelTable.from_dict({"gpu_kind": "h200", "rows": [
+    {"mask": "docs", "tokens": 8192, "head_dim": 128, "tile_fill": 0.7, "slices_per_row": 1.0, "documents": True,
+     "ms": {"fa4": [1.0, 3.0], "cudnn": [1.6, 2.5], "triton": [3.0, 9.0]}},
+    {"mask": "docs", "tokens": 8192, "head_dim": 32, "tile_fill": 0.7, "slices_per_row": 1.0, "documents": True,
+     "ms": {"triton": [1.0, 9.0], "torch": [5.0, 2.0]}},
+]})  # fmt: skip
+
+
+def test_split_directions_refined_per_call(monkeypatch) -> None:
+    """A table whose forward and backward winners differ by more than SPLIT_GAIN: the forward on one
+    backend, the backward on the other, each refined by dtype and softcap like a single choice."""
+    monkeypatch.setattr(kernels, "load_kernel_table", lambda kind: SPLIT_TABLE)
+    docs = _docs(8192)
+    c = _auto([FA4_CUDNN, FA4_CUDNN], docs, docs, [1] * len(docs), 8192)
+    assert (c.backend, c.backward) == (B.FA4, B.CUDNN) and "fa4 forward, cudnn backward" in c.reason
+    assert (c.backend_for(torch.bfloat16, 128), c.backward_for(torch.bfloat16, 128)) == (B.FA4, B.CUDNN)
+    # cuDNN takes no softcap: that call's backward stays on FA4; fp32 / fp64 leave both directions
+    assert c.backward_for(torch.bfloat16, 128, softcap=30.0) == B.FA4
+    assert (c.backend_for(torch.float32, 128), c.backward_for(torch.float32, 128)) == (B.TRITON, B.TRITON)
+    assert c.backward_for(torch.float64, 128) == B.TORCH
+    # a rank without cuDNN: no split, on every rank alike
+    c = _auto([FA4_CUDNN, FA4_ONLY], docs, docs, [1] * len(docs), 8192)
+    assert (c.backend, c.backward) == (B.FA4, None)
+    k = attn_kernel(B.FA4, B.CUDNN)
+    assert (k.backend, k.backward_backend) == (B.FA4, B.CUDNN) and attn_kernel(
+        B.FA4
+    ).backward_backend == B.FA4
+
+
+def test_split_kernels_through_calc_attn(monkeypatch) -> None:
+    """The runtime with a forward on one backend and a backward on another (Triton forward, torch backward
+    here, the two this CPU runs) gives the reference's output and gradients."""
+    monkeypatch.delenv("MAGI_ATTENTION_KERNEL_BACKEND", raising=False)
+    real = runtime_mod.choose_auto
+
+    def split(choice, head_dim, features):
+        import dataclasses
+
+        return dataclasses.replace(real(choice, head_dim, features), backend=B.TRITON, backward=B.TORCH,
+                                   triton_everywhere=True, reason="test: triton forward, torch backward")  # fmt: skip
+
+    monkeypatch.setattr(runtime_mod, "choose_auto", split)
+    clear_cache()
+    total, hq, hk, d = 40, 2, 1, 16
+    qr, kr, tm = [[0, 24], [8, 40], [20, 40]], [[0, 24], [0, 30], [4, 36]], [1, 3, 2]
+    key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hk, d, None, DistAttnConfig())
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(total, h, d, generator=gen) for h in (hq, hk, hk, hq))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kern = runtime_mod.RUNTIME_CACHE.get(key).kernel(torch.float32)
+    assert (kern.backend, kern.backward_backend) == (B.TRITON, B.TORCH)
+    out, _ = __import__("magi_attention").calc_attn(*leaves, key)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = ref_attn(*ref_leaves, make_attn_mask(qr, kr, tm, total, total))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=2e-4)
+    clear_cache()

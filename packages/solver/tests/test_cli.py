@@ -298,7 +298,9 @@ def test_auto_kernel_pick_per_cp_size(capsys: pytest.CaptureFixture[str]) -> Non
     """The kernel `auto` would pick: from the hardware's measured table when it has one, else the rule."""
     docs = ["--mask", "varlen-causal", "--total", "32768", "--chunk-size", "1024", "--cp", "1,8"]
     recs = _run_json(capsys, *docs)
-    assert all(r["kernel_auto"] in ("fa4", "cudnn") and "h200 table" in r["kernel_auto_reason"] for r in recs)
+    # one backend, or "forward/backward" where the table measured a clearly faster backward elsewhere
+    picks = ("fa4", "cudnn", "fa4/cudnn", "cudnn/fa4")
+    assert all(r["kernel_auto"] in picks and "h200 table" in r["kernel_auto_reason"] for r in recs)
     # one rank's whole packed sequence is a set of documents: FA4's varlen kernels win the measured rows
     assert recs[0]["kernel_auto"] == "fa4" and "documents" in recs[0]["kernel_auto_reason"]
     recs = _run_json(capsys, *docs, "--hardware", "b200")

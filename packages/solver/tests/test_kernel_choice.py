@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from magi_solver.kernel_choice import (
+    SPLIT_GAIN,
     KernelTable,
     MaskFeatures,
     busiest_rank_features,
@@ -79,24 +80,46 @@ ROWS = [
 def test_pick_takes_the_nearest_row_and_the_fastest_candidate() -> None:
     t = _table(ROWS)
     docs = MaskFeatures(9000, 1, 0.72, 1.0, True)
-    assert pick_kernel(t, docs, 128, ["fa4", "cudnn"])[0] == "fa4"
+    assert pick_kernel(t, docs, 128, ["fa4", "cudnn"]).forward == "fa4"
     frag = MaskFeatures(8000, 1, 0.75, 3.0, False)
-    backend, reason = pick_kernel(t, frag, 128, ["fa4", "cudnn"])
-    assert backend == "cudnn" and "frag" in reason and "fa4 5.000 ms" in reason
+    pick = pick_kernel(t, frag, 128, ["fa4", "cudnn"])
+    assert (pick.forward, pick.backward) == ("cudnn", "cudnn")
+    assert "frag" in pick.reason and "fa4 1.000 / 4.000" in pick.reason
     # only the candidates every rank can run; a row that measured none of them: no pick
-    assert pick_kernel(t, frag, 128, ["fa4"])[0] == "fa4"
+    assert pick_kernel(t, frag, 128, ["fa4"]).backward == "fa4"
     assert pick_kernel(t, MaskFeatures(32768, 1, 0.9, 1.0, False), 128, ["fa4"]) is None
     # no row for the head_dim, or no table: no pick (the caller keeps its rule)
     assert pick_kernel(t, docs, 256, ["fa4", "cudnn"]) is None
     assert pick_kernel(None, docs, 128, ["fa4"]) is None
     # ties are broken by name, so every rank agrees
     tie = _table([{**ROWS[0], "ms": {"fa4": [1.0, 1.0], "cudnn": [1.0, 1.0]}}])
-    assert pick_kernel(tie, docs, 128, ["fa4", "cudnn"])[0] == "cudnn"
+    assert pick_kernel(tie, docs, 128, ["fa4", "cudnn"]).forward == "cudnn"
+
+
+def test_pick_splits_directions_only_for_a_clear_gain() -> None:
+    docs = MaskFeatures(9000, 1, 0.72, 1.0, True)
+    # fa4 wins the total (1.0 + 3.0 < 1.5 + 2.9) but cudnn's backward is not 5 % faster: one backend
+    near = _table([{**ROWS[0], "ms": {"fa4": [1.0, 3.0], "cudnn": [1.5, 2.9]}}])
+    pick = pick_kernel(near, docs, 128, ["fa4", "cudnn"])
+    assert (pick.forward, pick.backward) == ("fa4", "fa4")
+    # cudnn's backward 10 % faster, fa4's forward 40 % faster: each direction on its own fastest backend
+    split = _table([{**ROWS[0], "ms": {"fa4": [1.0, 3.0], "cudnn": [1.7, 2.7]}}])
+    pick = pick_kernel(split, docs, 128, ["fa4", "cudnn"])
+    assert (pick.forward, pick.backward) == ("fa4", "cudnn")
+    assert "fa4 forward, cudnn backward" in pick.reason
+    # without cudnn among the candidates (a rank cannot run it): no split
+    pick = pick_kernel(split, docs, 128, ["fa4", "triton"])
+    assert (pick.forward, pick.backward) == ("fa4", "fa4")
 
 
 def test_shipped_table_picks_what_it_measured() -> None:
     t = load_kernel_table("h200")
     for row in t.rows:
         f = MaskFeatures(row["tokens"], 1, row["tile_fill"], row["slices_per_row"], row["documents"])
-        backend, _ = pick_kernel(t, f, row["head_dim"], ["fa4", "cudnn"])
-        assert backend == min(row["ms"], key=lambda b: (sum(row["ms"][b]), b)), row["mask"]
+        cands = ["fa4", "cudnn", "triton"]
+        pick = pick_kernel(t, f, row["head_dim"], cands)
+        ms = {b: row["ms"][b] for b in cands if b in row["ms"]}
+        # on its own row, each direction is within SPLIT_GAIN of that direction's fastest measured backend
+        for i, got in enumerate((pick.forward, pick.backward)):
+            fastest = min(v[i] for v in ms.values())
+            assert ms[got][i] * (1 - SPLIT_GAIN) <= fastest, (row["mask"], row["tokens"], row["head_dim"], i)

@@ -62,10 +62,23 @@ class KernelChoice:
     """Every rank can run cuDNN's flex_attention at this head_dim (a candidate of `auto`)."""
     reason: str = ""
     """Why this backend: the explicit request, the capability rule, or `auto`'s table row."""
+    backward: KernelBackend | None = None
+    """`auto` only: the backend of the backward when the table measured another one clearly faster there
+    than `backend` (None: the backward runs on `backend` too). The backward starts from the final out / lse,
+    whichever backend made them."""
+
+    def backward_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend:
+        """The backward's backend for these inputs: `backward` where it can take them, else the forward's
+        (`backend_for`)."""
+        forward = self.backend_for(dtype, head_dim, softcap)
+        if self.backward is None or forward != self.backend:  # refined away from the table's pick
+            return forward
+        other = dataclasses.replace(self, backend=self.backward, backward=None)
+        return other.backend_for(dtype, head_dim, softcap)
 
     def backend_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend:
-        """The backend for inputs of `dtype` with this `softcap`: the same on every rank, ValueError if an
-        explicit choice cannot take them."""
+        """The (forward's) backend for inputs of `dtype` with this `softcap`: the same on every rank,
+        ValueError if an explicit choice cannot take them."""
         if self.backend == KernelBackend.CUDNN and (dtype not in _CUDNN_DTYPES or softcap != 0):
             if self.requested == KernelBackend.CUDNN:
                 if softcap != 0:
@@ -277,8 +290,13 @@ def choose_auto(choice: KernelChoice, head_dim: int, features: Callable[[], Mask
     if picked is None:
         reason = f"auto: the {choice.gpu_kind} table has no row for head_dim {head_dim}; the capability rule"
         return dataclasses.replace(choice, reason=f"{reason} ({choice.reason})")
-    name, why = picked
-    return dataclasses.replace(choice, backend=KernelBackend(name), reason=f"auto: {why}")
+    forward, backward = KernelBackend(picked.forward), KernelBackend(picked.backward)
+    return dataclasses.replace(
+        choice,
+        backend=forward,
+        backward=backward if backward != forward else None,
+        reason=f"auto: {picked.reason}",
+    )
 
 
 def _require(
@@ -313,27 +331,34 @@ def clear_agreements() -> None:
 # -- the launchers of each backend ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AttnKernel:
-    """Launchers with the contract of `magi_ffa.ffa_fwd` / `ffa_bwd` for one backend."""
+    """Launchers with the contract of `magi_ffa.ffa_fwd` / `ffa_bwd`: the forward of `backend`, the
+    backward of `backward_backend` (the same backend unless `auto` split the directions)."""
 
     backend: KernelBackend
     fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    backward_backend: KernelBackend
 
 
 @functools.cache
-def attn_kernel(backend: KernelBackend) -> AttnKernel:
+def attn_kernel(backend: KernelBackend, backward: KernelBackend | None = None) -> AttnKernel:
+    """The launchers of `backend`, with the backward of `backward` when given."""
+    backward = backend if backward is None else backward
+    return AttnKernel(backend, _launchers(backend)[0], _launchers(backward)[1], backward)
+
+
+def _launchers(backend: KernelBackend) -> tuple[Callable, Callable]:
     if backend == KernelBackend.FA4:
         import magi_ffa_fa4
 
-        return AttnKernel(backend, magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd)
+        return magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd
     if backend == KernelBackend.CUDNN:
         import magi_ffa_cudnn
 
-        return AttnKernel(backend, magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd)
+        return magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd
     if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
         raise ValueError(f"no kernel for backend {backend!r}")
-    return AttnKernel(
-        backend,
+    return (
         functools.partial(magi_ffa.ffa_fwd, backend=backend.value),
         functools.partial(magi_ffa.ffa_bwd, backend=backend.value),
     )

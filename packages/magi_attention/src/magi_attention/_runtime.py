@@ -102,8 +102,9 @@ class DistAttnRuntime:
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
 
     def kernel(self, dtype: torch.dtype, softcap: float = 0.0) -> AttnKernel:
-        """The launchers for inputs of `dtype` with this `softcap` (same backend on every rank)."""
-        return attn_kernel(self.kernel_choice.backend_for(dtype, self.key.head_dim, softcap))
+        """The launchers for inputs of `dtype` with this `softcap` (same backends on every rank)."""
+        choice, d = self.kernel_choice, self.key.head_dim
+        return attn_kernel(choice.backend_for(dtype, d, softcap), choice.backward_for(dtype, d, softcap))
 
     @property
     def local_seqlen(self) -> int:
@@ -323,8 +324,8 @@ class RuntimeCache:
             remember_lengths(root, layout)
         choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
         choice = choose_auto(choice, key.head_dim, lambda: rank_problem_features(key, layout))
-        _LOG.debug("magi_attention key %s: kernel backend %s (%s)", key.cp_group.name, choice.backend.value,
-                   choice.reason)  # fmt: skip
+        _LOG.debug("magi_attention key %s: kernel backend %s%s (%s)", key.cp_group.name, choice.backend.value,
+                   "" if choice.backward is None else f", backward {choice.backward.value}", choice.reason)  # fmt: skip
         try:
             runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
         except BaseException:

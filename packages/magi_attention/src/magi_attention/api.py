@@ -414,14 +414,20 @@ def get_kernel_backend(
     cannot take moves a `calc_attn` call to another backend (see `KernelBackend`). Plans the key if needed
     (a collective on first use, as `dispatch`).
 
+    `auto` may run the backward on another backend than the forward where the table measured one clearly
+    faster there; the reason then names both ("cudnn backward").
+
     Returns:
-        ``(backend, reason)``: the resolved `KernelBackend` (never AUTO) and a one-line explanation.
+        ``(backend, reason)``: the forward's resolved `KernelBackend` (never AUTO) and a one-line explanation.
     """
     choice = RUNTIME_CACHE.get(key).kernel_choice
     backend = choice.backend_for(dtype, key.head_dim)
+    backward = choice.backward_for(dtype, key.head_dim)
     reason = (
         choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend.value}"
     )
+    if backward != backend:
+        reason = f"{reason}; backward: {backward.value}"
     return backend, reason
 
 

@@ -443,7 +443,12 @@ def _calc_attn_single(
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype, softcap)
-    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not deterministic_mode():
+    one_backend = kernel.backward_backend == kernel.backend
+    if (
+        kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN)
+        and one_backend
+        and not deterministic_mode()
+    ):
         # the backend's own autograd function: the raw kernel's cost, nothing around it
         out, lse, *mx = _flex_flash_attn_func(kernel.backend)(
             q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,

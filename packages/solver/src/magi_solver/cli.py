@@ -453,7 +453,8 @@ def _check_plot_backend() -> None:
 
 def auto_kernel(q, k, t, plan, hw: HardwareProfile, head_dim: int) -> tuple[str | None, str]:
     """What the runtime's ``kernel_backend="auto"`` picks for this plan on ``hw`` (assuming the GPU runs
-    every backend its table measured): ``(backend, reason)``, backend None without a table or row."""
+    every backend its table measured): ``(backends, reason)``, backends "fa4" or "fa4/cudnn" (forward /
+    backward when they differ), None without a table or row."""
     table = load_kernel_table(hw.name)
     if table is None:
         return None, f"no measured kernel table for {hw.name}: the runtime uses its capability rule"
@@ -462,7 +463,8 @@ def auto_kernel(q, k, t, plan, hw: HardwareProfile, head_dim: int) -> tuple[str 
     picked = pick_kernel(table, busiest_rank_features(q, k, t, rows), head_dim, candidates)
     if picked is None:
         return None, f"the {hw.name} table has no row for head_dim {head_dim}: the runtime's capability rule"
-    return picked
+    name = picked.forward if picked.forward == picked.backward else f"{picked.forward}/{picked.backward}"
+    return name, picked.reason
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,11 @@ A table measured on one GPU kind (``benchmarks/kernel_backends_bench.py --write-
 data, ``kernel_tables/<gpu kind>.json``) holds, per measured mask and size, each backend's forward and backward
 milliseconds and the mask's features. :func:`pick_kernel` takes the nearest measured row of the same head_dim
 and returns the backend with the smallest forward + backward time among the candidates (the backward's 2.5x
-FLOPs are in its time), with the reason. No timing at run time: same inputs, same answer on every rank.
+FLOPs are in its time) for both directions, unless another candidate is faster by more than
+:data:`SPLIT_GAIN` in one direction: then that direction runs on it. Every backend keeps the same contract
+(the backward starts from the final out / lse, whichever kernel made them), so a forward on one backend and a
+backward on another compute the same attention. No timing at run time: same inputs, same answer on every
+rank.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from magi_mask import normalize_types
 from .mask import AttnSlice, SliceList
 
 __all__ = [
+    "SPLIT_GAIN",
     "TILE",
+    "KernelPick",
     "KernelTable",
     "MaskFeatures",
     "busiest_rank_features",
@@ -47,6 +53,10 @@ __all__ = [
 
 TILE = 128
 """Tile edge of the features (the forward tile of the FA4 and cuDNN kernels on Hopper)."""
+
+SPLIT_GAIN = 0.05
+"""A direction leaves the backend of the fastest forward + backward only for one measured faster by more than
+this share of that direction's time (a second backend costs its own plans and compiles)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,26 +217,42 @@ def _distance(f: MaskFeatures, row: dict) -> float:
     return 8.0 * (f.documents != row["documents"]) + tok + 4.0 * abs(f.tile_fill - row["tile_fill"]) + spr
 
 
+@dataclass(frozen=True, slots=True)
+class KernelPick:
+    """What ``auto`` picks on one measured row: the forward's and the backward's backend, and why."""
+
+    forward: str
+    backward: str
+    reason: str
+
+
 def pick_kernel(
     table: KernelTable | None, features: MaskFeatures, head_dim: int, candidates: Sequence[str]
-) -> tuple[str, str] | None:
-    """``(backend, reason)``: the candidate with the smallest measured forward + backward time on the nearest
-    row of ``head_dim``; None when the table has no such row or measured none of the candidates."""
+) -> KernelPick | None:
+    """The pick on the nearest row of ``head_dim`` among ``candidates`` (see the module docstring); None when
+    the table has no such row or measured none of the candidates. Ties go by name, so every rank agrees."""
     if table is None:
         return None
     rows = [r for r in table.rows if r["head_dim"] == head_dim]
     if not rows:
         return None
     row = min(rows, key=lambda r: (_distance(features, r), r["mask"], r["tokens"]))
-    times = {b: sum(row["ms"][b]) for b in candidates if b in row["ms"]}
-    if not times:
+    ms = {b: row["ms"][b] for b in candidates if b in row["ms"]}
+    if not ms:
         return None
-    best = min(times, key=lambda b: (times[b], b))
-    others = ", ".join(f"{b} {t:.3f} ms" for b, t in sorted(times.items()) if b != best)
+    whole = min(ms, key=lambda b: (sum(ms[b]), b))
+
+    def direction(i: int) -> str:
+        best = min(ms, key=lambda b: (ms[b][i], b))
+        return best if ms[best][i] < (1 - SPLIT_GAIN) * ms[whole][i] else whole
+
+    fwd, bwd = direction(0), direction(1)
+    times = ", ".join(f"{b} {ms[b][0]:.3f} / {ms[b][1]:.3f}" for b in sorted(ms))
+    picked = fwd if fwd == bwd else f"{fwd} forward, {bwd} backward"
     reason = (
         f"{table.gpu_kind} table, nearest measured row {row['mask']} at {row['tokens']} tokens, d {head_dim} "
         f"(rank problem: {features.tokens} tokens, tile fill {features.tile_fill:.2f}, "
         f"{features.slices_per_row:.2f} slices per row{', documents' if features.documents else ''}): "
-        f"{best} {times[best]:.3f} ms fwd + bwd" + (f" against {others}" if others else "")
+        f"{picked} (fwd / bwd ms: {times})"
     )
-    return best, reason
+    return KernelPick(fwd, bwd, reason)
