@@ -123,7 +123,7 @@ def _pytest(out_dir: str, tag: str) -> int:
 def section_tests(out_dir: str) -> None:
     """GPU tests with the row-bitmask path; if they fail, again with the per-element mask_mod (and keep it)."""
     from magi_ffa_fa4 import clear_plan_cache
-    from magi_ffa_fa4._plan import r2p_enabled
+    from magi_ffa_fa4._launch_meta import r2p_enabled
 
     tag = "r2p" if r2p_enabled() else "mask_mod"
     rc = _pytest(out_dir, tag)
@@ -151,7 +151,7 @@ def _timed(fn, reps: int = 5) -> float:
 
 def section_metadata(total: int) -> None:
     from magi_ffa.intervals import row_intervals
-    from magi_ffa_fa4._plan import build_plan, tile_sizes
+    from magi_ffa_fa4._launch_meta import build_launch_meta, tile_sizes
     from magi_ffa_fa4.blocks import build_block_meta
 
     dev = torch.device("cuda")
@@ -161,7 +161,7 @@ def section_metadata(total: int) -> None:
         iv = row_intervals(qr, kr, tm, total, total)
         t_iv = _timed(partial(row_intervals, qr, kr, tm, total, total))
         t_meta = _timed(partial(build_block_meta, iv, bm, bn))
-        t_plan = _timed(partial(build_plan, qr, kr, tm, total, total, dev))
+        t_plan = _timed(partial(build_launch_meta, qr, kr, tm, total, total, dev))
         meta = build_block_meta(iv, bm, bn)
         r = {
             "section": "metadata",
@@ -185,14 +185,14 @@ def section_overhead() -> None:
     from flash_attn.cute import interface as fa
 
     import magi_ffa_fa4
-    from magi_ffa_fa4._plan import get_plan
+    from magi_ffa_fa4._launch_meta import get_launch_meta
 
     dev, total = torch.device("cuda"), 2048
     qr, kr, tm, _ = mask_slices("varlen_causal", total)
     q = torch.randn(total, 8, 128, device=dev, dtype=torch.bfloat16)
     k = torch.randn(total, 8, 128, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    plan = get_plan(qr, kr, tm, total, total, dev)
+    plan = get_launch_meta(qr, kr, tm, total, total, dev)
     scale = 128**-0.5
 
     def ours():
@@ -211,7 +211,7 @@ def section_overhead() -> None:
         )
 
     def plan_hit():
-        get_plan(qr, kr, tm, total, total, dev)
+        get_launch_meta(qr, kr, tm, total, total, dev)
 
     res = {}
     with torch.no_grad():

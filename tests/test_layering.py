@@ -155,9 +155,15 @@ def test_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
     assert _internal_imports(path, "p._a", "p", {"p._a", "p._b"}) == {"p._b"}
 
 
-# integrations/<framework>/{src,tests}: of ours, only magi_attention's public API (and their own package);
-# their tests may also use magi_attention.testing (rank launcher, docs-example runner)
-INTEGRATION_ALLOWED = {"magi_attention", "magi_attention.api", "magi_attention.config"}
+# integrations/<framework>/{src,tests}: of ours, only magi_attention's public API (and their own package),
+# the helpers they share included (cu_seqlens check, gradient sum over cp); their tests may also use
+# magi_attention.testing (rank launcher, docs-example runner)
+INTEGRATION_ALLOWED = {
+    "magi_attention",
+    "magi_attention.api",
+    "magi_attention.config",
+    "magi_attention.helpers",
+}
 INTEGRATION_FILES = sorted(
     p for d in ("src", "tests") for p in (ROOT / "integrations").glob(f"*/{d}/**/*.py")
 )

@@ -46,7 +46,7 @@ def _check_intervals(iv, mask: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_four_types_one_slice(impl: str) -> None:
-    # sq=3, sk=4 drawings from the AttnType docstring, then sq > sk for causal (first rows empty)
+    # sq=3, sk=4 drawings from the AttnMaskType docstring, then sq > sk for causal (first rows empty)
     use_triton = impl == "triton"
     cases = [
         (0, [[1, 1, 1, 1]] * 3),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from magi_attention.api import dispatch, get_position_ids, magi_attn_varlen_key, undispatch
 from magi_attention.config import DistAttnConfig
+from magi_attention.helpers import cu_seqlens_list
 
 __all__ = [
     "PackShard",
@@ -150,13 +150,7 @@ def dispatch_pack(
             f"input_ids must be one non-empty packed sequence, got shape {tuple(input_ids.shape)}"
         )
     total = ids.shape[0]
-    cu = (
-        [0, total]
-        if cu_seqlens is None
-        else [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    )
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in pairwise(cu)):
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at {total}, got {cu}")
+    cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
     cp_mesh = mesh["cp"]
     key = magi_attn_varlen_key(
         cu, cu, num_heads_q, num_heads_kv, head_dim, cp_mesh, causal=True, dist_attn_config=dist_attn_config

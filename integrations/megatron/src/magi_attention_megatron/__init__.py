@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -26,6 +25,8 @@ from torch import nn
 
 from magi_attention.api import calc_attn, dispatch, get_position_ids, magi_attn_varlen_key, undispatch
 from magi_attention.config import DistAttnConfig
+from magi_attention.helpers import all_reduce_gradients as _all_reduce_gradients
+from magi_attention.helpers import cu_seqlens_list
 
 __all__ = [
     "MagiCoreAttention",
@@ -182,13 +183,7 @@ def get_batch_on_this_cp_rank_magi(
     if tokens.ndim != 2 or tokens.shape[0] != 1:
         raise ValueError(f"tokens must be [1, seq] (micro-batch size 1), got {tuple(tokens.shape)}")
     total = tokens.shape[1]
-    cu = (
-        [0, total]
-        if cu_seqlens is None
-        else [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    )
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in pairwise(cu)):
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at {total}, got {cu}")
+    cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
     key = magi_attn_varlen_key(
         cu, cu, num_heads_q, num_heads_kv, head_dim, cp_group, causal=True, dist_attn_config=dist_attn_config
     )
@@ -239,13 +234,7 @@ def magi_loss(per_token_loss: torch.Tensor, batch: dict[str, Any]) -> torch.Tens
 
 def all_reduce_gradients(model: nn.Module, cp_group: Any) -> None:
     """Sum parameter gradients over the cp group (replicated parameters, no DDP)."""
-    group = _group(cp_group)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    for p in model.parameters():
-        grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-        if grad is not None:
-            dist.all_reduce(grad, group=group)
+    _all_reduce_gradients(model, _group(cp_group))
 
 
 def undispatch_output(local: torch.Tensor, key: Any) -> torch.Tensor:

@@ -33,6 +33,8 @@ from magi_attention.api import (
     undispatch,
 )
 from magi_attention.config import DistAttnConfig
+from magi_attention.helpers import all_reduce_gradients as _all_reduce_gradients
+from magi_attention.helpers import cu_seqlens_list
 
 ATTN_IMPLEMENTATION = "magi_attention"
 """The name registered with Transformers' `AttentionInterface` and `AttentionMaskInterface`."""
@@ -145,18 +147,6 @@ def apply_magi_attention(
     _STATES[gid] = _GroupState(cp_group_or_mesh, hq, hkv, head_dim, dist_attn_config)
 
 
-def _cu_seqlens_list(cu_seqlens: Any, total: int) -> list[int]:
-    if cu_seqlens is None:
-        return [0, total]
-    values = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    values = [int(v) for v in values]
-    if len(values) < 2 or values[0] != 0 or values[-1] != total or any(b < a for a, b in pairwise(values)):
-        raise ValueError(
-            f"cu_seqlens must start at 0, be non-decreasing and end at total_tokens={total}, got {values}"
-        )
-    return values
-
-
 def _as_row(x: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -200,7 +190,7 @@ def dispatch_batch(
     total = ids.shape[0]
     if total == 0:
         raise ValueError("input_ids is empty")
-    cu = _cu_seqlens_list(cu_seqlens, total)
+    cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
     config = dist_attn_config if dist_attn_config is not None else state.dist_attn_config
     key = magi_attn_varlen_key(
         cu, cu, state.num_heads_q, state.num_heads_kv, state.head_dim, cp_group_or_mesh,
@@ -270,11 +260,8 @@ def causal_lm_loss(local_logits: torch.Tensor, batch: DispatchedBatch) -> torch.
 def all_reduce_gradients(model: torch.nn.Module, cp_group_or_mesh: Any) -> None:
     """Sum every parameter's gradient over the cp group (plain replicated parameters, no DDP/FSDP)."""
     group = _process_group(cp_group_or_mesh)
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for grad in grads:
-        dist.all_reduce(grad, group=group)
+    if group is not None:
+        _all_reduce_gradients(model, group)
 
 
 def magi_attention_mask(*args: Any, **kwargs: Any) -> None:

@@ -5,26 +5,23 @@ distributed runtime calls; ``reference`` is the blockwise torch path; ``testing`
 ``validation`` the input checks of the FFA contract; ``intervals`` the per-row key intervals of a slice
 mask (torch and Triton builders, shared by the FA4 and cuDNN backends); ``merge_out_lse`` (torch, differentiable) and
 ``merge_out_lse_`` (fused Triton, in place) the out/lse merge; ``merge_sink`` / ``sink_grad`` attention sinks
-on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alone (a QK pass). ``AttnType`` and ``Backend`` are the old names of
-``magi_mask.AttnMaskType`` (the one mask-type enum) and ``KernelBackend``.
+on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alone (a QK pass). ``KernelBackend``
+is the one kernel-backend enum of every package (magi_ffa runs its ``triton`` and ``torch`` members).
 """
 
 from magi_mask import AttnMaskType
 
 from . import intervals, reference, testing, validation
-from ._common import Backend, KernelBackend, triton_head_dim_ok
+from ._common import KernelBackend, triton_head_dim_ok
 from ._merge import merge_out_lse, merge_out_lse_
 from ._ops import ffa_bwd, ffa_fwd, ffa_max_logits, flex_flash_attn_func
 from ._sink import merge_sink, sink_grad
-from ._slice import AttnType
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "AttnMaskType",
-    "AttnType",
-    "Backend",
     "KernelBackend",
     "RowIntervals",
     "ffa_bwd",

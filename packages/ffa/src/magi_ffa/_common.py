@@ -29,14 +29,31 @@ TypeMapLike = torch.Tensor | Sequence[int | str] | int | str | None
 
 
 class KernelBackend(enum.StrEnum):
-    """Which implementation of the FFA kernel runs: ``MAGI_FFA_BACKEND`` forces one, else it follows the
-    device and dtype. (magi_attention's ``KernelBackend`` adds ``auto`` and ``fa4`` to the same two.)"""
+    """Which implementation of the FFA kernel runs: the one kernel-backend enum of every package.
 
+    magi_ffa's own functions run ``TRITON`` and ``TORCH`` (``MAGI_FFA_BACKEND`` forces one, else it follows
+    the device and dtype); the runtime (``magi_attention.config.KernelBackend``, this same class) also runs
+    ``FA4`` and ``CUDNN`` through the packages above this one and resolves ``AUTO`` per key. It lives here,
+    the lowest package that runs a kernel, so that magi_ffa needs no import of the runtime."""
+
+    AUTO = "auto"
+    """Among the backends every rank can run, the fastest for the key's mask by the shipped table of measured
+    kernel times of rank 0's GPU kind (``magi_solver.kernel_choice``); without a table (or a row for the
+    head_dim) FA4 when it runs on every rank, else Triton on CUDA GPUs, else torch. Refined per call by dtype
+    and softcap; ``get_kernel_backend(key)`` says which and why. (The runtime's choice only.)"""
+    FA4 = "fa4"
+    """magi_ffa_fa4: FlashAttention-4's CuTe DSL kernels (fp16/bf16, head_dim <= 128, Hopper/Blackwell)."""
+    CUDNN = "cudnn"
+    """magi_ffa_cudnn: cuDNN's flex_attention kernels (fp16/bf16, head_dim a multiple of 8 up to 128 or 256,
+    no softcap, Hopper/Blackwell). Chosen only when asked for (``auto`` does not pick it)."""
     TRITON = "triton"
+    """magi_ffa's Triton kernels (fp16/bf16/fp32, power-of-two head_dim 16..256, any CUDA GPU)."""
     TORCH = "torch"
+    """magi_ffa's blockwise torch path (any device and dtype, fp64 included; slow)."""
 
 
-Backend = KernelBackend  # the public name before the rename (``magi_ffa.Backend``)
+# the members magi_ffa's own functions run (the others are the runtime's)
+_FFA_BACKENDS = (KernelBackend.TRITON, KernelBackend.TORCH)
 
 
 def _fail(msg: str) -> None:
@@ -299,9 +316,12 @@ def resolve_backend(q: torch.Tensor, backend: KernelBackend | str | None) -> Ker
     if backend is None:
         return backend_for(q)
     try:
-        return KernelBackend(str(backend).strip().lower())
+        chosen = KernelBackend(str(backend).strip().lower())
     except ValueError:
+        chosen = None
+    if chosen not in _FFA_BACKENDS:
         _fail(f"`backend` must be 'triton', 'torch' or None, got {backend!r}")
+    return chosen
 
 
 def triton_head_dim_ok(d: int) -> bool:

@@ -10,9 +10,6 @@ from dataclasses import dataclass
 
 from magi_mask import AttnMaskType
 
-# The package's historical name of the one mask-type enum (``magi_mask.AttnMaskType``; ints and names parse).
-AttnType = AttnMaskType
-
 
 @dataclass(frozen=True, slots=True)
 class Slice:
@@ -80,10 +77,10 @@ def make_slice(qs: int, qe: int, ks: int, ke: int, t: int) -> Slice | None:
     at = AttnMaskType.from_any(t)
     # the diagonals are anchored to the untrimmed corners: causal to (q_end, k_end), inverse to the start
     dk, dk_inv = ke - qe, ks - qs
-    if at == AttnType.CAUSAL:
+    if at == AttnMaskType.CAUSAL:
         qs = max(qs, qe - sk)  # bottom-right aligned: the first sq - sk rows are empty
-    elif at == AttnType.INV_CAUSAL:
+    elif at == AttnMaskType.INV_CAUSAL:
         qe = min(qe, qs + sk)  # top-left aligned: rows past sk are empty
-    elif at == AttnType.BI_CAUSAL and sq > sk:
+    elif at == AttnMaskType.BI_CAUSAL and sq > sk:
         return None
     return Slice(qs, qe, ks, ke, at, dk=dk, dk_inv=dk_inv)

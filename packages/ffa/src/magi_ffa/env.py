@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["backend", "poison", "tiles", "triton_interpret"]
+from magi_mask.flags import parse_bool
 
-_TRUE, _FALSE = ("1", "true"), ("0", "false")
+__all__ = ["backend", "poison", "tiles", "triton_interpret"]
 
 
 def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+    return parse_bool(name, os.environ.get(name), default)
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str | None:

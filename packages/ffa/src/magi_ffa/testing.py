@@ -18,10 +18,10 @@ import random
 from collections.abc import Sequence
 
 import torch
-from magi_mask import dense_mask
+from magi_mask import AttnMaskType, dense_mask
 
 from ._common import RangesLike, TypeMapLike, as_ranges, as_type_map
-from ._slice import AttnType, make_slice
+from ._slice import make_slice
 
 __all__ = [
     "assert_close_to_ref",
@@ -193,13 +193,13 @@ def random_slices(
                 )
     if density > 0 and all(make_slice(*x) is None for x in out):  # guarantee some visible pairs
         (q0, q1), (k0, k1) = qb[0], kb[-1]
-        out.append((q0, q1, k0, k1, AttnType.FULL))
+        out.append((q0, q1, k0, k1, AttnMaskType.FULL))
     rng.shuffle(out)
     t = torch.tensor(out, dtype=torch.int32).reshape(-1, 5)
     return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
 
 
-def varlen_slices(seqlens: Sequence[int], attn_type: int = AttnType.FULL) -> tuple[torch.Tensor, ...]:
+def varlen_slices(seqlens: Sequence[int], attn_type: int = AttnMaskType.FULL) -> tuple[torch.Tensor, ...]:
     """One slice per packed document (self-attention): q_range = k_range = the document's rows."""
     starts = [0]
     for n in seqlens:

@@ -5,19 +5,17 @@ The metadata parts (tile classes and block lists on magi_ffa's row intervals, re
 point needs ``flash-attn-4`` and raises an ImportError saying what to install when it is missing.
 """
 
+from magi_ffa import merge_out_lse_
 from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_reference
 
 from ._launch_meta import clear_launch_cache, clear_plan_cache
-from ._validation import AttnType
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
-from .merge import merge_out_lse_
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "INSTALL_HINT",
-    "AttnType",
     "BlockLists",
     "BlockSparseMeta",
     "RowIntervals",

@@ -15,13 +15,9 @@ Glossary (used in every docstring of this package; the shared words are in ``doc
 
 from __future__ import annotations
 
-from magi_mask import AttnMaskType
-
 from magi_ffa.validation import RangesLike, TypeMapLike
 
-AttnType = AttnMaskType  # the package's historical name of the one mask-type enum
-
-__all__ = ["AttnType", "RangesLike", "TypeMapLike", "check_block"]
+__all__ = ["RangesLike", "TypeMapLike", "check_block"]
 
 
 def check_block(name: str, value: object) -> int:

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import os
 
+from magi_mask.flags import parse_bool
+
 __all__ = ["plan_cache_size", "poison", "r2p", "varlen"]
 
 
 def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true"):
-        return True
-    if raw in ("0", "false"):
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+    return parse_bool(name, os.environ.get(name), default)
 
 
 def plan_cache_size() -> int:

@@ -124,7 +124,3 @@ def get_impl(impl: GroupCollectiveImpl) -> CollectiveImpl:
 
         return NativeImpl()
     return A2AVImpl()
-
-
-# the internal names before the rename ("backend" is the attention kernel's word)
-A2AVBackend, get_backend = A2AVImpl, get_impl

@@ -286,6 +286,3 @@ class HierarchicalImpl(CollectiveImpl):
 
     def build_reduce(self, tables, comm, device, all_tables):
         return _HierReduce(tables, comm, device, all_tables)
-
-
-HierarchicalBackend = HierarchicalImpl  # the internal name before the rename

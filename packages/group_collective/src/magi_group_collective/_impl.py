@@ -100,6 +100,3 @@ def chain(first, then, device: torch.device, async_op: bool) -> Work:
 def piece_rows(piece_ids: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> tuple[list, list]:
     """Starts and sizes of the listed pieces (for :func:`ranges_index`)."""
     return [starts[i] for i in piece_ids], [sizes[i] for i in piece_ids]
-
-
-Backend = CollectiveImpl  # the internal name before the rename

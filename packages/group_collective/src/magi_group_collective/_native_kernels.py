@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._lse_kernel import lse_reduce_kernel
 from ._native_plan import UNIT_BYTES
 from ._reduce_index import acc_dtype
 from ._triton_kernels import _MAX_BLOCK_C, _TILE_WORDS, _as_words
@@ -140,55 +141,6 @@ def pull_reduce(
     )  # fmt: skip
 
 
-@triton.jit
-def _pull_lse_kernel(
-    base, lbase, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me, in_delta, in_lse_delta, slot,
-    lslot, UNIT: tl.constexpr, LUNIT: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    o = tl.load(touched + t).to(tl.int64)
-    start = tl.load(ptr + t)
-    end = tl.load(ptr + t + 1)
-    l0 = tl.load(out_lse + o * H + h).to(ACC)
-    # pass 1: the merged log-sum-exp (max-shifted; -inf terms have weight 0, all -inf gives -inf)
-    m = l0
-    for k in range(start, end):
-        s = tl.load(c_src + k)
-        r = tl.load(c_row + k).to(tl.int64)
-        lrow = tl.where(s == me, in_lse_delta, tl.load(deltas + s).to(tl.int64) * LUNIT + lslot) + r * H
-        m = tl.maximum(m, tl.load(lbase + lrow + h).to(ACC))
-    m_safe = tl.where(m == float("-inf"), 0.0, m).to(ACC)
-    sm = tl.exp(l0 - m_safe)
-    for k in range(start, end):
-        s = tl.load(c_src + k)
-        r = tl.load(c_row + k).to(tl.int64)
-        lrow = tl.where(s == me, in_lse_delta, tl.load(deltas + s).to(tl.int64) * LUNIT + lslot) + r * H
-        sm += tl.exp(tl.load(lbase + lrow + h).to(ACC) - m_safe)
-    empty = sm == 0
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, sm).to(ACC))).to(ACC)
-    lse_safe = tl.where(empty, 0.0, lse).to(ACC)
-    w0 = tl.exp(l0 - lse_safe)
-    # pass 2: weighted sum of the partial outputs, one head_dim chunk at a time
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        o0 = tl.load(out + (o * H + h) * D + cols, mask=cmask, other=0)
-        acc = tl.where(w0 > 0, o0.to(ACC) * w0, 0.0).to(ACC)
-        for k in range(start, end):
-            s = tl.load(c_src + k)
-            r = tl.load(c_row + k).to(tl.int64)
-            d = tl.load(deltas + s).to(tl.int64)
-            lrow = tl.where(s == me, in_lse_delta, d * LUNIT + lslot) + r * H
-            wk = tl.exp(tl.load(lbase + lrow + h).to(ACC) - lse_safe)
-            row = tl.where(s == me, in_delta, d * UNIT + slot) + (r * H + h) * D
-            x = tl.load(base + row + cols, mask=cmask, other=0).to(ACC)
-            acc += tl.where(wk > 0, x * wk, 0.0).to(ACC)
-        res = tl.where(empty, o0, acc.to(out.dtype.element_ty))
-        tl.store(out + (o * H + h) * D + cols, res, mask=cmask)
-    tl.store(out_lse + o * H + h, lse.to(tl.float32))
-
-
 def pull_lse_reduce(
     base: torch.Tensor,
     deltas: torch.Tensor,
@@ -215,8 +167,9 @@ def pull_lse_reduce(
     es = out.element_size()
     b, lb = base.view(out.dtype), base.view(torch.float32)
     block_d = min(triton.next_power_of_2(max(D, 1)), 256)
-    _pull_lse_kernel[(T, H)](
+    lse_reduce_kernel[(T, H)](
         b, lb, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me,
         (input.data_ptr() - b.data_ptr()) // es, (input_lse.data_ptr() - lb.data_ptr()) // 4, slot // es,
-        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, ACC=_acc(out.dtype), BLOCK_D=block_d,
+        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, PEERS=True, ACC=_acc(out.dtype),
+        BLOCK_D=block_d,
     )  # fmt: skip

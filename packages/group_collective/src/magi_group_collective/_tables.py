@@ -54,6 +54,51 @@ def _check_world(world_size: int) -> None:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}")
 
 
+def _ranks_per_piece(
+    name: str, values: object, world_size: int, *, pieces: str, n_pieces: int, role: str, many: bool
+) -> tuple:
+    """One rank (``many`` False) or one list of unique ranks (``many`` True) per piece of ``pieces``."""
+    kind = "rank lists" if many else "ranks"
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"`{name}` must be a list of {kind}, got {type(values).__name__}")
+    if len(values) != n_pieces:
+        side = pieces.split("_")[0]  # "input" / "output"
+        raise ValueError(
+            f"`{name}` has {len(values)} entries but `{pieces}` has {n_pieces} pieces; "
+            f"give one {role} {'list' if many else 'rank'} per {side} piece"
+        )
+    check = _as_rank_set if many else _as_rank
+    return tuple(check(f"{name}[{k}]", v, world_size) for k, v in enumerate(values))
+
+
+def _validated(input_split_sizes, output_split_sizes, dst, src, world_size: int, *, cast: bool) -> tuple:
+    """The fields of validated tables, for both collectives: GroupCast sends an input piece to a list of ranks
+    and receives an output piece from one; GroupReduce sends to one rank and reduces from a list."""
+    _check_world(world_size)
+    ins = _as_size_tuple("input_split_sizes", input_split_sizes)
+    outs = _as_size_tuple("output_split_sizes", output_split_sizes)
+    dst_name, src_name = ("dst_indices", "src_index") if cast else ("dst_index", "src_indices")
+    dst_t = _ranks_per_piece(
+        dst_name,
+        dst,
+        world_size,
+        pieces="input_split_sizes",
+        n_pieces=len(ins),
+        role="destination",
+        many=cast,
+    )
+    src_t = _ranks_per_piece(
+        src_name,
+        src,
+        world_size,
+        pieces="output_split_sizes",
+        n_pieces=len(outs),
+        role="source",
+        many=not cast,
+    )
+    return ins, outs, dst_t, src_t, world_size
+
+
 @dataclass(frozen=True, slots=True)
 class CastTables:
     """Validated GroupCast tables of one rank.
@@ -75,26 +120,9 @@ class CastTables:
     @staticmethod
     def build(input_split_sizes, output_split_sizes, dst_indices, src_index, world_size: int) -> CastTables:
         """Validate raw tables (lists) and return them as tuples; raises ValueError/TypeError."""
-        _check_world(world_size)
-        ins = _as_size_tuple("input_split_sizes", input_split_sizes)
-        outs = _as_size_tuple("output_split_sizes", output_split_sizes)
-        if isinstance(dst_indices, (str, bytes)) or not isinstance(dst_indices, Sequence):
-            raise TypeError(f"`dst_indices` must be a list of rank lists, got {type(dst_indices).__name__}")
-        if len(dst_indices) != len(ins):
-            raise ValueError(
-                f"`dst_indices` has {len(dst_indices)} entries but `input_split_sizes` has {len(ins)} pieces; "
-                "give one destination list per input piece"
-            )
-        dst = tuple(_as_rank_set(f"dst_indices[{i}]", d, world_size) for i, d in enumerate(dst_indices))
-        if isinstance(src_index, (str, bytes)) or not isinstance(src_index, Sequence):
-            raise TypeError(f"`src_index` must be a list of ranks, got {type(src_index).__name__}")
-        if len(src_index) != len(outs):
-            raise ValueError(
-                f"`src_index` has {len(src_index)} entries but `output_split_sizes` has {len(outs)} pieces; "
-                "give one source rank per output piece"
-            )
-        src = tuple(_as_rank(f"src_index[{j}]", s, world_size) for j, s in enumerate(src_index))
-        return CastTables(ins, outs, dst, src, world_size)
+        return CastTables(
+            *_validated(input_split_sizes, output_split_sizes, dst_indices, src_index, world_size, cast=True)
+        )
 
     def transpose(self) -> ReduceTables:
         """The GroupReduce tables that move data back along the same routes."""
@@ -144,26 +172,9 @@ class ReduceTables:
     @staticmethod
     def build(input_split_sizes, output_split_sizes, dst_index, src_indices, world_size: int) -> ReduceTables:
         """Validate raw tables (lists) and return them as tuples; raises ValueError/TypeError."""
-        _check_world(world_size)
-        ins = _as_size_tuple("input_split_sizes", input_split_sizes)
-        outs = _as_size_tuple("output_split_sizes", output_split_sizes)
-        if isinstance(dst_index, (str, bytes)) or not isinstance(dst_index, Sequence):
-            raise TypeError(f"`dst_index` must be a list of ranks, got {type(dst_index).__name__}")
-        if len(dst_index) != len(ins):
-            raise ValueError(
-                f"`dst_index` has {len(dst_index)} entries but `input_split_sizes` has {len(ins)} pieces; "
-                "give one destination rank per input piece"
-            )
-        dst = tuple(_as_rank(f"dst_index[{i}]", d, world_size) for i, d in enumerate(dst_index))
-        if isinstance(src_indices, (str, bytes)) or not isinstance(src_indices, Sequence):
-            raise TypeError(f"`src_indices` must be a list of rank lists, got {type(src_indices).__name__}")
-        if len(src_indices) != len(outs):
-            raise ValueError(
-                f"`src_indices` has {len(src_indices)} entries but `output_split_sizes` has {len(outs)} "
-                "pieces; give one source list per output piece"
-            )
-        src = tuple(_as_rank_set(f"src_indices[{j}]", s, world_size) for j, s in enumerate(src_indices))
-        return ReduceTables(ins, outs, dst, src, world_size)
+        return ReduceTables(
+            *_validated(input_split_sizes, output_split_sizes, dst_index, src_indices, world_size, cast=False)
+        )
 
     def transpose(self) -> CastTables:
         """The GroupCast tables that move data back along the same routes."""

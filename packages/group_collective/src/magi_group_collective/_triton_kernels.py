@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._lse_kernel import lse_reduce_kernel
 from ._reduce_index import ReduceIndex, acc_dtype
 
 # Copy kernel tile: up to 256 words per row chunk, ~4096 words per program.
@@ -114,47 +115,6 @@ def reduce_rows_csr(
     )  # fmt: skip
 
 
-@triton.jit
-def _lse_reduce_kernel(
-    out, out_lse, recv, recv_lse, touched, ptr, rows, H, D,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    o = tl.load(touched + t).to(tl.int64)
-    start = tl.load(ptr + t)
-    end = tl.load(ptr + t + 1)
-    l0 = tl.load(out_lse + o * H + h).to(ACC)
-    # pass 1: the merged log-sum-exp (max-shifted; -inf terms have weight 0, all -inf gives -inf)
-    m = l0
-    for k in range(start, end):
-        r = tl.load(rows + k).to(tl.int64)
-        m = tl.maximum(m, tl.load(recv_lse + r * H + h).to(ACC))
-    m_safe = tl.where(m == float("-inf"), 0.0, m).to(ACC)
-    s = tl.exp(l0 - m_safe)
-    for k in range(start, end):
-        r = tl.load(rows + k).to(tl.int64)
-        s += tl.exp(tl.load(recv_lse + r * H + h).to(ACC) - m_safe)
-    empty = s == 0
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, s).to(ACC))).to(ACC)
-    lse_safe = tl.where(empty, 0.0, lse).to(ACC)
-    w0 = tl.exp(l0 - lse_safe)
-    # pass 2: weighted sum of the partial outputs, one head_dim chunk at a time
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        o0 = tl.load(out + (o * H + h) * D + cols, mask=cmask, other=0)
-        acc = tl.where(w0 > 0, o0.to(ACC) * w0, 0.0).to(ACC)
-        for k in range(start, end):
-            r = tl.load(rows + k).to(tl.int64)
-            wk = tl.exp(tl.load(recv_lse + r * H + h).to(ACC) - lse_safe)
-            x = tl.load(recv + (r * H + h) * D + cols, mask=cmask, other=0).to(ACC)
-            acc += tl.where(wk > 0, x * wk, 0.0).to(ACC)
-        res = tl.where(empty, o0, acc.to(out.dtype.element_ty))
-        tl.store(out + (o * H + h) * D + cols, res, mask=cmask)
-    tl.store(out_lse + o * H + h, lse.to(tl.float32))
-
-
 def lse_reduce_rows_csr(
     out: torch.Tensor, out_lse: torch.Tensor, recv: torch.Tensor, recv_lse: torch.Tensor, red: ReduceIndex
 ) -> None:
@@ -164,7 +124,9 @@ def lse_reduce_rows_csr(
     if T == 0 or H == 0:
         return
     block_d = min(triton.next_power_of_2(max(D, 1)), 256)
-    _lse_reduce_kernel[(T, H)](
-        out, out_lse, recv, recv_lse, red.touched, red.csr_ptr, red.csr_rows, H, D,
-        ACC=_acc_dtype(out.dtype), BLOCK_D=block_d,
+    # one source (the received tensors): no peers, so c_src and deltas are never read
+    rows = red.csr_rows
+    lse_reduce_kernel[(T, H)](
+        recv, recv_lse, out, out_lse, rows, red.touched, red.csr_ptr, rows, rows, H, D, 0, 0, 0, 0, 0,
+        UNIT=1, LUNIT=1, PEERS=False, ACC=_acc_dtype(out.dtype), BLOCK_D=block_d,
     )  # fmt: skip

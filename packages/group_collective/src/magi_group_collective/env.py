@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import os
 
+from magi_mask.flags import parse_bool
+
 __all__ = ["debug", "impl", "kernels", "native_buffer_mb"]
 
 
 def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true"):
-        return True
-    if raw in ("0", "false"):
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+    return parse_bool(name, os.environ.get(name), default)
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str | None:

@@ -31,13 +31,11 @@ from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
 from .helpers import (
     compute_pad_size,
+    cu_seqlens_list,
     infer_attn_mask_from_cu_seqlens,
     infer_attn_mask_from_sliding_window,
     infer_varlen_mask_from_batch,
     squash_batch_dim,
-)
-from .helpers import (
-    cu_seqlens_list as _cu_seqlens_list,
 )
 from .key import CpGroup, DistAttnRuntimeKey
 from .mask_mod import infer_attn_mask_from_mask_mod
@@ -259,8 +257,8 @@ def magi_attn_varlen_key(
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
         pad_size, chunk_size: as in `magi_attn_flex_key`.
     """
-    cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    cu_q = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
     window = _window_pair(window_size, causal)
     if cu_q == cu_k:
         mask = make_sliding_window_mask(cu_q, window)
@@ -305,8 +303,8 @@ def make_varlen_key_for_new_mask_after_dispatch(
         raise TypeError(
             f"key_for_dispatch must be a DistAttnRuntimeKey, got {type(key_for_dispatch).__name__}"
         )
-    cu_q = _cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = _cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    cu_q = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
     if cu_q != cu_k:
         raise NotImplementedError("only self-attention is supported: cu_seqlens_q must equal cu_seqlens_k")
     if cu_q[-1] != key_for_dispatch.total_seqlen_q:

@@ -8,7 +8,10 @@ they are part of the runtime key, so two calls with equal configs share one cach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+# The kernel's enum, not a copy: `magi_attention.config.KernelBackend is magi_ffa.KernelBackend` (auto, fa4,
+# cudnn, triton, torch), defined in the lowest package that runs a kernel.
+from magi_ffa import KernelBackend
 
 # The planner's enums, not copies: `magi_attention.config.DispatchAlg is magi_solver.DispatchAlg` (same values:
 # min_heap, sequential, zigzag, affinity; static, dynamic), so a config's choice reaches the solver unchanged.
@@ -23,25 +26,6 @@ __all__ = [
     "OverlapConfig",
     "OverlapMode",
 ]
-
-
-class KernelBackend(StrEnum):
-    """The attention kernel the runtime computes with (every kernel call of a key, on every rank)."""
-
-    AUTO = "auto"
-    """Among the backends every rank can run, the fastest for the key's mask by the shipped table of measured
-    kernel times of rank 0's GPU kind (``magi_solver.kernel_choice``); without a table (or a row for the
-    head_dim) FA4 when it runs on every rank, else Triton on CUDA GPUs, else torch. Refined per call by dtype
-    and softcap; ``get_kernel_backend(key)`` says which and why."""
-    FA4 = "fa4"
-    """magi_ffa_fa4: FlashAttention-4's CuTe DSL kernels (fp16/bf16, head_dim <= 128, Hopper/Blackwell)."""
-    CUDNN = "cudnn"
-    """magi_ffa_cudnn: cuDNN's flex_attention kernels (fp16/bf16, head_dim a multiple of 8 up to 128 or 256,
-    no softcap, Hopper/Blackwell). Chosen only when asked for (``auto`` does not pick it)."""
-    TRITON = "triton"
-    """magi_ffa's Triton kernels (fp16/bf16/fp32, power-of-two head_dim 16..256, any CUDA GPU)."""
-    TORCH = "torch"
-    """magi_ffa's blockwise torch path (any device and dtype, fp64 included; slow)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,21 +28,15 @@ from __future__ import annotations
 
 import os
 
+from magi_mask.flags import parse_bool
+
 from .config import KernelBackend
 
 _BACKEND_ALIASES = {"ffa": KernelBackend.TRITON, "sdpa": KernelBackend.TORCH}
 
 
 def _flag(name: str, default: bool) -> bool:
-    """A boolean variable: 0 / 1 / true / false in any case, unset or empty = `default`."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true"):
-        return True
-    if raw in ("0", "false"):
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 0, 1, true or false (any case)")
+    return parse_bool(name, os.environ.get(name), default)
 
 
 def sanity_check_enabled() -> bool:

@@ -1,12 +1,15 @@
-"""Small helpers MagiAttention users call around the keys: padding arithmetic, batch <-> packed layouts and
-the slice forms of sliding windows and packed documents."""
+"""Small helpers MagiAttention users call around the keys: padding arithmetic, batch <-> packed layouts, the
+slice forms of sliding windows and packed documents, the cu_seqlens check (`cu_seqlens_list`) and the
+gradient sum over the cp group (`all_reduce_gradients`) the integrations share."""
 
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from magi_mask import decompose_region, tighten_region
 
 from magi_solver import AttnMaskType, AttnRanges, padded_seqlen
@@ -177,17 +180,44 @@ def _pair(r: Any, name: str) -> tuple[int, int]:
     return a, b
 
 
-def cu_seqlens_list(cu: Any, name: str) -> list[int]:
-    """Validated cumulative lengths as ints: non-decreasing from 0, at least 2 entries, never truncated floats."""
+def cu_seqlens_list(cu: Any, name: str = "cu_seqlens", *, total: int | None = None) -> list[int]:
+    """Cumulative document lengths (`[0, len_0, len_0 + len_1, ...]`) checked and returned as Python ints.
+
+    Args:
+        cu: a 1-D integer tensor or a sequence of ints (numpy integers included); floats are refused, never
+            truncated.
+        name: the argument's name in error messages.
+        total: when given, the last entry must equal it (the tokens of the packed sequence).
+
+    Raises:
+        ValueError: non-integers, fewer than 2 entries, a first entry other than 0, a decreasing entry, or a
+            last entry other than `total`.
+    """
     if isinstance(cu, torch.Tensor) and (
         cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool
     ):
         raise ValueError(f"{name} must hold integers, got a {cu.dtype} tensor")
     values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
         raise ValueError(f"{name} must hold integers (floats would be truncated), got {values}")
+    values = [int(x) for x in values]
     if len(values) < 2 or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(
             f"{name} must start at 0 and be non-decreasing with at least 2 entries, got {values}"
         )
+    if total is not None and values[-1] != total:
+        raise ValueError(f"{name} must end at the total token count {total}, got {values}")
     return values
+
+
+def all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum every parameter's gradient over `group` (None: the default group), in place: replicated
+    parameters trained without DDP/FSDP over the cp ranks. A parameter's `main_grad` (Megatron's fp32
+    gradient buffer) is reduced instead of `grad` when it has one. Nothing happens without an initialised
+    process group or on a group of one rank."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    for p in model.parameters():
+        grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        if grad is not None:
+            dist.all_reduce(grad, group=group)

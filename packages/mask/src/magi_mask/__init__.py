@@ -7,6 +7,8 @@ A mask over `[total_q] x [total_k]` is the union of slices `(q_range, k_range, t
 - Band regions (`magi_mask.region`): `region_of`, `tighten_region`, `clip_region`, `intersect_regions`,
   `subtract_region`, `decompose_region`, `disjoint_regions`, `disjoint_union` and exact areas.
 - The dense oracle tests use: `dense_mask`, `slice_dense`, `region_dense`.
+- `magi_mask.flags.parse_bool`: the strict boolean of every package's environment flags (each package's
+  `env` module reads the variable and parses it here).
 """
 
 from .dense import dense_mask, region_dense, slice_dense

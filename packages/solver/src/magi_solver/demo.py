@@ -1,4 +1,5 @@
-"""Planner demo: `python -m magi_solver.demo` (the project's main job until the runtime demo exists).
+"""Planner demo: `python -m magi_solver.demo`, the planner alone (the project's main job is the runtime demo,
+`python -m magi_attention.demo`).
 
 Plans a realistic 1M-token packed batch (300 documents, long-tailed lengths, causal inside each document)
 for cp 8, 16 and 64, and prints compute balance and per-rank K/V communication against ring attention

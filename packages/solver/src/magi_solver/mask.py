@@ -27,12 +27,9 @@ from magi_mask import (
     decompose_region,
     dense_mask,
     disjoint_union,
-    intersect_regions,
-    normalize_types,
     region_of,
     slice_area,
     slice_dense,
-    subtract_region,
     tighten_region,
     total_area,
     validate_slices,
@@ -61,13 +58,6 @@ __all__ = [
 ]
 
 _BY_CODE = {t.code: t for t in AttnMaskType}
-# old private names of the algebra (now magi_mask's public ones)
-_intersect_regions = intersect_regions
-_subtract_region = subtract_region
-
-
-def _normalize_types(attn_mask_type: Any, n: int) -> list[int]:
-    return normalize_types(attn_mask_type, n)
 
 
 # -- public slice objects ---------------------------------------------------------------------------------

@@ -1,0 +1,24 @@
+"""The strict boolean of every package's environment flags, parsed in one place.
+
+Each package's ``env`` module stays the one place that reads its variables; it hands the raw value here.
+"""
+
+from __future__ import annotations
+
+__all__ = ["parse_bool"]
+
+_TRUE, _FALSE = ("1", "true"), ("0", "false")
+
+
+def parse_bool(name: str, raw: str | None, default: bool) -> bool:
+    """The boolean of variable ``name`` whose value is ``raw``: ``0`` / ``1`` / ``true`` / ``false`` in any
+    case (surrounding blanks ignored); None or empty gives ``default``; anything else raises ``ValueError``
+    naming the variable (a typo never silently turns a flag off)."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean: use 0, 1, true or false (any case)")
