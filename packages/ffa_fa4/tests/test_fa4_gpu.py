@@ -94,6 +94,9 @@ CASES = [
     pytest.param("varlen_block_causal", 1500, 16, 2, 128, id="varlen_block_causal-gqa8-d128"),
     pytest.param("random_overlap", 777, 8, 8, 128, id="random_overlap-mha-d128"),
     pytest.param("random_overlap", 901, 16, 2, 128, id="random_overlap-gqa8-d128"),
+    pytest.param("sliding_window", 1200, 8, 2, 64, id="swa-gqa4-d64"),
+    pytest.param("varlen_causal", 1300, 8, 4, 64, id="varlen_causal-gqa2-d64"),
+    pytest.param("random_overlap", 640, 8, 4, 64, id="random_overlap-gqa2-d64"),
 ]
 
 

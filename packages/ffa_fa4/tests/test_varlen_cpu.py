@@ -117,11 +117,15 @@ def test_random_slices_fall_back_and_documents_group() -> None:
     assert (
         g.fa4_kwargs()["causal"] and g.seqused_q is None and g.cu_seqlens_q.tolist() == [0, 700, 1500, 2048]
     )
-    # two groups (a sliding window's causal head beside its band) keep the block-sparse path by default
+    # a sliding window's causal head and its band are one windowed entry: one group, FA4's window (511, 0)
     swa = [[0, 512], [512, 2048]], [[0, 512], [1, 2048]], [1, 3]
     slices = host_slices(*(torch.tensor(x, dtype=torch.int32) for x in swa), 2048, 2048)
+    (g,) = plan_varlen(slices, 2048, 2048, CPU).groups
+    assert (g.q_ranges, g.k_ranges, g.window_left, g.window_right) == (((0, 2048),), ((0, 2048),), 511, 0)
+    # two separate pieces that do not make one window (the band shifted by one key) stay two entries
+    gap = [[0, 512], [512, 2048]], [[0, 512], [2, 2048]], [1, 3]
+    slices = host_slices(*(torch.tensor(x, dtype=torch.int32) for x in gap), 2048, 2048)
     assert plan_varlen(slices, 2048, 2048, CPU) is None
-    assert len(plan_varlen(slices, 2048, 2048, CPU, max_groups=2).groups) == 2
     # tiny entries keep the block-sparse path
     small = [[i, i + 16] for i in range(0, 2048, 16)]
     slices = host_slices(*(torch.tensor(x, dtype=torch.int32) for x in (small, small, [1] * 128)), 2048, 2048)
@@ -245,3 +249,25 @@ def test_launchers_match_dense(fake, kind: str, hk: int) -> None:
     ((o2 * do).sum() + (torch.where(torch.isneginf(l2), 0.0, l2) * dlse).sum()).backward()
     for name, y, x in zip(("dq", "dk", "dv"), ys, xs):
         torch.testing.assert_close(y.grad.double(), x.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("window", [(255, 0), (300, 40), (100, None), (None, 17), (2, 3)])
+def test_windows_per_document_are_one_entry_each(window) -> None:
+    """Packed documents with a sliding window (``infer_attn_mask_from_cu_seqlens``'s decomposition into a
+    causal head, a band and a tail per document): one entry per document, the group's window the asked one,
+    and the group reproduces the mask exactly."""
+    from magi_attention.helpers import infer_attn_mask_from_cu_seqlens
+
+    cu = [0, 700, 1900, 2048, 3000]
+    left, right = (-1 if x is None else x for x in window)
+    q, k, t, tq, tk = infer_attn_mask_from_cu_seqlens(cu, cu, window_size=(left, right))
+    qr = torch.tensor([[r.start, r.end] for r in q], dtype=torch.int32)
+    kr = torch.tensor([[r.start, r.end] for r in k], dtype=torch.int32)
+    tm = torch.tensor([x.to_int_type() for x in t], dtype=torch.int32)
+    slices = host_slices(qr, kr, tm, tq, tk)
+    plan = plan_varlen(slices, tq, tk, CPU, min_mean_rows=0)
+    assert plan is not None and len(plan.groups) == 1, window
+    (g,) = plan.groups
+    assert g.q_ranges == tuple(zip(cu, cu[1:])) and g.k_ranges == g.q_ranges
+    dense = T.make_attn_mask(qr, kr, tm, tq, tk)
+    assert torch.equal(_group_mask(g, tq, tk), dense)

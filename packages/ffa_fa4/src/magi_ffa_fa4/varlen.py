@@ -15,7 +15,11 @@ call whose entries are its slices:
   ``left = (k_end - q_end) - dk_inv``; a side without a diagonal accepts any window that cuts nothing
   (``right >= lq - 1``, ``left >= lk - 1``) or none;
 - within a group the entries' query ranges are disjoint and ascending (each output row is written once)
-  and so are their key ranges (each dK / dV row is written once); all entries accept the group's window.
+  and so are their key ranges (each dK / dV row is written once); all entries accept the group's window;
+- slices stacked on consecutive query rows whose union is exactly one window of their bounding box (a
+  sliding window arrives as a CAUSAL head and a BI_CAUSAL band, ``magi_attention.helpers`` decomposes
+  windows so) become ONE entry with that window: FA4's own windowed kernel then runs the whole band, as
+  ``window_size`` does, instead of one group per piece.
 
 Greedy in query order; a mask needing more than ``MAX_GROUPS`` groups, or with tiny entries (mean query
 length under ``MIN_MEAN_ROWS``, where per-entry tile padding would cost more than the masking saves), keeps
@@ -32,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from magi_ffa._slice import Slice
@@ -50,13 +55,79 @@ def _meet(a: _Bound, b: _Bound) -> _Bound | None:
     return None if hi is not None and lo > hi else (lo, hi)
 
 
-def _window_bounds(s: Slice) -> tuple[_Bound, _Bound]:
-    """(left, right) values FA4's window may take for this slice as one entry (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One FA4 batch entry: its rows and keys and the (left, right) window values it accepts."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    left: _Bound
+    right: _Bound
+
+
+def _slice_entry(s: Slice) -> _Entry:
+    """A slice as one entry: the window values that reproduce it (see the module docstring)."""
     lq, lk = s.q_end - s.q_start, s.k_end - s.k_start
     corner = s.k_end - s.q_end  # FA4's bottom-right diagonal, in global key - row
     right = (s.dk - corner, s.dk - corner) if s.is_causal else (lq - 1, None)
     left = (corner - s.dk_inv, corner - s.dk_inv) if s.is_inv_causal else (lk - 1, None)
-    return left, right
+    return _Entry(s.q_start, s.q_end, s.k_start, s.k_end, left, right)
+
+
+def _side(need: np.ndarray, cut: np.ndarray) -> _Bound | None:
+    """Window values of one side: rows where the window cuts (``cut``) fix it to their ``need``, which must
+    be one value; the other rows need at least theirs. None when no non-negative value fits."""
+    floor = int(need[~cut].max()) if (~cut).any() else 0
+    if not cut.any():
+        return (max(floor, 0), None)
+    exact = need[cut]
+    value = int(exact[0])
+    if value < 0 or value < floor or (exact != value).any():
+        return None
+    return (value, value)
+
+
+def _window_entry(run: Sequence[Slice]) -> _Entry | None:
+    """The one entry whose window is exactly the union of ``run`` (slices on consecutive query rows), or
+    None: per row the slices' key intervals must join into one non-empty interval, and those intervals must be
+    a window of their bounding box, aligned at its bottom-right corner as FA4 aligns it."""
+    qa, qb = run[0].q_start, run[-1].q_end
+    rows = np.arange(qa, qb, dtype=np.int64)
+    lo = np.full(rows.size, np.iinfo(np.int64).max)
+    hi = np.full(rows.size, np.iinfo(np.int64).min)
+    length = np.zeros(rows.size, dtype=np.int64)
+    for s in run:
+        r = rows[s.q_start - qa : s.q_end - qa]
+        s_lo = np.maximum(s.k_start, r + s.dk_inv) if s.is_inv_causal else np.full(r.size, s.k_start)
+        s_hi = np.minimum(s.k_end, r + s.dk + 1) if s.is_causal else np.full(r.size, s.k_end)
+        sel = slice(s.q_start - qa, s.q_end - qa)
+        lo[sel] = np.minimum(lo[sel], s_lo)
+        hi[sel] = np.maximum(hi[sel], s_hi)
+        length[sel] += np.maximum(s_hi - s_lo, 0)
+    if (length <= 0).any() or (hi - lo != length).any():  # an empty row, or a row of two intervals
+        return None
+    ka, kb = int(lo.min()), int(hi.max())
+    corner = kb - qb
+    left = _side(rows + corner - lo, lo > ka)
+    right = _side(hi - 1 - rows - corner, hi < kb)
+    return None if left is None or right is None else _Entry(qa, qb, ka, kb, left, right)
+
+
+def _entries(slices: Sequence[Slice]) -> list[_Entry]:
+    """The slices as entries, those on consecutive rows joined while their union stays one window."""
+    out: list[_Entry] = []
+    run: list[Slice] = []
+    for s in sorted(slices, key=lambda x: (x.q_start, x.k_start)):
+        joined = _window_entry([*run, s]) if run and s.q_start == run[-1].q_end else None
+        if joined is not None:
+            run.append(s)
+            out[-1] = joined
+        else:
+            run = [s]
+            out.append(_slice_entry(s))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,26 +190,25 @@ class VarlenPlan:
 class _Open:
     left: _Bound
     right: _Bound
-    slices: list[Slice]
+    entries: list[_Entry]
 
 
-def _group(slices: Sequence[Slice], max_groups: int) -> list[_Open] | None:
+def _group(entries: Sequence[_Entry], max_groups: int) -> list[_Open] | None:
     groups: list[_Open] = []
-    for s in sorted(slices, key=lambda x: (x.q_start, x.k_start)):
-        left, right = _window_bounds(s)
+    for e in entries:  # in (q_start, k_start) order
         for g in groups:
-            last = g.slices[-1]
-            if s.q_start < last.q_end or s.k_start < last.k_end:
+            last = g.entries[-1]
+            if e.q_start < last.q_end or e.k_start < last.k_end:
                 continue
-            nl, nr = _meet(g.left, left), _meet(g.right, right)
+            nl, nr = _meet(g.left, e.left), _meet(g.right, e.right)
             if nl is not None and nr is not None:
                 g.left, g.right = nl, nr
-                g.slices.append(s)
+                g.entries.append(e)
                 break
         else:
             if len(groups) == max_groups:
                 return None
-            groups.append(_Open(left, right, [s]))
+            groups.append(_Open(e.left, e.right, [e]))
     return groups
 
 
@@ -171,15 +241,18 @@ def plan_varlen(
 ) -> VarlenPlan | None:
     """The varlen groups of these disjoint-area slices (``magi_ffa.validation.host_slices``), or None when
     the mask is better served by the block-sparse path (see the module docstring)."""
-    if not slices or sum(s.q_end - s.q_start for s in slices) < min_mean_rows * len(slices):
+    if not slices:
         return None
-    opened = _group(slices, max_groups)
+    entries = _entries(slices)
+    if sum(e.q_end - e.q_start for e in entries) < min_mean_rows * len(entries):
+        return None
+    opened = _group(entries, max_groups)
     if opened is None:
         return None
     groups = []
     for g in opened:
-        qr = [(s.q_start, s.q_end) for s in g.slices]
-        kr = [(s.k_start, s.k_end) for s in g.slices]
+        qr = [(e.q_start, e.q_end) for e in g.entries]
+        kr = [(e.k_start, e.k_end) for e in g.entries]
         cu_q, used_q = _tensors(qr, device)
         cu_k, used_k = _tensors(kr, device)
         groups.append(
