@@ -205,9 +205,10 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
+def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool, zero_empty: bool = True):
     """cuDNN forward: out ``[total_q, hq, d]`` (q's dtype), lse fp32 ``[total_q, hq]`` (a transposed view),
-    max logits fp32 ``[hq]`` or None."""
+    max logits fp32 ``[hq]`` or None. ``zero_empty=False`` leaves the out rows of rows that see no key as the
+    kernel left them (lse -inf is still set): for a result only merged into an accumulator."""
     q4, k4, v4 = (_kernel_layout(t)[None] for t in (q, k, v))
     key = ("fwd", layout_key(q4, k4, v4), want_max)
     launch = plan.launches.get(key)
@@ -216,7 +217,8 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool):
     out4, lse3, max_logit = launch(q4, k4, v4, scale)
     out, lse = out4[0], lse3[0]
     if plan.empty_rows is not None:
-        out.index_fill_(0, plan.empty_rows, 0.0)
+        if zero_empty:
+            out.index_fill_(0, plan.empty_rows, 0.0)
         lse.index_fill_(1, plan.empty_rows, float("-inf"))
     return out, lse.t(), max_logit
 
@@ -362,7 +364,9 @@ def ffa_fwd(
         if sink is None and out is not None:
             return (out, lse, *((ml,) if return_max_logits else ()))  # nothing to merge
     else:
-        o, l, ml = _forward(q, k, v, plan, scale, return_max_logits)
+        # merged into an accumulator (no sink): the merge ignores rows of -inf lse, so their out needs no zeros
+        zero_empty = out is None or sink is not None
+        o, l, ml = _forward(q, k, v, plan, scale, return_max_logits, zero_empty)
     if sink is not None:
         o, l = merge_sink(o, l, sink)
     extra = (ml,) if return_max_logits else ()

@@ -83,8 +83,11 @@ def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
     return scale
 
 
-def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float):
-    """FA4 forward; returns out ``[1, total_q, hq, d]`` and lse ``[1, hq, total_q]`` (4-D/3-D FA4 layout)."""
+def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float, zero_empty: bool = True):
+    """FA4 forward; returns out ``[1, total_q, hq, d]`` and lse ``[1, hq, total_q]`` (4-D/3-D FA4 layout).
+
+    ``zero_empty=False`` leaves whatever the kernel wrote in the out rows of rows that see no key (their lse
+    is -inf): for a result that is only merged into an accumulator, whose merge selects such rows away."""
     fa = _fa4()
     if meta.varlen is not None:
         out, lse = forward_varlen(fa, q, k, v, meta.varlen, scale, softcap)
@@ -109,7 +112,7 @@ def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float):
         out=poison,
         lse=lse_buf,
     )
-    if meta.has_empty_rows:
+    if meta.has_empty_rows and zero_empty:
         # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
         out4.index_fill_(1, meta.empty_rows, 0.0)
     return out4, lse3
@@ -317,7 +320,9 @@ def ffa_fwd(
         if sink is None and out is not None:
             return (out, lse, *extra)  # nothing to merge
     else:
-        out4, lse3 = _forward(q, k, v, meta, scale, float(softcap))
+        # merged into an accumulator (no sink): the merge ignores rows of -inf lse, so their out needs no zeros
+        zero_empty = out is None or sink is not None
+        out4, lse3 = _forward(q, k, v, meta, scale, float(softcap), zero_empty)
         o, l = out4[0], lse3[0].t()
     if sink is not None:
         o, l = merge_sink(o, l, sink)
