@@ -30,9 +30,10 @@ IGNORE_INDEX = -100
 BF16_STEP0_LOSS_ABS = 2e-2
 BF16_LOSS_ABS = 5e-2
 BF16_GRAD_REL = 5e-2
-# float64 tolerances (CPU smoke runs): the same math, summed in another order
-FP64_LOSS_ABS = 1e-9
-FP64_GRAD_REL = 1e-7
+# float64 tolerances (CPU smoke runs): the same math, summed in another order; Megatron computes its cross
+# entropy in float32 (its losses agree to ~5e-7, its gradients to ~1e-9)
+FP64_LOSS_ABS = 1e-5
+FP64_GRAD_REL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,11 @@ def train(
         t0 = time.perf_counter()
         loss = step()
         if i == 0:
-            result.grads0 = [grad_of(p.grad).detach().float().clone() for p in params()]
+            # kept in fp32 at least (bf16 gradients would round the comparison), fp64 as they are
+            result.grads0 = [
+                grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
+                for p in params()
+            ]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)

@@ -7,8 +7,8 @@ batch of documents: Llama, and Qwen2 with one sliding-window layer (`layer_types
 whole pack with per-document `position_ids`, from which Transformers builds the per-document causal (and
 sliding-window) mask itself.
 
-    python benchmarks/integration_runs/hf.py                  # GPU: bf16, NCCL world 1, 12288 tokens
-    python benchmarks/integration_runs/hf.py --device cpu     # CPU smoke run: float64, gloo, a toy model
+    python benchmarks/integration_runs/hf_run.py                  # GPU: bf16, NCCL world 1, 12288 tokens
+    python benchmarks/integration_runs/hf_run.py --device cpu     # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
