@@ -25,7 +25,12 @@ def test_native_check_needs_cuda_and_device_script_parses() -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_group_collective_check.py"), "--device", "cpu"]
     res = subprocess.run([*cmd, "--impl", "native"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 2 and "--impl native needs --device cuda" in res.stderr, res.stderr[-2000:]
-    for script in ("native_grpcoll_device.sh", "gpu_suite.sh"):
+    for script in (
+        "native_grpcoll_device.sh",
+        "gpu_suite.sh",
+        "integrations_device.sh",
+        "integration_wheels.sh",
+    ):
         assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)]).returncode == 0, script
 
 

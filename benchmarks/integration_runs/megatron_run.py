@@ -1,0 +1,162 @@
+"""Megatron-core GPTModel with magi-attention against Megatron's local core attention per document, one process.
+
+The same GPT (local, non-Transformer-Engine layer spec: RoPE, GQA, RMSNorm, SwiGLU) built twice from one
+seed, trained a few AdamW steps on the same packed batch of documents: with `magi_gpt_layer_spec()`,
+`use_magi_rotary`, `get_batch_on_this_cp_rank_magi`, `magi_loss` and `all_reduce_gradients` as the docs show,
+and with `get_gpt_layer_local_spec()` (Megatron's `DotProductAttention` with the causal mask of its GPT
+training) run on every document alone, the loss the token mean over the pack. Megatron's own parallel sizes stay 1. Transformer Engine is not needed
+(and its specs are not exercised here).
+
+    python benchmarks/integration_runs/megatron_run.py                # GPU: bf16, NCCL world 1, 12288 tokens
+    python benchmarks/integration_runs/megatron_run.py --device cpu   # CPU smoke run: float64, gloo, a toy model
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from itertools import pairwise
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+NAME = "megatron"
+
+
+def build_model(spec, cfg: harness.RunConfig, shapes: dict) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=shapes["layers"], hidden_size=shapes["hidden"], num_attention_heads=shapes["heads_q"],
+        num_query_groups=shapes["heads_kv"], ffn_hidden_size=shapes["ffn"], use_cpu_initialization=True,
+        params_dtype=cfg.dtype, bf16=cfg.dtype == torch.bfloat16, add_bias_linear=False, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.02,
+        # the fused kernels need apex / Transformer Engine builds that a plain install lacks
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )  # fmt: skip
+    torch.manual_seed(cfg.seed)  # built on the CPU from one seed: the same weights on both sides
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=shapes["vocab"],
+        max_sequence_length=max(cfg.tokens, 4096), position_embedding_type="rope",
+    )  # fmt: skip
+    return model.to(cfg.device)
+
+
+def _cpu_shims(device: torch.device) -> contextlib.AbstractContextManager:
+    """What Megatron's local attention path assumes of a GPU, bridged for the CPU smoke run only: its
+    RotaryEmbedding moves `inv_freq` to `torch.cuda.current_device()` at the first forward, and its
+    DotProductAttention forks the CUDA RNG tracker (for dropout, 0 here) around the softmax."""
+    if device.type == "cuda":
+        return contextlib.nullcontext()
+    from megatron.core import tensor_parallel
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
+    stack.enter_context(
+        mock.patch.object(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
+    )
+    return stack
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = harness.parse_args(NAME, __doc__, argv)
+    with warnings.catch_warnings():  # megatron-core warns at import about optional packages it lacks
+        warnings.simplefilter("ignore")
+        from magi_attention_megatron import (
+            all_reduce_gradients,
+            get_batch_on_this_cp_rank_magi,
+            magi_gpt_layer_spec,
+            magi_loss,
+            use_magi_rotary,
+        )
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from magi_attention.api import get_kernel_backend
+    from magi_attention.config import DistAttnConfig
+
+    group = harness.init_world_1(cfg.device)
+    parallel_state.initialize_model_parallel(1, 1)
+    if cfg.device.type == "cuda":  # the RNG states Megatron's layers fork (as its training scripts set them)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    try:
+        if cfg.tiny:
+            shapes = dict(vocab=97, hidden=32, ffn=64, layers=2, heads_q=4, heads_kv=2)
+        else:  # head_dim 128, GQA 8:2
+            shapes = dict(vocab=8192, hidden=1024, ffn=2816, layers=4, heads_q=8, heads_kv=2)
+        model = build_model(magi_gpt_layer_spec(), cfg, shapes)
+        use_magi_rotary(model)
+        ref = build_model(get_gpt_layer_local_spec(), cfg, shapes)
+        mismatched = [
+            n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)
+        ]
+        if mismatched:
+            raise RuntimeError(f"the two models' initial weights differ: {mismatched[:4]}")
+
+        batch = harness.packed_batch(cfg.tokens, shapes["vocab"], seed=cfg.seed + 1, device=cfg.device)
+        # Megatron's convention: labels are the shifted tokens, a float loss_mask drops document ends
+        loss_mask = (batch.labels != harness.IGNORE_INDEX).to(torch.float32)
+        labels = batch.labels.clamp_min(0)
+        dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
+        head_dim = shapes["hidden"] // shapes["heads_q"]
+        keys = []
+
+        def magi_step() -> torch.Tensor:
+            local = get_batch_on_this_cp_rank_magi(
+                {"tokens": batch.input_ids, "labels": labels, "loss_mask": loss_mask}, group,
+                num_heads_q=shapes["heads_q"], num_heads_kv=shapes["heads_kv"], head_dim=head_dim,
+                cu_seqlens=batch.cu_seqlens, dist_attn_config=dist_attn_config,
+            )  # fmt: skip
+            keys.append(local["magi_key"])
+            per_token = model(input_ids=local["tokens"], position_ids=local["position_ids"],
+                              attention_mask=None, labels=local["labels"])  # fmt: skip
+            loss = magi_loss(per_token, local)
+            loss.backward()
+            all_reduce_gradients(model, group)
+            return loss
+
+        def ref_step() -> torch.Tensor:
+            total = 0.0
+            with _cpu_shims(cfg.device):
+                for s, e in pairwise(batch.cu_seqlens):
+                    # Megatron's convention (get_ltor_masks_and_position_ids): True where a query may not look
+                    causal = torch.ones(e - s, e - s, dtype=torch.bool, device=cfg.device).triu(1)[None, None]
+                    per_token = ref(input_ids=batch.input_ids[:, s:e], position_ids=batch.position_ids[:, s:e],
+                                    attention_mask=causal, labels=labels[:, s:e])  # fmt: skip
+                    total = total + (per_token * loss_mask[:, s:e].to(per_token.dtype)).sum()
+            loss = total / loss_mask.sum()
+            loss.backward()
+            return loss
+
+        magi = harness.train(
+            lambda: list(model.parameters()), magi_step,
+            torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg.steps, cfg.device,
+        )  # fmt: skip
+        backend, reason = get_kernel_backend(keys[0], cfg.dtype)
+        reference = harness.train(
+            lambda: list(ref.parameters()), ref_step,
+            torch.optim.AdamW(ref.parameters(), lr=cfg.lr), cfg.steps, cfg.device,
+        )  # fmt: skip
+        result = harness.compare(
+            NAME, cfg, batch, magi, reference,
+            ref_label="Megatron's local DotProductAttention on each document",
+            extra={"kernel_backend": backend.value, "kernel_reason": reason, "layer_spec": "local (no TE)"},
+        )  # fmt: skip
+    finally:
+        parallel_state.destroy_model_parallel()
+        harness.close_world()
+    return harness.finish(NAME, cfg, [result])
+
+
+if __name__ == "__main__":
+    sys.exit(harness.exit_code(main()))

@@ -1,0 +1,141 @@
+"""torchtitan's Llama 3 debug model with magi-attention against torchtitan's own SDPA attention per document.
+
+torchtitan's Llama 3 "debugmodel" (dim 256, 6 layers, 16 heads of dim 16; "tiny" on a CPU) from
+`magi_model_spec`, sharded with `apply_magi_fsdp` (torchtitan's FSDP2 of its decoders; on a GPU bf16 parameters
+and fp32 gradient reduction, torchtitan's defaults), trained a few AdamW steps with torchtitan's cross-entropy
+loss on a packed batch in torchtitan's format (`positions` restarting at each document): magi's side through
+`dispatch_batch`, the reference the same weights with torchtitan's `ScaledDotProductAttention` inner attention
+(causal) run on every document alone.
+
+    python benchmarks/integration_runs/torchtitan_run.py                # GPU: bf16, NCCL world 1, 12288 tokens
+    python benchmarks/integration_runs/torchtitan_run.py --device cpu   # CPU smoke run: float64, a tiny Llama 3
+
+If torchtitan (or one of its dependencies) does not import with this torch, the script says why and exits 3.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+NAME = "torchtitan"
+IMPORT_FAILED = 3
+
+
+def import_torchtitan() -> None:
+    """Import torchtitan and the integration first, so that a version mismatch is the first thing reported."""
+    try:
+        import magi_attention_torchtitan  # noqa: F401
+        import torchtitan  # noqa: F401
+        from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: F401
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"\n{NAME}: torchtitan does not import here (torch {torch.__version__}, python "
+              f"{sys.version.split()[0]}): {type(exc).__name__}: {exc}", flush=True)  # fmt: skip
+        raise SystemExit(IMPORT_FAILED) from exc
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The same torchtitan model and weights with torchtitan's SDPA as every layer's inner attention."""
+    from torchtitan.models.common.attention import BaseAttention, ScaledDotProductAttention
+
+    config = copy.deepcopy(model.config)
+    for _, attention, _, _ in config.traverse(BaseAttention.Config):
+        attention.inner_attention = ScaledDotProductAttention.Config()
+    ref = config.build()
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = harness.parse_args(NAME, __doc__, argv)
+    import_torchtitan()
+    from magi_attention_torchtitan import apply_magi_fsdp, attention_shapes, dispatch_batch, magi_model_spec
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    from magi_attention.api import get_kernel_backend
+    from magi_attention.config import DistAttnConfig
+
+    harness.init_world_1(cfg.device)
+    default_dtype = torch.get_default_dtype()
+    try:
+        flavor = "tiny" if cfg.tiny else "debugmodel"
+        spec = magi_model_spec("llama3", flavor)
+        # fp32 master weights and bf16 compute on a GPU (torchtitan's FSDP mixed precision), float64 on a CPU
+        master_dtype = torch.float32 if cfg.device.type == "cuda" else cfg.dtype
+        torch.set_default_dtype(master_dtype)
+        torch.manual_seed(cfg.seed)
+        with cfg.device:
+            model = spec.model.build()
+        model.init_weights()
+        with cfg.device:
+            ref = reference_model(model)
+        fsdp_mesh = init_device_mesh(cfg.device.type, (1,), mesh_dim_names=("fsdp",))
+        cp_mesh = init_device_mesh(cfg.device.type, (1,), mesh_dim_names=("cp",))
+        for m in (model, ref):
+            apply_magi_fsdp(m, fsdp_mesh, param_dtype=cfg.dtype, reduce_dtype=master_dtype)
+        loss_fn = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size).build()
+
+        batch = harness.packed_batch(cfg.tokens, spec.model.vocab_size, seed=cfg.seed + 1, device=cfg.device)
+        valid_tokens = (batch.labels != harness.IGNORE_INDEX).sum()
+        num_heads_q, num_heads_kv, head_dim = attention_shapes(spec.model)
+        dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
+        keys = []
+
+        def magi_step() -> torch.Tensor:
+            local = dispatch_batch(
+                batch.input_ids, batch.labels, positions=batch.position_ids, cp_mesh=cp_mesh,
+                num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
+                rope_positions="document", dist_attn_config=dist_attn_config,
+            )  # fmt: skip
+            keys.append(local.attention_masks.key)
+            pred = model(local.input_ids, positions=local.positions, attention_masks=local.attention_masks)
+            loss, _ = loss_fn(pred, local.labels, valid_tokens)
+            loss.backward()
+            return loss
+
+        def ref_step() -> torch.Tensor:
+            ids, pos = batch.input_ids[0], batch.position_ids[0]
+            preds = [
+                ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None)
+                for s, e in pairwise(batch.cu_seqlens)
+            ]
+            loss, _ = loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)
+            loss.backward()
+            return loss
+
+        def full(grad: torch.Tensor) -> torch.Tensor:
+            return grad.full_tensor()
+
+        magi = harness.train(
+            lambda: list(model.parameters()), magi_step,
+            torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg.steps, cfg.device, grad_of=full,
+        )  # fmt: skip
+        backend, reason = get_kernel_backend(keys[0], cfg.dtype)
+        reference = harness.train(
+            lambda: list(ref.parameters()), ref_step,
+            torch.optim.AdamW(ref.parameters(), lr=cfg.lr), cfg.steps, cfg.device, grad_of=full,
+        )  # fmt: skip
+        result = harness.compare(
+            NAME, cfg, batch, magi, reference,
+            ref_label=f"torchtitan's SDPA on each document (llama3 {flavor})",
+            extra={"kernel_backend": backend.value, "kernel_reason": reason, "flavor": flavor,
+                   "shapes": {"heads_q": num_heads_q, "heads_kv": num_heads_kv, "head_dim": head_dim}},
+        )  # fmt: skip
+    finally:
+        torch.set_default_dtype(default_dtype)
+        harness.close_world()
+    return harness.finish(NAME, cfg, [result])
+
+
+if __name__ == "__main__":
+    sys.exit(harness.exit_code(main()))
