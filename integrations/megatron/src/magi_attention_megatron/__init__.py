@@ -136,8 +136,11 @@ class MagiRotaryEmbedding(nn.Module):
         if pos is None:
             raise RuntimeError("no batch dispatched: call get_batch_on_this_cp_rank_magi() before the model")
         r = self.rotary
-        inv_freq = r.inv_freq
-        seq = pos.to(device=inv_freq.device, dtype=inv_freq.dtype) + offset
+        # on the positions' (the batch's) device: Megatron's own forward moves `inv_freq` (a plain attribute,
+        # not a buffer, so `model.to("cuda")` leaves it where a CPU-initialized model made it) to the GPU
+        # when it first runs, which this wrapper replaces
+        inv_freq = r.inv_freq.to(pos.device)
+        seq = pos.to(dtype=inv_freq.dtype) + offset
         if getattr(r, "seq_len_interpolation_factor", None) is not None:
             seq = seq * (1 / r.seq_len_interpolation_factor)
         freqs = torch.outer(seq, inv_freq)
