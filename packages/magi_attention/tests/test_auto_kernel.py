@@ -130,7 +130,8 @@ def test_split_directions_refined_per_call(monkeypatch) -> None:
 
 def test_split_kernels_through_calc_attn(monkeypatch) -> None:
     """The runtime with a forward on one backend and a backward on another (Triton forward, torch backward
-    here, the two this CPU runs) gives the reference's output and gradients."""
+    here, the two this CPU runs) gives the reference's output and gradients, at cp 1 through one launcher
+    call each way."""
     monkeypatch.delenv("MAGI_ATTENTION_KERNEL_BACKEND", raising=False)
     real = runtime_mod.choose_auto
 
@@ -150,11 +151,18 @@ def test_split_kernels_through_calc_attn(monkeypatch) -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kern = runtime_mod.RUNTIME_CACHE.get(key).kernel(torch.float32)
     assert (kern.backend, kern.backward_backend) == (B.TRITON, B.TORCH)
-    out, _ = __import__("magi_attention").calc_attn(*leaves, key)
-    grads = torch.autograd.grad(out, leaves, do)
+    out, meta = __import__("magi_attention").calc_attn(*leaves, key)
+    assert out.grad_fn.name().endswith("_SplitSingleCallBackward")  # one launcher call each way
+    # gradients through out and lse (the lse weights: rows with no key are -inf and take none)
+    w = torch.randn(total, hq, generator=gen)
+    mask = make_attn_mask(qr, kr, tm, total, total)
+    w[~mask.any(1)] = 0
+    lse_term = torch.where(torch.isinf(meta.lse), 0.0, meta.lse) * w
+    grads = torch.autograd.grad((out * do).sum() + lse_term.sum(), leaves)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref, _ = ref_attn(*ref_leaves, make_attn_mask(qr, kr, tm, total, total))
-    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    ref, ref_lse = ref_attn(*ref_leaves, mask)
+    ref_term = torch.where(torch.isinf(ref_lse), 0.0, ref_lse) * w.double()
+    ref_grads = torch.autograd.grad((ref * do.double()).sum() + ref_term.sum(), ref_leaves)
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=2e-4)
     clear_cache()

@@ -437,23 +437,49 @@ def _flex_flash_attn_func(backend: KernelBackend):
     return magi_ffa_fa4.flex_flash_attn_func
 
 
+class _SplitSingleCall(torch.autograd.Function):
+    """cp_size 1 with the forward on one backend and the backward on another (`auto`'s split): one launcher
+    call each way, no accumulators (the backward starts from this forward's out / lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float):
+        out, lse = kernel.fwd(
+            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.host, ctx.scale, ctx.softcap = kernel, host, scale, softcap
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        h = ctx.host
+        dq, dk, dv = ctx.kernel.bwd(
+            dout, q, k, v, out, lse, h.q_ranges, h.k_ranges, h.types, softmax_scale=ctx.scale,
+            softcap=ctx.softcap, dlse=dlse,
+        )[:3]  # fmt: skip
+        return dq, dk, dv, None, None, None, None
+
+
 def _calc_attn_single(
     q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, sink=None, ret_max: bool = False
 ):
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype, softcap)
-    one_backend = kernel.backward_backend == kernel.backend
-    if (
-        kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN)
-        and one_backend
-        and not deterministic_mode()
-    ):
+    split = kernel.backward_backend != kernel.backend
+    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not split and not deterministic_mode():
         # the backend's own autograd function: the raw kernel's cost, nothing around it
         out, lse, *mx = _flex_flash_attn_func(kernel.backend)(
             q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,
             sink=sink, return_max_logits=ret_max,
         )  # fmt: skip
+    elif split and sink is None and not ret_max and not deterministic_mode():
+        out, lse = _SplitSingleCall.apply(q, k, v, kernel, host, scale, float(softcap))
+        mx = []
     else:
         out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)
