@@ -141,7 +141,7 @@ def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
         seen.append(("bwd", kw.get("deterministic", False)))
         return args[1], args[2], args[3]
 
-    kernel = AttnKernel("torch", fwd, bwd)
+    kernel = AttnKernel("torch", fwd, bwd, "torch")
     x = torch.zeros(4, 1, 8)
     r = torch.tensor([[0, 4]], dtype=torch.int32)
     sl = KernelSlices(r, r, torch.zeros(1, dtype=torch.int32), 1)
