@@ -21,12 +21,19 @@ import torch.distributed as dist
 from magi_ffa import merge_sink, sink_grad
 from magi_ffa._sink import validate_sink
 
-from ._call_checks import check_dtype, check_key, check_scalars
-from ._comm_errors import comm_step
-from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._kernels import AttnKernel
 from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
-from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta
+from .checks import (
+    agree_on_call,
+    build_device_meta_together,
+    check_dispatch_tags,
+    check_dtype,
+    check_key,
+    check_scalars,
+    comm_step,
+    needs_device_meta,
+    tag_output,
+)
 from .config import KernelBackend
 from .env import deterministic_mode
 from .key import DistAttnRuntimeKey

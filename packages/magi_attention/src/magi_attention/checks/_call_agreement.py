@@ -11,7 +11,7 @@ different values (dtype, trailing shape, softmax_scale, ...). The exchange runs 
 when it takes CPU tensors, else on a gloo group beside it): no device synchronisation.
 
 `MAGI_ATTENTION_SANITY_CHECK=1` adds one more exchange: key builds that hit the cache (which communicate
-nothing by default) agree too (`_fingerprint`).
+nothing by default) agree too (`_key_agreement`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from magi_group_collective.agreement import ExchangeError, agree
 
+from ..key import CpGroup
 from ._comm_errors import CommError, where
-from .key import CpGroup
 
 
 def tensor_values(x: object, name: str) -> dict[str, object]:
