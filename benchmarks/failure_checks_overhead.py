@@ -126,6 +126,7 @@ _SYNC_EVENTS = frozenset(
 @contextmanager
 def _agreement_off():
     """Every public call's agreement replaced by its local check alone (what the calls did before)."""
+    import magi_attention.checks._calc_attn as calc_checks
     import magi_attention.checks._call_agreement as sanity
     import magi_attention.dist_attn as da
 
@@ -133,12 +134,17 @@ def _agreement_off():
         check()
         return [list(extra()) if extra is not None else [] for _ in range(cp_group.size)]
 
-    real = sanity.agree_on_call, da.agree_on_call
+    def local_only_checked(cp_group, call, check, *, same=None, extra=None):
+        checked = check()
+        return checked, [list(extra(checked)) if extra is not None else [] for _ in range(cp_group.size)]
+
+    real = sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked
     da.agree_on_call = sanity.agree_on_call = local_only
+    calc_checks.agree_on_checked = local_only_checked  # calc_attn's forward
     try:
         yield
     finally:
-        sanity.agree_on_call, da.agree_on_call = real
+        sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked = real
 
 
 def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:

@@ -1,6 +1,8 @@
 """The failure checks of the public calls: what stops a bad call on every rank before any data moves, and
 what names the rank, call and stage when a collective fails anyway.
 
+- `_calc_attn`: every check of one `calc_attn` call in one function, `validate_calc_attn`, which returns the
+  checked call (`CalcAttnCall`).
 - `_arguments`: per-call checks that need no communication (the key's type, the dtype, the scalars).
 - `_dispatch_tags`: the tag that catches tensors dispatched with one key and used with another.
 - `_call_agreement`: the status agreement that opens every public collective call (one host-side exchange:
@@ -10,14 +12,23 @@ what names the rank, call and stage when a collective fails anyway.
 """
 
 from ._arguments import check_dtype, check_key, check_scalars
-from ._call_agreement import agree_on_call, build_device_meta_together, needs_device_meta, tensor_values
+from ._calc_attn import CalcAttnCall, validate_calc_attn
+from ._call_agreement import (
+    agree_on_call,
+    agree_on_checked,
+    build_device_meta_together,
+    needs_device_meta,
+    tensor_values,
+)
 from ._comm_errors import CommError, comm_step
 from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._key_agreement import agree_on_key, collective_key_build
 
 __all__ = [
+    "CalcAttnCall",
     "CommError",
     "agree_on_call",
+    "agree_on_checked",
     "agree_on_key",
     "build_device_meta_together",
     "check_dispatch_tags",
@@ -29,4 +40,5 @@ __all__ = [
     "needs_device_meta",
     "tag_output",
     "tensor_values",
+    "validate_calc_attn",
 ]
