@@ -50,9 +50,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the `baselines` library sits next to this script
-
 from baselines import user
 from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 

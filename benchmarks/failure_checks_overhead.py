@@ -28,12 +28,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-import magi_attention._fingerprint as fp
 import magi_attention.api as api
+import magi_attention.checks._key_agreement as fp
 from magi_attention import config as cfg
-from magi_attention._call_checks import check_dtype, check_scalars
-from magi_attention._dispatch_tags import check_dispatch_tags
 from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention.checks import check_dispatch_tags, check_dtype, check_scalars
 from magi_attention.testing import run_distributed
 
 TOTAL = 32768
@@ -127,23 +126,29 @@ _SYNC_EVENTS = frozenset(
 @contextmanager
 def _agreement_off():
     """Every public call's agreement replaced by its local check alone (what the calls did before)."""
-    import magi_attention._sanity as sanity
+    import magi_attention.checks._calc_attn as calc_checks
+    import magi_attention.checks._call_agreement as sanity
     import magi_attention.dist_attn as da
 
     def local_only(cp_group, call, check, *, same=None, extra=None):
         check()
         return [list(extra()) if extra is not None else [] for _ in range(cp_group.size)]
 
-    real = sanity.agree_on_call, da.agree_on_call
+    def local_only_checked(cp_group, call, check, *, same=None, extra=None):
+        checked = check()
+        return checked, [list(extra(checked)) if extra is not None else [] for _ in range(cp_group.size)]
+
+    real = sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked
     da.agree_on_call = sanity.agree_on_call = local_only
+    calc_checks.agree_on_checked = local_only_checked  # calc_attn's forward
     try:
         yield
     finally:
-        sanity.agree_on_call, da.agree_on_call = real
+        sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked = real
 
 
 def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
-    from magi_attention._sanity import agree_on_call
+    from magi_attention.checks import agree_on_call
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -31,9 +31,9 @@ from magi_solver import (
     make_varlen_full_mask,
     plan_dist_attn,
 )
-from magi_solver import plot as mplot
-from magi_solver.hardware import MaskFamily, get_hardware
-from magi_solver.predict import Workload, predict_cp
+from magi_solver.tools import plot as mplot
+from magi_solver.tools.hardware import MaskFamily, get_hardware
+from magi_solver.tools.predict import Workload, predict_cp
 
 ROOT = Path(__file__).resolve().parents[1]
 CP_RESULTS = [

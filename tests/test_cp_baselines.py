@@ -9,7 +9,6 @@ every (mask, baseline) pair. Receive buffers are NaN-poisoned (MAGI_FFA_POISON=1
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -18,6 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import baselines.same_kernel as cpb
+import baselines.user as user_baselines
+import cp_bench
 import numpy as np
 import pytest
 import torch
@@ -26,22 +28,6 @@ from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, random_qkv, random_slices, ref_attn, varlen_slices
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the `baselines` library and the cp_bench script
-
-import baselines.same_kernel as cpb  # noqa: E402
-import baselines.user as user_baselines  # noqa: E402
-
-
-def _load(name: str):
-    """The benchmark script ``benchmarks/<name>.py`` as a module (scripts are not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 SYSTEMS = tuple(cpb.CPBaseline)
@@ -230,7 +216,7 @@ def test_plans_cover_the_mask_once(system, mask: str) -> None:
 
 
 def _bench_rank(rank: int, world_size: int, argv: list[str]) -> list[dict]:
-    return _load("cp_bench").run(*_load("cp_bench").parse_args(argv))
+    return cp_bench.run(*cp_bench.parse_args(argv))
 
 
 # systems that may report "skipped" on a CPU run over gloo (no GPU, no FlashAttention-4, no NCCL)
@@ -263,7 +249,7 @@ def test_cp_bench_smoke_on_gloo(tmp_path: Path, world_size: int, heads: str, mas
     ]
     argv += ["--chunk-size", "8", "--min-chunk-size", "4", "--warmup", "0", "--iters", "1", "--masks", masks]
     rows = run_distributed(_bench_rank, world_size, [*argv, "--out", str(out)], timeout=120.0)[0]
-    assert len(rows) == len(_load("cp_bench").System) * len(masks.split(","))
+    assert len(rows) == len(cp_bench.System) * len(masks.split(","))
     for r in rows:
         if r["system"] == "ulysses" and world_size == 3:
             assert "divisible by `cp_size` (3)" in r["skipped"], r
@@ -366,7 +352,7 @@ def _ulysses_routing(rank: int, world_size: int) -> bool:
 def _user_bench_rank(rank: int, world_size: int, argv: list[str]) -> dict:
     _install_stand_ins()
     routing = _ulysses_routing(rank, world_size)
-    return {"routing": routing, "rows": _load("cp_bench").run(*_load("cp_bench").parse_args(argv))}
+    return {"routing": routing, "rows": cp_bench.run(*cp_bench.parse_args(argv))}
 
 
 def test_cp_bench_user_baselines_with_stand_in_kernels(tmp_path: Path) -> None:
@@ -471,7 +457,7 @@ def test_torch_cp_sharding_on_gloo() -> None:
 
 def test_varlen_block_causal_mask_equals_dense_reference() -> None:
     """The varlen_block_causal slices against a dense mask built from the document and block of each token."""
-    cpbench = _load("cp_bench")
+    cpbench = cp_bench
     checked = 0
     for total, seed, block in [(96, 0, 8), (96, 3, 5), (200, 1, 7), (64, 2, 1), (64, 2, 4096), (333, 4, 16)]:
         docs = cpbench.varlen_docs(total, seed)
@@ -523,7 +509,7 @@ def test_user_mask_recognition() -> None:
     ],
 )
 def test_degrees_argument(args: list[str], degrees: tuple) -> None:
-    cpbench = _load("cp_bench")
+    cpbench = cp_bench
     cfg, _ = cpbench.parse_args(args)
     assert cfg.degrees == degrees
     for d in degrees:
@@ -544,11 +530,11 @@ def test_degrees_argument(args: list[str], degrees: tuple) -> None:
 )
 def test_bad_arguments_exit(args: list[str]) -> None:
     with pytest.raises(SystemExit):
-        _load("cp_bench").parse_args(args)
+        cp_bench.parse_args(args)
 
 
 def test_kernel_backend_reaches_dist_attn_config() -> None:
-    cpbench = _load("cp_bench")
+    cpbench = cp_bench
     for backend in cpbench.KERNEL_BACKENDS:
         cfg, _ = cpbench.parse_args(["--kernel-backend", backend, "--grad-reduce", "bf16"])
         config = cpbench._dist_attn_config(cfg, "dynamic")
@@ -589,14 +575,18 @@ def test_baselines_on_triton_kernels_fp32() -> None:
     """The Triton backend (interpreter on CPU) in a fresh process: TRITON_INTERPRET must be set before
     Triton compiles anything, which this pytest process may already have done without it."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_cp_baselines as t; "
+        "import test_cp_baselines as t; "
         "from magi_attention.testing import run_distributed; "
         "r = run_distributed(t._triton_rank, 2, ['random_a', 'shared_pairs'], timeout=300.0); "
         "print(max(max(x.values()) for x in r), sum(len(x) for x in r))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "MAGI_FFA_BACKEND": "triton", "OMP_NUM_THREADS": "1"}
+    # the fresh process imports this module (from tests/) and the baselines (from benchmarks/, as pytest.ini's
+    # pythonpath gives this one)
+    paths = [str(ROOT / "tests"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     res = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "tests")],
+        [sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,

@@ -5,6 +5,8 @@ magi_mask (the mask vocabulary and algebra) is the lowest layer and imports none
 imports no torch; magi_ffa and magi_group_collective import neither each other nor the solver; magi_ffa_fa4
 and magi_ffa_cudnn sit on top of magi_ffa (and not on each other); only magi_attention composes them. Inside a package the modules import each other
 without cycles, function-level (lazy) imports included: a type two modules share lives a module below both.
+A room keeps its side: `magi_attention.checks` below the public calls, `magi_solver.tools` above the
+planning core, the group-collective implementations beside each other below `_select`.
 """
 
 from __future__ import annotations
@@ -153,6 +155,47 @@ def test_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
     path = tmp_path / "_a.py"
     path.write_text("def f():\n    from ._b import X\n")
     assert _internal_imports(path, "p._a", "p", {"p._a", "p._b"}) == {"p._b"}
+
+
+# rooms inside a package, with the modules (or subpackages) they may not import: the failure checks sit
+# below the public calls they guard; the planner's tools (CLI, predictions, plots) sit above the planning
+# core, which never imports them; the group-collective implementations sit side by side under the one
+# module that chooses among them
+_GRPCOLL_IMPLS = tuple(f"magi_group_collective._{n}" for n in ("a2av", "hierarchical", "native"))
+SUBPACKAGE_RULES = [
+    (
+        "magi_attention",
+        lambda m: m.startswith("magi_attention.checks"),
+        ("magi_attention.api", "magi_attention.dispatch", "magi_attention.dist_attn", "magi_attention.roll"),
+    ),
+    (
+        "solver",
+        lambda m: not m.startswith(("magi_solver.tools", "magi_solver.cli")),
+        ("magi_solver.tools", "magi_solver.cli"),
+    ),
+    (
+        "group_collective",
+        lambda m: m in _GRPCOLL_IMPLS,
+        (*_GRPCOLL_IMPLS, "magi_group_collective._select"),
+    ),
+]
+
+
+@pytest.mark.parametrize("rule", range(len(SUBPACKAGE_RULES)))
+def test_subpackages_keep_their_side(rule: int) -> None:
+    pkg_dir, applies_to, forbidden = SUBPACKAGE_RULES[rule]
+    own = RULES[pkg_dir][0]
+    src = ROOT / "packages" / pkg_dir / "src" / own
+    files = {_module_name(p, src, own): p for p in sorted(src.rglob("*.py"))}
+
+    def inside(m: str) -> bool:
+        return any(m == f or m.startswith(f + ".") for f in forbidden)
+
+    assert any(inside(m) for m in files), f"{forbidden} no longer exist: update the rule"
+    for name, path in files.items():
+        if applies_to(name):
+            bad = {m for m in _internal_imports(path, name, own, set(files)) if inside(m)}
+            assert not bad, f"{name} imports {sorted(bad)}"
 
 
 # integrations/<framework>/{src,tests}: of ours, only magi_attention's public API (and their own package),

@@ -6,5 +6,6 @@
 - ``baselines.user``: what a user would pick today, each with its best local kernel (Ulysses + FA4, PyTorch's
   ``context_parallel``, ...); CUDA-only kernels are imported on first use.
 
-Import with ``benchmarks/`` on ``sys.path``: ``from baselines.same_kernel import CPBaseline``.
+``from baselines.same_kernel import CPBaseline`` from a script in ``benchmarks/`` (a script's folder is on the
+module path) or from the tests (pytest.ini's ``pythonpath``); no ``sys.path`` edit anywhere.
 """

@@ -13,8 +13,8 @@ import pytest
 
 from magi_solver import make_varlen_causal_mask, plan_dist_attn
 from magi_solver.cli import main
-from magi_solver.hardware import HARDWARE, MaskFamily, get_hardware
-from magi_solver.predict import Workload, predict_cp
+from magi_solver.tools.hardware import HARDWARE, MaskFamily, get_hardware
+from magi_solver.tools.predict import Workload, predict_cp
 
 SMALL = ["--mask", "varlen-causal", "--total", "32768", "--num-docs", "12", "--chunk-size", "512"]
 

@@ -1,11 +1,11 @@
-"""The all-to-all-v implementation of the group collectives and ``get_impl`` (every implementation by name)."""
+"""The all-to-all-v implementation of the group collectives (chosen in ``_select``)."""
 
 from __future__ import annotations
 
 import torch
 
 from ._comm import Comm
-from ._config import GroupCollectiveImpl, ReduceOp
+from ._config import ReduceOp
 from ._impl import CastRunner, CollectiveImpl, ReduceRunner, a2a, piece_rows
 from ._ops import (
     ReduceIndex,
@@ -111,16 +111,3 @@ class A2AVImpl(CollectiveImpl):
 
     def build_reduce(self, tables, comm, device, all_tables):
         return _A2AVReduce(tables, comm, device)
-
-
-def get_impl(impl: GroupCollectiveImpl) -> CollectiveImpl:
-    """The implementation object of ``impl``."""
-    if impl is GroupCollectiveImpl.HIERARCHICAL:
-        from ._hierarchical import HierarchicalImpl
-
-        return HierarchicalImpl()
-    if impl is GroupCollectiveImpl.NATIVE:
-        from ._native import NativeImpl
-
-        return NativeImpl()
-    return A2AVImpl()

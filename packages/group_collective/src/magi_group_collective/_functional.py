@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ._a2av import get_impl
 from ._comm import resolve_comm
 from ._config import ReduceOp, env_debug, parse_reduce_op
-from ._plan import GroupCastPlan, GroupReducePlan, _resolve_impl, _validate_reduce_extras, check_tensor_pair
+from ._plan import GroupCastPlan, GroupReducePlan, _validate_reduce_extras, check_tensor_pair
+from ._select import choose_impl, implementation
 from ._tables import CastTables, ReduceTables, cross_check
 from ._work import Work
 from .agreement import agree, host_group_of, pair_checksum
@@ -37,8 +37,8 @@ def _freeze(x) -> tuple:
 
 def _get_plan(cls, tables: tuple, group, device: torch.device):
     comm = resolve_comm(group)
-    impl = _resolve_impl(None, comm)
-    cacheable = not env_debug() and not get_impl(impl).needs_all_tables
+    impl = choose_impl(None, comm)
+    cacheable = not env_debug() and not implementation(impl).needs_all_tables
     if not cacheable:
         return cls(*tables, group=group, device=device)
     try:

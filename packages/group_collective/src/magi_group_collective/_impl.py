@@ -42,8 +42,8 @@ class ReduceRunner(ABC):
 
 class CollectiveImpl(ABC):
     """An implementation of both collectives, one per :class:`GroupCollectiveImpl` value (a2av, native,
-    hierarchical). A new one subclasses this and is returned by ``_a2av.get_impl``; plans pick it by
-    :class:`GroupCollectiveImpl`. (Not a *kernel backend*: that word is the attention kernel's.)"""
+    hierarchical). A new one subclasses this, in its own module, and ``_select.implementation`` returns it; plans
+    pick it by :class:`GroupCollectiveImpl`. (Not a *kernel backend*: that word is the attention kernel's.)"""
 
     #: True when the routing of a rank depends on the tables of other ranks (the plan then gathers all
     #: tables once, collectively, at construction).

@@ -7,31 +7,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._a2av import get_impl
 from ._comm import Comm, default_device, resolve_comm
-from ._config import GroupCollectiveImpl, ReduceOp, env_debug, env_impl, parse_impl, parse_reduce_op
+from ._config import GroupCollectiveImpl, ReduceOp, env_debug, parse_reduce_op
 from ._impl import CastRunner, ReduceRunner
+from ._select import choose_impl, implementation, selected_by
 from ._tables import CastTables, ReduceTables, cross_check
 from ._work import Work
-
-
-def _resolve_impl(impl: object, comm: Comm) -> GroupCollectiveImpl:
-    chosen = parse_impl(impl) if impl is not None else env_impl()
-    if chosen is None:
-        chosen = GroupCollectiveImpl.HIERARCHICAL if comm.mesh_shape is not None else GroupCollectiveImpl.A2AV
-    if chosen is GroupCollectiveImpl.HIERARCHICAL and comm.mesh_shape is None:
-        raise ValueError(
-            "impl 'hierarchical' needs `group` to be a 2-D DeviceMesh (inter, intra); got a flat group. "
-            "Pass a 2-D mesh or impl='a2av' (MAGI_GROUP_COLLECTIVE_IMPL may have selected it)."
-        )
-    return chosen
-
-
-def _selected_by(impl: object) -> str:
-    """The setting that chose the implementation of a plan, for error messages."""
-    if impl is not None:
-        return f"impl={str(impl.value if isinstance(impl, GroupCollectiveImpl) else impl)!r}"
-    return "MAGI_GROUP_COLLECTIVE_IMPL"
 
 
 def _gather_tables(tables, comm: Comm, check: bool) -> list:
@@ -88,14 +69,14 @@ class _PlanBase:
         self._comm = resolve_comm(group)
         if tables.world_size != self._comm.world_size:  # pragma: no cover - tables built from comm
             raise AssertionError("tables validated for another world size")
-        self._impl = _resolve_impl(impl, self._comm)
+        self._impl = choose_impl(impl, self._comm)
         self._debug = env_debug() if debug is None else bool(debug)
         self.device = torch.device(device) if device is not None else default_device(self._comm)
         self.tables = tables
         self._transposed = None
-        coll_impl = get_impl(self._impl)
+        coll_impl = implementation(self._impl)
         # before any communication: an implementation that cannot run here raises on every rank alike
-        coll_impl.check_usable(self._comm, self.device, _selected_by(impl))
+        coll_impl.check_usable(self._comm, self.device, selected_by(impl))
         if (
             all_tables is None
             and self._comm.world_size > 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._comm_errors import CommError
+from .checks import CommError
 
 # torch 2.13 renames the tensor form of all_gather; 2.11 only has all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

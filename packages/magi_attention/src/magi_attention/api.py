@@ -22,10 +22,9 @@ import torch.distributed as dist
 from magi_group_collective import as_device_mesh
 from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 
-from ._fingerprint import agree_on_key, collective_key_build
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
-from ._sanity import agree_on_call
+from .checks import agree_on_call, agree_on_key, collective_key_build
 from .config import DistAttnConfig, KernelBackend, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from ._call_checks import check_key
 from ._comm import all_gather_tokens
-from ._comm_errors import comm_step
-from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime
-from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta, tensor_values
+from .checks import (
+    agree_on_call,
+    build_device_meta_together,
+    check_dispatch_tags,
+    check_key,
+    comm_step,
+    needs_device_meta,
+    tag_output,
+    tensor_values,
+)
 from .key import DistAttnRuntimeKey
 
 

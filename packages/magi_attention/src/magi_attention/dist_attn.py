@@ -19,14 +19,17 @@ import torch
 import torch.distributed as dist
 
 from magi_ffa import merge_sink, sink_grad
-from magi_ffa._sink import validate_sink
 
-from ._call_checks import check_dtype, check_key, check_scalars
-from ._comm_errors import comm_step
-from ._dispatch_tags import check_dispatch_tags, tag_output
 from ._kernels import AttnKernel
-from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime, KernelSlices
-from ._sanity import agree_on_call, build_device_meta_together, needs_device_meta
+from ._runtime import DeviceMeta, DistAttnRuntime, KernelSlices
+from .checks import (
+    agree_on_call,
+    build_device_meta_together,
+    comm_step,
+    needs_device_meta,
+    tag_output,
+    validate_calc_attn,
+)
 from .config import KernelBackend
 from .env import deterministic_mode
 from .key import DistAttnRuntimeKey
@@ -325,33 +328,6 @@ class DistAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, dsink, None
 
 
-def _validate_calc_attn(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
-    q_shard, kv_shard = runtime.local_seqlen, runtime.kv_local_seqlen
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 3:
-            raise ValueError(f"{name} must be [local_tokens, heads, head_dim], got shape {tuple(t.shape)}")
-        shard, how = (q_shard, "dispatch(x, key)") if name == "q" else (kv_shard, "dispatch_kv(x, key)")
-        if t.shape[0] != shard:
-            raise ValueError(
-                f"{name} has {t.shape[0]} tokens but this rank's shard of the key has {shard}: "
-                f"pass the dispatched (local) tensor, e.g. {how}"
-            )
-        if t.shape[2] != key.head_dim:
-            raise ValueError(f"{name} head_dim is {t.shape[2]}, the key says {key.head_dim}")
-    if q.shape[1] != key.num_heads_q:
-        raise ValueError(f"q has {q.shape[1]} heads, the key says num_heads_q={key.num_heads_q}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[1] != key.num_heads_kv:
-            raise ValueError(f"{name} has {t.shape[1]} heads, the key says num_heads_kv={key.num_heads_kv}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    runtime.kernel_choice.backend_for(q.dtype, key.head_dim)  # an explicit backend that cannot take q's dtype
-
-
 @torch.compiler.disable  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
 def calc_attn(
     q: torch.Tensor,
@@ -388,41 +364,11 @@ def calc_attn(
         and `meta.lse` `[shard_seqlen, num_heads_q]` fp32 (fp64 for fp64 inputs, -inf for rows with no keys),
         differentiable; `meta.max_logits` (None unless asked for).
     """
-    check_key(key)  # a non-key names no group to tell: it raises here, on this rank only
-    scalars: list[float] = []
-    got: list[DistAttnRuntime] = []
-
-    def check() -> None:  # everything local, before the first collective of the call
-        got.append(RUNTIME_CACHE.get(key))
-        _validate_calc_attn(q, k, v, key, got[0])
-        validate_sink(sink, q)
-        check_dtype(q)
-        scalars[:] = check_scalars(softmax_scale, softcap, key.head_dim)
-        got[0].kernel_choice.backend_for(q.dtype, key.head_dim, scalars[1])  # e.g. softcap with 'cudnn'
-        check_dispatch_tags(got[0], q=q, k=k, v=v)
-
-    # what every rank must pass alike: the dtype (the byte counts of every exchange), the scalars (else the
-    # ranks compute different attentions), whether the max logits are reduced (an all-reduce) and sinks
-    flags = agree_on_call(
-        key.cp_group,
-        "calc_attn (forward)",
-        check,
-        same=lambda: {
-            "q.dtype": q.dtype,
-            "softmax_scale": scalars[0],
-            "softcap": scalars[1],
-            "return_max_logits": bool(return_max_logits),
-            "sink": sink is not None,
-        },
-        extra=lambda: [needs_device_meta(got[0], q.device)],
-    )
-    runtime = got[0]
-    build_device_meta_together(runtime, q.device, flags)
-    scale, softcap = scalars
-    ret_max = bool(return_max_logits)
+    call = validate_calc_attn(q, k, v, key, softmax_scale, softcap, sink, return_max_logits)
+    runtime, scale, cap, ret_max = call.runtime, call.softmax_scale, call.softcap, call.return_max_logits
     if key.cp_size == 1:
-        return _calc_attn_single(q, k, v, runtime, scale, softcap, sink, ret_max)
-    out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
+        return _calc_attn_single(q, k, v, runtime, scale, cap, call.sink, ret_max)
+    out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, cap, call.sink, ret_max)
     tag_output(out, runtime), tag_output(lse, runtime)
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)
 

@@ -15,11 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._call_checks import check_key
-from ._comm_errors import comm_step
 from ._layout import DispatchLayout
 from ._runtime import RUNTIME_CACHE
-from ._sanity import agree_on_call, tensor_values
+from .checks import agree_on_call, check_key, comm_step, tensor_values
 from .key import DistAttnRuntimeKey
 
 _TABLE_CACHE_SIZE = 64

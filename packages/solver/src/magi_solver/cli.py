@@ -34,9 +34,9 @@ from . import (
     make_varlen_full_mask,
 )
 from .cost_model import load_profile
-from .hardware import HARDWARE, HardwareProfile, MaskFamily, get_hardware
 from .kernel_choice import busiest_rank_features, load_kernel_table, pick_kernel
-from .predict import SCHEMES, Workload, predict_cp
+from .tools.hardware import HARDWARE, HardwareProfile, MaskFamily, get_hardware
+from .tools.predict import SCHEMES, Workload, predict_cp
 
 __all__ = ["build_mask", "main", "parse_args"]
 
@@ -424,7 +424,7 @@ def _write_plots(
     plans: list[Any],
     scaling: list[dict[str, Any]],
 ) -> list[str]:
-    from . import plot
+    from .tools import plot
 
     image = plot.mask_image(q, k, t, total, size=_IMAGE_CELLS)
     written = [plot.save_mask_png(os.path.join(out_dir, "mask.png"), image, "mask", total)]
@@ -443,7 +443,7 @@ def _write_plots(
 
 
 def _check_plot_backend() -> None:
-    from . import plot  # numpy only; matplotlib is imported by the drawing functions
+    from .tools import plot  # numpy only; matplotlib is imported by the drawing functions
 
     try:
         import matplotlib  # noqa: F401

@@ -6,7 +6,7 @@ for recv operation", "Connection closed by peer"). Every collective of the runti
 `__cause__`) naming, e.g., "rank 1 of cp group 'default_pg' (2 ranks): GroupCast of stage 2 in the
 backward of calc_attn", and, where the group's store can tell, the peers that did not report the same
 failure within 2 s (dead, or blocked elsewhere: `magi_group_collective.agreement.unresponsive_ranks`).
-The status agreement that opens every public call (`_sanity`) raises CommError the same way.
+The status agreement that opens every public call (`_call_agreement`) raises CommError the same way.
 
 How long a wait lasts is the process group's timeout (`dist.init_process_group(..., timeout=...)` or
 `dist.new_group(..., timeout=...)`; torch's default is 30 minutes for gloo, 10 for NCCL): the library

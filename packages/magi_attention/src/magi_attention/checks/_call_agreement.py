@@ -11,19 +11,22 @@ different values (dtype, trailing shape, softmax_scale, ...). The exchange runs 
 when it takes CPU tensors, else on a gloo group beside it): no device synchronisation.
 
 `MAGI_ATTENTION_SANITY_CHECK=1` adds one more exchange: key builds that hit the cache (which communicate
-nothing by default) agree too (`_fingerprint`).
+nothing by default) agree too (`_key_agreement`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from magi_group_collective.agreement import ExchangeError, agree
 
+from ..key import CpGroup
 from ._comm_errors import CommError, where
-from .key import CpGroup
+
+T = TypeVar("T")
 
 
 def tensor_values(x: object, name: str) -> dict[str, object]:
@@ -47,20 +50,41 @@ def agree_on_call(
     values of `same` (called after a passing check) differ. Returns `extra()` of every rank.
 
     A cp group of one rank (or no process group) communicates nothing: `check` alone runs."""
+    _, extras = agree_on_checked(
+        cp_group,
+        call,
+        check,
+        same=None if same is None else lambda _: same(),
+        extra=None if extra is None else lambda _: extra(),
+    )
+    return extras
+
+
+def agree_on_checked(
+    cp_group: CpGroup,
+    call: str,
+    check: Callable[[], T],
+    *,
+    same: Callable[[T], dict[str, object]] | None = None,
+    extra: Callable[[T], list[int]] | None = None,
+) -> tuple[T, list[list[int]]]:
+    """`agree_on_call` for a check that returns what it checked (e.g. the normalised arguments): `same` and
+    `extra` take that value; returns it with `extra` of every rank."""
     if cp_group.group is None or cp_group.size == 1:
-        check()
-        return [list(extra()) if extra is not None else []]
+        checked = check()
+        return checked, [list(extra(checked)) if extra is not None else []]
     error: Exception | None = None
+    checked = None
     values: dict[str, object] = {}
     extras: list[int] = []
     try:
-        check()
-        values = dict(same()) if same is not None else {}
-        extras = list(extra()) if extra is not None else []
+        checked = check()
+        values = dict(same(checked)) if same is not None else {}
+        extras = list(extra(checked)) if extra is not None else []
     except Exception as exc:  # any local failure is reported, so no rank is left waiting for this one
         error = exc
     try:
-        return agree(cp_group.group, call, error=error, same=values, extra=extras)
+        return checked, agree(cp_group.group, call, error=error, same=values, extra=extras)
     except ExchangeError as exc:
         raise CommError(
             f"{where(cp_group)}: the status agreement of {call} failed: {exc.detail}\n(a peer rank failed, "

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ._slicing import clip_rows, host_area_of
-from .cost_model import BWD_FLOP_RATIO, OverlapCostModel
-from .dispatch import DispatchPlan, dispatch_slices, padded_seqlen
+from .._slicing import clip_rows, host_area_of
+from ..cost_model import BWD_FLOP_RATIO, OverlapCostModel
+from ..dispatch import DispatchPlan, dispatch_slices, padded_seqlen
+from ..mask import normalize_mask, total_area
+from ..plan import DistAttnPlan, plan_dist_attn
 from .hardware import HardwareProfile, MaskFamily
-from .mask import normalize_mask, total_area
-from .plan import DistAttnPlan, plan_dist_attn
 
 __all__ = ["SCHEMES", "Workload", "padded_seqlen", "predict_cp"]
 

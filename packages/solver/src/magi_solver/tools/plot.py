@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .mask import band_area_np, normalize_mask, region_of
-from .plan import DistAttnPlan
+from ..mask import band_area_np, normalize_mask, region_of
+from ..plan import DistAttnPlan
 
 __all__ = [
     "mask_image",

@@ -27,12 +27,12 @@ from magi_group_collective import GroupCollectiveImpl
 from magi_group_collective import env as grpcoll_env
 from magi_group_collective.agreement import ExchangeError, agree
 
-from ._cache_budget import check_plan_fits
+from .._cache_budget import check_plan_fits
+from .._layout import choose_chunk_size
+from .._runtime import collective_impl
+from ..env import sanity_check_enabled
+from ..key import CpGroup, DistAttnRuntimeKey
 from ._comm_errors import CommError, where
-from ._layout import choose_chunk_size
-from ._runtime import collective_impl
-from .env import sanity_check_enabled
-from .key import CpGroup, DistAttnRuntimeKey
 
 PARTS = (
     "mask (q_ranges / k_ranges / attn_mask_type)",

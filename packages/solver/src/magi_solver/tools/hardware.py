@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .cost_model import PROFILES, CostProfile
+from ..cost_model import PROFILES, CostProfile
 
 __all__ = ["HARDWARE", "HardwareProfile", "MaskFamily", "get_hardware"]
 

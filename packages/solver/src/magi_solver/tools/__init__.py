@@ -1,0 +1,9 @@
+"""The planner's tools around the planning core: what `magi-attention-plan` (`magi_solver.cli`) and the
+gallery use, and the runtime never does.
+
+- `hardware`: GPU profiles (kernel TFLOP/s per mask family, link bandwidths) for the predictions.
+- `predict`: one mask's predicted cost at one cp size, magi's plan against ring, all-gather and Ulysses.
+- `plot`: pictures of masks and plans (matplotlib, the `plot` extra, imported only when drawing).
+"""
+
+__all__ = ["hardware", "plot", "predict"]
