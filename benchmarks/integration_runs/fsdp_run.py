@@ -138,15 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         def full(grad: torch.Tensor) -> torch.Tensor:
             return grad.full_tensor()
 
-        magi = harness.train(
-            lambda: list(model.parameters()), magi_step,
-            torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg.steps, cfg.device, grad_of=full,
-        )  # fmt: skip
+        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=full)
         backend, reason = get_kernel_backend(keys[0], cfg.dtype)
-        reference = harness.train(
-            lambda: list(ref.parameters()), ref_step,
-            torch.optim.AdamW(ref.parameters(), lr=cfg.lr), cfg.steps, cfg.device, grad_of=full,
-        )  # fmt: skip
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document",
             extra={"kernel_backend": backend.value, "kernel_reason": reason,

@@ -233,6 +233,23 @@ def train(
     return result
 
 
+def train_pair(
+    model: torch.nn.Module,
+    magi_step: Callable[[], torch.Tensor],
+    ref: torch.nn.Module,
+    ref_step: Callable[[], torch.Tensor],
+    cfg: RunConfig,
+    grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+) -> tuple[SideResult, SideResult]:
+    """Both sides of a run, magi's first: `cfg.steps` AdamW steps (learning rate `cfg.lr`) of each model
+    from its own (equal) initial weights, through :func:`train`."""
+    sides = []
+    for m, step in ((model, magi_step), (ref, ref_step)):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=cfg.lr)
+        sides.append(train(lambda m=m: list(m.parameters()), step, optimizer, cfg.steps, cfg.device, grad_of))
+    return sides[0], sides[1]
+
+
 def grad_rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     """Global norm of the gradient difference over the global norm of the reference gradient."""
     if len(ours) != len(ref):
@@ -269,6 +286,10 @@ def compare(
         f"every step's loss |diff| <= {tol['loss_abs']:g}": max(loss_diff) <= tol["loss_abs"],
         f"step-0 gradient rel. error <= {tol['grad_rel']:g}": grad_rel <= tol["grad_rel"],
     }
+    if cfg.device.type == "cpu":  # the smoke run the integrations' tests make: it must also learn something
+        checks["the loss falls over the steps (CPU run)"] = (
+            len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]
+        )
     return {
         "name": name,
         "reference": ref_label,

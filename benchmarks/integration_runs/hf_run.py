@@ -89,13 +89,8 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
         loss.backward()
         return loss
 
-    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=cfg.lr)
-
-    params = lambda m: lambda: list(m.parameters())  # noqa: E731
-    magi = harness.train(params(model), magi_step, adamw(model), cfg.steps, cfg.device)
+    magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg)
     backend, reason = get_kernel_backend(keys[0], cfg.dtype)
-    reference = harness.train(params(ref), ref_step, adamw(ref), cfg.steps, cfg.device)
     label = "SDPA, per-document position_ids" + (
         f", window {window} on layer 1" if family == "qwen2_swa" else ""
     )

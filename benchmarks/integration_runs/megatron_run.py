@@ -138,15 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
             loss.backward()
             return loss
 
-        magi = harness.train(
-            lambda: list(model.parameters()), magi_step,
-            torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg.steps, cfg.device,
-        )  # fmt: skip
+        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg)
         backend, reason = get_kernel_backend(keys[0], cfg.dtype)
-        reference = harness.train(
-            lambda: list(ref.parameters()), ref_step,
-            torch.optim.AdamW(ref.parameters(), lr=cfg.lr), cfg.steps, cfg.device,
-        )  # fmt: skip
         result = harness.compare(
             NAME, cfg, batch, magi, reference,
             ref_label="Megatron's local DotProductAttention on each document",
