@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from magi_group_collective import GroupCastPlan, GroupCollectiveImpl, GroupReducePlan, NativeUnavailableError
+from magi_group_collective import GroupCastPlan, GroupReducePlan, NativeUnavailableError
 from magi_solver import (
     PROFILES,
     DistAttnPlan,
@@ -35,8 +35,6 @@ from ._layout import DispatchLayout, build_layout, remember_lengths
 from .config import KernelBackend, OverlapMode
 from .env import (
     cost_profile_override,
-    hierarchical_comm,
-    native_grpcoll,
     runtime_cache_bytes,
     runtime_dict_size,
 )
@@ -142,8 +140,7 @@ class DistAttnRuntime:
             host = KernelSlices.from_slice_list(whole)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
-        native = self.key.config.grpcoll_config.native
-        impl = collective_impl(self.key.cp_group.mesh is not None, native)
+        choice = self.key.collective
         cast_plans, reduce_plans = [], []
         for stage in rank_plan.stages:
             c = stage.cast
@@ -155,17 +152,12 @@ class DistAttnRuntime:
                     list(c.src_index),
                     group=group,
                     device=device,
-                    impl=impl,
+                    impl=choice.impl,
                 )
-            except NativeUnavailableError as exc:  # name the magi_attention setting that chose native
-                if impl is not GroupCollectiveImpl.NATIVE:  # MAGI_GROUP_COLLECTIVE_IMPL did (already named)
-                    raise
-                source = (
-                    "DistAttnConfig.grpcoll_config.native=True"
-                    if native
-                    else "MAGI_ATTENTION_NATIVE_GRPCOLL=1"
-                )
-                raise NativeUnavailableError(f"{exc} (magi_attention: selected by {source})") from None
+            except NativeUnavailableError as exc:  # name the setting that chose native
+                raise NativeUnavailableError(
+                    f"{exc} (magi_attention: selected by {choice.setting})"
+                ) from None
             cast_plans.append(cast)
             reduce_plans.append(cast.transpose())
         return DeviceMeta(
@@ -191,20 +183,6 @@ def gather_positions(layout: DispatchLayout) -> np.ndarray:
     offsets = np.asarray(layout.shard_offsets[:-1], dtype=np.int64)
     rank = np.searchsorted(offsets, order, side="right") - 1
     return order + rank * layout.shard_seqlen - offsets[rank]
-
-
-def collective_impl(two_level_mesh: bool, native: bool | None = None) -> GroupCollectiveImpl | None:
-    """The group-collective implementation of the runtime's plans (the table in the docs of
-    magi-group-collective, "Choosing the implementation"): ``native`` (GrpCollConfig.native) if not None,
-    else MAGI_ATTENTION_NATIVE_GRPCOLL, selects native; otherwise on a 2-D mesh
-    MAGI_ATTENTION_HIERARCHICAL_COMM (default true) picks hierarchical, false a2av; on a flat group an
-    explicit ``native=False`` means a2av and None leaves it to magi_group_collective
-    (MAGI_GROUP_COLLECTIVE_IMPL, default a2av)."""
-    if native_grpcoll() if native is None else native:
-        return GroupCollectiveImpl.NATIVE
-    if two_level_mesh:
-        return GroupCollectiveImpl.HIERARCHICAL if hierarchical_comm() else GroupCollectiveImpl.A2AV
-    return None if native is None else GroupCollectiveImpl.A2AV
 
 
 def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
