@@ -21,11 +21,12 @@ from magi_solver import (
     PROFILES,
     DistAttnPlan,
     OverlapCostModel,
+    PlanOptions,
     RankPlan,
     SliceList,
     get_profile,
     load_profile,
-    plan_dist_attn,
+    plan_with_options,
 )
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
 
@@ -215,37 +216,37 @@ def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> Ma
     )
 
 
-def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
-    """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
-    if key.cp_size == 1:
-        return None
-    ov = key.config.overlap_config
+def plan_options(key: DistAttnRuntimeKey, choice: KernelChoice) -> PlanOptions:
+    """The key's dispatch and overlap configs as the solver's planning options (enums as they are)."""
+    dispatch, ov = key.config.dispatch_config, key.config.overlap_config
     dynamic = ov.mode == OverlapMode.DYNAMIC
-    return plan_dist_attn(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        layout.padded_seqlen,
-        key.cp_size,
-        layout.chunk_size,
-        dispatch_alg=str(key.config.dispatch_config.alg),
-        uneven_shard=key.config.dispatch_config.uneven_shard,
+    return PlanOptions(
+        dispatch_alg=dispatch.alg,
         overlap_degree=None if dynamic else ov.degree,
-        overlap_mode="dynamic" if dynamic else "static",
+        overlap_mode=ov.mode,
         min_chunk_size=ov.min_chunk_size,
         max_num_chunks=ov.max_num_chunks,
         dynamic_max_degree=ov.max_degree,
         cost_model=overlap_cost_model(key, choice) if dynamic else None,
-        **(
-            {}
-            if layout.kv_layout is None
-            else {
-                "total_seqlen_k": layout.kv_layout.total_seqlen,
-                "kv_chunk_size": layout.kv_layout.chunk_size,
-            }
-        ),
+        uneven_shard=dispatch.uneven_shard,
+    )
+
+
+def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
+    """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
+    if key.cp_size == 1:
+        return None
+    return plan_with_options(
+        key.q_ranges,
+        key.k_ranges,
+        key.attn_mask_type,
+        layout.padded_seqlen,
+        key.cp_size,
+        layout.chunk_size,
+        plan_options(key, choice),
+        kv_layout=layout.kv_layout,
         # A mask made after dispatch keeps the dispatch of the key it was made from.
-        **({} if key.dispatch_key is None else {"dispatch": layout.dispatch_plan}),
+        dispatch=None if key.dispatch_key is None else layout.dispatch_plan,
     )
 
 
