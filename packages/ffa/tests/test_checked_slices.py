@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from magi_ffa import ffa_bwd, ffa_fwd
-from magi_ffa._common import check_slices
 from magi_ffa._ops import ffa_bwd_checked, ffa_fwd_checked
+from magi_ffa.validation import check_slices
 
 QR = [[0, 20], [20, 48], [10, 30]]
 KR = [[0, 24], [8, 40], [30, 40]]

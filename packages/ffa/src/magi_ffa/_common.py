@@ -387,7 +387,9 @@ def prepare_checked(
     against the token counts they were checked for."""
     validate_qkv(q, k, v)
     if not isinstance(checked, CheckedSlices):
-        _fail(f"`slices` must be CheckedSlices (magi_ffa._common.check_slices), got {type(checked).__name__}")
+        _fail(
+            f"`slices` must be CheckedSlices (magi_ffa.validation.check_slices), got {type(checked).__name__}"
+        )
     if (q.shape[0], k.shape[0]) != (checked.total_q, checked.total_k):
         _fail(
             f"the slices were checked for {checked.total_q} query and {checked.total_k} key tokens, "
