@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from magi_ffa.validation import CheckedSlices, check_slices
 from magi_group_collective import GroupCastPlan, GroupReducePlan, NativeUnavailableError
 from magi_solver import (
     PROFILES,
@@ -46,22 +47,26 @@ _LOG = logging.getLogger("magi_attention")
 
 @dataclass(slots=True)
 class KernelSlices:
-    """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call."""
+    """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call. `checked`: the
+    same slices checked once against the call's token counts, for magi_ffa's launchers (FA4 and cuDNN take
+    the tensors); None runs every check on every call."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
     types: torch.Tensor
     num_slices: int
+    checked: CheckedSlices | None = None
 
     @classmethod
-    def from_slice_list(cls, slices: SliceList) -> KernelSlices:
+    def from_slice_list(cls, slices: SliceList, total_q: int, total_k: int) -> KernelSlices:
+        """The tensors of `slices`, checked here, once, against `total_q` query and `total_k` key tokens."""
         # Host tensors on purpose: FFA reads slice geometry on the host (cached by value) and keeps its own
         # device copy, so CUDA range tensors would only add a device->host sync to every kernel call.
         n = len(slices.types)
         q = torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2)
         k = torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2)
         t = torch.tensor(slices.types, dtype=torch.int32).reshape(n)
-        return cls(q, k, t, n)
+        return cls(q, k, t, n, check_slices(q, k, t, total_q, total_k))
 
 
 @dataclass(slots=True)
@@ -138,7 +143,7 @@ class DistAttnRuntime:
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
             whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
-            host = KernelSlices.from_slice_list(whole)
+            host = KernelSlices.from_slice_list(whole, key.total_seqlen_q, key.total_seqlen_k)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         choice = self.key.collective
@@ -161,13 +166,20 @@ class DistAttnRuntime:
                 ) from None
             cast_plans.append(cast)
             reduce_plans.append(cast.transpose())
+        # the token counts each call's slices index: this rank's queries against its own keys, a stage's
+        # received keys, or both together (the merged call)
+        rows, local_kv = self.local_seqlen, self.kv_local_seqlen
+        remote = [s.num_remote_tokens for s in rank_plan.stages]
         return DeviceMeta(
             local_ids=local_ids,
             unpermutation=unperm,
-            host=KernelSlices.from_slice_list(rank_plan.host_slices),
-            merged=KernelSlices.from_slice_list(rank_plan.merged_slices),
-            stages=[KernelSlices.from_slice_list(s.remote_slices) for s in rank_plan.stages],
-            remote_tokens=[s.num_remote_tokens for s in rank_plan.stages],
+            host=KernelSlices.from_slice_list(rank_plan.host_slices, rows, local_kv),
+            merged=KernelSlices.from_slice_list(rank_plan.merged_slices, rows, local_kv + sum(remote)),
+            stages=[
+                KernelSlices.from_slice_list(s.remote_slices, rows, n)
+                for s, n in zip(rank_plan.stages, remote, strict=True)
+            ],
+            remote_tokens=remote,
             cast_plans=cast_plans,
             reduce_plans=reduce_plans,
         )
