@@ -250,17 +250,46 @@ def test_hierarchical_comm_and_native_grpcoll_flags() -> None:
         (None, "1", True, "0", "native"),
         (None, "0", True, "1", "hierarchical"),
         (None, "", True, "0", "a2av"),
-        (None, "", False, "1", None),  # flat group, nothing set: magi_group_collective decides
+        (None, "", False, "1", "a2av"),  # flat group, nothing set: MAGI_GROUP_COLLECTIVE_IMPL unset, a2av
     ],
 )
 def test_collective_impl_resolution(monkeypatch, config_native, env_native, mesh, hier_env, want) -> None:
     """The documented table (docs/packages/group_collective.md, "Choosing the implementation")."""
-    from magi_attention._runtime import collective_impl
+    from magi_attention._collective_choice import choose_collective
+    from magi_attention.config import GrpCollConfig
 
     monkeypatch.setenv("MAGI_ATTENTION_NATIVE_GRPCOLL", env_native)
     monkeypatch.setenv("MAGI_ATTENTION_HIERARCHICAL_COMM", hier_env)
-    got = collective_impl(mesh, config_native)
-    assert (None if got is None else got.value) == want
+    monkeypatch.delenv("MAGI_GROUP_COLLECTIVE_IMPL", raising=False)
+    got = choose_collective(GrpCollConfig(native=config_native), mesh)
+    assert got.impl.value == want
+
+
+@pytest.mark.parametrize(
+    ("config_native", "mesh", "package_env", "want", "setting"),
+    [
+        # a flat group with native=None leaves the choice to magi-group-collective's own variable
+        (None, False, "native", "native", "MAGI_GROUP_COLLECTIVE_IMPL=native"),
+        (None, False, "a2av", "a2av", "MAGI_GROUP_COLLECTIVE_IMPL=a2av"),
+        (None, False, "hierarchical", "hierarchical", "MAGI_GROUP_COLLECTIVE_IMPL=hierarchical"),
+        # an explicit config, or a 2-D mesh, is not overridden by it
+        (False, False, "native", "a2av", "DistAttnConfig.grpcoll_config.native=False"),
+        (None, True, "native", "hierarchical", "MAGI_ATTENTION_HIERARCHICAL_COMM=1"),
+    ],
+)
+def test_collective_choice_below_the_runtime_settings(
+    monkeypatch, config_native, mesh, package_env, want, setting
+) -> None:
+    from magi_attention._collective_choice import choose_collective
+    from magi_attention.config import GrpCollConfig
+
+    monkeypatch.delenv("MAGI_ATTENTION_NATIVE_GRPCOLL", raising=False)
+    monkeypatch.delenv("MAGI_ATTENTION_HIERARCHICAL_COMM", raising=False)
+    monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_IMPL", package_env)
+    monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB", "8")
+    got = choose_collective(GrpCollConfig(native=config_native), mesh)
+    assert (got.impl.value, got.setting) == (want, setting)
+    assert got.native_buffer_mb == (8 if want == "native" else None)
 
 
 def test_grpcoll_config_validation() -> None:

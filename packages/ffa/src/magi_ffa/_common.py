@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from magi_mask import as_int_pairs, normalize_types, validate_slices
@@ -142,6 +143,32 @@ def _host_slices_cached(blob: bytes, n: int, total_q: int, total_k: int) -> tupl
     )  # fmt: skip
     out = tuple(s for s in (make_slice(*r) for r in raw) if s is not None)
     return disjoint_slices(out)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedSlices:
+    """Slice tables checked once, by :func:`check_slices`, against the token counts they index: the internal
+    entry of a caller that launches the same slices many times (the attention runtime checks its plan's
+    slices when it builds their tensors). ``_ops.ffa_fwd_checked`` / ``ffa_bwd_checked`` take them in place of
+    the three tables and only compare the counts with q and k; ``ffa_fwd`` / ``ffa_bwd`` check every call."""
+
+    slices: tuple[Slice, ...]
+    total_q: int
+    total_k: int
+
+
+def check_slices(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
+) -> CheckedSlices:
+    """Every check ``ffa_fwd`` makes of the slice tables (shapes, dtypes, int32 range, values against
+    ``total_q`` / ``total_k``), once; host tables (CPU tensors or lists)."""
+    if not isinstance(total_q, int) or not isinstance(total_k, int) or total_q < 0 or total_k < 0:
+        _fail(f"`total_q` and `total_k` must be ints >= 0, got {total_q!r} and {total_k!r}")
+    cpu = torch.device("cpu")
+    qr = as_ranges(q_ranges, "q_ranges", cpu)
+    kr = as_ranges(k_ranges, "k_ranges", cpu)
+    tm = as_type_map(attn_type_map, qr.shape[0], cpu)
+    return CheckedSlices(host_slices(qr, kr, tm, total_q, total_k), total_q, total_k)
 
 
 def slices_on_device(
@@ -346,3 +373,26 @@ def prepare(
     tm = as_type_map(attn_type_map, qr.shape[0], q.device)
     scale = validate_scalars(softmax_scale, softcap, q.shape[-1])
     return host_slices(qr, kr, tm, q.shape[0], k.shape[0]), scale
+
+
+def prepare_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    checked: CheckedSlices,
+    softmax_scale: float | None,
+    softcap: float,
+) -> tuple[tuple[Slice, ...], float]:
+    """:func:`prepare` for slices checked already: the tensors and scalars are checked, the slices only
+    against the token counts they were checked for."""
+    validate_qkv(q, k, v)
+    if not isinstance(checked, CheckedSlices):
+        _fail(
+            f"`slices` must be CheckedSlices (magi_ffa.validation.check_slices), got {type(checked).__name__}"
+        )
+    if (q.shape[0], k.shape[0]) != (checked.total_q, checked.total_k):
+        _fail(
+            f"the slices were checked for {checked.total_q} query and {checked.total_k} key tokens, "
+            f"got q with {q.shape[0]} and k with {k.shape[0]}"
+        )
+    return checked.slices, validate_scalars(softmax_scale, softcap, q.shape[-1])

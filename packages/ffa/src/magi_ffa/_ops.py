@@ -7,6 +7,7 @@ import torch
 
 from . import env, reference
 from ._common import (
+    CheckedSlices,
     KernelBackend,
     RangesLike,
     TypeMapLike,
@@ -14,6 +15,7 @@ from ._common import (
     as_ranges,
     as_type_map,
     prepare,
+    prepare_checked,
     resolve_backend,
     triton_head_dim_ok,
     validate_bwd_inputs,
@@ -96,6 +98,34 @@ def ffa_fwd(
             deterministic=deterministic, out=out, lse=lse, sink=sink, return_max_logits=return_max_logits,
         )  # fmt: skip
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    return _triton_fwd_on(q, k, v, slices, scale, softcap, out, lse, sink, return_max_logits)
+
+
+def ffa_fwd_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    checked: CheckedSlices,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    backend: KernelBackend | str | None = None,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`ffa_fwd` on slices checked once by ``_common.check_slices`` (an internal entry: the attention
+    runtime's kernel calls); every other argument is checked as there."""
+    slices, scale = prepare_checked(q, k, v, checked, softmax_scale, softcap)
+    if resolve_backend(q, backend) == KernelBackend.TORCH:
+        return reference.fwd_on_slices(q, k, v, slices, scale, softcap, out=out, lse=lse, sink=sink,
+                                       return_max_logits=return_max_logits)  # fmt: skip
+    return _triton_fwd_on(q, k, v, slices, scale, softcap, out, lse, sink, return_max_logits)
+
+
+def _triton_fwd_on(q, k, v, slices, scale, softcap, out, lse, sink, return_max_logits):
     validate_out_lse(out, lse, q)
     validate_sink(sink, q)
     _check_triton_ok(q)
@@ -245,6 +275,39 @@ def ffa_bwd(
         ``sink``, ``(dq, dk, dv, dsink)``.
     """
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    return _bwd_on(
+        do, q, k, v, out, lse, slices, scale, softcap, deterministic, dq, dk, dv, backend, dlse, sink
+    )
+
+
+def ffa_bwd_checked(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    checked: CheckedSlices,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    backend: KernelBackend | str | None = None,
+    dlse: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`ffa_bwd` on slices checked once by ``_common.check_slices`` (the internal entry of
+    :func:`ffa_fwd_checked`)."""
+    slices, scale = prepare_checked(q, k, v, checked, softmax_scale, softcap)
+    return _bwd_on(
+        do, q, k, v, out, lse, slices, scale, softcap, deterministic, dq, dk, dv, backend, dlse, sink
+    )
+
+
+def _bwd_on(do, q, k, v, out, lse, slices, scale, softcap, deterministic, dq, dk, dv, backend, dlse, sink):
     validate_bwd_inputs(do, out, lse, q, k, dq, dk, dv)
     validate_sink(sink, q)
     delta = _delta(do, out, lse, dlse, q)

@@ -197,6 +197,24 @@ def ffa_fwd(
 ) -> tuple[torch.Tensor, ...]:
     """Torch-path forward launcher; same contract as :func:`magi_ffa.ffa_fwd` (always deterministic)."""
     slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    return fwd_on_slices(q, k, v, slices, scale, softcap, out=out, lse=lse, sink=sink,
+                         return_max_logits=return_max_logits)  # fmt: skip
+
+
+def fwd_on_slices(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slices: tuple[Slice, ...],
+    scale: float,
+    softcap: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`ffa_fwd` after its slices and scale are checked (``_common.prepare`` / ``prepare_checked``)."""
     validate_out_lse(out, lse, q)
     validate_sink(sink, q)
     row_max = None

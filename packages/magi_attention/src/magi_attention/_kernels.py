@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import magi_ffa
+from magi_ffa._ops import ffa_bwd_checked, ffa_fwd_checked
 from magi_solver.kernel_choice import MaskFeatures, load_kernel_table, pick_kernel
 
 from .config import KernelBackend
@@ -331,34 +332,73 @@ def clear_agreements() -> None:
 # -- the launchers of each backend ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AttnKernel:
-    """Launchers with the contract of `magi_ffa.ffa_fwd` / `ffa_bwd`: the forward of `backend`, the
-    backward of `backward_backend` (the same backend unless `auto` split the directions)."""
+    """The launchers of one call: the forward of `backend`, the backward of `backward_backend` (the same
+    backend unless `auto` split the directions). `fwd` / `bwd` have the contract of `magi_ffa.ffa_fwd` /
+    `ffa_bwd` (slice tables, checked on every call); `fwd_slices` / `bwd_slices` are the runtime's, with the
+    three tables replaced by one `KernelSlices` (`fwd_slices(q, k, v, slices, **kw)`,
+    `bwd_slices(do, q, k, v, out, lse, slices, **kw)`): magi_ffa's take the slices the plan checked once,
+    FA4's and cuDNN's (and the default) pass the tables to `fwd` / `bwd`."""
 
     backend: KernelBackend
     fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     backward_backend: KernelBackend
+    fwd_slices: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    bwd_slices: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        fwd, bwd = self.fwd, self.bwd
+        if self.fwd_slices is None:  # frozen: the default is set once, here
+
+            def fwd_on_tables(q, k, v, slices, **kw):
+                return fwd(q, k, v, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+
+            object.__setattr__(self, "fwd_slices", fwd_on_tables)
+        if self.bwd_slices is None:
+
+            def bwd_on_tables(do, q, k, v, out, lse, slices, **kw):
+                return bwd(do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+
+            object.__setattr__(self, "bwd_slices", bwd_on_tables)
 
 
 @functools.cache
 def attn_kernel(backend: KernelBackend, backward: KernelBackend | None = None) -> AttnKernel:
     """The launchers of `backend`, with the backward of `backward` when given."""
     backward = backend if backward is None else backward
-    return AttnKernel(backend, _launchers(backend)[0], _launchers(backward)[1], backward)
+    fwd, fwd_slices = _launchers(backend)[0::2]
+    bwd, bwd_slices = _launchers(backward)[1::2]
+    return AttnKernel(backend, fwd, bwd, backward, fwd_slices, bwd_slices)
 
 
-def _launchers(backend: KernelBackend) -> tuple[Callable, Callable]:
+def _launchers(backend: KernelBackend) -> tuple[Callable, Callable, Callable | None, Callable | None]:
+    """(fwd, bwd, fwd_slices, bwd_slices) of `backend`; None: the slices' tables passed to fwd / bwd."""
     if backend == KernelBackend.FA4:
         import magi_ffa_fa4
 
-        return magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd
+        return magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd, None, None
     if backend == KernelBackend.CUDNN:
         import magi_ffa_cudnn
 
-        return magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd
+        return magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd, None, None
     if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
         raise ValueError(f"no kernel for backend {backend!r}")
     return (
         functools.partial(magi_ffa.ffa_fwd, backend=backend.value),
         functools.partial(magi_ffa.ffa_bwd, backend=backend.value),
+        functools.partial(_ffa_fwd_slices, backend=backend.value),
+        functools.partial(_ffa_bwd_slices, backend=backend.value),
     )
+
+
+def _ffa_fwd_slices(q, k, v, slices, **kw):
+    """magi_ffa on the slices the plan checked once (`KernelSlices.checked`); unchecked ones get every check."""
+    if slices.checked is None:
+        return magi_ffa.ffa_fwd(q, k, v, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+    return ffa_fwd_checked(q, k, v, slices.checked, **kw)
+
+
+def _ffa_bwd_slices(do, q, k, v, out, lse, slices, **kw):
+    if slices.checked is None:
+        return magi_ffa.ffa_bwd(do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+    return ffa_bwd_checked(do, q, k, v, out, lse, slices.checked, **kw)

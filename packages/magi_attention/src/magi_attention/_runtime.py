@@ -16,16 +16,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from magi_group_collective import GroupCastPlan, GroupCollectiveImpl, GroupReducePlan, NativeUnavailableError
+from magi_ffa.validation import CheckedSlices, check_slices
+from magi_group_collective import GroupCastPlan, GroupReducePlan, NativeUnavailableError
 from magi_solver import (
     PROFILES,
     DistAttnPlan,
     OverlapCostModel,
+    PlanOptions,
     RankPlan,
     SliceList,
     get_profile,
     load_profile,
-    plan_dist_attn,
+    plan_with_options,
 )
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
 
@@ -35,8 +37,6 @@ from ._layout import DispatchLayout, build_layout, remember_lengths
 from .config import KernelBackend, OverlapMode
 from .env import (
     cost_profile_override,
-    hierarchical_comm,
-    native_grpcoll,
     runtime_cache_bytes,
     runtime_dict_size,
 )
@@ -47,22 +47,26 @@ _LOG = logging.getLogger("magi_attention")
 
 @dataclass(slots=True)
 class KernelSlices:
-    """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call."""
+    """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call. `checked`: the
+    same slices checked once against the call's token counts, for magi_ffa's launchers (FA4 and cuDNN take
+    the tensors); None runs every check on every call."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
     types: torch.Tensor
     num_slices: int
+    checked: CheckedSlices | None = None
 
     @classmethod
-    def from_slice_list(cls, slices: SliceList) -> KernelSlices:
+    def from_slice_list(cls, slices: SliceList, total_q: int, total_k: int) -> KernelSlices:
+        """The tensors of `slices`, checked here, once, against `total_q` query and `total_k` key tokens."""
         # Host tensors on purpose: FFA reads slice geometry on the host (cached by value) and keeps its own
         # device copy, so CUDA range tensors would only add a device->host sync to every kernel call.
         n = len(slices.types)
         q = torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2)
         k = torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2)
         t = torch.tensor(slices.types, dtype=torch.int32).reshape(n)
-        return cls(q, k, t, n)
+        return cls(q, k, t, n, check_slices(q, k, t, total_q, total_k))
 
 
 @dataclass(slots=True)
@@ -139,11 +143,10 @@ class DistAttnRuntime:
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
             whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
-            host = KernelSlices.from_slice_list(whole)
+            host = KernelSlices.from_slice_list(whole, key.total_seqlen_q, key.total_seqlen_k)
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
-        native = self.key.config.grpcoll_config.native
-        impl = collective_impl(self.key.cp_group.mesh is not None, native)
+        choice = self.key.collective
         cast_plans, reduce_plans = [], []
         for stage in rank_plan.stages:
             c = stage.cast
@@ -155,26 +158,28 @@ class DistAttnRuntime:
                     list(c.src_index),
                     group=group,
                     device=device,
-                    impl=impl,
+                    impl=choice.impl,
                 )
-            except NativeUnavailableError as exc:  # name the magi_attention setting that chose native
-                if impl is not GroupCollectiveImpl.NATIVE:  # MAGI_GROUP_COLLECTIVE_IMPL did (already named)
-                    raise
-                source = (
-                    "DistAttnConfig.grpcoll_config.native=True"
-                    if native
-                    else "MAGI_ATTENTION_NATIVE_GRPCOLL=1"
-                )
-                raise NativeUnavailableError(f"{exc} (magi_attention: selected by {source})") from None
+            except NativeUnavailableError as exc:  # name the setting that chose native
+                raise NativeUnavailableError(
+                    f"{exc} (magi_attention: selected by {choice.setting})"
+                ) from None
             cast_plans.append(cast)
             reduce_plans.append(cast.transpose())
+        # the token counts each call's slices index: this rank's queries against its own keys, a stage's
+        # received keys, or both together (the merged call)
+        rows, local_kv = self.local_seqlen, self.kv_local_seqlen
+        remote = [s.num_remote_tokens for s in rank_plan.stages]
         return DeviceMeta(
             local_ids=local_ids,
             unpermutation=unperm,
-            host=KernelSlices.from_slice_list(rank_plan.host_slices),
-            merged=KernelSlices.from_slice_list(rank_plan.merged_slices),
-            stages=[KernelSlices.from_slice_list(s.remote_slices) for s in rank_plan.stages],
-            remote_tokens=[s.num_remote_tokens for s in rank_plan.stages],
+            host=KernelSlices.from_slice_list(rank_plan.host_slices, rows, local_kv),
+            merged=KernelSlices.from_slice_list(rank_plan.merged_slices, rows, local_kv + sum(remote)),
+            stages=[
+                KernelSlices.from_slice_list(s.remote_slices, rows, n)
+                for s, n in zip(rank_plan.stages, remote, strict=True)
+            ],
+            remote_tokens=remote,
             cast_plans=cast_plans,
             reduce_plans=reduce_plans,
         )
@@ -191,20 +196,6 @@ def gather_positions(layout: DispatchLayout) -> np.ndarray:
     offsets = np.asarray(layout.shard_offsets[:-1], dtype=np.int64)
     rank = np.searchsorted(offsets, order, side="right") - 1
     return order + rank * layout.shard_seqlen - offsets[rank]
-
-
-def collective_impl(two_level_mesh: bool, native: bool | None = None) -> GroupCollectiveImpl | None:
-    """The group-collective implementation of the runtime's plans (the table in the docs of
-    magi-group-collective, "Choosing the implementation"): ``native`` (GrpCollConfig.native) if not None,
-    else MAGI_ATTENTION_NATIVE_GRPCOLL, selects native; otherwise on a 2-D mesh
-    MAGI_ATTENTION_HIERARCHICAL_COMM (default true) picks hierarchical, false a2av; on a flat group an
-    explicit ``native=False`` means a2av and None leaves it to magi_group_collective
-    (MAGI_GROUP_COLLECTIVE_IMPL, default a2av)."""
-    if native_grpcoll() if native is None else native:
-        return GroupCollectiveImpl.NATIVE
-    if two_level_mesh:
-        return GroupCollectiveImpl.HIERARCHICAL if hierarchical_comm() else GroupCollectiveImpl.A2AV
-    return None if native is None else GroupCollectiveImpl.A2AV
 
 
 def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
@@ -237,37 +228,37 @@ def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> Ma
     )
 
 
-def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
-    """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
-    if key.cp_size == 1:
-        return None
-    ov = key.config.overlap_config
+def plan_options(key: DistAttnRuntimeKey, choice: KernelChoice) -> PlanOptions:
+    """The key's dispatch and overlap configs as the solver's planning options (enums as they are)."""
+    dispatch, ov = key.config.dispatch_config, key.config.overlap_config
     dynamic = ov.mode == OverlapMode.DYNAMIC
-    return plan_dist_attn(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        layout.padded_seqlen,
-        key.cp_size,
-        layout.chunk_size,
-        dispatch_alg=str(key.config.dispatch_config.alg),
-        uneven_shard=key.config.dispatch_config.uneven_shard,
+    return PlanOptions(
+        dispatch_alg=dispatch.alg,
         overlap_degree=None if dynamic else ov.degree,
-        overlap_mode="dynamic" if dynamic else "static",
+        overlap_mode=ov.mode,
         min_chunk_size=ov.min_chunk_size,
         max_num_chunks=ov.max_num_chunks,
         dynamic_max_degree=ov.max_degree,
         cost_model=overlap_cost_model(key, choice) if dynamic else None,
-        **(
-            {}
-            if layout.kv_layout is None
-            else {
-                "total_seqlen_k": layout.kv_layout.total_seqlen,
-                "kv_chunk_size": layout.kv_layout.chunk_size,
-            }
-        ),
+        uneven_shard=dispatch.uneven_shard,
+    )
+
+
+def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
+    """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
+    if key.cp_size == 1:
+        return None
+    return plan_with_options(
+        key.q_ranges,
+        key.k_ranges,
+        key.attn_mask_type,
+        layout.padded_seqlen,
+        key.cp_size,
+        layout.chunk_size,
+        plan_options(key, choice),
+        kv_layout=layout.kv_layout,
         # A mask made after dispatch keeps the dispatch of the key it was made from.
-        **({} if key.dispatch_key is None else {"dispatch": layout.dispatch_plan}),
+        dispatch=None if key.dispatch_key is None else layout.dispatch_plan,
     )
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from magi_group_collective import as_device_mesh
 from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
 
+from ._collective_choice import choose_collective
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
 from .checks import agree_on_call, agree_on_key, collective_key_build
@@ -186,7 +187,10 @@ def magi_attn_flex_key(
     _check_uneven_pad_size(config, pad_size)
     cp_group = _resolve_cp_group(cp_group_or_mesh)
     cp_group.local_rank()  # raises if this process is not in the group
-    key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config)
+    collective = (
+        None if cp_group.size == 1 else choose_collective(config.grpcoll_config, cp_group.mesh is not None)
+    )
+    key = DistAttnRuntimeKey(q, k, types, total_q, total_k, hq, hkv, d, cp_group, config, collective)
     agree_on_key(key, key in RUNTIME_CACHE, pad_size)  # collective on a new key: see _fingerprint
     runtime = RUNTIME_CACHE.get(key)  # plan now, so bad masks raise here (the same on every rank)
     if pad_size is not None:
@@ -362,6 +366,7 @@ def make_flex_key_for_new_mask_after_dispatch(
         base.head_dim,
         base.cp_group,
         base.config,
+        base.collective,
         dispatch_key=base.root_key,
     )
     agree_on_key(key, key in RUNTIME_CACHE)

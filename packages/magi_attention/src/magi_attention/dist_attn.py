@@ -133,18 +133,13 @@ def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale
     if deterministic_mode():
         kw["deterministic"] = True
     if kw:
-        res = kernel.fwd(
-            q, k, v, slices.q_ranges, slices.k_ranges, slices.types, softmax_scale=scale, softcap=softcap,
-            out=out, lse=lse, **kw,
-        )  # fmt: skip
+        res = kernel.fwd_slices(q, k, v, slices, softmax_scale=scale, softcap=softcap, out=out, lse=lse, **kw)
         return extras.take(res) if extras is not None else res
-    return kernel.fwd(
+    return kernel.fwd_slices(
         q,
         k,
         v,
-        slices.q_ranges,
-        slices.k_ranges,
-        slices.types,
+        slices,
         softmax_scale=scale,
         softcap=softcap,
         out=out,
@@ -163,20 +158,17 @@ def _bwd_call(
     if deterministic_mode():
         kw["deterministic"] = True
     if kw:
-        return kernel.bwd(
-            do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, softmax_scale=scale,
-            softcap=softcap, dq=dq, dk=dk, dv=dv, **kw,
-        )  # fmt: skip
-    return kernel.bwd(
+        return kernel.bwd_slices(
+            do, q, k, v, out, lse, slices, softmax_scale=scale, softcap=softcap, dq=dq, dk=dk, dv=dv, **kw
+        )
+    return kernel.bwd_slices(
         do,
         q,
         k,
         v,
         out,
         lse,
-        slices.q_ranges,
-        slices.k_ranges,
-        slices.types,
+        slices,
         softmax_scale=scale,
         softcap=softcap,
         dq=dq,
@@ -389,9 +381,7 @@ class _SplitSingleCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float):
-        out, lse = kernel.fwd(
-            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap
-        )
+        out, lse = kernel.fwd_slices(q, k, v, host, softmax_scale=scale, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.host, ctx.scale, ctx.softcap = kernel, host, scale, softcap
         ctx.set_materialize_grads(False)
@@ -402,11 +392,9 @@ class _SplitSingleCall(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        h = ctx.host
-        dq, dk, dv = ctx.kernel.bwd(
-            dout, q, k, v, out, lse, h.q_ranges, h.k_ranges, h.types, softmax_scale=ctx.scale,
-            softcap=ctx.softcap, dlse=dlse,
-        )[:3]  # fmt: skip
+        dq, dk, dv = ctx.kernel.bwd_slices(
+            dout, q, k, v, out, lse, ctx.host, softmax_scale=ctx.scale, softcap=ctx.softcap, dlse=dlse
+        )[:3]
         return dq, dk, dv, None, None, None, None
 
 

@@ -56,8 +56,8 @@ def deterministic_mode() -> bool:
 def hierarchical_comm() -> bool:
     """MAGI_ATTENTION_HIERARCHICAL_COMM (boolean, default true): on a 2-D (inter, intra) DeviceMesh the
     GroupCast / GroupReduce plans are hierarchical (a piece crosses the inter-node link once per node);
-    false makes them flat all-to-all-v over the same ranks. Flat groups are unaffected. Read when a plan's
-    device tensors are built (first call of a key on a device)."""
+    false makes them flat all-to-all-v over the same ranks. Flat groups are unaffected. Read when a key is
+    built (`_collective_choice.choose_collective`)."""
     return _flag("MAGI_ATTENTION_HIERARCHICAL_COMM", True)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._collective_choice import CollectiveChoice
 from ._layout import layout_lengths
 from .config import DistAttnConfig
 
@@ -60,6 +61,9 @@ class DistAttnRuntimeKey:
     head_dim: int
     cp_group: CpGroup
     config: DistAttnConfig
+    collective: CollectiveChoice | None
+    """The group-collective implementation of the key's plans (`_collective_choice.choose_collective`, made
+    when the key is built); None on a single-rank group, which has no collectives."""
     dispatch_key: DistAttnRuntimeKey | None = None
     """For a mask added after dispatch: the key whose dispatch (token placement) this mask reuses."""
 

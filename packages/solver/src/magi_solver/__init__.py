@@ -22,7 +22,7 @@ from .dispatch import DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_se
 from .kv_layout import KVLayout
 from .mask import AttnMaskType, AttnSlice, SliceList
 from .overlap import OverlapMode, estimate_cost_factors, predicted_time
-from .plan import DistAttnPlan, RankPlan, StagePlan, plan_dist_attn
+from .plan import DistAttnPlan, PlanOptions, RankPlan, StagePlan, plan_dist_attn, plan_with_options
 from .ranges import AttnRange, AttnRanges
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
@@ -43,6 +43,7 @@ __all__ = [
     "MaskSpec",
     "OverlapCostModel",
     "OverlapMode",
+    "PlanOptions",
     "RankPlan",
     "SliceList",
     "StagePlan",
@@ -60,6 +61,7 @@ __all__ = [
     "make_varlen_full_mask",
     "padded_seqlen",
     "plan_dist_attn",
+    "plan_with_options",
     "predicted_time",
     "solve_dispatch",
 ]

@@ -23,13 +23,13 @@ import numpy as np
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .cost_model import OverlapCostModel
-from .dispatch import DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
+from .dispatch import DispatchAlg, DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
 from .kv_layout import KVLayout
 from .mask import SliceList, normalize_mask, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
 
-__all__ = ["DistAttnPlan", "RankPlan", "StagePlan", "plan_dist_attn"]
+__all__ = ["DistAttnPlan", "PlanOptions", "RankPlan", "StagePlan", "plan_dist_attn", "plan_with_options"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +205,52 @@ def _validate_overlap(
     return overlap_degree, mode
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """How a mask is planned, apart from the mask and the sequence geometry; checked once, when built.
+
+    The fields are `plan_dist_attn`'s keyword arguments of the same names (see there). A `None`
+    `overlap_degree` makes `overlap_mode` dynamic; `cost_model` None prices schedules with the cost factors.
+    """
+
+    dispatch_alg: DispatchAlg | str = DispatchAlg.MIN_HEAP
+    overlap_degree: int | None = 1
+    overlap_mode: OverlapMode | str = OverlapMode.STATIC
+    min_chunk_size: int = 512
+    max_num_chunks: int = 64
+    dynamic_max_degree: int = 8
+    calc_cost_factor: float = 1.0
+    comm_cost_factor: float = 1.0
+    cost_model: OverlapCostModel | None = None
+    uneven_shard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cost_model is not None and not isinstance(self.cost_model, OverlapCostModel):
+            raise TypeError(
+                f"`cost_model` must be an OverlapCostModel or None, got {type(self.cost_model).__name__}"
+            )
+        degree, mode = _validate_overlap(
+            self.overlap_degree,
+            self.overlap_mode,
+            self.min_chunk_size,
+            self.max_num_chunks,
+            self.dynamic_max_degree,
+            self.calc_cost_factor,
+            self.comm_cost_factor,
+        )
+        # frozen: the checked, normalised values replace the given ones once, here
+        for name, value in (
+            ("overlap_degree", degree),
+            ("overlap_mode", mode),
+            ("min_chunk_size", int(self.min_chunk_size)),
+            ("max_num_chunks", int(self.max_num_chunks)),
+            ("dynamic_max_degree", int(self.dynamic_max_degree)),
+            ("calc_cost_factor", float(self.calc_cost_factor)),
+            ("comm_cost_factor", float(self.comm_cost_factor)),
+        ):
+            object.__setattr__(self, name, value)
+
+
 def plan_dist_attn(
     q_ranges: Any,
     k_ranges: Any,
@@ -262,36 +308,71 @@ def plan_dist_attn(
     Returns:
         A `DistAttnPlan`; every rank has `num_stages` stages. Raises `ValueError` on bad input.
     """
-    total_seqlen, cp_size, chunk_size = validate_geometry(
-        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
-    )
-    if cost_model is not None and not isinstance(cost_model, OverlapCostModel):
-        raise TypeError(f"`cost_model` must be an OverlapCostModel or None, got {type(cost_model).__name__}")
-    degree, mode = _validate_overlap(
-        overlap_degree,
-        overlap_mode,
-        min_chunk_size,
-        max_num_chunks,
-        dynamic_max_degree,
-        calc_cost_factor,
-        comm_cost_factor,
+    options = PlanOptions(
+        dispatch_alg=dispatch_alg,
+        overlap_degree=overlap_degree,
+        overlap_mode=overlap_mode,
+        min_chunk_size=min_chunk_size,
+        max_num_chunks=max_num_chunks,
+        dynamic_max_degree=dynamic_max_degree,
+        calc_cost_factor=calc_cost_factor,
+        comm_cost_factor=comm_cost_factor,
+        cost_model=cost_model,
+        uneven_shard=uneven_shard,
     )
     kv_layout = None
     if total_seqlen_k is not None:
         kv_layout = KVLayout(
             total_seqlen_k, cp_size, chunk_size if kv_chunk_size is None else kv_chunk_size, uneven_shard
         )
-        if str(dispatch_alg) == "affinity" and dispatch is None:
+    elif kv_chunk_size is not None:
+        raise ValueError("`kv_chunk_size` is for cross-attention: give `total_seqlen_k` too")
+    return plan_with_options(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size, chunk_size, options,
+        kv_layout=kv_layout, dispatch=dispatch,
+    )  # fmt: skip
+
+
+def plan_with_options(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    chunk_size: int,
+    options: PlanOptions,
+    *,
+    kv_layout: KVLayout | None = None,
+    dispatch: DispatchPlan | None = None,
+) -> DistAttnPlan:
+    """`plan_dist_attn` with its options as one checked `PlanOptions` and cross-attention's key/value
+    sequence as its `KVLayout` (None: self-attention); the one planning path (`plan_dist_attn` builds both
+    from its keyword arguments and calls this). The mask, geometry and `dispatch` are as there; `kv_layout`
+    must have `cp_size` ranks and `options.uneven_shard`.
+    """
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"`options` must be a PlanOptions, got {type(options).__name__}")
+    uneven_shard = options.uneven_shard
+    total_seqlen, cp_size, chunk_size = validate_geometry(
+        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
+    )
+    if kv_layout is not None:
+        if not isinstance(kv_layout, KVLayout):
+            raise TypeError(f"`kv_layout` must be a KVLayout or None, got {type(kv_layout).__name__}")
+        if (kv_layout.cp_size, kv_layout.uneven_shard) != (cp_size, uneven_shard):
+            raise ValueError(
+                f"`kv_layout` has (cp_size, uneven_shard) = {(kv_layout.cp_size, kv_layout.uneven_shard)}, "
+                f"the plan {(cp_size, uneven_shard)}"
+            )
+        if str(options.dispatch_alg) == "affinity" and dispatch is None:
             raise ValueError(
                 "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
             )
-    elif kv_chunk_size is not None:
-        raise ValueError("`kv_chunk_size` is for cross-attention: give `total_seqlen_k` too")
     total_k = total_seqlen if kv_layout is None else kv_layout.total_seqlen
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     if dispatch is None:
         dispatch = dispatch_slices(
-            slices, total_seqlen, cp_size, chunk_size, dispatch_alg, uneven_shard=uneven_shard
+            slices, total_seqlen, cp_size, chunk_size, options.dispatch_alg, uneven_shard=uneven_shard
         )
     else:
         if not isinstance(dispatch, DispatchPlan):
@@ -306,12 +387,12 @@ def plan_dist_attn(
     return _plan(
         dispatch,
         slices,
-        degree,
-        mode,
-        int(min_chunk_size),
-        int(max_num_chunks),
-        int(dynamic_max_degree),
-        cost_model or FactorCostModel(float(calc_cost_factor), float(comm_cost_factor)),
+        options.overlap_degree,
+        options.overlap_mode,
+        options.min_chunk_size,
+        options.max_num_chunks,
+        options.dynamic_max_degree,
+        options.cost_model or FactorCostModel(options.calc_cost_factor, options.comm_cost_factor),
         kv_layout,
     )
 

@@ -23,13 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from magi_group_collective import GroupCollectiveImpl
-from magi_group_collective import env as grpcoll_env
 from magi_group_collective.agreement import ExchangeError, agree
 
 from .._cache_budget import check_plan_fits
 from .._layout import choose_chunk_size
-from .._runtime import collective_impl
 from ..env import sanity_check_enabled
 from ..key import CpGroup, DistAttnRuntimeKey
 from ._comm_errors import CommError, where
@@ -63,22 +60,13 @@ def key_parts(key: DistAttnRuntimeKey, pad_size: object = None) -> list[object]:
         (group.name, group.ranks, group.mesh_shape),
         dispatch,
         pad_size,
-        _collective_choice(key),
+        key.collective,
     ]
 
 
 def key_fingerprint(key: DistAttnRuntimeKey, pad_size: object = None) -> list[int]:
     """One 63-bit hash per entry of `PARTS` (deterministic across processes: no Python `hash`)."""
     return [_h(part) for part in key_parts(key, pad_size)]
-
-
-def _collective_choice(key: DistAttnRuntimeKey) -> tuple[object, ...]:
-    """What the environment adds to the config in choosing the group collectives: ranks that chose
-    differently would enter different collectives (native buffer set-up against an all-to-all) and hang."""
-    impl = collective_impl(key.cp_group.mesh is not None, key.config.grpcoll_config.native)
-    fallback = grpcoll_env.impl() if impl is None else None  # magi_group_collective decides then
-    native = impl is GroupCollectiveImpl.NATIVE or fallback == "native"
-    return (impl, fallback, grpcoll_env.native_buffer_mb() if native else None)
 
 
 KEY_CALL = "the key build (magi_attn_*_key / make_*_key_for_new_mask_after_dispatch)"
