@@ -30,22 +30,29 @@ from flash_attn.cute.utils import AuxData, scalar_to_ssa
 from quack import layout_utils
 
 
+def _row_sees(bounds, row, kv_idx, width: int):
+    """Whether ``row`` sees key ``kv_idx`` through any of its ``width`` intervals. Plain Python, called while
+    a mask function below is traced: the loop over a Python ``width`` unrolls at trace time, as
+    ``range_constexpr`` does inside a ``cute.jit`` body."""
+    lo = scalar_to_ssa(bounds[row, 0], cutlass.Int32)
+    hi = scalar_to_ssa(bounds[row, 1], cutlass.Int32)
+    hit = (kv_idx >= lo) & (kv_idx < hi)
+    for i in range(1, width):
+        lo_i = scalar_to_ssa(bounds[row, 2 * i], cutlass.Int32)
+        hi_i = scalar_to_ssa(bounds[row, 2 * i + 1], cutlass.Int32)
+        hit = hit | ((kv_idx >= lo_i) & (kv_idx < hi_i))
+    return hit
+
+
+# Two mask functions with one body (_row_sees): FA4 keys its compiled kernels by a mask function's source and
+# captured values, so the per-element and the row-bitmask variants must stay two functions of their own names.
 @functools.cache
 def interval_mask_mod(width: int):
     """Per-element mask_mod for rows of at most ``width`` intervals (cached: one object per width)."""
 
     @cute.jit
     def magi_interval_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        row = q_idx[0]
-        lo = scalar_to_ssa(bounds[row, 0], cutlass.Int32)
-        hi = scalar_to_ssa(bounds[row, 1], cutlass.Int32)
-        hit = (kv_idx >= lo) & (kv_idx < hi)
-        for i in cutlass.range_constexpr(1, width):
-            lo_i = scalar_to_ssa(bounds[row, 2 * i], cutlass.Int32)
-            hi_i = scalar_to_ssa(bounds[row, 2 * i + 1], cutlass.Int32)
-            hit = hit | ((kv_idx >= lo_i) & (kv_idx < hi_i))
-        return hit
+        return _row_sees(aux_tensors[0], q_idx[0], kv_idx, width)
 
     return magi_interval_mask
 
@@ -56,16 +63,7 @@ def interval_mask_mod_r2p(width: int):
 
     @cute.jit
     def magi_interval_mask_r2p(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        row = q_idx[0]
-        lo = scalar_to_ssa(bounds[row, 0], cutlass.Int32)
-        hi = scalar_to_ssa(bounds[row, 1], cutlass.Int32)
-        hit = (kv_idx >= lo) & (kv_idx < hi)
-        for i in cutlass.range_constexpr(1, width):
-            lo_i = scalar_to_ssa(bounds[row, 2 * i], cutlass.Int32)
-            hi_i = scalar_to_ssa(bounds[row, 2 * i + 1], cutlass.Int32)
-            hit = hit | ((kv_idx >= lo_i) & (kv_idx < hi_i))
-        return hit
+        return _row_sees(aux_tensors[0], q_idx[0], kv_idx, width)
 
     magi_interval_mask_r2p.magi_interval_width = width
     return magi_interval_mask_r2p
