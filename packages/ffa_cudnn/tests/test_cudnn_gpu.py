@@ -240,3 +240,22 @@ def test_cached_launches_equal_first_calls(hk: int, d: int) -> None:
         assert torch.equal(a, b), name
     plan = magi_ffa_cudnn.get_mask_plan(xs[0], xs[1], qr, kr, tm)
     assert len(plan.launches) == 2  # one forward, one backward launch for this layout
+
+
+def test_launch_recorded_with_aliased_inputs_is_not_replayed() -> None:
+    """A first backward with one tensor as both k and v cannot tell the two apart in the kernels'
+    arguments: a later call with distinct k and v must still use each (cuDNN's own dispatch)."""
+    torch.manual_seed(13)
+    dev, t, hq, hk, d = torch.device("cuda"), 900, 8, 2, 128
+    qr, kr, tm = _mask_case("random_overlap", t, 5)
+    q, k, v = (torch.randn(t, h, d, device=dev, dtype=DT) for h in (hq, hk, hk))
+    do = torch.randn(t, hq, d, device=dev, dtype=DT)
+    magi_ffa_cudnn.clear_plan_cache()
+    out, lse = magi_ffa_cudnn.ffa_fwd(q, k, k, qr, kr, tm)
+    magi_ffa_cudnn.ffa_bwd(do, q, k, k, out, lse, qr, kr, tm, deterministic=True)  # recorded, aliased
+    out, lse = magi_ffa_cudnn.ffa_fwd(q, k, v, qr, kr, tm)
+    got = magi_ffa_cudnn.ffa_bwd(do, q, k, v, out, lse, qr, kr, tm, deterministic=True)
+    magi_ffa_cudnn.clear_plan_cache()
+    want = magi_ffa_cudnn.ffa_bwd(do, q, k, v, out, lse, qr, kr, tm, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name

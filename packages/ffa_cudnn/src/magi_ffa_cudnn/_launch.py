@@ -12,7 +12,8 @@ the first time, then a call allocates its outputs and workspace and launches the
 - :class:`BackwardLaunch`: the backward's kernel calls (preprocess, main, dq / dk / dv postprocess) recorded
   from one call through ``FlexAttentionBwd.execute``, with every per-call tensor (inputs, outputs, workspace
   views) marked by its role; a later call replays them with its own tensors. Tensors that are no role (the
-  plan's payload) are the plan's and stay as they were.
+  plan's payload) are the plan's and stay as they were. A recording call whose inputs alias (one tensor as
+  both ``k`` and ``v``) is not replayed.
 
 Pinned to nvidia-cudnn-frontend 1.32.0 (the package's requirement): these are the frontend's private pieces.
 """
@@ -122,7 +123,7 @@ class BackwardLaunch:
         self._api, self._plan, self._execution = api, mask_plan, execution
         self._specs = api._compiled_kernel.workspace_specs
         self.workspace_size = api.workspace_size
-        self._calls: list[tuple[Callable, tuple]] | None = None
+        self._calls: list[tuple[Callable, tuple]] | None = None  # None: not recorded yet; []: never replayed
 
     def _workspace(self, device: torch.device) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         if not self.workspace_size:
@@ -142,6 +143,9 @@ class BackwardLaunch:
         if self._calls is None:
             self._record(roles, ws, views, scale)
             return dq, dk, dv
+        if not self._calls:  # not replayable (see _record): cuDNN's own dispatch every time
+            self._execute(roles, ws, scale)
+            return dq, dk, dv
         for name in _ZEROED:
             if views.get(name) is not None:
                 views[name].zero_()
@@ -151,8 +155,17 @@ class BackwardLaunch:
                 fn(*(roles[a.name] if isinstance(a, _Role) else a for a in args))
         return dq, dk, dv
 
+    def _execute(self, roles: dict, ws: torch.Tensor | None, scale: float) -> None:
+        self._api.execute(
+            roles["q"], roles["k"], roles["v"], roles["o"], roles["do"], roles["lse"], roles["dq"], roles["dk"],
+            roles["dv"], self._plan, roles["dlse"], workspace=ws, softmax_scale=scale,
+        )  # fmt: skip
+
     def _record(self, roles: dict, ws: torch.Tensor | None, views: dict, scale: float) -> None:
-        """One call through cuDNN's execute with the kernels recorded, then each argument marked by role."""
+        """One call through cuDNN's execute with the kernels recorded, then each argument marked by role.
+
+        Two inputs that are one tensor in this call (``k`` passed as ``v``, say) cannot be told apart in the
+        kernels' arguments, so such a launch is never replayed: every call then takes cuDNN's own dispatch."""
         bundle = self._api._compiled_kernel
         calls: list[tuple[Callable, tuple]] = []
         fields = ("preprocess", "main", "post_dq", "post_dk", "post_dv")
@@ -162,16 +175,14 @@ class BackwardLaunch:
         )
         self._api._compiled_kernel = recording
         try:
-            self._api.execute(
-                roles["q"], roles["k"], roles["v"], roles["o"], roles["do"], roles["lse"], roles["dq"], roles["dk"],
-                roles["dv"], self._plan, roles["dlse"], workspace=ws, softmax_scale=scale,
-            )  # fmt: skip
+            self._execute(roles, ws, scale)
         finally:
             self._api._compiled_kernel = bundle
         by_ptr: dict[tuple, str] = {}
         for name, t in (*((n, roles[n]) for n in self._INPUTS), *views.items()):
-            if t is not None:
-                by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), name)
+            if t is not None and by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), name) != name:
+                self._calls = []
+                return
 
         def mark(a):
             if isinstance(a, torch.Tensor):
