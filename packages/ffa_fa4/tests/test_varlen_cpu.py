@@ -253,21 +253,24 @@ def test_launchers_match_dense(fake, kind: str, hk: int) -> None:
 
 @pytest.mark.parametrize("window", [(255, 0), (300, 40), (100, None), (None, 17), (2, 3)])
 def test_windows_per_document_are_one_entry_each(window) -> None:
-    """Packed documents with a sliding window (``infer_attn_mask_from_cu_seqlens``'s decomposition into a
-    causal head, a band and a tail per document): one entry per document, the group's window the asked one,
-    and the group reproduces the mask exactly."""
-    from magi_attention.helpers import infer_attn_mask_from_cu_seqlens
+    """Packed documents with a sliding window, each decomposed into slices as the runtime's helpers do
+    (``magi_mask``'s region decomposition: a causal head, a band and a tail per document): one entry per
+    document, the group's window the asked one, and the group reproduces the mask exactly."""
+    from magi_mask import decompose_region, tighten_region
 
     cu = [0, 700, 1900, 2048, 3000]
-    left, right = (-1 if x is None else x for x in window)
-    q, k, t, tq, tk = infer_attn_mask_from_cu_seqlens(cu, cu, window_size=(left, right))
-    qr = torch.tensor([[r.start, r.end] for r in q], dtype=torch.int32)
-    kr = torch.tensor([[r.start, r.end] for r in k], dtype=torch.int32)
-    tm = torch.tensor([x.to_int_type() for x in t], dtype=torch.int32)
+    left, right = window
+    rows = []
+    for s, e in itertools.pairwise(cu):  # square documents: the diagonal is key == query
+        lo = s - e + 1 if left is None else -left
+        hi = e - 1 - s if right is None else right
+        rows += decompose_region(tighten_region(s, e, s, e, lo, hi))
+    qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in (
+        [[a, b] for a, b, *_ in rows], [[c, d] for _, _, c, d, _ in rows], [t for *_, t in rows]))  # fmt: skip
+    tq = tk = cu[-1]
     slices = host_slices(qr, kr, tm, tq, tk)
     plan = plan_varlen(slices, tq, tk, CPU, min_mean_rows=0)
     assert plan is not None and len(plan.groups) == 1, window
     (g,) = plan.groups
     assert g.q_ranges == tuple(itertools.pairwise(cu)) and g.k_ranges == g.q_ranges
-    dense = T.make_attn_mask(qr, kr, tm, tq, tk)
-    assert torch.equal(_group_mask(g, tq, tk), dense)
+    assert torch.equal(_group_mask(g, tq, tk), T.make_attn_mask(qr, kr, tm, tq, tk))
