@@ -133,19 +133,6 @@ def test_accumulate_into_out_lse(monkeypatch) -> None:
     assert_close_to_ref("acc/lse", lse, l64, llp, rtol=RTOL["lse"])
 
 
-def test_plan_cache_by_value() -> None:
-    from magi_ffa_fa4 import _plan
-
-    magi_ffa_fa4.clear_plan_cache()
-    dev = torch.device("cuda")
-    a = _plan.get_plan(
-        torch.tensor([[0, 300]], dtype=torch.int32, device=dev), [[0, 300]], [1], 300, 300, dev
-    )
-    b = _plan.get_plan([[0, 300]], torch.tensor([[0, 300]], device=dev), torch.tensor([1]), 300, 300, dev)
-    c = _plan.get_plan([[0, 300]], [[0, 300]], [0], 300, 300, dev)
-    assert a is b and a is not c
-
-
 @pytest.mark.parametrize("hk", [8, 2])
 def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
     """ffa_fwd merging stage by stage into fp32 out/lse, then ffa_bwd per stage with the FINAL out/lse

@@ -104,7 +104,7 @@ def test_autograd_merge_ignores_garbage_out_on_empty_rows() -> None:
 
 
 def test_plan_cache_keys_by_value_and_tracks_in_place_edits(monkeypatch) -> None:
-    from magi_ffa_fa4 import _launch_meta as _plan
+    from magi_ffa_fa4 import _launch_meta
 
     built = []
 
@@ -112,24 +112,27 @@ def test_plan_cache_keys_by_value_and_tracks_in_place_edits(monkeypatch) -> None
         built.append((qr.tolist(), kr.tolist(), tm.tolist()))
         return object()
 
-    monkeypatch.setattr(_plan, "build_launch_meta", fake_build)
-    _plan.clear_plan_cache()
+    monkeypatch.setattr(_launch_meta, "build_launch_meta", fake_build)
+    _launch_meta.clear_launch_cache()
     cpu = torch.device("cpu")
     qr = torch.tensor([[0, 8]], dtype=torch.int32)
     kr = torch.tensor([[0, 8]], dtype=torch.int32)
-    a = _plan.get_plan(qr, kr, None, 8, 8, cpu)
-    assert _plan.get_plan(qr, kr, None, 8, 8, cpu) is a  # same tensors: identity path
-    assert _plan.get_plan([[0, 8]], [[0, 8]], [0], 8, 8, cpu) is a  # same values, other objects
-    assert _plan.get_plan(qr.clone(), kr.clone(), torch.zeros(1, dtype=torch.int64), 8, 8, cpu) is a
+    a = _launch_meta.get_launch_meta(qr, kr, None, 8, 8, cpu)
+    assert _launch_meta.get_launch_meta(qr, kr, None, 8, 8, cpu) is a  # same tensors: identity path
+    assert _launch_meta.get_launch_meta([[0, 8]], [[0, 8]], [0], 8, 8, cpu) is a  # same values, other objects
+    assert (
+        _launch_meta.get_launch_meta(qr.clone(), kr.clone(), torch.zeros(1, dtype=torch.int64), 8, 8, cpu)
+        is a
+    )
     qr[0, 1] = 6  # in-place edit bumps the version counter: the identity entry must not be reused
-    b = _plan.get_plan(qr, kr, None, 8, 8, cpu)
+    b = _launch_meta.get_launch_meta(qr, kr, None, 8, 8, cpu)
     assert b is not a and built[-1][0] == [[0, 6]]
-    assert _plan.get_plan(qr, kr, [1], 8, 8, cpu) is not b  # type map is part of the key
-    assert _plan.get_plan([[0, 6]], [[0, 8]], None, 8, 9, cpu) is not b  # so are the sizes
+    assert _launch_meta.get_launch_meta(qr, kr, [1], 8, 8, cpu) is not b  # type map is part of the key
+    assert _launch_meta.get_launch_meta([[0, 6]], [[0, 8]], None, 8, 9, cpu) is not b  # so are the sizes
     assert len(built) == 4
     with pytest.raises(ValueError, match="q_ranges"):
-        _plan.get_plan([[0, 9]], [[0, 8]], None, 8, 8, cpu)
-    _plan.clear_plan_cache()
+        _launch_meta.get_launch_meta([[0, 9]], [[0, 8]], None, 8, 8, cpu)
+    _launch_meta.clear_launch_cache()
 
 
 def test_public_docstrings_name_every_parameter() -> None:

@@ -156,10 +156,5 @@ def clear_launch_cache() -> None:
     _CACHE.clear()
 
 
-# the names before the rename ("plan" is the planner's word); ``clear_plan_cache`` is public
-Plan, build_plan, get_plan, clear_plan_cache = (
-    LaunchMeta,
-    build_launch_meta,
-    get_launch_meta,
-    clear_launch_cache,
-)
+# public since the first release (magi_ffa_fa4.clear_plan_cache); the same function
+clear_plan_cache = clear_launch_cache
