@@ -125,7 +125,30 @@ def _runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], 
             out["fa4"] = _fa4_runner(m, q, k, v)
         except Exception as e:  # optional entry
             print(f"# fa4 unavailable for {m.name}: {e!r}"[:200])
+    for name, backend in CALC_ATTN_RUNNERS.items():
+        if name in kernels:
+            try:
+                out[name] = _calc_attn_runner(m, q, k, v, backend)
+            except Exception as e:  # a backend this machine cannot run is reported, not hidden
+                print(f"# {name} unavailable: {e!r}"[:200])
     return out
+
+
+CALC_ATTN_RUNNERS = {"auto": "auto", "calc_fa4": "fa4", "calc_cudnn": "cudnn", "calc_triton": "triton"}
+"""Runner name -> ``kernel_backend`` of the runtime's ``calc_attn`` at cp = 1 (the call a user makes)."""
+
+
+def _calc_attn_runner(m: BenchMask, q, k, v, backend: str):
+    """The runtime's ``calc_attn`` at cp = 1 with ``kernel_backend=backend`` on the same inputs (its key
+    built outside the timing; the backend it resolved and why printed)."""
+    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key
+
+    S, hq, d = q.shape
+    key = magi_attn_flex_key(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), S, S, hq,
+                             k.shape[1], d, None, DistAttnConfig(kernel_backend=backend))  # fmt: skip
+    resolved, reason = get_kernel_backend(key)
+    print(f"# calc_attn({backend}) on {m.name} {S}: {resolved.value} ({reason})", flush=True)
+    return (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
 
 
 def _fa4_runner(m: BenchMask, q, k, v):

@@ -1,5 +1,7 @@
 """The kernel backends side by side, interleaved: magi-ffa-cudnn, magi-ffa-fa4, magi-ffa (Triton) beside cuDNN's
-own flex_attention, FlashAttention-4's native calls and FlexAttention, on the same inputs in one process.
+own flex_attention, FlashAttention-4's native calls and FlexAttention, on the same inputs in one process;
+``auto`` and ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton`` are the runtime's ``calc_attn`` at cp = 1 with that
+``kernel_backend`` (the table's last column: ``auto`` over the fastest ``calc_*``, per direction).
 
 Each (size, heads, head_dim, mask) builds every runner once (inputs, plans and block masks outside the timing),
 then runs ``--repeats`` rounds; a round times every kernel once, forward and forward + backward
@@ -37,27 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffa_bench import _flex_setup, _runners, environment
 from ffa_masks import build_mask
 
-DEFAULT_KERNELS = "auto,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
+DEFAULT_KERNELS = (
+    "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
+)
 PAIRS = (("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"))
-
-
-def _all_runners(m, S, hq, hk, d, kernels, flex_tools):
-    """ffa_bench's runners, plus ``auto``: the runtime's ``calc_attn`` at cp = 1 with
-    ``kernel_backend="auto"`` (its choice printed), on the same inputs."""
-    out = _runners(m, S, hq, hk, d, kernels, flex_tools)
-    if "auto" in kernels:
-        from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key
-
-        q, k, v = (
-            torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for h in (hq, hk, hk)
-        )
-        key = magi_attn_flex_key(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), S, S, hq, hk, d,
-                                 None, DistAttnConfig(kernel_backend="auto"))  # fmt: skip
-        backend, reason = get_kernel_backend(key)
-        print(f"# auto on {m.name} {S}: {backend.value} ({reason})", flush=True)
-        out["auto"] = (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
-    return out
 
 
 def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
@@ -79,7 +64,7 @@ def bench(args) -> list[dict]:
                 for name in args.masks.split(","):
                     m = build_mask(name, S)
                     flops = 4 * m.area * hq * d
-                    runners = _all_runners(m, S, hq, hk, d, kernels, flex_tools)
+                    runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
                     grads, times, errors = {}, {k: ([], []) for k in runners}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
@@ -157,8 +142,8 @@ def render(data: dict) -> str:
         kern = [k for k in DEFAULT_KERNELS.split(",") if any(r["kernel"] == k for r in rows)]
         lines += [
             "| S | heads | d | mask | " + " | ".join(kern) + " | " + " | ".join(f"{a} / {b}" for a, b in PAIRS)
-            + " | max spread |",
-            "|---|---|---|---|" + "---|" * (len(kern) + len(PAIRS) + 1),
+            + " | auto / fastest calc_* | max spread |",
+            "|---|---|---|---|" + "---|" * (len(kern) + len(PAIRS) + 2),
         ]  # fmt: skip
         keys = sorted(
             {(r["S"], r["hq"], r["hk"], r["d"], r["mask"]) for r in rows}, key=lambda x: (x[3], x[0], x[4])
@@ -184,12 +169,19 @@ def render(data: dict) -> str:
                     f"{ra['fwd_tflops'] / rb['fwd_tflops']:.2f} / {ra['bwd_tflops'] / rb['bwd_tflops']:.2f}"
                 )
 
+            calc = [by[k] for k in kern if k.startswith("calc_") and "error" not in by[k]]
+            auto = by.get("auto")
+            versus = "-"
+            if calc and auto and "error" not in auto:
+                versus = " / ".join(
+                    f"{auto[f] / max(r[f] for r in calc):.2f}" for f in ("fwd_tflops", "bwd_tflops")
+                )
             spread = max(
                 (max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0
             )
             lines.append(
                 f"| {S // 1024}k | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(k) for k in kern) + " | "
-                + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {spread:.0%} |"
+                + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {versus} | {spread:.0%} |"
             )  # fmt: skip
     if data.get("plans"):
         lines += [

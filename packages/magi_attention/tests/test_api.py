@@ -211,3 +211,22 @@ def _one_bad_rank_worker(rank: int, world_size: int) -> None:
 
 def test_sanity_mode_stops_every_rank_when_one_is_wrong() -> None:
     run_distributed(_one_bad_rank_worker, 3, timeout=120)
+
+
+def test_key_hash_is_computed_once_and_survives_pickling() -> None:
+    """A key is looked up on every call: its hash is the hash of its compared fields, computed when it is
+    built; a pickled key is rebuilt (string hashes differ between processes); a changed field changes it."""
+    import dataclasses
+    import pickle
+
+    n = 512
+    ranges = [[8 * i, 8 * i + 8] for i in range(n)]
+    key = magi_attn_flex_key(ranges, ranges, [1] * n, 8 * n, 8 * n, 2, 1, 8, None, cfg.DistAttnConfig())
+    again = magi_attn_flex_key(ranges, ranges, [1] * n, 8 * n, 8 * n, 2, 1, 8, None, cfg.DistAttnConfig())
+    assert key == again and hash(key) == hash(again) and key is not again
+    compared = tuple(getattr(key, f.name) for f in dataclasses.fields(key) if f.compare)
+    assert hash(key) == hash(compared)
+    restored = pickle.loads(pickle.dumps(key))
+    assert restored == key and hash(restored) == hash(key)
+    other = dataclasses.replace(key, head_dim=16)
+    assert other != key and other.head_dim == 16 and hash(other) == hash(dataclasses.replace(again, head_dim=16))

@@ -8,7 +8,7 @@ comparable across calls, their names and rank lists are).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -66,6 +66,20 @@ class DistAttnRuntimeKey:
     when the key is built); None on a single-rank group, which has no collectives."""
     dispatch_key: DistAttnRuntimeKey | None = None
     """For a mask added after dispatch: the key whose dispatch (token placement) this mask reuses."""
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Every calc_attn / dispatch call looks its key up (plan cache, tags, agreement); the mask's tuples
+        # can hold thousands of ranges (244 us per lookup at 4096 slices, hashed anew), so hash once.
+        compared = tuple(getattr(self, f.name) for f in fields(self) if f.compare)
+        object.__setattr__(self, "_hash", hash(compared))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt (and re-hashed) on unpickling: str hashes differ between processes
+        return type(self), tuple(getattr(self, f.name) for f in fields(self) if f.init)
 
     @property
     def cp_size(self) -> int:
