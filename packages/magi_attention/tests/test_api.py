@@ -229,4 +229,6 @@ def test_key_hash_is_computed_once_and_survives_pickling() -> None:
     restored = pickle.loads(pickle.dumps(key))
     assert restored == key and hash(restored) == hash(key)
     other = dataclasses.replace(key, head_dim=16)
-    assert other != key and other.head_dim == 16 and hash(other) == hash(dataclasses.replace(again, head_dim=16))
+    assert (
+        other != key and other.head_dim == 16 and hash(other) == hash(dataclasses.replace(again, head_dim=16))
+    )

@@ -103,12 +103,21 @@ class DistAttnRuntime:
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
+        self._kernels: dict[tuple[torch.dtype, float], AttnKernel] = {}
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
 
     def kernel(self, dtype: torch.dtype, softcap: float = 0.0) -> AttnKernel:
         """The launchers for inputs of `dtype` with this `softcap` (same backends on every rank)."""
-        choice, d = self.kernel_choice, self.key.head_dim
-        return attn_kernel(choice.backend_for(dtype, d, softcap), choice.backward_for(dtype, d, softcap))
+        # resolved once per (dtype, softcap): every forward and backward asks (a split choice's refinement
+        # costs ~15 us of host time, as long as a small kernel's launch)
+        kernel = self._kernels.get((dtype, softcap))
+        if kernel is None:
+            choice, d = self.kernel_choice, self.key.head_dim
+            kernel = attn_kernel(
+                choice.backend_for(dtype, d, softcap), choice.backward_for(dtype, d, softcap)
+            )
+            self._kernels[(dtype, softcap)] = kernel
+        return kernel
 
     @property
     def local_seqlen(self) -> int:
