@@ -4,7 +4,7 @@
 #   bash benchmarks/fast_path_device.sh install tests calib  next call (carry .fa4/b and .whl)
 #   bash benchmarks/fast_path_device.sh bench16 | bench32 | sim | profile | headdims
 #   bash benchmarks/fast_path_device.sh kernel_tests | cudnn_tests | hostprof | kernels | kernels256 | plans
-#   bash benchmarks/fast_path_device.sh fa4prof | fa4ncu | stages
+#   bash benchmarks/fast_path_device.sh fa4prof | fa4ncu | stages | autosim
 # flash-attn-4 reaches the machine as wheels split in two halves (see docs/benchmarks/cp.md); every phase
 # after `install` needs it. Logs and results go to $OUT (at most 8 files come back), calibrated cost
 # profiles to $CALIB, which survives between calls while the machine stays warm.
@@ -124,6 +124,14 @@ phase_stages() {  # simulated cp 8, 8k tokens per GPU: the slowest rank at degre
         --masks "${STAGE_MASKS:-varlen_causal,full}" --degree "$deg" --no-single --no-cp1 --json "$OUT/stages_${b}_deg$deg.json" \
         | grep -v '^{' | tail -8
     done
+  done
+}
+phase_autosim() {  # simulated cp (8k tokens per GPU, degree 0): auto beside each explicit backend, slowest rank
+  local b
+  for b in ${SIM_BACKENDS:-auto fa4 cudnn}; do
+    run "${SIM_S:-300}" python3 benchmarks/magi_attention_bench.py --kernel-backend "$b" --tokens-per-gpu 8192 \
+      --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 --no-single --no-cp1 \
+      --json "$OUT/sim_$b.json" | grep -v '^{' | tail -6
   done
 }
 phase_fa4ncu() {  # Nsight Compute on both backward kernels (varlen causal and sliding window, 32k)
