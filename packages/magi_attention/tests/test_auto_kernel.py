@@ -3,7 +3,10 @@ refined per call by dtype and softcap, overridden by an explicit backend; visibl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+import random
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from magi_attention._kernels import LocalCapability, _resolve, attn_kernel, choo
 from magi_attention._layout import build_layout
 from magi_attention._runtime import rank_problem_features
 from magi_attention.config import KernelBackend as B
+from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
 from magi_solver.kernel_choice import KernelTable, busiest_rank_features, load_kernel_table, pick_kernel
 
@@ -97,6 +101,78 @@ def test_rank_problem_features_and_the_accessor_on_a_key(monkeypatch) -> None:
     clear_cache()  # the override is read when a key is planned
     key2 = magi_attn_flex_key(docs, docs, "causal", 8192, 8192, 4, 2, 64, None, DistAttnConfig())
     assert get_kernel_backend(key2) == (B.TORCH, "kernel_backend='torch' (explicit)")
+
+
+def _packed_documents(total: int) -> list[list[int]]:
+    """Log-normal document lengths around total / 16, each in [128, total / 4], packed in order (the rule of
+    the varlen masks the shipped table and the cp benchmarks measured)."""
+    rng = random.Random(0)
+    docs, start = [], 0
+    while start < total:
+        length = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
+        docs.append([start, min(total, start + length)])
+        start += length
+    return docs
+
+
+def _simulated_key(q, k, types, total_q, total_k, cp: int, chunk_size: int | None = None):
+    """A key of a cp group of `cp` ranks that exists on paper only: dispatch and features need no group."""
+    key = magi_attn_flex_key(
+        q, k, types, total_q, total_k, 64, 8, 128, None, DistAttnConfig(), chunk_size=chunk_size
+    )
+    return dataclasses.replace(key, cp_group=CpGroup("simulated", tuple(range(cp))))
+
+
+def test_features_are_of_the_busiest_ranks_problem_as_its_kernel_sees_it() -> None:
+    """Packed causal documents at cp 8, 8192 tokens per rank: documents cut by rank boundaries reach keys
+    other ranks send, so in the kernel's key coordinates (own keys, then received keys) the busiest rank's
+    problem is not packed documents any more; the h200 table's nearest row is then one that is not
+    documents either, and auto takes that row's fastest backend (cuDNN)."""
+    total, cp = 8 * 8192, 8
+    docs = _packed_documents(total)
+    key = _simulated_key(docs, docs, "causal", total, total, cp, chunk_size=2048)
+    layout = build_layout(key)
+    f = rank_problem_features(key, layout)
+    rows = [layout.local_token_ids(r) for r in range(cp)]
+    assert f == busiest_rank_features(docs, docs, [1] * len(docs), rows, rank_keys=rows)
+    assert f.tokens == 8192 and not f.documents and f.slices_per_row > 1.2
+    # the same rows against global key ids are packed documents: what auto keyed its table by before
+    assert busiest_rank_features(docs, docs, [1] * len(docs), rows).documents
+    table = load_kernel_table("h200")
+    choice = choose_auto(_resolve(B.AUTO, 128, [FA4_CUDNN] * cp), 128, lambda: f)
+    row = next(r for r in table.rows if f"nearest measured row {r['mask']} at {r['tokens']} tokens" in choice.reason
+               and r["head_dim"] == 128)  # fmt: skip
+    assert not row["documents"]
+    fastest = min(("fa4", "cudnn"), key=lambda b: sum(row["ms"][b]))
+    assert choice.backend == B(fastest) == B.CUDNN and choice.backward_for(torch.bfloat16, 128) == B.CUDNN
+    # every rank builds the same layout and features (no communication)
+    assert rank_problem_features(key, build_layout(key)) == f
+
+
+def test_features_at_cp_1_are_the_global_masks() -> None:
+    """One rank holds every key in global order: the kernel runs the global mask, as the table measured."""
+    docs = _docs(8192)
+    key = magi_attn_flex_key(docs, docs, "causal", 8192, 8192, 4, 2, 64, None, DistAttnConfig())
+    f = rank_problem_features(key, build_layout(key))
+    assert f == busiest_rank_features(docs, docs, [1] * len(docs), [np.arange(8192)])
+    assert f.documents and f.slices_per_row == 1.0
+
+
+def test_cross_attention_features_use_the_key_value_shards() -> None:
+    """Cross-attention at cp 2: keys live in contiguous halves of the key/value sequence, whatever the queries'
+    dispatch. Two documents, queries [0, 256) on keys [0, 128) and [256, 512) on [128, 256): every rank has
+    the same area, so rank 0 is the busiest; it holds the first key document, so in its kernel's coordinates
+    (own keys, then received keys) the documents stay packed. Holding the second half instead, its first
+    query document would read keys placed after the second's: not packed."""
+    q, k = [[0, 256], [256, 512]], [[0, 128], [128, 256]]
+    key = _simulated_key(q, k, "full", 512, 256, 2)
+    layout = build_layout(key)
+    assert [layout.kv_layout.host_pairs(r) for r in range(2)] == [[(0, 128)], [(128, 256)]]
+    f = rank_problem_features(key, layout)
+    assert (f.tokens, f.area, f.slices_per_row, f.documents) == (256, 256 * 128, 1.0, True)
+    rows = [layout.local_token_ids(r) for r in range(2)]
+    swapped = [np.arange(128, 256), np.arange(0, 128)]
+    assert not busiest_rank_features(q, k, [0, 0], rows, rank_keys=swapped).documents
 
 
 SPLIT_TABLE = KernelTable.from_dict({"gpu_kind": "h200", "rows": [

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 
 import numpy as np
 import pytest
 
+from magi_solver.cli import lognormal_doc_lens
+from magi_solver.dispatch import solve_dispatch
 from magi_solver.kernel_choice import (
     SPLIT_GAIN,
     KernelTable,
     MaskFeatures,
+    _in_kernel_keys,
     busiest_rank_features,
     load_kernel_table,
     mask_features,
     pick_kernel,
 )
+from magi_solver.mask import AttnSlice, SliceList, normalize_mask
 
 
 def test_features_of_common_masks() -> None:
@@ -52,6 +58,98 @@ def test_busiest_rank_is_the_same_whatever_the_row_order() -> None:
     # padding rows (ids past the mask) add tokens, not area
     pad = busiest_rank_features([[0, 100]], [[0, 100]], [0], [np.arange(0, 60), np.arange(60, 120)])
     assert pad.area == 60 * 100 and pad.tokens == 60
+
+
+def test_a_document_split_over_two_ranks_in_the_kernels_key_coordinates() -> None:
+    """Two ranks of 256 tokens; a causal document [0, 384) crosses the rank boundary, a second one [384, 512)
+    stays on rank 1. Rank 1 (the busiest) holds keys [256, 512) at kernel positions [0, 256) and receives
+    [0, 256) at [256, 512): its rows of the first document see every received key (FULL) and their own
+    keys causally (CAUSAL), two slices per row."""
+    q = k = [[0, 384], [384, 512]]
+    halves = [np.arange(0, 256), np.arange(256, 512)]
+    f = busiest_rank_features(q, k, [1, 1], halves, rank_keys=halves)
+    # slices: (q 0-128, k 0-128, CAUSAL), (q 0-128, k 256-512, FULL), (q 128-256, k 128-256, CAUSAL)
+    area = 128 * 129 // 2 + 128 * 256 + 128 * 129 // 2
+    # 128-row block 0 touches key tiles 0, 2 and 3, block 1 tile 1
+    assert f == MaskFeatures(256, area, area / (4 * 128 * 128), 1.5, False)
+    # in global key coordinates the same rows are two packed documents (tiles 0-2 and tile 3)
+    assert busiest_rank_features(q, k, [1, 1], halves) == MaskFeatures(256, area, f.tile_fill, 1.0, True)
+
+
+def test_a_full_mask_stays_one_document_whatever_the_dispatch() -> None:
+    """cp 4, each rank two non-adjacent chunks (zigzag): a chunk's rows see the rank's own keys and the
+    received ones as several FULL pieces, which touch again in the kernel's coordinates: one slice per row."""
+    chunks = np.arange(1024).reshape(8, 128)
+    rows = [np.concatenate([chunks[r], chunks[7 - r]]) for r in range(4)]
+    f = busiest_rank_features([[0, 1024]], [[0, 1024]], [0], rows, rank_keys=rows)
+    assert f == MaskFeatures(256, 256 * 1024, 1.0, 1.0, True)
+
+
+def test_rank_features_do_not_depend_on_the_order_of_ids() -> None:
+    """Row and key ids come in dispatched order, which differs between callers: the features do not."""
+    docs = [[0, 300], [300, 700], [700, 1024]]
+    chunks = np.arange(1024).reshape(8, 128)
+    rows = [np.concatenate([chunks[r], chunks[7 - r]]) for r in range(4)]
+    f = busiest_rank_features(docs, docs, [1, 1, 1], rows, rank_keys=rows)
+    rng = np.random.default_rng(0)
+    shuffled = [rng.permutation(r) for r in rows]
+    shuffled_keys = [rng.permutation(r) for r in rows]
+    assert busiest_rank_features(docs, docs, [1, 1, 1], shuffled, rank_keys=shuffled_keys) == f
+    assert not f.documents and f.slices_per_row > 1.0
+    # one rank holding every key in global order: the global mask, as without rank_keys
+    whole = [np.arange(1024)]
+    assert busiest_rank_features(docs, docs, [1, 1, 1], whole, rank_keys=whole) == busiest_rank_features(
+        docs, docs, [1, 1, 1], whole
+    )
+    with pytest.raises(ValueError, match="rank_keys has 1 ranks, rank_rows 4"):
+        busiest_rank_features(docs, docs, [1, 1, 1], rows, rank_keys=whole)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_key_slices_are_the_ranks_mask_reordered(seed: int) -> None:
+    """Densely: a rank's slices moved to the kernel's key coordinates cover exactly its rows of the mask with
+    the key columns reordered (own keys sorted, then the others by global id), each pair once."""
+    rng = np.random.default_rng(seed)
+    total, chunk, cp = 96, 8, 3
+    raw = []
+    for _ in range(5):
+        qs, ks = (int(x) for x in rng.integers(0, total - 8, 2))
+        raw.append((qs, int(rng.integers(qs + 1, total + 1)), ks, int(rng.integers(ks + 1, total + 1))))
+    types = [int(x) for x in rng.integers(0, 4, len(raw))]
+    mask = normalize_mask([r[:2] for r in raw], [r[2:] for r in raw], types, total, total)
+    padded = total + 4  # key ids past the mask: padding a rank holds or receives
+    dense = SliceList.from_typed(mask).to_dense(total, padded) > 0
+    owner = rng.permutation(np.repeat(np.arange(cp), total // chunk // cp))
+    for rank in range(cp):
+        rows = np.flatnonzero(np.repeat(owner == rank, chunk))
+        keys = np.concatenate([rows, [total + rank]])
+        local = []  # the rank's query rows in local order against global keys
+        for l0, run in enumerate(rows.reshape(-1, chunk)):
+            g0, g1 = int(run[0]), int(run[-1]) + 1
+            for qs, qe, ks, ke, t in mask:
+                for part in AttnSlice((qs, qe), (ks, ke), t).clip_q(g0, g1) if qs < g1 and qe > g0 else []:
+                    off = l0 * chunk - g0
+                    local.append((part.q_range.start + off, part.q_range.end + off, part.k_range.start,
+                                  part.k_range.end, part.mask_type.code))  # fmt: skip
+        moved = _in_kernel_keys(local, np.sort(keys))
+        columns = np.concatenate([np.sort(keys), np.setdiff1d(np.arange(padded), keys)])
+        want = dense[np.ix_(rows, columns)]
+        got = SliceList.from_typed(moved).to_dense(rows.size, padded)
+        assert got.max(initial=0) <= 1 and np.array_equal(got > 0, want)
+
+
+def test_a_million_token_mask_at_cp_64_takes_a_few_seconds_at_most() -> None:
+    """Every rank computes the features once per key: 1M tokens of 3000 log-normal documents at cp 64 (the
+    slowest mask measured, 0.2-0.3 s on one CPU core) must not grow past a few seconds."""
+    total, cp, chunk = 1 << 20, 64, 2048
+    bounds = [0, *itertools.accumulate(lognormal_doc_lens(total, 3000, 0))]
+    docs = [list(p) for p in itertools.pairwise(bounds)]
+    dispatch = solve_dispatch(docs, docs, [1] * len(docs), total, cp, chunk)
+    rows = [dispatch.position_ids(r) for r in range(cp)]
+    start = time.perf_counter()
+    f = busiest_rank_features(docs, docs, [1] * len(docs), rows, rank_keys=rows)
+    assert time.perf_counter() - start < 5.0
+    assert f.tokens == total // cp and not f.documents
 
 
 def test_shipped_table_loads_and_unknown_kinds_have_none() -> None:

@@ -228,12 +228,21 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
 
 
 def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> MaskFeatures:
-    """The busiest rank's problem after dispatch (its query rows against the global mask), as `auto`'s table
-    describes masks; a function of the key and the layout alone, so the same on every rank."""
-    offsets = layout.shard_offsets
-    rows = [layout.permutation[offsets[r] : offsets[r + 1]] for r in range(layout.cp_size)]
+    """The busiest rank's problem after dispatch as its kernel sees it (its query rows against its own keys
+    first, then the keys other ranks send), as `auto`'s table describes masks; a function of the key and the
+    layout alone, so the same on every rank."""
+    rows = [layout.local_token_ids(r) for r in range(layout.cp_size)]
+    keys = None  # cp 1: the rank holds every key in global order, the problem the table measured
+    if layout.cp_size > 1 and layout.kv_layout is None:
+        keys = rows  # self-attention: a rank's keys are its query tokens
+    elif layout.cp_size > 1:  # cross-attention: contiguous shards of the key/value sequence
+        keys = [np.arange(*layout.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(layout.cp_size)]
     return busiest_rank_features(
-        [list(r) for r in key.q_ranges], [list(r) for r in key.k_ranges], list(key.attn_mask_type), rows
+        [list(r) for r in key.q_ranges],
+        [list(r) for r in key.k_ranges],
+        list(key.attn_mask_type),
+        rows,
+        rank_keys=keys,
     )
 
 

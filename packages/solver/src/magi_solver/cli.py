@@ -458,9 +458,15 @@ def auto_kernel(q, k, t, plan, hw: HardwareProfile, head_dim: int) -> tuple[str 
     table = load_kernel_table(hw.name)
     if table is None:
         return None, f"no measured kernel table for {hw.name}: the runtime uses its capability rule"
-    rows = [plan.dispatch.position_ids(r) for r in range(plan.dispatch.cp_size)]
+    cp = plan.dispatch.cp_size
+    rows = [plan.dispatch.position_ids(r) for r in range(cp)]
+    keys = None  # cp 1: the rank holds every key in global order, the problem the table measured
+    if cp > 1 and plan.kv_layout is None:
+        keys = rows  # self-attention: a rank's keys are its query tokens
+    elif cp > 1:  # cross-attention: contiguous shards of the key/value sequence
+        keys = [np.arange(*plan.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(cp)]
     candidates = sorted({b for row in table.rows for b in row["ms"]})
-    picked = pick_kernel(table, busiest_rank_features(q, k, t, rows), head_dim, candidates)
+    picked = pick_kernel(table, busiest_rank_features(q, k, t, rows, rank_keys=keys), head_dim, candidates)
     if picked is None:
         return None, f"the {hw.name} table has no row for head_dim {head_dim}: the runtime's capability rule"
     name = picked.forward if picked.forward == picked.backward else f"{picked.forward}/{picked.backward}"

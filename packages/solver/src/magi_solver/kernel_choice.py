@@ -1,17 +1,36 @@
 """Which attention kernel is fastest for a mask: features every rank computes alike, and a measured table.
 
-The runtime's ``kernel_backend="auto"`` asks this module once per key. The features describe the problem one
-rank computes (the busiest rank's query rows after dispatch against every key its mask reaches), from the
-global mask and the dispatch alone, so every rank computes the same numbers with no communication:
+The runtime's ``kernel_backend="auto"`` asks this module once per key. The features describe the problem the
+busiest rank's kernel computes after dispatch: the rank's query rows against its keys in the kernel's order,
+the rank's own keys first, then the keys it receives from other ranks (the runtime concatenates its local
+K/V and the received K/V, for the merged call and for each overlap stage alike). They come from the global
+mask and the dispatch alone, so every rank computes the same numbers with no communication:
 
 - ``tokens``: the rank's query rows;
 - ``tile_fill``: the mask's area over the area of the 128 x 128 tiles it touches (1 for a full mask; lower
   when document starts and diagonals cut tiles, which is where the kernels differ most);
 - ``slices_per_row``: how many slices a covered row belongs to on average (1 for packed documents; more for
-  fragmented masks);
+  fragmented masks, and for documents cut by a rank boundary);
 - ``documents``: the slices have disjoint, ascending query ranges and disjoint, ascending key ranges in the
   same order, all of one type, FULL or CAUSAL (packed documents; one slice is one document): a mask a kernel
   can run as independent sequences (FA4's varlen kernels do).
+
+Why the kernel's key order and not the global one: packed documents that cross rank boundaries are not
+packed documents for the kernel. A rank's rows of a cut causal document see the received part of the
+document in full and its own part causally: two slices per row, whose key ranges no longer ascend with the
+rows, which FA4 runs through its block-sparse path (a slow backward). Simulated cp 8, 8192 tokens per GPU,
+64:8 heads, d 128, one H200 (2026-12-02; torch 2.11.0+cu130, flash-attn-4 4.0.0b36, nvidia-cudnn-frontend
+1.32.0), slowest rank forward / backward ms: packed causal documents cuDNN 2.06 / 6.78, FA4 2.28 / 9.20;
+packed full documents cuDNN 3.58 / 12.26, FA4 3.76 / 15.14. In global key coordinates the busiest rank's
+problem would look like packed documents, whose rows FA4 wins; in the kernel's it is fragmented, and the nearest
+rows are cuDNN's. A full mask stays one slice per row (FULL pieces that touch again in the kernel's order
+merge), so it keeps the full rows (cp 8: cuDNN 28.7 / 78.2, FA4 30.0 / 77.3, a tie).
+
+The received keys are ordered by global id here, a simplification that needs no overlap plan: the runtime's
+receive buffers order them by sending rank (and split them into stages at overlap degree >= 1), which cuts
+the packed causal documents above further (2.1 slices per row at overlap degree 0 against 1.33 here); both
+are far from packed documents. At cp 1 the rank holds every key in global order: the features are the
+global mask's, the problem the table measured.
 
 A table measured on one GPU kind (``benchmarks/kernel_backends_bench.py --write-table``; shipped as package
 data, ``kernel_tables/<gpu kind>.json``) holds, per measured mask and size, each backend's forward and backward
@@ -26,6 +45,7 @@ rank.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -37,6 +57,7 @@ from importlib import resources
 import numpy as np
 from magi_mask import normalize_types
 
+from ._slicing import merge_full
 from .mask import AttnSlice, SliceList
 
 __all__ = [
@@ -146,39 +167,104 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(rows[s]), int(rows[e - 1]) + 1, int(s)) for s, e in zip(starts, ends)]
 
 
+def _key_pieces(
+    ks: int, ke: int, key_runs: list[tuple[int, int, int]], run_starts: list[int], num_local: int
+) -> list[tuple[int, int, int]]:
+    """Global keys ``[ks, ke)`` as ``(global start, global end, kernel start)`` pieces in the kernel's key
+    coordinates: a rank's own keys first (``key_runs``: its sorted key ids as :func:`_runs`), then every
+    other key ordered by global id. A key ``g`` no run holds sits at ``num_local + g - (own keys < g)``."""
+    pieces: list[tuple[int, int, int]] = []
+    j = max(bisect.bisect_right(run_starts, ks) - 1, 0)
+    cursor = ks
+    own_before = 0  # own keys below `cursor`, while `cursor` is not an own key
+    for g0, g1, l0 in key_runs[j:]:
+        if g0 >= ke:
+            break
+        if g1 <= cursor:
+            own_before = l0 + g1 - g0
+            continue
+        if cursor < g0:
+            pieces.append((cursor, g0, num_local + cursor - own_before))
+        a, b = max(g0, cursor), min(g1, ke)
+        pieces.append((a, b, l0 + a - g0))
+        cursor, own_before = b, l0 + b - g0
+    if cursor < ke:
+        pieces.append((cursor, ke, num_local + cursor - own_before))
+    return pieces
+
+
+def _in_kernel_keys(
+    local: list[tuple[int, int, int, int, int]], keys: np.ndarray
+) -> list[tuple[int, int, int, int, int]]:
+    """A rank's slices (local query rows, global keys) with their keys moved to the kernel's key coordinates
+    (``keys``: the global ids the rank holds, sorted, unique). A slice's keys split into runs the rank holds
+    and runs other ranks hold, each a typed sub-slice; FULL pieces that touch again afterwards (the same rows
+    on keys now adjacent) merge, so only real fragmentation counts."""
+    key_runs = _runs(keys)
+    run_starts = [g0 for g0, _, _ in key_runs]
+    moved: list[tuple[int, int, int, int, int]] = []
+    for qs, qe, ks, ke, t in local:
+        whole = AttnSlice((qs, qe), (ks, ke), t)
+        for g0, g1, kernel_start in _key_pieces(ks, ke, key_runs, run_starts, int(keys.size)):
+            parts = [whole] if (g0, g1) == (ks, ke) else whole.clip_k(g0, g1)
+            shift = kernel_start - g0
+            moved.extend((p.q_range.start, p.q_range.end, p.k_range.start + shift, p.k_range.end + shift,
+                          p.mask_type.code) for p in parts)  # fmt: skip
+    return merge_full(moved)
+
+
 def busiest_rank_features(
     q_ranges: Sequence[Sequence[int]],
     k_ranges: Sequence[Sequence[int]],
     types: Sequence[int] | str,
     rank_rows: Sequence[np.ndarray],
+    *,
+    rank_keys: Sequence[np.ndarray] | None = None,
 ) -> MaskFeatures:
     """Features of the busiest rank's problem: its query rows (global ids in ``rank_rows[r]``, in any order;
-    padding ids past the mask are fine) against the global mask's keys. The busiest rank is the one with
-    the largest area (ties: the lowest rank), so every rank picks the same one."""
-    best: MaskFeatures | None = None
+    padding ids past the mask are fine) against the keys. The busiest rank is the one with the largest area
+    (ties: the lowest rank), so every rank picks the same one.
+
+    Without ``rank_keys`` the keys keep their global ids (the problem of one rank that holds every key).
+    With ``rank_keys`` (per rank, the global key ids it holds, in any order; padding ids are fine) the keys
+    are as that rank's kernel sees them: its own keys first (sorted), then the keys other ranks send, ordered
+    by global id. A document cut by a rank boundary then becomes two slices per row (remote keys and own
+    keys), as the kernel runs it."""
+    if rank_keys is not None and len(rank_keys) != len(rank_rows):
+        raise ValueError(f"rank_keys has {len(rank_keys)} ranks, rank_rows {len(rank_rows)}")
 
     def pair(r) -> tuple[int, int]:  # (start, end) pairs or AttnRange objects
         return (int(r.start), int(r.end)) if hasattr(r, "start") else (int(r[0]), int(r[1]))
 
     q_pairs = tuple(map(pair, q_ranges))
     codes = tuple(normalize_types(types, len(q_pairs), "types"))  # ints, names or AttnMaskType members
-    slices = SliceList(q_pairs, tuple(map(pair, k_ranges)), codes)
-    typed = list(slices.typed_pairs())
-    for rows in rank_rows:
+    typed = list(SliceList(q_pairs, tuple(map(pair, k_ranges)), codes).typed_pairs())
+    q_starts = np.asarray([q[0] for q, _, _ in typed], dtype=np.int64)
+    q_ends = np.asarray([q[1] for q, _, _ in typed], dtype=np.int64)
+    busiest_area, busiest_rank = -1, -1
+    busiest_slices: list[tuple[int, int, int, int, int]] = []  # local rows, global keys
+    busiest_rows = 0
+    for rank, rows in enumerate(rank_rows):
         rows = np.sort(np.asarray(rows, dtype=np.int64))
         local: list[tuple[int, int, int, int, int]] = []
+        area = 0
         for g0, g1, l0 in _runs(rows):
-            for (qs, qe), (ks, ke), t in typed:
-                if qs >= g1 or qe <= g0:  # a cheap test first: a run meets few of the slices
-                    continue
+            # a run meets few of the slices: find them at C speed
+            for i in np.flatnonzero((q_starts < g1) & (q_ends > g0)).tolist():
+                (qs, qe), (ks, ke), t = typed[i]
                 for part in AttnSlice((qs, qe), (ks, ke), t).clip_q(g0, g1):
                     off = l0 - g0
+                    area += part.area()
                     local.append((part.q_range.start + off, part.q_range.end + off, part.k_range.start,
                                   part.k_range.end, part.mask_type.code))  # fmt: skip
-        f = mask_features(local, int(rows.size))
-        if best is None or f.area > best.area:
-            best = f
-    return best if best is not None else MaskFeatures(0, 0, 1.0, 1.0, False)
+        if area > busiest_area:
+            busiest_area, busiest_rank, busiest_slices, busiest_rows = area, rank, local, int(rows.size)
+    if busiest_rank < 0:
+        return MaskFeatures(0, 0, 1.0, 1.0, False)
+    if rank_keys is not None:
+        keys = np.unique(np.asarray(rank_keys[busiest_rank], dtype=np.int64))
+        busiest_slices = _in_kernel_keys(busiest_slices, keys)
+    return mask_features(busiest_slices, busiest_rows)
 
 
 @dataclass(frozen=True, slots=True)
