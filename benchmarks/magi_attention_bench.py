@@ -235,8 +235,13 @@ def auto_kernel(mask: str, total: int, plan):
 
     q_ranges, k_ranges, types = make_mask(mask, total)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
+    keys = rows  # as the runtime: each rank's own keys first (its query tokens, or its key/value shard)
+    if plan.kv_layout is not None:
+        keys = [np.arange(*plan.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(plan.cp_size)]
+    if plan.cp_size == 1:
+        keys = None
     choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
-                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows))  # fmt: skip
+                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
     print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
     return attn_kernel(choice.backend, choice.backward)
 
