@@ -101,6 +101,23 @@ def test_config_functions_parse_on_torchtitans_command_line(config: str) -> None
     assert parsed.model_spec.model.vocab_size >= _tokenizer().get_vocab_size()
 
 
+def test_torch_without_data_parallel_mesh_dims_is_refused_naming_the_torch_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11 lacks torch.distributed.fsdp.DataParallelMeshDims, which torchtitan 0.3.0 imports: the package's
+    import check raises saying which torch to install (torchtitan's own ImportError does not)."""
+    import importlib.util
+
+    import magi_attention_torchtitan._torch_requirement as requirement
+    import torch.distributed.fsdp
+
+    spec = importlib.util.spec_from_file_location("torch_requirement_rerun", requirement.__file__)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # this torch passes
+    monkeypatch.delattr(torch.distributed.fsdp, "DataParallelMeshDims")
+    with pytest.raises(ImportError, match=r"needs torch>=2\.12 \(this is torch "):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def test_magi_config_rejects_bad_values() -> None:
     from magi_attention_torchtitan import MagiAttentionConfig
 

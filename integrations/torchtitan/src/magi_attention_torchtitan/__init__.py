@@ -13,6 +13,8 @@ inner attention, `parallelize_magi` as parallelize function), `MagiTrainer` (dis
 
 from importlib.metadata import version as _version
 
+# first: on a torch too old for torchtitan 0.3.0 this raises before any module below imports torchtitan
+from . import _torch_requirement  # noqa: F401
 from .attention import MagiAttention, MagiAttentionConverter, MagiAttentionMask
 from .batch import IGNORE_INDEX, MagiBatch, RopePositions, dispatch_batch, document_cu_seqlens
 from .data import SyntheticDocumentsDataLoader, SyntheticDocumentsDataset, synthetic_document, tokenizer_path
