@@ -126,6 +126,21 @@ def wheel_of(meta: dict, wheel_dir: Path) -> Path:
     return found[0]
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """'2.11.0+cu130' -> (2, 11, 0): the release numbers, local and pre-release tags dropped."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0].split("rc")[0].split("a")[0])[:3])
+
+
+def torch_too_old(metas: list[dict], version: str) -> str | None:
+    """Why `version` of torch cannot satisfy a project's `torch>=X` (the first such project), or None."""
+    for meta in metas:
+        for dep in meta.get("dependencies", ()):
+            m = re.match(r"torch\s*>=\s*([\d.]+)", dep)
+            if m and _release(version) < _release(m.group(1)):
+                return f"{meta['name']} needs torch>={m.group(1)}"
+    return None
+
+
 def installed_torch() -> tuple[str, bool] | None:
     """(version, is_cpu_build) of the torch this interpreter imports, or None."""
     if importlib.util.find_spec("torch") is None:
@@ -169,6 +184,12 @@ def pip_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             )
         if torch is not None:
             version, cpu = torch
+            why = torch_too_old(metas, version)
+            if why is not None:  # pip would only say that no torch=={version} distribution matches
+                raise InstallError(
+                    f"{why}, and this environment has torch {version}, which this script keeps (it never "
+                    "replaces a user's torch): install a newer torch first, then run this again."
+                )
             pins.append(f"torch=={version}")  # never replace the user's torch
             if cpu:
                 pins += CPU_PINS

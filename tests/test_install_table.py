@@ -194,3 +194,16 @@ def test_shell_join_keeps_globs_and_quotes_extras() -> None:
     assert finder._shell_join(["pip", "install", "dist/magi_ffa-*.whl", "./packages/solver[plot]"]) == (
         "pip install dist/magi_ffa-*.whl './packages/solver[plot]'"
     )
+
+
+def test_a_row_whose_torch_minimum_the_installed_torch_misses_is_refused() -> None:
+    """The installed torch is kept (pinned); a project needing a newer one is named instead of pip's
+    'no matching distribution for torch==...'."""
+    metas = [{"name": "a", "dependencies": ["numpy"]}, {"name": "b", "dependencies": ["torch>=2.12", "x"]}]
+    assert install.torch_too_old(metas, "2.11.0+cu130") == "b needs torch>=2.12"
+    assert install.torch_too_old(metas, "2.12.0") is None
+    assert install.torch_too_old(metas, "2.13.0+cpu") is None
+    assert install.torch_too_old(metas, "2.12.0rc1") is None
+    assert install.torch_too_old([{"name": "c", "dependencies": ["torch"]}], "1.0") is None
+    titan = [install._pyproject(f, ["torchtitan"]) for f in install.projects(["torchtitan"])]
+    assert install.torch_too_old(titan, "2.11.0+cu130") == "magi-attention-torchtitan needs torch>=2.12"
