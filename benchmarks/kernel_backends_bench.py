@@ -17,7 +17,10 @@ masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOP
 each runtime backend's forward and backward milliseconds (``ffa_fa4`` -> fa4, ``ffa_cudnn`` -> cudnn,
 ``ffa`` -> triton) and the mask's features (``magi_solver.kernel_choice.mask_features``). A later source
 replaces an earlier one's row of the same size, head_dim and mask (a row's backends always come from one
-run); ``:mask,...`` keeps only those masks of a source.
+run); ``:mask+mask`` keeps only those masks of a source. ``--sim-sources fa4=A.json,cudnn=B.json`` adds the
+busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0``, one file per backend) as rows of
+their own ("varlen_causal cp 8"), with the features the runtime computes for that rank. Features are computed
+as the runtime does (``magi_solver.kernel_choice.busiest_rank_features``).
 
 ``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
 backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
@@ -202,10 +205,66 @@ def render(data: dict) -> str:
 RUNTIME_NAMES = {"ffa_fa4": "fa4", "ffa_cudnn": "cudnn", "ffa": "triton"}
 
 
-def write_table(out: str, sources: str) -> dict:
+def _features_at_cp1(mask: str, S: int):
+    """The features the runtime computes for this mask at cp = 1 (every row on one rank, keys in order)."""
+    import numpy as np
+
+    from magi_solver.kernel_choice import busiest_rank_features
+
+    m = build_mask(mask, S, device="cpu")
+    return busiest_rank_features(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(),
+                                 [np.arange(S)])  # fmt: skip
+
+
+def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
+    """Table rows of the busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0`` JSON, one
+    file per backend: ``backend=path,...``): that rank's fwd / bwd ms per backend, and its features as the
+    runtime computes them at that cp (its keys, then the remote keys). Rows measured for one backend only are
+    left out."""
+    import re
+
+    import numpy as np
+    from magi_attention_bench import make_mask, make_plan
+
+    from magi_solver.kernel_choice import busiest_rank_features
+
+    found: dict[tuple, dict] = {}
+    for spec in filter(None, sim_sources.split(",")):
+        backend, _, path = spec.partition("=")
+        data = json.loads(Path(path).read_text())
+        hq, hk, d = (int(x) for x in re.search(r"heads (\d+):(\d+), d (\d+)", data["header"]).groups())
+        for entry in data["sim"]:
+            if entry["degree"] != 0:  # one kernel call per direction, like every other row
+                continue
+            key = (entry["tokens_per_gpu"], d, hq, hk, f"{entry['mask']} cp {entry['cp']}")
+            busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
+            row = found.setdefault(key, {"entry": entry, "ms": {}, "source": []})
+            row["ms"][backend] = [round(busiest["fwd_ms"], 4), round(busiest["bwd_ms"], 4)]
+            row["source"].append(Path(path).name)
+    rows = {}
+    for key, row in found.items():
+        S, d, hq, hk, name = key
+        if len(row["ms"]) < 2:  # a row with one backend measured would pick it whatever the others do
+            continue
+        entry = row["entry"]
+        total, plan = make_plan(entry["mask"], entry["cp"], S, 0)
+        q, k, t = make_mask(entry["mask"], total)
+        ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
+        f = busiest_rank_features(q, k, t, ids, rank_keys=ids)
+        busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
+        if f.area != busiest["area"]:
+            raise ValueError(
+                f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}"
+            )
+        rows[key] = {"mask": name, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
+                     "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
+                     "documents": f.documents, "ms": row["ms"], "source": "+".join(row["source"])}  # fmt: skip
+    return rows
+
+
+def write_table(out: str, sources: str, sim_sources: str = "") -> dict:
     """The auto table from measured rows (see the module docstring)."""
     from magi_solver import gpu_kind
-    from magi_solver.kernel_choice import mask_features
 
     rows: dict[tuple, dict] = {}
     env = None
@@ -223,13 +282,12 @@ def write_table(out: str, sources: str) -> dict:
             found.setdefault(key, {})[name] = [r["fwd_ms"], r["bwd_ms"]]
         for key, ms in found.items():
             S, d, hq, hk, mask = key
-            m = build_mask(mask, S, device="cpu")
-            f = mask_features(zip(*(t.tolist() for t in (m.q_ranges[:, 0], m.q_ranges[:, 1], m.k_ranges[:, 0],
-                                                         m.k_ranges[:, 1], m.attn_type_map))), S)  # fmt: skip
+            f = _features_at_cp1(mask, S)
             rows[key] = {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
                          "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
                          "documents": f.documents,
                          "ms": ms, "source": Path(path).name}  # fmt: skip
+    rows.update(_sim_rows(sim_sources))
     table = {
         "gpu_kind": gpu_kind(env["gpu"]),
         "source": f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
@@ -268,11 +326,15 @@ def main() -> None:
     ap.add_argument(
         "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
     )
+    ap.add_argument(
+        "--sim-sources", default="",
+        help="for --write-table: simulated cp runs, backend=path,... (magi_attention_bench.py --degree 0 JSON)",
+    )  # fmt: skip
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--tag", default="kernel_backends")
     args = ap.parse_args()
     if args.write_table:
-        table = write_table(args.write_table, args.sources)
+        table = write_table(args.write_table, args.sources, args.sim_sources)
         print(f"{len(table['rows'])} rows for {table['gpu_kind']} -> {args.write_table}")
         return
     env = environment()
