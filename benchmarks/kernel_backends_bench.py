@@ -12,7 +12,7 @@ masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOP
     python benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
     python benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir /tmp/kb
 
-``--write-table OUT --sources A.json[:mask,...],B.json[:mask,...]`` turns measured rows into the table
+``--write-table OUT --sources A.json[:mask+mask],B.json[:mask+mask]`` turns measured rows into the table
 ``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
 each runtime backend's forward and backward milliseconds (``ffa_fa4`` -> fa4, ``ffa_cudnn`` -> cudnn,
 ``ffa`` -> triton) and the mask's features (``magi_solver.kernel_choice.mask_features``). A later source

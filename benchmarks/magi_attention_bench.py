@@ -1,4 +1,4 @@
-"""Runtime measurements on ONE GPU (issue: "Measured on one GPU").
+"""Runtime measurements on one GPU.
 
 1. cp=1 overhead: `calc_attn` (cp group of one) against a raw `flex_flash_attn_func` call on the same mask.
 2. Simulated context parallelism: for cp 8/16/32/64, plan the mask, then run every rank's share of the
