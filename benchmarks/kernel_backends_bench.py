@@ -226,7 +226,7 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     import numpy as np
     from magi_attention_bench import make_mask, make_plan
 
-    from magi_solver.kernel_choice import busiest_rank_features
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     found: dict[tuple, dict] = {}
     for spec in filter(None, sim_sources.split(",")):
@@ -250,7 +250,7 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         total, plan = make_plan(entry["mask"], entry["cp"], S, 0)
         q, k, t = make_mask(entry["mask"], total)
         ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-        f = busiest_rank_features(q, k, t, ids, rank_keys=ids)
+        f = busiest_rank_features(q, k, t, ids, rank_keys=kernel_key_ids(ids, plan.kv_layout))
         busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
         if f.area != busiest["area"]:
             raise ValueError(

@@ -231,15 +231,11 @@ def auto_kernel(mask: str, total: int, plan):
     import numpy as np
 
     from magi_attention._kernels import _resolve, choose_auto, probe_local
-    from magi_solver.kernel_choice import busiest_rank_features
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     q_ranges, k_ranges, types = make_mask(mask, total)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-    keys = rows  # as the runtime: each rank's own keys first (its query tokens, or its key/value shard)
-    if plan.kv_layout is not None:
-        keys = [np.arange(*plan.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(plan.cp_size)]
-    if plan.cp_size == 1:
-        keys = None
+    keys = kernel_key_ids(rows, plan.kv_layout)  # as the runtime: each rank's own keys first
     choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
                          lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
     print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)

@@ -221,3 +221,16 @@ def test_shipped_table_picks_what_it_measured() -> None:
         for i, got in enumerate((pick.forward, pick.backward)):
             fastest = min(v[i] for v in ms.values())
             assert ms[got][i] * (1 - SPLIT_GAIN) <= fastest, (row["mask"], row["tokens"], row["head_dim"], i)
+
+
+def test_kernel_key_ids_per_attention_kind() -> None:
+    """One rank: None (global order); self-attention: each rank's query tokens; cross-attention: each rank's
+    contiguous key/value shard."""
+    from magi_solver.kernel_choice import kernel_key_ids
+    from magi_solver.kv_layout import KVLayout
+
+    rows = [np.array([4, 5, 0, 1]), np.array([2, 3, 6, 7])]
+    assert kernel_key_ids(rows[:1], None) is None
+    assert [r.tolist() for r in kernel_key_ids(rows, None)] == [[4, 5, 0, 1], [2, 3, 6, 7]]
+    shards = kernel_key_ids(rows, KVLayout(6, 2, 3))
+    assert [r.tolist() for r in shards] == [[0, 1, 2], [3, 4, 5]]

@@ -29,7 +29,7 @@ from magi_solver import (
     load_profile,
     plan_with_options,
 )
-from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
+from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 
 from ._cache_budget import runtime_nbytes
 from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel, choose_auto
@@ -232,11 +232,7 @@ def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> Ma
     first, then the keys other ranks send), as `auto`'s table describes masks; a function of the key and the
     layout alone, so the same on every rank."""
     rows = [layout.local_token_ids(r) for r in range(layout.cp_size)]
-    keys = None  # cp 1: the rank holds every key in global order, the problem the table measured
-    if layout.cp_size > 1 and layout.kv_layout is None:
-        keys = rows  # self-attention: a rank's keys are its query tokens
-    elif layout.cp_size > 1:  # cross-attention: contiguous shards of the key/value sequence
-        keys = [np.arange(*layout.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(layout.cp_size)]
+    keys = kernel_key_ids(rows, layout.kv_layout)
     return busiest_rank_features(
         [list(r) for r in key.q_ranges],
         [list(r) for r in key.k_ranges],

@@ -34,7 +34,7 @@ from . import (
     make_varlen_full_mask,
 )
 from .cost_model import load_profile
-from .kernel_choice import busiest_rank_features, load_kernel_table, pick_kernel
+from .kernel_choice import busiest_rank_features, kernel_key_ids, load_kernel_table, pick_kernel
 from .tools.hardware import HARDWARE, HardwareProfile, MaskFamily, get_hardware
 from .tools.predict import SCHEMES, Workload, predict_cp
 
@@ -458,13 +458,8 @@ def auto_kernel(q, k, t, plan, hw: HardwareProfile, head_dim: int) -> tuple[str 
     table = load_kernel_table(hw.name)
     if table is None:
         return None, f"no measured kernel table for {hw.name}: the runtime uses its capability rule"
-    cp = plan.dispatch.cp_size
-    rows = [plan.dispatch.position_ids(r) for r in range(cp)]
-    keys = None  # cp 1: the rank holds every key in global order, the problem the table measured
-    if cp > 1 and plan.kv_layout is None:
-        keys = rows  # self-attention: a rank's keys are its query tokens
-    elif cp > 1:  # cross-attention: contiguous shards of the key/value sequence
-        keys = [np.arange(*plan.kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(cp)]
+    rows = [plan.dispatch.position_ids(r) for r in range(plan.dispatch.cp_size)]
+    keys = kernel_key_ids(rows, plan.kv_layout)
     candidates = sorted({b for row in table.rows for b in row["ms"]})
     picked = pick_kernel(table, busiest_rank_features(q, k, t, rows, rank_keys=keys), head_dim, candidates)
     if picked is None:

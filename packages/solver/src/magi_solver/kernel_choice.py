@@ -58,6 +58,7 @@ import numpy as np
 from magi_mask import normalize_types
 
 from ._slicing import merge_full
+from .kv_layout import KVLayout
 from .mask import AttnSlice, SliceList
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "KernelTable",
     "MaskFeatures",
     "busiest_rank_features",
+    "kernel_key_ids",
     "load_kernel_table",
     "mask_features",
     "pick_kernel",
@@ -211,6 +213,17 @@ def _in_kernel_keys(
             moved.extend((p.q_range.start, p.q_range.end, p.k_range.start + shift, p.k_range.end + shift,
                           p.mask_type.code) for p in parts)  # fmt: skip
     return merge_full(moved)
+
+
+def kernel_key_ids(rank_rows: Sequence[np.ndarray], kv_layout: KVLayout | None) -> list[np.ndarray] | None:
+    """Per rank, the global key ids its kernel holds as its own (the ``rank_keys`` of
+    :func:`busiest_rank_features`): its query tokens in self-attention (``kv_layout`` None), its contiguous
+    key/value shard in cross-attention; None for one rank, which holds every key in global order."""
+    if len(rank_rows) <= 1:
+        return None
+    if kv_layout is None:
+        return list(rank_rows)
+    return [np.arange(*kv_layout.host_pairs(r)[0], dtype=np.int64) for r in range(len(rank_rows))]
 
 
 def busiest_rank_features(
