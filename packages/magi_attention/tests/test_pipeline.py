@@ -204,3 +204,51 @@ def _mesh_worker(rank: int, world_size: int, total: int) -> None:
 def test_two_level_mesh_uses_hierarchical_collectives(world_size: int) -> None:
     """A 2-D (inter, intra) DeviceMesh: GroupCast/GroupReduce go hierarchical; results stay exact."""
     run_distributed(_mesh_worker, world_size, 200)
+
+
+def _noncontiguous_worker(rank: int, world_size: int, total: int) -> None:
+    """q, k, v as a framework hands them over: views into one fused QKV projection (strided heads) and a
+    head-major buffer seen token-major (transposed strides). The result and the gradients equal those of
+    contiguous copies of the same values."""
+    group = dist.group.WORLD
+    q_ranges, k_ranges, types = mask_cases(total)["random"]
+    for overlap_name in ("od0", "od1"):
+        config = DistAttnConfig(
+            dispatch_config=DispatchConfig(chunk_size=8), overlap_config=OVERLAPS[overlap_name]
+        )
+        key = magi_attn_flex_key(q_ranges, k_ranges, types, total, total, HQ, HKV, D, group, config)
+        gen = torch.Generator().manual_seed(zlib.crc32(overlap_name.encode()))
+        x = torch.randn(total, HQ + 2 * HKV, D, dtype=torch.float64, generator=gen)
+        do = torch.randn(total, HQ, D, dtype=torch.float64, generator=gen)
+        # [shard, HQ + 2 HKV, D]: one buffer, three strided views (clones: dispatch at cp 1 returns its input)
+        fused = dispatch(x, key).clone().requires_grad_()
+        head_major = dispatch(x[:, HQ + HKV :], key).transpose(0, 1).contiguous().requires_grad_()
+        q, k = fused[:, :HQ], fused[:, HQ : HQ + HKV]
+        v = head_major.transpose(0, 1)  # [shard, HKV, D] with token stride D, head stride shard * D
+        assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+        out, meta = calc_attn(q, k, v, key)
+        dlocal = dispatch(do, key)
+        (out * dlocal).sum().backward()
+
+        qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+        out_c, meta_c = calc_attn(qc, kc, vc, key)
+        (out_c * dlocal).sum().backward()
+        what = f"cp{world_size}/{overlap_name}"
+        assert _rel_err(out, out_c) < 1e-12, f"{what}: out"
+        assert torch.equal(torch.isinf(meta.lse), torch.isinf(meta_c.lse)), f"{what}: lse -inf pattern"
+        finite = ~torch.isinf(meta_c.lse)
+        assert _rel_err(meta.lse[finite], meta_c.lse[finite]) < 1e-12, f"{what}: lse"
+        for name, got, ref in (
+            ("dq", fused.grad[:, :HQ], qc.grad),
+            ("dk", fused.grad[:, HQ : HQ + HKV], kc.grad),
+            ("dv", head_major.grad.transpose(0, 1), vc.grad),
+        ):
+            assert _rel_err(got, ref) < 1e-12, f"{what}: {name}"
+        assert not fused.grad[:, HQ + HKV :].any(), (
+            f"{what}: the unused part of the fused buffer got a gradient"
+        )
+
+
+@pytest.mark.parametrize("world_size", [1, 3], ids=["cp1", "cp3"])
+def test_non_contiguous_views_equal_contiguous_inputs(world_size: int) -> None:
+    run_distributed(_noncontiguous_worker, world_size, 200)
