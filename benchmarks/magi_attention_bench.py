@@ -16,9 +16,7 @@ import argparse
 import datetime
 import itertools
 import json
-import math
 import os
-import random
 import sys
 
 import torch
@@ -29,7 +27,7 @@ from magi_attention._kernels import attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_solver import plan_dist_attn
+from magi_solver import long_tailed_cu_seqlens, plan_dist_attn
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -57,13 +55,7 @@ NVLINK_BPS, IB_BPS = 450e9, 50e9
 
 def varlen_docs(total: int, seed: int = 0) -> list[list[int]]:
     """Long-tailed document lengths, each at most a quarter of the total (same rule as the kernel bench)."""
-    rng = random.Random(seed)
-    bounds, start = [], 0
-    while start < total:
-        length = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
-        bounds.append([start, min(total, start + length)])
-        start += length
-    return bounds
+    return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
 
 
 CROSS_KV_RATIO = 4

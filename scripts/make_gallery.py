@@ -12,6 +12,7 @@ and `benchmarks/cp_results/*.md` (the measured cp = 2 runs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from magi_solver import (
+    long_tailed_cu_seqlens,
     make_block_causal_mask,
     make_global_window_mask,
     make_prefix_lm_mask,
@@ -200,12 +202,8 @@ def simulated_vs_predicted() -> list[dict]:
         total = 8192 * cp
         if mask == "full":
             spec = [[0, total]], [[0, total]], [0]
-        else:  # benchmarks/magi_attention_bench.py: at least 128 tokens per document
-            rng, docs, start = random.Random(0), [], 0
-            while start < total:
-                n = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
-                docs.append([start, min(total, start + n)])
-                start += n
+        else:  # the documents of benchmarks/magi_attention_bench.py
+            docs = [list(d) for d in itertools.pairwise(long_tailed_cu_seqlens(total))]
             spec = docs, docs, [1] * len(docs)
         w = Workload(chunk_size=2048, overlap_degree=1)
         rec, _ = predict_cp(*spec, total, cp, hardware=hidden, family=FAMILY[mask], workload=w)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import random
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from magi_attention._runtime import rank_problem_features
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_solver import long_tailed_cu_seqlens
 from magi_solver.kernel_choice import KernelTable, busiest_rank_features, load_kernel_table, pick_kernel
 
 FA4_CUDNN = LocalCapability("", "", "h200", "")
@@ -104,15 +103,8 @@ def test_rank_problem_features_and_the_accessor_on_a_key(monkeypatch) -> None:
 
 
 def _packed_documents(total: int) -> list[list[int]]:
-    """Log-normal document lengths around total / 16, each in [128, total / 4], packed in order (the rule of
-    the varlen masks the shipped table and the cp benchmarks measured)."""
-    rng = random.Random(0)
-    docs, start = [], 0
-    while start < total:
-        length = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
-        docs.append([start, min(total, start + length)])
-        start += length
-    return docs
+    """The documents of the varlen masks the shipped table and the cp benchmarks measured."""
+    return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total))]
 
 
 def _simulated_key(q, k, types, total_q, total_k, cp: int, chunk_size: int | None = None):

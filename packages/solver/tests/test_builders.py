@@ -142,3 +142,19 @@ def test_ascii_mask_draws_a_sliding_window() -> None:
     q, k, t = make_sliding_window_mask([0, 5], (1, 0))
     assert ascii_mask(q, k, t, 5) == "#....\n##...\n.##..\n..##.\n...##"
     assert ascii_mask([[0, 2], [0, 2]], [[0, 2], [0, 2]], 0, 2) == "22\n22"
+
+
+def test_long_tailed_cu_seqlens() -> None:
+    """Packed documents from 0 to total, each 128 .. total / 4 tokens but the cut last one, the same for a
+    seed and another for another seed; a non-positive total is refused."""
+    from magi_solver import long_tailed_cu_seqlens
+
+    total = 65536
+    cu = long_tailed_cu_seqlens(total)
+    lens = [b - a for a, b in itertools.pairwise(cu)]
+    assert cu[0] == 0 and cu[-1] == total and len(lens) > 4
+    assert all(128 <= n <= total // 4 for n in lens[:-1]) and 0 < lens[-1] <= total // 4
+    assert long_tailed_cu_seqlens(total) == cu and long_tailed_cu_seqlens(total, seed=1) != cu
+    assert long_tailed_cu_seqlens(100) == [0, 100]
+    with pytest.raises(ValueError, match="total"):
+        long_tailed_cu_seqlens(0)

@@ -8,6 +8,7 @@ arguments and overlap stages, with the overlap degree priced by a cost model (`O
 
 from .builders import (
     MaskSpec,
+    long_tailed_cu_seqlens,
     make_block_causal_mask,
     make_global_window_mask,
     make_prefix_lm_mask,
@@ -52,6 +53,7 @@ __all__ = [
     "get_profile",
     "gpu_kind",
     "load_profile",
+    "long_tailed_cu_seqlens",
     "make_block_causal_mask",
     "make_global_window_mask",
     "make_prefix_lm_mask",

@@ -8,6 +8,8 @@ FlashAttention's `window_size`.
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +20,7 @@ from .ranges import AttnRange, AttnRanges, _check_int
 
 __all__ = [
     "MaskSpec",
+    "long_tailed_cu_seqlens",
     "make_block_causal_mask",
     "make_global_window_mask",
     "make_prefix_lm_mask",
@@ -93,6 +96,20 @@ def _window(window: Any) -> tuple[int | None, int | None]:
     if left < -1 or right < -1:
         raise ValueError(f"`window` entries must be >= 0, or -1 for unbounded, got {window!r}")
     return (None if left == -1 else -left), (None if right == -1 else right)
+
+
+def long_tailed_cu_seqlens(total: int, seed: int = 0) -> list[int]:
+    """`cu_seqlens` of packed documents with long-tailed lengths: log-normal around `total / 16` (sigma 1),
+    each between 128 tokens and `total / 4`, the last one cut at `total`; seeded, the same on every machine
+    (the documents of the benchmarks' varlen masks)."""
+    if _check_int(total, "total") < 1:
+        raise ValueError(f"total must be at least 1, got {total}")
+    rng = random.Random(seed)
+    cu = [0]
+    while cu[-1] < total:
+        length = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
+        cu.append(min(total, cu[-1] + length))
+    return cu
 
 
 def make_varlen_full_mask(cu_seqlens: Sequence[int]) -> MaskSpec:
