@@ -135,10 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
             loss.backward()
             return loss
 
-        def full(grad: torch.Tensor) -> torch.Tensor:
-            return grad.full_tensor()
-
-        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=full)
+        magi, reference = harness.train_pair(
+            model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor
+        )
         backend, reason = get_kernel_backend(keys[0], cfg.dtype)
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document",

@@ -200,6 +200,11 @@ class SideResult:
     peak_memory_gib: float | None = None
 
 
+def full_tensor(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) gradient as one tensor: the `grad_of` of runs whose model is FSDP2-sharded."""
+    return grad.full_tensor()
+
+
 def train(
     params: Callable[[], list[torch.Tensor]],
     step: Callable[[], torch.Tensor],
