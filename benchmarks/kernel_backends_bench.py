@@ -5,7 +5,8 @@ own flex_attention, FlashAttention-4's native calls and FlexAttention, on the sa
 
 Each (size, heads, head_dim, mask) builds every runner once (inputs, plans and block masks outside the timing),
 then runs ``--repeats`` rounds; a round times every kernel once, forward and forward + backward
-(``triton.testing.do_bench`` medians over ``--rep`` ms), so slow drifts of the GPU hit every kernel alike.
+(``triton.testing.do_bench`` medians over ``--rep`` ms), each round starting one kernel later, so slow drifts
+of the GPU hit every kernel alike and no kernel is always the first of a round.
 A cell is the median over the rounds; the spread is (max - min) / median over the rounds. TFLOP/s from the
 masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
 
@@ -74,8 +75,12 @@ def bench(args) -> list[dict]:
                             grads[kname] = torch.randn_like(fn())
                         except Exception as e:  # a kernel that cannot run a shape is reported, not hidden
                             errors[kname] = repr(e)[:300]
-                    for _ in range(args.repeats):
-                        for kname, (fn, xs) in runners.items():
+                    order = list(runners)
+                    for i in range(args.repeats):
+                        # each round starts one kernel later: no kernel is always timed first (after the
+                        # previous round's longest backward) or always after the same neighbour
+                        for kname in order[i % len(order) :] + order[: i % len(order)]:
+                            fn, xs = runners[kname]
                             if kname in errors:
                                 continue
                             try:
