@@ -8,8 +8,10 @@ the same inputs.
   (SDPA ring), Ulysses + magi_ffa_fa4 / magi_ffa_cudnn (any mask). A system that cannot run a case (mask it cannot express,
   heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
 
-magi runs once per ``--degrees`` entry (an int = that many overlap stages, ``dynamic`` = the planner picks;
-the row records the degree the plan chose) with ``--kernel-backend``. Its group collectives: ``--grpcoll native`` (symmetric
+magi runs once per ``--kernel-backend`` entry and ``--degrees`` entry (a backend of
+``DistAttnConfig.kernel_backend``, e.g. ``auto,fa4,cudnn`` to time ``auto`` beside each explicit backend on the
+same inputs; an int = that many overlap stages, ``dynamic`` = the planner picks; the row records the backend
+the runtime resolved and the degree the plan chose). Its group collectives: ``--grpcoll native`` (symmetric
 memory inside one node), ``a2av``, or by default ``MAGI_ATTENTION_NATIVE_GRPCOLL``; the table's header says
 which.
 
@@ -109,8 +111,8 @@ class BenchConfig:
     """magi runs once per entry: OverlapConfig.degree (remote stages; 0 = no overlap) or "dynamic"."""
     min_chunk_size: int
     """magi: OverlapConfig.min_chunk_size."""
-    kernel_backend: str
-    """magi: DistAttnConfig.kernel_backend ("auto", "fa4", "triton", "torch")."""
+    kernel_backends: tuple[str, ...]
+    """magi runs once per entry: DistAttnConfig.kernel_backend (each one of `KERNEL_BACKENDS`)."""
     grad_reduce: str = "fp32"
     """magi: dtype of the partial dK/dV reduction ("fp32" or "bf16": DistAttnConfig.high_precision_grad_reduce)."""
     grpcoll: str = "env"
@@ -273,14 +275,14 @@ MAGI_KERNELS = {
 }
 
 
-def _dist_attn_config(cfg: BenchConfig, degree: int | str) -> DistAttnConfig:
+def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) -> DistAttnConfig:
     overlap = OverlapConfig(
         degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size
     )
     return DistAttnConfig(
         dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size),
         overlap_config=overlap,
-        kernel_backend=cfg.kernel_backend,
+        kernel_backend=kernel_backend,
         high_precision_grad_reduce=cfg.grad_reduce == "fp32",
         grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]),
     )
@@ -313,16 +315,16 @@ def _magi_backend(key, dtype: torch.dtype, head_dim: int) -> str | None:
     return None if backend is None else str(getattr(backend, "value", backend))
 
 
-def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str) -> _Case:
+def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
     total, hq, hkv, d = q.shape[0], cfg.heads_q, cfg.heads_kv, cfg.head_dim
-    config = _dist_attn_config(cfg, degree)
+    config = _dist_attn_config(cfg, degree, kernel_backend)
     key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
     inputs = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
         return calc_attn(*inputs, key)[0]
 
-    backend = _magi_backend(key, q.dtype, d) or str(getattr(config, "kernel_backend", "auto"))
+    backend = _magi_backend(key, q.dtype, d) or kernel_backend
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
     return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
 
@@ -396,8 +398,10 @@ def run_case(
     device,
     degree: int | str | None = None,
     profile_path: Path | None = None,
+    kernel_backend: str = "auto",
 ) -> dict:
-    """Benchmark one system on one mask (magi: with overlap ``degree``); ``ref`` holds the first magi row's
+    """Benchmark one system on one mask (magi: with overlap ``degree`` and ``kernel_backend``); ``ref`` holds
+    the first magi row's
     global out/dq for the cross-check (filled by that row). A system that cannot run the case returns a row
     with ``skipped`` (every rank agrees on it)."""
     cp = dist.get_world_size()
@@ -409,7 +413,8 @@ def run_case(
     case, reason = None, None
     if system == System.MAGI:
         row["degree"] = DYNAMIC if degree is None else degree
-        case = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"])
+        row["kernel_backend"] = kernel_backend
+        case = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"], kernel_backend)
     elif system in SAME_KERNEL:
         try:
             case = _same_kernel_case(system, q, k, v, do, qr, kr, tm, cfg, device)
@@ -572,6 +577,11 @@ def _degree_cell(r: dict) -> str:
     return str(r["degree"])
 
 
+def _system_cell(r: dict) -> str:
+    """The system; for magi also the kernel backend asked for (the kernel column says what it resolved to)."""
+    return f"{r['system']} ({r['kernel_backend']})" if "kernel_backend" in r else r["system"]
+
+
 def _skip_cell(reason: str) -> str:
     """The reason's head (before the first colon; for a failure, also the exception type), table-safe."""
     parts = reason.split(":")
@@ -586,7 +596,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
         f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
         f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
-        f"kernel backend {c['kernel_backend']}, dK/dV reduce {c['grad_reduce']}, group collectives "
+        f"kernel backends {','.join(c['kernel_backends'])}, dK/dV reduce {c['grad_reduce']}, group collectives "
         f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
         f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
         f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
@@ -596,7 +606,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['tokens_per_gpu']} | {r['mask']} | {r['system']} | {_degree_cell(r)} |"
+        head = f"| {r['tokens_per_gpu']} | {r['mask']} | {_system_cell(r)} | {_degree_cell(r)} |"
         if "skipped" in r:
             lines.append(f"{head} skipped: {_skip_cell(r['skipped'])} | | | | | | | |")
             continue
@@ -651,7 +661,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
     ap.add_argument("--degree", default=None, help="alias of --degrees")
     ap.add_argument("--min-chunk-size", type=int, default=512, help="magi OverlapConfig.min_chunk_size")
     ap.add_argument(
-        "--kernel-backend", choices=KERNEL_BACKENDS, default="auto", help="magi DistAttnConfig.kernel_backend"
+        "--kernel-backend",
+        default="auto",
+        help=f"magi DistAttnConfig.kernel_backend, comma-separated (one magi row each) from {KERNEL_BACKENDS}",
     )
     ap.add_argument(
         "--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype"
@@ -688,6 +700,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         degrees = _parse_degrees(a.degrees or a.degree or DYNAMIC)
     except ValueError as exc:
         ap.error(f"--degrees: {exc}")
+    backends = tuple(b.strip() for b in a.kernel_backend.split(","))
+    if bad := [b for b in backends if b not in KERNEL_BACKENDS]:
+        ap.error(f"--kernel-backend: unknown {bad}, choose from {KERNEL_BACKENDS}")
     if a.block_size <= 0:
         ap.error(f"--block-size must be a positive int, got {a.block_size}")
     cfg = BenchConfig(
@@ -704,7 +719,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         chunk_size=a.chunk_size,
         degrees=degrees,
         min_chunk_size=a.min_chunk_size,
-        kernel_backend=a.kernel_backend,
+        kernel_backends=backends,
         grad_reduce=a.grad_reduce,
         grpcoll=a.grpcoll,
         block_size=a.block_size,
@@ -730,20 +745,26 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    # magi first (once per degree): the cross-check reference is the first magi row
-    runs = [(System.MAGI, d) for d in cfg.degrees] if System.MAGI in cfg.systems else []
-    runs += [(s, None) for s in cfg.systems if s != System.MAGI]
+    # magi first (once per kernel backend and degree): the cross-check reference is the first magi row
+    runs = (
+        [(System.MAGI, d, b) for b in cfg.kernel_backends for d in cfg.degrees]
+        if System.MAGI in cfg.systems
+        else []
+    )
+    runs += [(s, None, None) for s in cfg.systems if s != System.MAGI]
     rows = []
     for tpg in cfg.tokens_per_gpu:
         data = _global_data(tpg * dist.get_world_size(), cfg, device)
         for mask in cfg.masks:
             ref: dict = {}
-            for i, (system, degree) in enumerate(runs):
+            for i, (system, degree, backend) in enumerate(runs):
                 prof = _profile_path(cfg, mask, tpg) if system == System.MAGI and i == 0 else None
-                rows.append(run_case(system, mask, tpg, data, ref, cfg, device, degree, prof))
+                rows.append(
+                    run_case(system, mask, tpg, data, ref, cfg, device, degree, prof, backend or "auto")
+                )
                 if dist.get_rank() == 0:
                     r = rows[-1]
-                    name = system.value + (f" degree {_degree_cell(r)}" if system == System.MAGI else "")
+                    name = _system_cell(r) + (f" degree {_degree_cell(r)}" if system == System.MAGI else "")
                     status = (
                         r.get("skipped")
                         or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"

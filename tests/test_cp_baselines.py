@@ -513,7 +513,7 @@ def test_degrees_argument(args: list[str], degrees: tuple) -> None:
     cfg, _ = cpbench.parse_args(args)
     assert cfg.degrees == degrees
     for d in degrees:
-        overlap = cpbench._dist_attn_config(cfg, d).overlap_config
+        overlap = cpbench._dist_attn_config(cfg, d, "auto").overlap_config
         assert overlap.degree == (None if d == "dynamic" else d)
         assert overlap.min_chunk_size == cfg.min_chunk_size
 
@@ -525,6 +525,7 @@ def test_degrees_argument(args: list[str], degrees: tuple) -> None:
         pytest.param(["--degrees", "-1"], id="negative"),
         pytest.param(["--degrees", "two"], id="word"),
         pytest.param(["--kernel-backend", "cuda"], id="backend"),
+        pytest.param(["--kernel-backend", "auto,cuda"], id="backend-list"),
         pytest.param(["--block-size", "0"], id="block"),
     ],
 )
@@ -537,9 +538,32 @@ def test_kernel_backend_reaches_dist_attn_config() -> None:
     cpbench = cp_bench
     for backend in cpbench.KERNEL_BACKENDS:
         cfg, _ = cpbench.parse_args(["--kernel-backend", backend, "--grad-reduce", "bf16"])
-        config = cpbench._dist_attn_config(cfg, "dynamic")
+        assert cfg.kernel_backends == (backend,)
+        config = cpbench._dist_attn_config(cfg, "dynamic", backend)
         assert str(config.kernel_backend) == backend
         assert config.high_precision_grad_reduce is False
+    cfg, _ = cpbench.parse_args(["--kernel-backend", "auto, fa4,cudnn"])
+    assert cfg.kernel_backends == ("auto", "fa4", "cudnn")
+
+
+def test_cp_bench_times_each_kernel_backend_on_the_same_inputs(tmp_path: Path) -> None:
+    """One magi row per (kernel backend, degree), in the order asked, each cross-checked against the first:
+    on CPU fp64 `auto` resolves to the torch path, so both backends compute the same attention."""
+    argv = ["--device", "cpu", "--tokens-per-gpu", "48", "--heads", "4:2", "--head-dim", "8", "--dtype", "fp64",
+            "--chunk-size", "8", "--min-chunk-size", "4", "--warmup", "0", "--iters", "1", "--masks",
+            "varlen_causal", "--systems", "magi", "--kernel-backend", "torch,auto", "--degrees", "0,1",
+            "--out", str(tmp_path / "cp")]  # fmt: skip
+    rows = run_distributed(_bench_rank, 2, argv, timeout=120.0)[0]
+    assert [(r["kernel_backend"], r["degree"]) for r in rows] == [
+        ("torch", 0),
+        ("torch", 1),
+        ("auto", 0),
+        ("auto", 1),
+    ]
+    assert all(r["kernel"] == cp_bench.MAGI_KERNELS["torch"] for r in rows), rows
+    assert all(r["rel_out"] < 1e-12 and r["rel_dq"] < 1e-12 for r in rows), rows
+    table = (tmp_path / "cp.md").read_text()
+    assert "| magi (torch) | 0 |" in table and "| magi (auto) | 1 |" in table
 
 
 def _triton_rank(rank: int, world_size: int, masks: list[str]) -> dict:
