@@ -127,12 +127,9 @@ phase_stages() {  # simulated cp 8, 8k tokens per GPU: the slowest rank at degre
   done
 }
 phase_autosim() {  # simulated cp (8k tokens per GPU, degree 0): auto beside each explicit backend, slowest rank
-  local b
-  for b in ${SIM_BACKENDS:-auto fa4 cudnn}; do
-    run "${SIM_S:-300}" python3 benchmarks/magi_attention_bench.py --kernel-backend "$b" --tokens-per-gpu 8192 \
-      --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 --no-single --no-cp1 \
-      --json "$OUT/sim_$b.json" | grep -v '^{' | tail -6
-  done
+  run "${SIM_S:-600}" python3 benchmarks/magi_attention_bench.py --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
+    --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 \
+    --no-single --no-cp1 --json "$OUT/sim_auto.json" | grep -v '^{' | tail -12
 }
 phase_fa4ncu() {  # Nsight Compute on both backward kernels (varlen causal and sliding window, 32k)
   run 420 ncu --clock-control none --profile-from-start off --target-processes all \

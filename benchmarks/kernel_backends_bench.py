@@ -222,8 +222,9 @@ def _features_at_cp1(mask: str, S: int):
 
 
 def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
-    """Table rows of the busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0`` JSON, one
-    file per backend: ``backend=path,...``): that rank's fwd / bwd ms per backend, and its features as the
+    """Table rows of the busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0`` JSON:
+    ``backend=path,...``, a file that holds several backends named once per backend): that rank's fwd / bwd
+    ms per backend, and its features as the
     runtime computes them at that cp (its keys, then the remote keys). Rows measured for one backend only are
     left out."""
     import re
@@ -240,6 +241,8 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         hq, hk, d = (int(x) for x in re.search(r"heads (\d+):(\d+), d (\d+)", data["header"]).groups())
         for entry in data["sim"]:
             if entry["degree"] != 0:  # one kernel call per direction, like every other row
+                continue
+            if entry.get("kernel_backend", backend) != backend:  # another backend's rows of the same run
                 continue
             key = (entry["tokens_per_gpu"], d, hq, hk, f"{entry['mask']} cp {entry['cp']}")
             busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))

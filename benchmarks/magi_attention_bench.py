@@ -6,8 +6,11 @@
    turn. Report the slowest rank's compute time, the compute balance, the TFLOP/s/GPU it implies when
    communication is hidden, and the time each stage's remote K/V would take on a 450 GB/s NVLink and a
    50 GB/s inter-node link (the communication overlaps compute when it is shorter than the previous stage).
+   With several ``--kernel-backend`` entries (``auto,fa4,cudnn``) every rank runs on each backend in turn,
+   on the same plan and inputs, and the table gives ``auto`` over the fastest explicit backend.
 
-    python benchmarks/magi_attention_bench.py [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--out docs/...]
+    python benchmarks/magi_attention_bench.py [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python benchmarks/magi_attention_bench.py --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import triton
 
 from magi_attention import DistAttnConfig
-from magi_attention._kernels import attn_kernel
+from magi_attention._kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
@@ -32,20 +35,21 @@ from magi_solver import long_tailed_cu_seqlens, plan_dist_attn
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
 DEVICE = os.environ.get("MAGI_BENCH_DEVICE", "cuda")
-BACKEND = KernelBackend.TRITON  # set from --kernel-backend
+BACKENDS = ("auto", "fa4", "cudnn", "triton", "torch")
+"""``--kernel-backend`` entries (torch: the CPU smoke test)."""
 
 
-def raw_attn_func():
+def raw_attn_func(backend: KernelBackend):
     """The backend's own single-call autograd entry (the cp = 1 yardstick)."""
-    if BACKEND == KernelBackend.FA4:
+    if backend == KernelBackend.FA4:
         import magi_ffa_fa4
 
         return magi_ffa_fa4.flex_flash_attn_func
-    if BACKEND == KernelBackend.CUDNN:
+    if backend == KernelBackend.CUDNN:
         import magi_ffa_cudnn
 
         return magi_ffa_cudnn.flex_flash_attn_func
-    import magi_ffa
+    import magi_ffa  # Triton on a GPU, its torch path on the CPU
 
     return magi_ffa.flex_flash_attn_func
 
@@ -115,7 +119,7 @@ def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_cp1_overhead(total: int, mask: str) -> dict:
+def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
     q_ranges, k_ranges, types = make_mask(mask, total)
     dev = torch.device(DEVICE)
     tk = kv_total(mask, total)
@@ -124,12 +128,12 @@ def bench_cp1_overhead(total: int, mask: str) -> dict:
         for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
     )
     do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
-    config = DistAttnConfig(kernel_backend=BACKEND)
+    config = DistAttnConfig(kernel_backend=backend)
     key = magi_attn_flex_key(q_ranges, k_ranges, types, total, tk, HQ, HKV, D, None, config)
     qr = torch.tensor(q_ranges, dtype=torch.int32)  # host ranges: no device->host sync per call
     kr = torch.tensor(k_ranges, dtype=torch.int32)
     tr = torch.tensor(types, dtype=torch.int32)
-    raw_fn = raw_attn_func()
+    raw_fn = raw_attn_func(backend)
     with torch.no_grad():
         raw = _bench(lambda: raw_fn(q, k, v, qr, kr, tr), warmup=20, rep=100)
         ours = _bench(lambda: calc_attn(q, k, v, key), warmup=20, rep=100)
@@ -138,7 +142,7 @@ def bench_cp1_overhead(total: int, mask: str) -> dict:
     return {
         "mask": mask,
         "tokens": total,
-        "backend": BACKEND.value,
+        "backend": backend.value,
         "raw_ffa_ms": raw,
         "calc_attn_ms": ours,
         "overhead": ours / raw - 1,
@@ -148,7 +152,7 @@ def bench_cp1_overhead(total: int, mask: str) -> dict:
     }
 
 
-def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
+def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
     q_ranges, k_ranges, types = make_mask(mask, total)
     dev = torch.device(DEVICE)
@@ -158,7 +162,7 @@ def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
     )
     do = torch.randn_like(q)
     qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
-    kern = attn_kernel(BACKEND)
+    kern = attn_kernel(backend)
     out, lse = kern.fwd(q, k, v, qr, kr, tr)
     t_f = _events_ms(lambda: kern.fwd(q, k, v, qr, kr, tr), warmup=1, iters=3)
     t_b = _events_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tr), warmup=1, iters=3)
@@ -169,10 +173,9 @@ def single_gpu_tflops(mask: str, total: int) -> tuple[float, float]:
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
-def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern=None) -> tuple[float, float]:
+def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
     """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages) with ``kern``'s
-    launchers (`attn_kernel`; default: ``--kernel-backend``'s)."""
-    kern = kern or attn_kernel(BACKEND)
+    launchers (`attn_kernel`)."""
 
     def fwd():
         # as the runtime: the first call writes the accumulator, later stages merge into it
@@ -249,7 +252,9 @@ def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     }
 
 
-def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend) -> dict:
+    """Every rank's forward and backward on ``backend`` (``auto``: the launchers the runtime would pick for
+    this plan), one after the other; the slowest rank's times and the throughput they imply."""
     total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
     shard = total // cp
@@ -261,10 +266,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     max_remote = max(max((s.num_remote_tokens for s in r.stages), default=0) for r in plan.ranks)
     rk = torch.randn(max(1, max_remote), HKV, D, device=dev, dtype=torch.bfloat16)
     rv = torch.randn_like(rk)
-    kern = auto_kernel(mask, total, plan) if BACKEND == KernelBackend.AUTO else attn_kernel(BACKEND)
-    backend = kern.backend.value
+    kern = auto_kernel(mask, total, plan) if backend == KernelBackend.AUTO else attn_kernel(backend)
+    resolved = kern.backend.value
     if kern.backward_backend != kern.backend:
-        backend += "/" + kern.backward_backend.value
+        resolved += "/" + kern.backward_backend.value
     rows = []
     for rp in plan.ranks:
         calls = [(rp.host_slices, k, v)] + [
@@ -284,7 +289,8 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     return {
         "mask": mask,
         "cp": cp,
-        "backend": backend,
+        "kernel_backend": backend.value,
+        "backend": resolved,
         "tokens_per_gpu": tokens_per_gpu,
         "degree": degree,
         "imbalance": max(r["area"] for r in rows) / mean_area,
@@ -298,8 +304,9 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     }
 
 
-def check_on_gpu(mask: str, cp: int, total: int = 4096) -> dict:
-    """Every rank's stages with the Triton kernel in bf16 against dense fp64 attention (relative errors)."""
+def check_on_gpu(mask: str, cp: int, backend: KernelBackend, total: int = 4096) -> dict:
+    """Every rank's stages on ``backend`` (``auto``: Triton) in bf16 against dense fp64 attention (relative
+    errors)."""
     from magi_attention.simulate import simulate_dist_attn
     from magi_ffa.testing import make_attn_mask, ref_attn
 
@@ -310,7 +317,7 @@ def check_on_gpu(mask: str, cp: int, total: int = 4096) -> dict:
     hq, hkv, d = 8, 2, 128
     q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
     do = torch.randn(total, hq, d, device=DEVICE, generator=gen)
-    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan, kernel_backend=BACKEND)
+    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan, kernel_backend=backend)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     out_ref, lse_ref = ref_attn(
         qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total).to(DEVICE)
@@ -323,6 +330,20 @@ def check_on_gpu(mask: str, cp: int, total: int = 4096) -> dict:
         errs[name] = float((g.double()[finite] - r.detach()[finite]).norm() / r.detach()[finite].norm())
         assert not torch.isnan(g).any(), f"{mask} cp{cp}: {name} has NaN"
     return {"mask": mask, "cp": cp, **errs}
+
+
+def auto_over_fastest(row: dict, rows: list[dict]) -> str:
+    """For an ``auto`` row: the fastest explicit backend's slowest-rank time over auto's, per direction
+    (>= 1: auto is at least as fast), among the rows of the same mask, cp and degree."""
+    if row["kernel_backend"] != "auto":
+        return ""
+    same = [
+        o for o in rows
+        if o["kernel_backend"] != "auto" and (o["mask"], o["cp"], o["degree"]) == (row["mask"], row["cp"], row["degree"])
+    ]  # fmt: skip
+    if not same:
+        return "n/a"
+    return " / ".join(f"{min(o[t] for o in same) / row[t]:.2f}" for t in ("slowest_fwd_ms", "slowest_bwd_ms"))
 
 
 def main() -> int:
@@ -338,15 +359,25 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
     )
-    ap.add_argument("--kernel-backend", choices=("auto", "fa4", "cudnn", "triton"), default="fa4")
+    ap.add_argument(
+        "--kernel-backend",
+        default="fa4",
+        help=f"comma-separated, from {BACKENDS}: every simulated rank runs on each in turn (auto: what the runtime "
+        "would pick for the plan; cp = 1 and single-GPU rows for the explicit ones)",
+    )
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
     ap.add_argument("--no-cp1", action="store_true", help="skip the cp = 1 overhead rows")
     ap.add_argument("--single-max-tokens", type=int, default=131072)
     args = ap.parse_args()
-    global BACKEND
-    BACKEND = KernelBackend(args.kernel_backend)
-    if BACKEND == KernelBackend.AUTO and not (args.no_single and args.no_cp1):
-        ap.error("--kernel-backend auto simulates cp only: add --no-single --no-cp1")
+    names = [b.strip() for b in args.kernel_backend.split(",")]
+    if bad := [b for b in names if b not in BACKENDS]:
+        ap.error(f"--kernel-backend: unknown {bad}, choose from {BACKENDS}")
+    backends = [KernelBackend(b) for b in names]
+    explicit = [b for b in backends if b != KernelBackend.AUTO]
+    if not explicit and not (args.no_single and args.no_cp1):
+        ap.error(
+            "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
+        )
     if args.plan_only:
         print(
             "| mask | cp | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | comm ms @50GB/s |"
@@ -363,12 +394,12 @@ def main() -> int:
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
         f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backend {BACKEND.value}"
+        f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(names)}"
     )
     results = {"header": header, "check": [], "cp1": [], "sim": []}
     if args.check:
         for mask in args.masks.split(","):
-            results["check"].append(check_on_gpu(mask, 8, args.check_tokens))
+            results["check"].append(check_on_gpu(mask, 8, backends[0], args.check_tokens))
         print(
             "| check (bf16 vs fp64 dense, cp 8 simulated) | out | lse | dq | dk | dv |\n|---|---|---|---|---|---|"
         )
@@ -376,44 +407,48 @@ def main() -> int:
             print(
                 f"| {r['mask']} | {r['out']:.1e} | {r['lse']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |"
             )
-    for mask in [] if args.no_cp1 else args.masks.split(","):
-        results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask))
+    for mask, backend in itertools.product([] if args.no_cp1 else args.masks.split(","), explicit):
+        results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask, backend))
         r = results["cp1"][-1]
         print(
-            f"# cp1 {mask}: raw {r['raw_ffa_ms']:.3f} ms, calc_attn {r['calc_attn_ms']:.3f} ms ({r['overhead']:+.1%})",
+            f"# cp1 {mask} {backend.value}: raw {r['raw_ffa_ms']:.3f} ms, calc_attn {r['calc_attn_ms']:.3f} ms "
+            f"({r['overhead']:+.1%})",
             flush=True,
         )
     for mask in args.masks.split(","):
         for cp in map(int, args.cps.split(",")):
-            r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree)
-            if not args.no_single:
-                # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
-                # family at that size stands in (its throughput has long reached the asymptote)
-                r["single_tokens"] = min(cp * args.tokens_per_gpu, args.single_max_tokens)
-                r["single_fwd"], r["single_bwd"] = single_gpu_tflops(mask, r["single_tokens"])
-            results["sim"].append(r)
-            print(
-                f"# {mask} cp{cp} degree {args.degree}: slowest rank {r['slowest_fwd_ms']:.3f} / "
-                f"{r['slowest_bwd_ms']:.3f} ms, fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU "
-                f"(one GPU on the whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})",
-                flush=True,
-            )
+            for backend in backends:
+                r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree, backend)
+                if not args.no_single and backend != KernelBackend.AUTO:
+                    # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
+                    # family at that size stands in (its throughput has long reached the asymptote)
+                    r["single_tokens"] = min(cp * args.tokens_per_gpu, args.single_max_tokens)
+                    r["single_fwd"], r["single_bwd"] = single_gpu_tflops(mask, r["single_tokens"], backend)
+                results["sim"].append(r)
+                print(
+                    f"# {mask} cp{cp} degree {args.degree} {backend.value} ({r['backend']}): slowest rank "
+                    f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms, fwd {r['tflops_fwd']:.0f} bwd "
+                    f"{r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the whole mask: {r.get('single_fwd', 0):.0f} / "
+                    f"{r.get('single_bwd', 0):.0f})",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(header)
     print(
-        "\n| mask | raw fwd ms | calc_attn fwd ms | overhead | raw fwd+bwd ms | calc_attn fwd+bwd ms | overhead |"
-        "\n|---|---|---|---|---|---|---|"
+        "\n| mask | backend | raw fwd ms | calc_attn fwd ms | overhead | raw fwd+bwd ms | calc_attn fwd+bwd ms "
+        "| overhead |\n|---|---|---|---|---|---|---|---|"
     )
     for r in results["cp1"]:
         print(
-            f"| {r['mask']} | {r['raw_ffa_ms']:.3f} | {r['calc_attn_ms']:.3f} | {r['overhead']:+.1%} | "
+            f"| {r['mask']} | {r['backend']} | {r['raw_ffa_ms']:.3f} | {r['calc_attn_ms']:.3f} | {r['overhead']:+.1%} | "
             f"{r['raw_fwd_bwd_ms']:.3f} | {r['calc_attn_fwd_bwd_ms']:.3f} | {r['overhead_fwd_bwd']:+.1%} |"
         )
     print(
-        "\n| mask | cp | imbalance | slowest fwd ms | slowest bwd ms | fwd TFLOP/s/GPU | bwd TFLOP/s/GPU |"
-        " vs one GPU fwd / bwd | comm ms @450GB/s | comm ms @50GB/s |\n|---|---|---|---|---|---|---|---|---|---|"
+        "\n| mask | cp | kernel backend | imbalance | slowest fwd ms | slowest bwd ms | fwd TFLOP/s/GPU | "
+        "bwd TFLOP/s/GPU | vs one GPU fwd / bwd | auto / fastest explicit fwd / bwd | comm ms @450GB/s | "
+        "comm ms @50GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in results["sim"]:
         ratio = (
@@ -421,10 +456,12 @@ def main() -> int:
             if "single_fwd" in r
             else "n/a"
         )
+        asked = r["kernel_backend"]
+        name = asked if asked == r["backend"] else f"{asked} ({r['backend']})"
         print(
-            f"| {r['mask']} | {r['cp']} | {r['imbalance']:.3f} | {r['slowest_fwd_ms']:.2f} | {r['slowest_bwd_ms']:.2f}"
-            f" | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | {r['comm_ms_nvlink']:.2f}"
-            f" | {r['comm_ms_ib']:.2f} |"
+            f"| {r['mask']} | {r['cp']} | {name} | {r['imbalance']:.3f} | {r['slowest_fwd_ms']:.2f} | "
+            f"{r['slowest_bwd_ms']:.2f} | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | "
+            f"{auto_over_fastest(r, results['sim'])} | {r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
         )
     return 0
 

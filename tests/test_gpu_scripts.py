@@ -34,6 +34,38 @@ def test_native_check_needs_cuda_and_device_script_parses() -> None:
         assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)]).returncode == 0, script
 
 
+def test_simulated_cp_bench_runs_each_backend_on_the_same_plan(tmp_path: Path) -> None:
+    """benchmarks/magi_attention_bench.py on the CPU (torch path, toy sizes): one row per backend for each
+    (mask, cp) with the same plan, `auto` resolved and compared with the explicit backend; bad names refused."""
+    import json
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MAGI_BENCH_DEVICE": "cpu"}
+    script = [sys.executable, str(ROOT / "benchmarks" / "magi_attention_bench.py")]
+    args = ["--tokens-per-gpu", "32", "--cps", "2", "--masks", "varlen_causal", "--degree", "0",
+            "--cp1-tokens", "64", "--single-max-tokens", "64", "--json", str(tmp_path / "sim.json")]  # fmt: skip
+    res = subprocess.run([*script, *args, "--kernel-backend", "torch,auto"], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "sim.json").read_text())
+    assert [(r["kernel_backend"], r["backend"]) for r in data["sim"]] == [
+        ("torch", "torch"),
+        ("auto", "torch"),
+    ]
+    torch_row, auto_row = data["sim"]
+    assert [r["area"] for r in torch_row["ranks"]] == [r["area"] for r in auto_row["ranks"]]
+    assert (
+        "single_fwd" in torch_row and "single_fwd" not in auto_row
+    )  # the whole-mask yardstick: explicit only
+    assert [r["backend"] for r in data["cp1"]] == ["torch"]
+    assert "| varlen_causal | 2 | auto (torch) |" in res.stdout
+    bad = subprocess.run([*script, *args, "--kernel-backend", "auto,cuda"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    assert bad.returncode == 2 and "--kernel-backend: unknown ['cuda']" in bad.stderr, bad.stderr[-2000:]
+    alone = subprocess.run([*script, *args, "--kernel-backend", "auto"], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    assert alone.returncode == 2 and "--no-single --no-cp1" in alone.stderr, alone.stderr[-2000:]
+
+
 def test_bandwidth_tables_are_consistent() -> None:
     """The GPU bandwidth benchmark's tables: every rank's agree, half of each input is sent, nothing to self."""
     import group_collective_bench as bench  # benchmarks/ is on pytest.ini's pythonpath
