@@ -401,9 +401,8 @@ def run_case(
     kernel_backend: str = "auto",
 ) -> dict:
     """Benchmark one system on one mask (magi: with overlap ``degree`` and ``kernel_backend``); ``ref`` holds
-    the first magi row's
-    global out/dq for the cross-check (filled by that row). A system that cannot run the case returns a row
-    with ``skipped`` (every rank agrees on it)."""
+    the first magi row's global out/dq for the cross-check (filled by that row). A system that cannot run the
+    case returns a row with ``skipped`` (every rank agrees on it)."""
     cp = dist.get_world_size()
     total = tpg * cp
     qr, kr, tm = make_mask(mask, total, cfg.seed, cfg.block_size)
