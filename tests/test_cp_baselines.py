@@ -419,7 +419,7 @@ def test_cp_bench_user_baselines_with_stand_in_kernels(tmp_path: Path) -> None:
         profile = (tmp_path / "prof" / f"profile_{mask}.txt").read_text()
         assert "DistAttnFunc" in profile, profile[:500]
     table = (tmp_path / "cp.md").read_text()
-    assert table.count("| magi | dynamic (") == 5 and "skipped: needs CUDA + NCCL" in table
+    assert table.count("| magi (auto) | dynamic (") == 5 and "skipped: needs CUDA + NCCL" in table
 
 
 def _torch_cp_shard_rank(rank: int, world_size: int) -> dict:
