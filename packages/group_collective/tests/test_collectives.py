@@ -114,7 +114,9 @@ def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
             out_lse = None if out_lse0 is None else out_lse0.clone()
             plan.reduce(x, out, reduce_op=op, input_lse=x_lse, output_lse=out_lse, deterministic=True)
             want, want_lse = results[(op, str(dtype), False)]
-            assert torch.equal(out.nan_to_num(3.5), want.nan_to_num(3.5)), f"deterministic reduce {op} {dtype}"
+            assert torch.equal(out.nan_to_num(3.5), want.nan_to_num(3.5)), (
+                f"deterministic reduce {op} {dtype}"
+            )
             if op == "lse":
                 assert torch.equal(out_lse, want_lse), f"deterministic reduce {op} {dtype}: lse"
         # functional API gives the same bits as the plan
