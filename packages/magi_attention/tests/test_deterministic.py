@@ -24,6 +24,7 @@ from magi_attention._kernels import (
     describe_mask,
     fa4_deterministic_supported,
     restrict_deterministic,
+    restrict_deterministic_head_dim,
 )
 from magi_attention.api import (
     calc_attn,
@@ -146,6 +147,17 @@ def test_explicit_fa4_that_cannot_be_deterministic_raises_naming_everything() ->
         assert part in msg, (part, msg)
     assert describe_mask(DOCS, [1] * 5, True) == "5 packed causal documents"
     assert describe_mask([[0, 8]], [0], True) == "one full slice"
+
+
+def test_cudnn_has_no_deterministic_backward_above_head_dim_128() -> None:
+    assert restrict_deterministic_head_dim(_resolve(B.CUDNN, 128, [FA4_CUDNN]), 128).backend == B.CUDNN
+    with pytest.raises(
+        ValueError, match="kernel_backend='cudnn' has no deterministic backward at head_dim 256"
+    ):
+        restrict_deterministic_head_dim(_resolve(B.CUDNN, 256, [FA4_CUDNN]), 256)
+    auto = restrict_deterministic_head_dim(_resolve(B.AUTO, 256, [FA4_CUDNN]), 256)
+    assert auto.cudnn_everywhere is False
+    assert choose_auto(auto, 256, _features(DOCS, DOCS, [1] * 5), deterministic=True).backend == B.TRITON
 
 
 # -- on gloo ranks: the refusal before any data moves, auto's restriction, repeatable gradients ------------

@@ -41,6 +41,7 @@ from ._kernels import (
     describe_mask,
     fa4_deterministic_supported,
     restrict_deterministic,
+    restrict_deterministic_head_dim,
     uses_fa4,
 )
 from ._layout import DispatchLayout, build_layout, remember_lengths
@@ -289,11 +290,14 @@ def choose_kernel_and_plan(
     key: DistAttnRuntimeKey, layout: DispatchLayout
 ) -> tuple[KernelChoice, DistAttnPlan | None]:
     """The key's kernel choice (agreed across ranks, refined by `auto`'s table) and its plan. In
-    deterministic mode, FA4 is kept only where every rank's kernel calls of the plan can run its backward
+    deterministic mode, cuDNN only up to its deterministic head_dim (`restrict_deterministic_head_dim`) and FA4
+    only where every rank's kernel calls of the plan can run its backward
     deterministically (`restrict_deterministic`: `auto` then picks again without it and the plan is rebuilt
     if the backend changed; an explicit `fa4` raises on every rank, before any data moves)."""
     agreed = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
     det = key.config.deterministic
+    if det:
+        agreed = restrict_deterministic_head_dim(agreed, key.head_dim)
 
     def features() -> MaskFeatures:
         return rank_problem_features(key, layout)
