@@ -13,6 +13,8 @@ Degree 0: all remote K/V arrives in one blocking GroupCast and one FFA call cove
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -390,15 +392,22 @@ def _flex_flash_attn_func(backend: KernelBackend):
     return magi_ffa_fa4.flex_flash_attn_func
 
 
+@functools.cache
+def _takes_deterministic(fn) -> bool:
+    """Whether a backend's `flex_flash_attn_func` has the `deterministic` parameter of the FFA contract."""
+    return "deterministic" in inspect.signature(fn).parameters
+
+
 class _SplitSingleCall(torch.autograd.Function):
     """cp_size 1 with the forward on one backend and the backward on another (`auto`'s split): one launcher
     call each way, no accumulators (the backward starts from this forward's out / lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float):
-        out, lse = kernel.fwd_slices(q, k, v, host, softmax_scale=scale, softcap=softcap)
+    def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float, det: bool = False):
+        kw = {"deterministic": True} if det else {}
+        out, lse = kernel.fwd_slices(q, k, v, host, softmax_scale=scale, softcap=softcap, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.host, ctx.scale, ctx.softcap = kernel, host, scale, softcap
+        ctx.kernel, ctx.host, ctx.scale, ctx.softcap, ctx.kw = kernel, host, scale, softcap, kw
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -408,9 +417,19 @@ class _SplitSingleCall(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = ctx.kernel.bwd_slices(
-            dout, q, k, v, out, lse, ctx.host, softmax_scale=ctx.scale, softcap=ctx.softcap, dlse=dlse
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.host,
+            softmax_scale=ctx.scale,
+            softcap=ctx.softcap,
+            dlse=dlse,
+            **ctx.kw,
         )[:3]
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _calc_attn_single(
@@ -420,16 +439,21 @@ def _calc_attn_single(
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype, softcap)
     split = kernel.backward_backend != kernel.backend
-    # deterministic calls go through DistAttnFunc, which passes the flag to every kernel call
     det = runtime.key.config.deterministic
-    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not split and not det:
+    own = None
+    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not split:
+        own = _flex_flash_attn_func(kernel.backend)
+        if det and not _takes_deterministic(own):  # then DistAttnFunc passes the flag to each launcher
+            own = None
+    if own is not None:
         # the backend's own autograd function: the raw kernel's cost, nothing around it
-        out, lse, *mx = _flex_flash_attn_func(kernel.backend)(
+        kw = {"deterministic": True} if det else {}
+        out, lse, *mx = own(
             q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,
-            sink=sink, return_max_logits=ret_max,
+            sink=sink, return_max_logits=ret_max, **kw,
         )  # fmt: skip
-    elif split and sink is None and not ret_max and not det:
-        out, lse = _SplitSingleCall.apply(q, k, v, kernel, host, scale, float(softcap))
+    elif split and sink is None and not ret_max:
+        out, lse = _SplitSingleCall.apply(q, k, v, kernel, host, scale, float(softcap), det)
         mx = []
     else:
         out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
