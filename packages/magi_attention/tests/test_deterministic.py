@@ -38,7 +38,7 @@ from magi_attention.config import KernelBackend as B
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn
 from magi_group_collective import GroupCastPlan
-from magi_solver.kernel_choice import busiest_rank_features
+from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
 
 FA4_CUDNN = LocalCapability("", "", "h200", "")
 FA4_TRITON = LocalCapability("", "", "h200", "cuDNN's flex_attention does not import")
@@ -123,9 +123,13 @@ def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_r
         c = choose_auto(restricted, 128, feats, deterministic=det)
         assert B.FA4 not in (c.backend, c.backward_for(torch.bfloat16, 128)), c
         assert c.backend_for(torch.bfloat16, 128, softcap=5.0) != B.FA4  # cuDNN's softcap fallback too
-    # the shipped H200 table has no deterministic rows yet: the reason says it used default-mode rows
+    # the shipped H200 table's deterministic rows decide (packed documents: cuDNN's deterministic backward)
     c = choose_auto(restricted, 128, feats, deterministic=True)
-    assert c.backend == B.CUDNN and "default-mode" in c.reason, c.reason
+    assert c.backend == B.CUDNN and "nearest deterministic measured row" in c.reason, c.reason
+    # fragmented slices: cuDNN's deterministic backward is slow there, Triton's is free (the measured rows)
+    fragmented = MaskFeatures(32768, 1, tile_fill=0.97, slices_per_row=2.84, documents=False)
+    frag = choose_auto(restricted, 128, lambda: fragmented, deterministic=True)
+    assert frag.backward_for(torch.bfloat16, 128) == B.TRITON, frag.reason
     # without cuDNN anywhere: Triton (the capability rule without FA4)
     only = restrict_deterministic(_resolve(B.AUTO, 128, [FA4_TRITON, FA4_CUDNN]), [False, True], "m", 128)
     c = choose_auto(only, 128, feats, deterministic=True)
