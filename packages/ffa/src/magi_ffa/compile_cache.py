@@ -3,7 +3,7 @@
 FlashAttention-4 and cuDNN's flex_attention compile their CuTe DSL kernels on first use (seconds per
 variant) and can keep them on disk, but only when a variable says so, and they read it once, when their
 module is imported. ``enable_vendor_cache`` (called by ``magi_ffa_fa4`` and ``magi_ffa_cudnn`` when they are
-imported, before any vendor import) sets those variables with ``os.environ.setdefault``, so a user's own
+imported, before any vendor import) sets those variables unless the user set them, so a user's own
 setting always wins:
 
 ========  ==========================================  ===========================================
@@ -110,8 +110,8 @@ def enable_vendor_cache(vendor: str, package_dir: str | os.PathLike, version: st
     else:
         root, _ = env.cache_dir()
         directory = user_dir or os.path.join(root, vendor, source_tag(package_dir, version))
-        os.environ.setdefault(spec.dir_var, directory)
-        os.environ[spec.enabled_var] = "1"
+        env.set_vendor_setting(spec.dir_var, directory)  # == the user's directory when they gave one
+        env.set_vendor_setting(spec.enabled_var, "1")
         state = CacheState(vendor, True, directory, "user directory" if user_dir else "magi default")
     _STATE[vendor] = state
     return state

@@ -12,7 +12,16 @@ import os
 
 from magi_mask.flags import parse_bool
 
-__all__ = ["backend", "cache_dir", "compile_cache", "poison", "tiles", "triton_interpret", "vendor_setting"]
+__all__ = [
+    "backend",
+    "cache_dir",
+    "compile_cache",
+    "poison",
+    "set_vendor_setting",
+    "tiles",
+    "triton_interpret",
+    "vendor_setting",
+]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -104,3 +113,9 @@ def vendor_setting(name: str) -> str | None:
     """The raw value of a vendor's own variable (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TRITON_CACHE_DIR``,
     ...), None when unset: ``magi_ffa.compile_cache`` leaves a user's own setting alone and reports it."""
     return os.environ.get(name)
+
+
+def set_vendor_setting(name: str, value: str) -> None:
+    """Set a vendor's own variable for this process and its children (the one place the library writes the
+    environment: ``magi_ffa.compile_cache`` turns the vendors' kernel caches on before they are imported)."""
+    os.environ[name] = value
