@@ -1,0 +1,196 @@
+"""How long the first training step takes in a fresh process, with a cold and a warm compile cache.
+
+Every measurement runs in a fresh child process (imports, CUDA start-up, the key and the inputs on the GPU
+come first and are not timed). The clock starts at the first ``calc_attn`` call and stops when its backward
+has finished (``torch.cuda.synchronize``): that is the first step's attention, compiles included. Steps 2-3
+are timed too (steady state). ``kernel_backend="auto"``, a 16k-token packed causal documents mask
+(``magi_attention._vendor_kernels.standard_masks``), 64 query heads, 8 key/value heads, head_dim 128, bf16.
+
+Runs, in order, all with ``MAGI_ATTENTION_CACHE_DIR`` pointing at one fresh directory (the compiled-kernel
+caches of FA4 and cuDNN; Triton's ``TRITON_CACHE_DIR`` is pointed below it too, so it starts cold as well):
+
+1. ``cp1``, cold cache; 2. ``cp1`` again, warm cache; 3. ``cp1_warmup``: ``magi_attention.warmup(key)`` first
+   (timed on its own), then the first step;
+4. ``sim8`` / ``sim8_warmup``: the simulated cp 8 loop (``magi_attention.simulate``: the 8 ranks' plans of
+   the same mask run one after the other on this GPU, ``auto``'s backend for the busiest rank's features),
+   first step without and with a warm-up step before it, on a second fresh cache directory (cold) and then
+   again warm.
+
+The cache's size on disk is recorded after each run. Results: ``$OUT/first_step.json`` (or ``--out``).
+
+    python benchmarks/first_step.py                # on one GPU, about 2-4 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOKENS = 16384
+HEADS = (64, 8, 128)
+
+
+def _mask():
+    from magi_attention._vendor_kernels import standard_masks
+
+    return next(m for m in standard_masks(TOKENS) if m.name == "docs")
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def child_cp1(warm: bool) -> dict:
+    import torch
+
+    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
+
+    torch.cuda.init()
+    torch.ones(1, device="cuda").sum().item()  # CUDA start-up, not timed
+    m = _mask()
+    hq, hk, d = HEADS
+    key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
+                             DistAttnConfig(kernel_backend="auto"))  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(TOKENS, h, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for h in (hq, hk, hk))  # fmt: skip
+    do = torch.randn(TOKENS, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    _sync()
+    resolved, reason = get_kernel_backend(key)
+    out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
+    if warm:
+        t0 = time.perf_counter()
+        warmup(key, torch.bfloat16)
+        out["warmup_s"] = time.perf_counter() - t0
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        o, _meta = calc_attn(q, k, v, key)
+        o.backward(do)
+        _sync()
+        steps.append(time.perf_counter() - t0)
+    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
+    return out
+
+
+def child_sim8(warm: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from magi_attention._kernels import _resolve, choose_auto, probe_local
+    from magi_attention.config import KernelBackend
+    from magi_attention.simulate import simulate_dist_attn
+    from magi_solver import plan_dist_attn
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    torch.cuda.init()
+    torch.ones(1, device="cuda").sum().item()
+    m = _mask()
+    hq, hk, d = HEADS
+    cp = 8
+    qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
+    plan = plan_dist_attn(qr, kr, types, TOKENS, cp, TOKENS // cp // 4, overlap_degree=2, min_chunk_size=256)
+    rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
+    keys = kernel_key_ids(rows, plan.kv_layout)
+    choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,
+                         lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(TOKENS, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   for h in (hq, hk, hk, hq))  # fmt: skip
+    _sync()
+    out = {"backend": choice.backend.value, "reason": choice.reason}
+    if warm:  # one step on other inputs: what magi_attention.warmup does on a real cp 8 key
+        t0 = time.perf_counter()
+        simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend)
+        _sync()
+        out["warmup_s"] = time.perf_counter() - t0
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend)
+        _sync()
+        steps.append(time.perf_counter() - t0)
+    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
+    return out
+
+
+def _dir_size(path: str) -> int:
+    from magi_ffa.compile_cache import dir_size
+
+    return dir_size(path)
+
+
+def run_child(kind: str, cache: str, timeout: int) -> dict:
+    env = dict(os.environ, MAGI_ATTENTION_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLEX_ATTENTION_CUTE_DSL_CACHE_DIR",
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
+        env.pop(name, None)  # ours decide: the point is the default
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", kind], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result.update(kind=kind, process_s=round(wall, 2), cache_bytes=_dir_size(cache))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of first_step.json ($OUT)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per child process")
+    args = parser.parse_args()
+    if args.child:
+        kind = args.child
+        fn = {"cp1": lambda: child_cp1(False), "cp1_warmup": lambda: child_cp1(True),
+              "sim8": lambda: child_sim8(False), "sim8_warmup": lambda: child_sim8(True)}[kind]  # fmt: skip
+        print(json.dumps(fn()))
+        return
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="magi_first_step_") as tmp:
+        a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+        plan = [("cp1", a, "cold"), ("cp1", a, "warm"), ("cp1_warmup", a, "warm"),
+                ("sim8", b, "cold"), ("sim8", b, "warm"), ("sim8_warmup", b, "warm")]  # fmt: skip
+        for kind, cache, state in plan:
+            r = run_child(kind, cache, args.timeout)
+            r["cache"] = state
+            runs.append(r)
+            print(json.dumps(r), flush=True)
+    import torch
+
+    doc = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "tokens": TOKENS,
+        "heads": list(HEADS),
+        "mask": "docs (packed causal documents)",
+        "runs": runs,
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "first_step.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(
+        f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
+    )
+    for r in runs:
+        if "error" in r:
+            print(f"{r['kind']:<12}{r['cache']:<6}error: {r['error'].splitlines()[-1][:50]}")
+            continue
+        w = f"{r['warmup_s']:.2f}" if "warmup_s" in r else "-"
+        print(f"{r['kind']:<12}{r['cache']:<6}{r['backend'][:15]:<16}{w:>9}{r['first_step_s']:>9.2f}"
+              f"{r['steady_step_s']:>9.3f}{r['cache_bytes'] / 2**20:>10.1f}")  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
