@@ -72,3 +72,14 @@ def test_bad_arguments_exit_2() -> None:
     with pytest.raises(SystemExit) as exc:
         info.main(["--rounds", "0"])
     assert exc.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_check_passes_on_every_backend_that_runs(capsys) -> None:
+    """On a GPU: every backend that runs here passes the bf16 check (FA4 and cuDNN where installed)."""
+    code = info.main(["--json", "--check"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, [r for r in report["check"]["rows"] if not r["passed"]]
+    ran = {r["backend"] for r in report["check"]["rows"]}
+    assert {"triton", "torch"} <= ran
