@@ -292,7 +292,7 @@ def _bench_runners(mask, q, k, v, available: dict[str, str]) -> tuple[dict, dict
         try:
             if maker is None:
                 if available[name]:
-                    missing[name] = available[name]
+                    missing[name] = "cannot run here (see Kernel backends)"
                     continue
                 leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
                 # the autograd entry of each backend: one launch of its forward and its backward
@@ -301,9 +301,9 @@ def _bench_runners(mask, q, k, v, available: dict[str, str]) -> tuple[dict, dict
             else:
                 runners[name] = maker(mask, q, k, v)
         except vk.VendorUnavailable as exc:
-            missing[name] = str(exc)
+            missing[name] = str(exc)[:160]
         except Exception as exc:  # a vendor that fails here is reported, never hidden
-            missing[name] = f"{type(exc).__name__}: {exc}"
+            missing[name] = f"{type(exc).__name__}: {exc}"[:160]
     return runners, missing
 
 
@@ -361,7 +361,8 @@ def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
             bwd_ms: dict[str, list[float]] = {n: [] for n in runners}
             names = list(runners)
             for r in range(rounds):  # each round starts one runner later: drifts hit every runner alike
-                for name in names[r % len(names) :] + names[: r % len(names)]:
+                shift = r % max(len(names), 1)
+                for name in names[shift:] + names[:shift]:
                     fn, leaves = runners[name]
                     try:
                         g = do if fn().shape == do.shape else do.transpose(0, 1)[None]
@@ -373,7 +374,7 @@ def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
                         notes.setdefault(name, f"{type(exc).__name__}: {exc}"[:200])
                         runners.pop(name)
                         names.remove(name)
-                        break
+                        continue
                     fwd_ms[name].append(f)
                     bwd_ms[name].append(max(fb - f, 1e-6))
             flops = 4.0 * mask.area() * hq * d
