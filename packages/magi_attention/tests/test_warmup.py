@@ -37,3 +37,27 @@ def test_warmup_rejects_bad_arguments() -> None:
         warmup(key, "bfloat16")
     with pytest.raises(TypeError, match="key must be a DistAttnRuntimeKey"):
         warmup(object())
+
+
+def _two_rank_worker(rank: int, world_size: int) -> float:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world_size)))
+    config = DistAttnConfig(kernel_backend=KernelBackend.TORCH)
+    key = magi_attn_flex_key([[0, 64], [64, 128]], [[0, 64], [0, 128]], ["causal", "causal"], 128, 128, 2, 1, 16,
+                             group, config)  # fmt: skip
+    warmup(key, torch.float64)  # collective: every rank calls it
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 2, 16, generator=g, dtype=torch.float64)
+    kv = torch.randn(128, 1, 16, generator=g, dtype=torch.float64)
+    q, k, v = (magi_attention.dispatch(t, key) for t in (x, kv, kv.flip(0)))
+    out, _ = calc_attn(q, k, v, key)
+    return float(magi_attention.undispatch(out, key).sum())
+
+
+def test_warmup_on_two_ranks() -> None:
+    """Every rank of a cp group calls warmup, then the real call runs (the same value on every rank)."""
+    from magi_attention.testing import run_distributed
+
+    sums = run_distributed(_two_rank_worker, 2, timeout=300)
+    assert len(sums) == 2 and sums[0] == pytest.approx(sums[1])
