@@ -34,6 +34,9 @@ from pathlib import Path
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
+DEVICE = "cuda"
+RUNS = ("cp1", "cp1", "cp1_warmup", "sim8", "sim8", "sim8_warmup")
+"""The order of the runs; the first run of each kind on its cache directory is cold, the others warm."""
 
 
 def _mask():
@@ -42,10 +45,26 @@ def _mask():
     return next(m for m in standard_masks(TOKENS) if m.name == "docs")
 
 
+def _dtype():
+    import torch
+
+    return torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CPU smoke runs: the torch path in fp32
+
+
+def _start():
+    """CUDA start-up (not timed)."""
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.init()
+        torch.ones(1, device="cuda").sum().item()
+
+
 def _sync():
     import torch
 
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def child_cp1(warm: bool) -> dict:
@@ -53,22 +72,21 @@ def child_cp1(warm: bool) -> dict:
 
     from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
 
-    torch.cuda.init()
-    torch.ones(1, device="cuda").sum().item()  # CUDA start-up, not timed
+    _start()
     m = _mask()
     hq, hk, d = HEADS
     key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
                              DistAttnConfig(kernel_backend="auto"))  # fmt: skip
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(TOKENS, h, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()).requires_grad_()
                for h in (hq, hk, hk))  # fmt: skip
-    do = torch.randn(TOKENS, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    do = torch.randn(TOKENS, hq, d, device=DEVICE, generator=gen, dtype=_dtype())
     _sync()
     resolved, reason = get_kernel_backend(key)
     out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
     if warm:
         t0 = time.perf_counter()
-        warmup(key, torch.bfloat16)
+        warmup(key, _dtype(), device=DEVICE)
         out["warmup_s"] = time.perf_counter() - t0
     steps = []
     for _ in range(3):
@@ -91,19 +109,19 @@ def child_sim8(warm: bool) -> dict:
     from magi_solver import plan_dist_attn
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
-    torch.cuda.init()
-    torch.ones(1, device="cuda").sum().item()
+    _start()
     m = _mask()
     hq, hk, d = HEADS
     cp = 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
-    plan = plan_dist_attn(qr, kr, types, TOKENS, cp, TOKENS // cp // 4, overlap_degree=2, min_chunk_size=256)
+    chunk = TOKENS // cp // 4  # 4 chunks per rank (512 tokens at 16k)
+    plan = plan_dist_attn(qr, kr, types, TOKENS, cp, chunk, overlap_degree=2, min_chunk_size=min(256, chunk))
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     keys = kernel_key_ids(rows, plan.kv_layout)
     choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,
                          lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(TOKENS, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
                    for h in (hq, hk, hk, hq))  # fmt: skip
     _sync()
     out = {"backend": choice.backend.value, "reason": choice.reason}
@@ -128,14 +146,14 @@ def _dir_size(path: str) -> int:
     return dir_size(path)
 
 
-def run_child(kind: str, cache: str, timeout: int) -> dict:
+def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
     env = dict(os.environ, MAGI_ATTENTION_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLEX_ATTENTION_CUTE_DSL_CACHE_DIR",
                  "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
         env.pop(name, None)  # ours decide: the point is the default
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", kind], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, *shape], env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
@@ -145,36 +163,50 @@ def run_child(kind: str, cache: str, timeout: int) -> dict:
 
 
 def main() -> None:
+    global TOKENS, HEADS, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of first_step.json ($OUT)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per child process")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (fp32)")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"mask length (default {TOKENS})")
+    parser.add_argument("--heads", default=",".join(map(str, HEADS)), help="heads_q,heads_kv,head_dim")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"runs in order (default {','.join(RUNS)})")
     args = parser.parse_args()
+    TOKENS, DEVICE = args.tokens, args.device
+    HEADS = tuple(int(x) for x in args.heads.split(","))
+    if len(HEADS) != 3 or TOKENS % 128:
+        parser.error("--heads needs three integers and --tokens a multiple of 128")
+    shape = ["--device", DEVICE, "--tokens", str(TOKENS), "--heads", args.heads]
+    runs = args.runs.split(",")
+    if not runs or any(r not in RUNS for r in runs):
+        parser.error(f"--runs takes names among {sorted(set(RUNS))}")
     if args.child:
         kind = args.child
         fn = {"cp1": lambda: child_cp1(False), "cp1_warmup": lambda: child_cp1(True),
               "sim8": lambda: child_sim8(False), "sim8_warmup": lambda: child_sim8(True)}[kind]  # fmt: skip
         print(json.dumps(fn()))
         return
-    runs = []
+    runs_out = []
     with tempfile.TemporaryDirectory(prefix="magi_first_step_") as tmp:
-        a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
-        plan = [("cp1", a, "cold"), ("cp1", a, "warm"), ("cp1_warmup", a, "warm"),
-                ("sim8", b, "cold"), ("sim8", b, "warm"), ("sim8_warmup", b, "warm")]  # fmt: skip
-        for kind, cache, state in plan:
-            r = run_child(kind, cache, args.timeout)
-            r["cache"] = state
-            runs.append(r)
+        caches = {"cp1": os.path.join(tmp, "a"), "sim8": os.path.join(tmp, "b")}  # one fresh directory each
+        seen = set()
+        for kind in runs:
+            cache = caches[kind.split("_")[0]]
+            r = run_child(kind, cache, args.timeout, shape)
+            r["cache"] = "warm" if cache in seen else "cold"
+            seen.add(cache)
+            runs_out.append(r)
             print(json.dumps(r), flush=True)
     import torch
 
     doc = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
         "tokens": TOKENS,
         "heads": list(HEADS),
         "mask": "docs (packed causal documents)",
-        "runs": runs,
+        "runs": runs_out,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "first_step.json"
@@ -182,7 +214,7 @@ def main() -> None:
     print(
         f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
     )
-    for r in runs:
+    for r in runs_out:
         if "error" in r:
             print(f"{r['kind']:<12}{r['cache']:<6}error: {r['error'].splitlines()[-1][:50]}")
             continue
@@ -190,6 +222,7 @@ def main() -> None:
         print(f"{r['kind']:<12}{r['cache']:<6}{r['backend'][:15]:<16}{w:>9}{r['first_step_s']:>9.2f}"
               f"{r['steady_step_s']:>9.3f}{r['cache_bytes'] / 2**20:>10.1f}")  # fmt: skip
     print(f"wrote {path}")
+    sys.exit(1 if any("error" in r for r in runs_out) else 0)
 
 
 if __name__ == "__main__":
