@@ -22,7 +22,21 @@ export PYTHONUNBUFFERED=1
 export NO_MKDOCS_2_WARNING=1
 
 step() {  # step SECONDS_AT_START TEXT: one progress line of a set-up (pip itself runs quietly)
-  echo "dev.sh: [$(($SECONDS - $1)) s] $2" >&2
+  echo "dev.sh: [$((SECONDS - $1)) s] $2" >&2
+}
+
+run_step() {  # run_step SECONDS_AT_START TEXT CMD...: a progress line, then CMD, with a line every 15 s while it runs
+  local t0=$1 text=$2 pid n=0
+  shift 2
+  step "$t0" "$text"
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    n=$((n + 1))
+    if [ $((n % 15)) -eq 0 ] && kill -0 "$pid" 2>/dev/null; then step "$t0" "  ... still installing"; fi
+  done
+  wait "$pid"
 }
 
 setup() {
@@ -34,16 +48,15 @@ setup() {
   echo "dev.sh: setting up $VENV (once; 1-2 min): torch 2.13.0 (CPU wheel on a machine without a GPU), triton 3.6.0," \
     "numpy<2.4, pytest, ruff, mkdocs, matplotlib, and every package under packages/ editable" >&2
   if [ ! -x "$PY" ]; then step $t0 "creating the virtual environment"; python3 -m venv "$VENV"; fi
-  step $t0 "upgrading pip"
-  "$PY" -m pip install -q --upgrade pip
+  run_step $t0 "upgrading pip" "$PY" -m pip install -q --upgrade pip
   # pip, not uv: pip takes the local CPU torch wheel; uv would download the CUDA stack.
-  step $t0 "installing requirements/ci.txt (torch, triton, numpy, pytest, ruff, mkdocs, ...; the longest step)"
-  "$PY" -m pip install -q -r requirements/ci.txt
+  run_step $t0 "installing requirements/ci.txt (torch, triton, numpy, pytest, ruff, mkdocs, ...; the longest step)" \
+    "$PY" -m pip install -q -r requirements/ci.txt
   # Siblings in one pip command so no name is ever looked up on PyPI.
   local pkgs=() d
   for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
-  step $t0 "installing packages/* editable, without dependencies (no CUDA-only wheel)"
-  "$PY" -m pip install -q --no-deps "${pkgs[@]}"
+  run_step $t0 "installing packages/* editable, without dependencies (no CUDA-only wheel)" \
+    "$PY" -m pip install -q --no-deps "${pkgs[@]}"
   echo "$want" > "$stamp"
   echo "dev.sh: $VENV ready in $((SECONDS - t0)) s ($(du -sh "$VENV" | cut -f1))" >&2
 }
@@ -82,12 +95,12 @@ setup_integration() {  # setup_integration DIR: its test dependencies, on first 
   # looked up on PyPI); then only the integration's third-party dependencies, under the constraints that
   # keep the pinned torch, triton and numpy.
   for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
-  step $t0 "$dir and packages/* editable, without dependencies"
-  "$PY" -m pip install -q --no-deps "${pkgs[@]}" -e "$dir"
+  run_step $t0 "$dir and packages/* editable, without dependencies" \
+    "$PY" -m pip install -q --no-deps "${pkgs[@]}" -e "$dir"
   mapfile -t reqs < <(third_party_requirements "$dir")
   if [ ${#reqs[@]} -gt 0 ]; then
-    step $t0 "third-party dependencies: ${reqs[*]}"
-    "$PY" -m pip install -q -c requirements/constraints.txt "${reqs[@]}"
+    run_step $t0 "third-party dependencies: ${reqs[*]}" \
+      "$PY" -m pip install -q -c requirements/constraints.txt "${reqs[@]}"
   fi
   gpu_present || check_wheels_installed
   echo "$want" > "$stamp"
