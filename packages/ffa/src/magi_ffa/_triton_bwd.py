@@ -349,9 +349,9 @@ def triton_bwd(
     # [heads, rows] so a tile's rows are one contiguous read; lse in base 2 with -inf rows at +inf (P = 0)
     # row stride padded to a multiple of 16: one specialisation of ``stride_lh`` for every total_q
     rows = -(-tq // _ROW_ALIGN) * _ROW_ALIGN
-    lse2 = torch.empty(hq, rows, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(hq, rows, dtype=lse.dtype, device=q.device)
     lse2[:, :tq] = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).t()
-    delta_t = torch.empty(hq, rows, dtype=torch.float32, device=q.device)
+    delta_t = torch.empty(hq, rows, dtype=delta.dtype, device=q.device)
     delta_t[:, :tq] = delta.t()
     upcast, ieee = compute_flags(q)
     t = bwd_tiles(q)
