@@ -11,6 +11,7 @@ every step, so those must not be specialised.
 from __future__ import annotations
 
 import inspect
+import itertools
 import random
 
 import pytest
@@ -72,7 +73,7 @@ def _mask(rng: random.Random, total_q: int, total_k: int):
         return testing.random_overlapping_slices(rng, total_q, total_k, rng.randint(1, 12))
     if kind == "docs":
         cuts = sorted({0, total_q, *(rng.randrange(1, total_q) for _ in range(rng.randint(1, 5)))})
-        docs = [[a, b] for a, b in zip(cuts, cuts[1:])]
+        docs = [[a, b] for a, b in itertools.pairwise(cuts)]
         return docs, docs, [rng.choice([0, 1])] * len(docs)
     w = rng.randint(1, total_q - 1)
     return [[0, w], [w, total_q]], [[0, w], [1, total_k]], [1, 3]
