@@ -3,8 +3,9 @@ backend, at cp 1 (the whole mask in one call) and in the simulated cp 8 loop (ev
 runtime's plan, one after the other on one GPU), with the compiled-kernel caches of FA4 (CuTe DSL), cuDNN's
 flex_attention and magi_ffa's Triton kernels counted after every step.
 
-A warm-up stream of masks (other seeds, the same kinds) runs first: it pays the compiles of the kernel
-variants the kinds need. Then ``--steps`` new masks run; each is new, so each step also builds its launch
+A warm-up runs first: a stream of masks of other seeds and the same kinds, then masks of exactly 2, 4, 8 and
+16 intervals per row (FA4's interval-width buckets, ``--warmup-widths``); it pays the compiles of the kernel
+variants such masks need, as a training job's warm-up would. Then ``--steps`` new masks run; each is new, so each step also builds its launch
 metadata, as a training step does. Targets (``--check`` exits 1 when one misses): no step after the first
 slower than 1.5x the median, and no compiled-kernel cache grows during the timed steps. For FA4 the script
 also predicts each call's compile keys (``magi_ffa_fa4._launch_meta.compile_key``) and lists the steps that
@@ -64,13 +65,21 @@ def make_mask(step: int, total: int, seed: int) -> tuple[str, list, list, list]:
         n = rng.randint(3, 9)
         qr = [[rng.randint(0, total // 8), total - rng.randint(0, total // 8)] for _ in range(n)]
         kr = [[s * total // n, s * total // n + rng.randint(16, max(17, total // (4 * n)))] for s in range(n)]
-        return kind, qr, kr, [rng.choice([0, 1, 2, 3]) for _ in range(n)]
+        return kind, qr, kr, [0] * (n - 1) + [rng.choice([1, 2, 3])]
     if kind == "window":  # a sliding window: its causal head and its band
         w = rng.randint(64, total // 4)
         return kind, [[0, w], [w, total]], [[0, w], [1, total]], [1, 3]
     p = rng.randint(total // 32, total // 8)  # documents that also see a shared prefix
     docs = [[a + p, b + p] for a, b in _docs(total - p, rng, rng.randint(2, 8))]
     return kind, docs + docs, docs + [[0, p]] * len(docs), [1] * len(docs) + [0] * len(docs)
+
+
+def width_mask(width: int, total: int) -> tuple[str, list, list, list]:
+    """Every row sees ``width`` disjoint key bands (FULL slices over all rows): a mask of exactly ``width``
+    intervals per row, for warming up FA4's kernel of that interval-width bucket."""
+    band = max(1, total // (2 * width))
+    kr = [[2 * i * band, 2 * i * band + band] for i in range(width)]
+    return f"width{width}", [[0, total]] * width, kr, [0] * width
 
 
 # ------------------------------------------------------------------------------------------- caches
@@ -240,7 +249,9 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         }
 
     t0 = time.perf_counter()
-    warm = [step(make_mask(i, args.tokens, seed=1000 + cp)) for i in range(args.warmup)]
+    warm_masks = [make_mask(i, args.tokens, seed=1000 + cp) for i in range(args.warmup)]
+    warm_masks += [width_mask(w, args.tokens) for w in args.warmup_widths]
+    warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
     steps = [step(make_mask(i, args.tokens, seed=cp)) for i in range(args.steps)]
@@ -255,7 +266,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         "tokens": args.tokens,
         "heads": [args.heads_q, args.heads_kv],
         "head_dim": args.head_dim,
-        "warmup_masks": args.warmup,
+        "warmup_masks": [m[0] for m in warm_masks],
         "warmup_seconds": warm_s,
         "warmup_steps": warm,
         "cache_after_warmup": cache0,
@@ -293,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="total tokens of every mask")
     p.add_argument("--steps", type=int, default=20, help="timed steps, one new mask each")
     p.add_argument("--warmup", type=int, default=len(KINDS), help="warm-up masks (other seeds) before them")
+    p.add_argument(
+        "--warmup-widths",
+        type=lambda x: [int(w) for w in x.split(",") if w],
+        default=[2, 4, 8, 16],
+        help="and masks of exactly these interval counts per row (FA4's width buckets); '' for none",
+    )
     p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

@@ -55,7 +55,7 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("magi_attention")
     pytest.importorskip("magi_solver")
     args = ["--device", "cpu", "--backends", "torch", "--cps", "1,2", "--tokens", "256", "--steps", "3"]
-    args += ["--warmup", "1", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "16"]
+    args += ["--warmup", "1", "--warmup-widths", "3", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "16"]
     rc, log, report = _run(args, tmp_path, timeout=300)
     assert rc == 0, log[-4000:]
     rows = report["rows"]
@@ -64,4 +64,5 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
         assert len(r["steps"]) == 3 and r["steps"][0]["kind"] == "random"
         assert all(s["seconds"] > 0 for s in r["steps"])
         assert set(r["cache_growth"]) == {"fa4", "cudnn", "triton"}
+        assert r["warmup_masks"] == ["random", "width3"]
     assert "backend   cp" in log
