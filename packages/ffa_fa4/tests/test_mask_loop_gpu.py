@@ -1,9 +1,11 @@
 """A loop that hands the kernels a new mask every step compiles nothing after its warm-up, and no step is slow.
 
-The GPU tests run ``benchmarks/mask_loop_bench.py --check`` (20 timed steps of 16k tokens, each a new mask,
-after a warm-up stream of other masks) for the FA4, cuDNN and Triton backends at cp 1: it exits 1 when a
-compiled-kernel cache (FA4's and cuDNN's JIT caches, magi_ffa's Triton kernels) grows during the timed steps or
-a step after the first takes more than 1.5x the median. On the GPU machine, from the repository root:
+The GPU tests run ``benchmarks/mask_loop_bench.py --check`` (20 timed steps of 16k tokens, each a new mask of
+one of seven kinds, after a warm-up of other masks and of one mask per FA4 interval-width bucket) for the
+FA4, cuDNN and Triton backends at cp 1: it exits 1 when a compiled-kernel cache (FA4's and cuDNN's JIT
+caches, magi_ffa's Triton kernels) grows during the timed steps or a step stalls (takes more than 1.5x the
+median and more than 1.5x the same mask's warm re-run: the kinds do different amounts of work, a compile
+takes seconds). On the GPU machine, from the repository root:
 
     python -m pytest -m gpu packages/ffa_fa4/tests/test_mask_loop_gpu.py
 
@@ -48,7 +50,7 @@ def test_new_mask_every_step_compiles_nothing_after_warmup(backend: str, tmp_pat
     (row,) = rows
     assert row["passed"] and len(row["steps"]) == 20
     assert not any(row["cache_growth"].values()), row["cache_growth"]
-    assert row["worst_over_median"] <= 1.5
+    assert not row["stall_steps"], [row["steps"][i] for i in row["stall_steps"]]
 
 
 def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
@@ -62,7 +64,9 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert [(r["backend"], r["cp"]) for r in rows] == [("torch", 1), ("torch", 2)]
     for r in rows:
         assert len(r["steps"]) == 3 and r["steps"][0]["kind"] == "random"
-        assert all(s["seconds"] > 0 for s in r["steps"])
+        assert all(s["seconds"] > 0 and s["rerun_seconds"] > 0 for s in r["steps"])
+        # CPU timings under load are noise: the verdict's fields exist, their values are the GPU test's
+        assert isinstance(r["stall_steps"], list) and isinstance(r["passed"], bool)
         assert set(r["cache_growth"]) == {"fa4", "cudnn", "triton"}
         assert r["warmup_masks"] == ["random", "width3"]
     assert "backend   cp" in log
