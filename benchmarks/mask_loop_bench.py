@@ -3,9 +3,10 @@ backend, at cp 1 (the whole mask in one call) and in the simulated cp 8 loop (ev
 runtime's plan, one after the other on one GPU), with the compiled-kernel caches of FA4 (CuTe DSL), cuDNN's
 flex_attention and magi_ffa's Triton kernels counted after every step.
 
-A warm-up runs first: a stream of masks of other seeds and the same kinds, then masks of exactly 2, 4, 8 and
-16 intervals per row (FA4's interval-width buckets, ``--warmup-widths``); it pays the compiles of the kernel
-variants such masks need, as a training job's warm-up would. Then ``--steps`` new masks run; each is new, so each step also builds its launch
+A warm-up runs first: a stream of masks of other seeds and the same kinds, then
+``magi_ffa_fa4._launch_meta.warmup_masks`` (masks of 1, 2, 4, 8 and 16 intervals per row, FA4's width
+buckets, and the varlen window kinds; ``--warmup-widths``): it pays the compiles of the kernel variants such
+masks need, as a training job's warm-up would. Then ``--steps`` new masks run; each is new, so each step also builds its launch
 metadata, as a training step does; then it runs again (metadata cached, kernels compiled) for the work's
 own time. Targets (``--check`` exits 1 when one misses): no compiled-kernel cache grows during the timed
 steps, and no step stalls (slower than 1.5x the median and than 1.5x its own re-run); ``--literal`` also
@@ -75,14 +76,6 @@ def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list,
     p = rng.randint(total // 32, total // 8)  # documents that also see a shared prefix
     docs = [[a + p, b + p] for a, b in _docs(total - p, rng, rng.randint(2, 8))]
     return kind, docs + docs, docs + [[0, p]] * len(docs), [1] * len(docs) + [0] * len(docs)
-
-
-def width_mask(width: int, total: int) -> tuple[str, list, list, list]:
-    """Every row sees ``width`` disjoint key bands (FULL slices over all rows): a mask of exactly ``width``
-    intervals per row, for warming up FA4's kernel of that interval-width bucket."""
-    band = max(1, total // (2 * width))
-    kr = [[2 * i * band, 2 * i * band + band] for i in range(width)]
-    return f"width{width}", [[0, total]] * width, kr, [0] * width
 
 
 # ------------------------------------------------------------------------------------------- caches
@@ -260,7 +253,12 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
 
     t0 = time.perf_counter()
     warm_masks = [make_mask(i, args.tokens, seed=1000 + cp, kinds=args.kinds) for i in range(args.warmup)]
-    warm_masks += [width_mask(w, args.tokens) for w in args.warmup_widths]
+    if args.warmup_widths is not None:  # FA4's width buckets and varlen window kinds
+        from magi_ffa_fa4._launch_meta import warmup_masks
+
+        warm_masks += [
+            (f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))
+        ]
     warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
@@ -330,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=len(KINDS), help="warm-up masks (other seeds) before them")
     p.add_argument(
         "--warmup-widths",
-        type=lambda x: [int(w) for w in x.split(",") if w],
-        default=[2, 4, 8, 16],
-        help="and masks of exactly these interval counts per row (FA4's width buckets); '' for none",
+        type=lambda x: tuple(int(w) for w in x.split(",") if w) if x != "none" else None,
+        default=(1, 2, 4, 8, 16),
+        help="and magi_ffa_fa4's warm-up masks up to these interval counts per row ('none': without)",
     )
     p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)

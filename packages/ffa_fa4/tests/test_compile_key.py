@@ -186,3 +186,16 @@ def test_interval_bounds_pad_with_empty_slots() -> None:
     assert b.shape == (L.ROW_PAD, 8)
     assert b[0].tolist() == [0, 2, 4, 6, 8, 10, 0, 0]
     assert torch.equal(_visible_from_bounds(b, 6, 12), dense_mask(qr, kr, tm, 6, 12))
+
+
+def test_warmup_masks_compile_what_the_stream_needs() -> None:
+    """After the warm-up masks (one size), no mask of the stream (other sizes) needs a key they did not have."""
+    warm = set()
+    for qr, kr, tm in L.warmup_masks(2048):
+        assert dense_mask(qr, kr, tm, 2048, 2048).any()
+        warm.update(L.compile_key(L.build_mask_meta(*_tensors(qr, kr, tm), 2048, 2048, CPU), **CONFIG))
+    for qr, kr, tm, total in mask_stream(20, seed=2):
+        meta = L.build_mask_meta(*_tensors(qr, kr, tm), total, total, CPU)
+        assert set(L.compile_key(meta, **CONFIG)) <= warm, (qr, kr, tm, total)
+    with pytest.raises(ValueError, match="total"):
+        L.warmup_masks(1000, widths=(1, 64))

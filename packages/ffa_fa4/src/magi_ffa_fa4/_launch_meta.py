@@ -278,6 +278,39 @@ def compile_key(
     return tuple(keys)
 
 
+def warmup_masks(total: int, widths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[tuple[list, list, list]]:
+    """Masks over ``total`` tokens (``q_ranges, k_ranges, types`` lists) whose FA4 launches compile the kernel
+    variants later masks of this size meet: the block-sparse path at each interval width in ``widths`` (rows
+    that see exactly that many key bands; width 1: documents shorter than the varlen path takes) and the
+    varlen path's window kinds (full, causal, inverse-causal and bidirectional-causal documents, a sliding
+    window). Running each once (forward and backward) before the first step moves those compiles out of the
+    training loop; a mask past the largest width bucket still compiles its own.
+
+    Args:
+        total: tokens of q and k, at least 512 and at least ``32 * max(widths)``.
+        widths: interval counts per row to warm up (their buckets, :func:`width_bucket`, are compiled).
+    """
+    top = max(widths, default=1)
+    if isinstance(total, bool) or not isinstance(total, int) or total < max(512, 32 * top):
+        raise ValueError(
+            f"`total` must be an int >= max(512, 32 * max(widths)) = {max(512, 32 * top)}, got {total!r}"
+        )
+    half = total // 2
+    docs = [[0, half], [half, total]]
+    out = [(docs, docs, [kind, kind]) for kind in (0, 1, 2, 3)]  # varlen documents of each type
+    w = total // 8  # a sliding window: its causal head and its band, one windowed varlen entry
+    out.append(([[0, w], [w, total]], [[0, w], [1, total]], [1, 3]))
+    for width in widths:
+        if width == 1:  # short causal documents: one interval per row, too short for the varlen path
+            short = [[a, min(a + 64, total)] for a in range(0, total, 64)]
+            out.append((short, short, [1] * len(short)))
+            continue
+        band = total // (2 * width)  # every row sees `width` disjoint key bands
+        bands = [[2 * i * band, 2 * i * band + band] for i in range(width)]
+        out.append(([[0, total]] * width, bands, [0] * width))
+    return out
+
+
 _CACHE: MaskValueCache[LaunchMeta] = MaskValueCache(CACHE_SIZE)
 
 
