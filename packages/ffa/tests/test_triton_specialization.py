@@ -79,8 +79,12 @@ def _mask(rng: random.Random, total_q: int, total_k: int):
     return [[0, w], [w, total_q]], [[0, w], [1, total_k]], [1, 3]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the launches only: no kernel runs
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_new_masks_and_counts_launch_one_variant(monkeypatch, dtype) -> None:
+def test_new_masks_and_counts_launch_one_variant(monkeypatch, dtype, device) -> None:
     fwd, bwd, merge = set(), set(), set()
     monkeypatch.setattr(_triton_fwd, "ffa_fwd_kernel", _Recorder(_triton_fwd.ffa_fwd_kernel, fwd))
     monkeypatch.setattr(_triton_bwd, "ffa_bwd_kernel", _Recorder(_triton_bwd.ffa_bwd_kernel, bwd))
@@ -97,15 +101,18 @@ def test_new_masks_and_counts_launch_one_variant(monkeypatch, dtype) -> None:
         qr, kr, tm = _mask(rng, tq, tk)
         t = [torch.tensor(x, dtype=torch.int32) for x in (qr, kr, tm)]
         slices = host_slices(*t, tq, tk)
-        q = torch.randn(tq, hq, d, dtype=dtype)
-        k, v = torch.randn(tk, hk, d, dtype=dtype), torch.randn(tk, hk, d, dtype=dtype)
+        q = torch.randn(tq, hq, d, dtype=dtype, device=device)
+        k = torch.randn(tk, hk, d, dtype=dtype, device=device)
+        v = torch.randn(tk, hk, d, dtype=dtype, device=device)
         _triton_fwd.triton_fwd(q, k, v, slices, 0.125, 0.0)
         # accumulate mode with an lse given as a transposed [heads, rows] view: its strides follow tq
-        out, lse_t = torch.zeros(tq, hq, d), torch.full((hq, tq), float("-inf"))
+        out = torch.zeros(tq, hq, d, device=device)
+        lse_t = torch.full((hq, tq), float("-inf"), device=device)
         _triton_fwd.triton_fwd(q, k, v, slices, 0.125, 0.0, out=out, lse=lse_t.t())
-        lse, delta = torch.randn(tq, hq), torch.randn(tq, hq)
+        lse, delta = torch.randn(tq, hq, device=device), torch.randn(tq, hq, device=device)
         _triton_bwd.triton_bwd(q, q, k, v, lse, delta, slices, 0.125, 0.0)
-        _triton_merge.triton_merge_(out, lse_t.t(), torch.zeros(tq, hq, d), torch.zeros(hq, tq).t())
+        new_out, new_lse = torch.zeros(tq, hq, d, device=device), torch.zeros(hq, tq, device=device)
+        _triton_merge.triton_merge_(out, lse_t.t(), new_out, new_lse.t())
     assert len(counts) >= 3, "the stream must cover token counts of several classes"
     # forward: one variant per mode (a fresh result, an accumulator); backward and merge: one
     assert len(fwd) == 2, fwd
