@@ -97,18 +97,25 @@ def cache_entries() -> dict[str, int]:
         )
         if group is None or mod is None:
             continue
-        for obj in list(vars(mod).values()):
-            if group == "triton":
-                caches = getattr(obj, "device_caches", None)
-                if isinstance(caches, dict) and id(obj) not in seen:
-                    seen.add(id(obj))
-                    out[group] += sum(len(c[0]) for c in caches.values())
+        try:
+            objs = list(vars(mod).values())
+        except TypeError:  # not a plain module
+            continue
+        for obj in objs:
+            try:
+                if group == "triton":
+                    caches = getattr(obj, "device_caches", None)
+                    if isinstance(caches, dict) and id(obj) not in seen:
+                        seen.add(id(obj))
+                        out[group] += sum(len(c[0]) for c in caches.values())
+                    continue
+                c = getattr(obj, "compile_cache", obj)
+                if type(c).__name__.endswith("Cache") and isinstance(getattr(c, "cache", None), dict):
+                    if id(c) not in seen:
+                        seen.add(id(c))
+                        out[group] += len(c.cache)
+            except Exception:  # an object whose attribute access fails holds no cache of ours
                 continue
-            c = getattr(obj, "compile_cache", obj)
-            if type(c).__name__.endswith("Cache") and isinstance(getattr(c, "cache", None), dict):
-                if id(c) not in seen:
-                    seen.add(id(c))
-                    out[group] += len(c.cache)
     return out
 
 

@@ -70,3 +70,35 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
         assert set(r["cache_growth"]) == {"fa4", "cudnn", "triton"}
         assert r["warmup_masks"] == ["random"] + [f"warmup{i}" for i in range(6)]
     assert "backend   cp" in log
+
+
+def test_cache_counter_reads_the_vendor_caches(monkeypatch) -> None:
+    """The script counts FA4's and cuDNN's JIT caches (a function's ``compile_cache`` or a module's cache
+    object, each a ``*Cache`` holding a ``cache`` dict) and Triton kernels' ``device_caches``, once each."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("mask_loop_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class JITCache:
+        def __init__(self, n: int):
+            self.cache = {i: None for i in range(n)}
+
+    def fwd():
+        pass
+
+    fwd.compile_cache = JITCache(2)
+    fa = types.ModuleType("flash_attn.cute.interface")
+    fa._flash_attn_fwd, fa.alias = fwd, fwd.compile_cache  # one cache reached twice counts once
+    cu = types.ModuleType("cudnn.flex_attention.plan.builder")
+    cu._CLASSIFY = JITCache(1)
+    kernel = types.SimpleNamespace(device_caches={0: ({"a": 1, "b": 2, "c": 3}, None)})
+    tr = types.ModuleType("magi_ffa._fake_kernels")
+    tr.kernel, tr.same = kernel, kernel
+    before = bench.cache_entries()
+    for mod in (fa, cu, tr):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    after = bench.cache_entries()
+    assert {n: after[n] - before[n] for n in after} == {"fa4": 2, "cudnn": 1, "triton": 3}
