@@ -1,5 +1,7 @@
 """Every environment variable magi_ffa reads, in one place: one function per variable, read on each call
-(tests and sweeps may change them between calls); the library never writes them.
+(tests and sweeps may change them between calls); the library never writes them, except
+:func:`interpret_triton_without_cuda`, which test suites call from their ``conftest.py``, and
+:func:`set_vendor_setting`, with which ``magi_ffa.compile_cache`` turns the vendors' kernel caches on.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
@@ -16,6 +18,7 @@ __all__ = [
     "backend",
     "cache_dir",
     "compile_cache",
+    "interpret_triton_without_cuda",
     "poison",
     "set_vendor_setting",
     "tiles",
@@ -119,3 +122,19 @@ def set_vendor_setting(name: str, value: str) -> None:
     """Set a vendor's own variable for this process and its children (the one place the library writes the
     environment: ``magi_ffa.compile_cache`` turns the vendors' kernel caches on before they are imported)."""
     os.environ[name] = value
+
+
+def interpret_triton_without_cuda() -> bool:
+    """Turn Triton's interpreter on (``TRITON_INTERPRET=1``) when the variable is unset and no CUDA device is
+    present; returns whether the interpreter is on afterwards.
+
+    The one rule of every test suite's ``conftest.py`` (re-exported by :mod:`magi_ffa.testing`), called before
+    any Triton kernel module is imported. On a GPU machine the kernels then run compiled on the GPU's tensors
+    (the interpreter would run them on the host, slowly, and not at all on bf16); an explicit
+    ``TRITON_INTERPRET`` (CI sets 1) always wins.
+    """
+    import torch  # here, not at import: env stays importable without torch's start-up cost
+
+    if not os.environ.get("TRITON_INTERPRET", "").strip() and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return triton_interpret()
