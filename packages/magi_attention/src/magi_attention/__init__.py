@@ -29,6 +29,7 @@ from .api import (
     squash_batch_dim,
     undispatch,
     undispatch_kv,
+    warmup,
 )
 from .config import (
     DispatchAlg,
@@ -75,4 +76,5 @@ __all__ = [
     "squash_batch_dim",
     "undispatch",
     "undispatch_kv",
+    "warmup",
 ]
