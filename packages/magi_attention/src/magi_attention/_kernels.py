@@ -293,7 +293,8 @@ def fa4_deterministic_supported(
     predicate = getattr(magi_ffa_fa4, "deterministic_supported", None)
     if predicate is not None:
         return bool(predicate(q, k, t, int(total_q), int(total_k)))
-    # magi-ffa-fa4 without the predicate: the same decision its launch metadata makes (varlen plan or not)
+    # magi-ffa-fa4 without the predicate: the decision of its launch metadata (`_launch_meta.build_mask_meta`:
+    # varlen groups or the block-sparse path), without building the block-sparse part
     from magi_ffa.validation import host_slices
     from magi_ffa_fa4 import env as fa4_env
     from magi_ffa_fa4.varlen import plan_varlen
