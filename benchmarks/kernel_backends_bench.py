@@ -355,8 +355,9 @@ def render(data: dict) -> str:
         "TFLOP/s.",
         "",
     ]
-    if any(r["kernel"].endswith("_det") for r in rows):
-        return "\n".join(lines + render_det(rows)) + "\n"
+    if any(r["kernel"].endswith("_det") for r in rows):  # a --deterministic run: ms and ratios, no TFLOP/s
+        lines[0] = lines[0].replace(" Cells: fwd / bwd TFLOP/s.", "")
+        return "\n".join(lines[:1] + render_det(rows)) + "\n"
     if rows:
         kern = [k for k in DEFAULT_KERNELS.split(",") if any(r["kernel"] == k for r in rows)]
         lines += [
