@@ -43,8 +43,9 @@ class DispatchAlg(StrEnum):
     SEQUENTIAL: contiguous blocks of chunks (plain sequence sharding, for comparison).
     ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
     AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
-    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication);
-    falls back to MIN_HEAP's assignment when that one needs no more (estimated) communication.
+    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication),
+    then MIN_HEAP's swaps restore the balance; falls back to MIN_HEAP's assignment when that one needs no
+    more (estimated) communication.
     """
 
     MIN_HEAP = "min_heap"
@@ -457,6 +458,10 @@ def _affinity(
         extra -= int(counts[r] > base)
         loads[r] += areas[c]
         aff[r] += sym[c]
+    # the greedy keeps every rank within the bound while it can; the last, smallest chunks may still land
+    # above it: swaps of one chunk (the ones min-heap refines with) restore the balance
+    if cp_size > 1:
+        _refine_swaps(areas, parts)
     # The greedy can lose to plain min-heap on both counts (e.g. block-causal video, where every late block
     # needs every earlier one): then min-heap's assignment is strictly better, so return it.
     heap = _min_heap(areas, cp_size)
