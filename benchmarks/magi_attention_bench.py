@@ -30,7 +30,7 @@ from magi_attention._kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_solver import long_tailed_cu_seqlens, plan_dist_attn
+from magi_solver import PlanOptions, long_tailed_cu_seqlens, plan_attention
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -199,25 +199,21 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
     return _events_ms(fwd), _events_ms(bwd)
 
 
-def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
+def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int | None = None):
+    """The runtime's own plan of `mask` (`plan_attention`): the chunk size and dispatch algorithm chosen per
+    mask and cp size unless `chunk` is given (then min_heap, as `DispatchConfig(chunk_size=chunk)`)."""
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
-    chunk = min(2048, tokens_per_gpu // 4)  # MagiAttention's benchmark: chunk 2048, 4 per rank at 8k/GPU
-    cross = {}
-    if kv_total(mask, total) != total:  # key/value shards of their own: chunk them like the queries
-        kv_chunk = max(1, chunk // CROSS_KV_RATIO)
-        cross = {"total_seqlen_k": kv_total(mask, total), "kv_chunk_size": kv_chunk}
-    return total, plan_dist_attn(
-        q_ranges,
-        k_ranges,
-        types,
-        total,
-        cp,
-        chunk,
+    options = PlanOptions(
+        dispatch_alg=None if chunk is None else "min_heap",
         overlap_degree=degree,
-        min_chunk_size=min(512, chunk),
-        **cross,
+        min_chunk_size=512 if chunk is None else min(512, chunk),
     )
+    cross = {}
+    if kv_total(mask, total) != total:  # key/value shards of their own, as the runtime cuts them
+        cross = {"total_seqlen_k": kv_total(mask, total)}
+    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options, **cross)
+    return total, plan
 
 
 def auto_kernel(mask: str, total: int, plan):
@@ -257,7 +253,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     this plan), one after the other; the slowest rank's times and the throughput they imply."""
     total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
-    shard = total // cp
+    shard = plan.dispatch.shard_seqlen  # the chosen chunk may pad the sequence
     kv_shard = shard if plan.kv_layout is None else plan.kv_layout.shard_seqlen
     q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
@@ -312,7 +308,8 @@ def check_on_gpu(mask: str, cp: int, backend: KernelBackend, total: int = 4096) 
 
     q_ranges, k_ranges, types = make_mask(mask, total)
     chunk = min(128, total // (4 * cp))
-    plan = plan_dist_attn(q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=2, min_chunk_size=chunk)
+    options = PlanOptions(overlap_degree=2, min_chunk_size=chunk)
+    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options)
     gen = torch.Generator(device=DEVICE).manual_seed(cp)
     hq, hkv, d = 8, 2, 128
     q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))

@@ -45,7 +45,14 @@ from .dispatch import (
     padded_seqlen,
 )
 
-__all__ = ["DispatchChoice", "choose_dispatch", "default_chunk_size", "mask_digest", "remote_kv_tokens"]
+__all__ = [
+    "DispatchChoice",
+    "choose_dispatch",
+    "clear_dispatch_cache",
+    "default_chunk_size",
+    "mask_digest",
+    "remote_kv_tokens",
+]
 
 _MIN_CHUNKS_PER_RANK = 8
 _DEFAULT_MAX_CHUNK = 2048
@@ -191,6 +198,11 @@ def _assign(slices: list, total: int, cp: int, chunk: int, alg: DispatchAlg, une
 
 
 _CACHE: OrderedDict[tuple, tuple[DispatchChoice, DispatchPlan]] = OrderedDict()
+
+
+def clear_dispatch_cache() -> None:
+    """Forget every cached choice (benchmarks time the solve itself; tests start clean)."""
+    _CACHE.clear()
 
 
 def choose_dispatch(
