@@ -59,11 +59,20 @@ _DEFAULT_MAX_CHUNK = 2048
 _MIN_CHUNK = 32
 """Smallest candidate chunk: below it the kernels' 128-row tiles are mostly fragments."""
 _BALANCE_SLACK = 0.01
-"""A candidate whose lower-bound imbalance exceeds the best candidate's by more than this is dropped."""
+"""A candidate whose lower-bound imbalance (relative) or achieved imbalance (absolute) exceeds the best
+candidate's by more than this is dropped."""
 _AFFINITY_CHUNKS = 2048
 """Affinity's need table is chunks x chunks floats (16 MiB here); past it, min_heap."""
 _PRICED = 2
-"""Candidates priced (the largest that balance); each costs one assignment."""
+"""Chunk sizes priced at least (the largest that balance); each costs one or two assignments."""
+_PRICED_MAX = 4
+"""Chunk sizes priced at most, while none keeps the remote K/V within the budget."""
+_REMOTE_BUDGET = 1.25
+"""Remote K/V of the busiest rank allowed over what the fixed rule (largest size, min_heap) moves."""
+_TOLERANCES = (0.0, 0.02)
+"""Affinity's slack over the balance bound, tried in turn (`solve_dispatch`'s `affinity_tolerance`)."""
+_TOLERANCE_CHUNKS = 1024
+"""Chunk counts up to which every tolerance is tried (each try is one more affinity assignment)."""
 _TILE = 128
 _CHOICE_CACHE_SIZE = 256
 # the shape the choice prices with: the benchmarks' 64:8 heads, head dim 128, bf16 (only ratios of compute
@@ -193,8 +202,10 @@ def _price(plan: DispatchPlan, slices: list, waste_per_chunk: np.ndarray, remote
     return worst
 
 
-def _assign(slices: list, total: int, cp: int, chunk: int, alg: DispatchAlg, uneven: bool) -> DispatchPlan:
-    return dispatch_slices(slices, total, cp, chunk, alg, uneven_shard=uneven)
+def _assign(
+    slices: list, total: int, cp: int, chunk: int, alg: DispatchAlg, uneven: bool, tolerance: float = 0.0
+) -> DispatchPlan:
+    return dispatch_slices(slices, total, cp, chunk, alg, affinity_tolerance=tolerance, uneven_shard=uneven)
 
 
 _CACHE: OrderedDict[tuple, tuple[DispatchChoice, DispatchPlan]] = OrderedDict()
@@ -303,20 +314,40 @@ def _choose(
         bounds[c] = lb * cp / total_area if total_area else 1.0
     best_lb = min(bounds.values())
     keep = [c for c in sizes if bounds[c] <= best_lb * (1.0 + _BALANCE_SLACK)]
-    # smaller chunks only add fragments and remote keys once the balance is reached: price the two largest
-    keep = keep[:_PRICED]
+    dropped = [c for c in sizes if c not in keep]
+    # the remote K/V budget: what the fixed rule (the largest size, min_heap) moves, times _REMOTE_BUDGET
+    fixed = _assign(slices, geometry(c0), cp, c0, DispatchAlg.MIN_HEAP, uneven)
+    budget = _REMOTE_BUDGET * max(int(remote_of(fixed).max()), 1)
+    # smaller chunks only add fragments and remote keys once the balance is reached: price the largest sizes
+    # that balance, two at least, more while none keeps within the budget
     cands: list[_Candidate] = []
-    for c in keep:
+    priced = []
+    for c in keep[:_PRICED_MAX]:
+        if len(priced) >= _PRICED and any(x.remote.max(initial=0) <= budget for x in cands):
+            break
+        priced.append(c)
         n = -(-geometry(c) // c)
         a = alg or (DispatchAlg.AFFINITY if not cross and n <= _AFFINITY_CHUNKS else DispatchAlg.MIN_HEAP)
-        plan = _assign(slices, geometry(c), cp, c, a, uneven)
-        remote = remote_of(plan)
         chunk, qlen, kl, kr = _key_intervals(slices, c)
-        waste = np.zeros(plan.num_chunks, dtype=np.float64)
+        waste = np.zeros(n, dtype=np.float64)
         np.add.at(waste, chunk, (_TILE // 2) * (qlen + (kr - kl)).astype(np.float64))
-        cands.append(_Candidate(c, plan, remote, _price(plan, slices, waste, remote)))
-    best = min(cands, key=lambda x: (round(x.seconds, 9), -x.chunk_size))
-    dropped = [c for c in sizes if c not in keep]
+        # affinity may also let a rank run a little over the bound while it collects a document's chunks
+        # (the swaps then restore the balance): tried where the chunk table is small
+        tolerances = _TOLERANCES if a is DispatchAlg.AFFINITY and n <= _TOLERANCE_CHUNKS else (0.0,)
+        for tol in tolerances:
+            plan = _assign(slices, geometry(c), cp, c, a, uneven, tol)
+            remote = remote_of(plan)
+            cands.append(_Candidate(c, plan, remote, _price(plan, slices, waste, remote)))
+    # the price weighs balance against fragments and communication; the balance itself stays near the best,
+    # and the remote K/V within the budget where a candidate can
+    balanced = min(x.plan.imbalance for x in cands) + _BALANCE_SLACK
+    ok = [x for x in cands if x.plan.imbalance <= balanced]
+    within = [x for x in ok if x.remote.max(initial=0) <= budget]
+    if within:
+        best = min(within, key=lambda x: (round(x.seconds, 9), -x.chunk_size))
+    else:
+        best = min(ok, key=lambda x: (int(x.remote.max(initial=0)), round(x.seconds, 9), -x.chunk_size))
+    keep = priced
     why = (
         f"chunk {best.chunk_size} ({best.plan.alg.value}) has the lowest predicted time of the busiest rank "
         f"({best.seconds * 1e3:.3g} ms fwd+bwd on the H200 profile) among {', '.join(map(str, keep))}"
