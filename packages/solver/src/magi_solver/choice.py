@@ -71,7 +71,7 @@ _REMOTE_BUDGET = 1.25
 """Remote K/V of the busiest rank allowed over what the fixed rule (largest size, min_heap) moves."""
 _TOLERANCES = (0.0, 0.02)
 """Affinity's slack over the balance bound, tried in turn (`solve_dispatch`'s `affinity_tolerance`)."""
-_TOLERANCE_CHUNKS = 1024
+_TOLERANCE_CHUNKS = 512
 """Chunk counts up to which every tolerance is tried (each try is one more affinity assignment)."""
 _TILE = 128
 _CHOICE_CACHE_SIZE = 256
@@ -323,8 +323,9 @@ def _choose(
     cands: list[_Candidate] = []
     priced = []
     for c in keep[:_PRICED_MAX]:
-        if len(priced) >= _PRICED and any(x.remote.max(initial=0) <= budget for x in cands):
-            break
+        more = len(priced) >= _PRICED
+        if more and (any(x.remote.max(initial=0) <= budget for x in cands) or -(-geometry(c) // c) > 1024):
+            break  # past the first sizes, only small chunk tables are worth another try
         priced.append(c)
         n = -(-geometry(c) // c)
         a = alg or (DispatchAlg.AFFINITY if not cross and n <= _AFFINITY_CHUNKS else DispatchAlg.MIN_HEAP)

@@ -317,6 +317,7 @@ def _min_heap(areas: list[int], cp_size: int, refine: bool = True) -> list[list[
 
 
 _REFINE_MAX_PAIRS = 1 << 22  # entries of the [m, cp, m] swap table per round (32 MiB)
+_REFINE_CLOSE_ENOUGH = 1e-4  # relative gap to the lower bound at which the swaps stop
 
 
 def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | None = None) -> None:
@@ -337,7 +338,11 @@ def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | No
         return  # one round would build too large a table; the greedy result stands
     ragged = bool((mat == n).any())
     loads = a[mat].sum(axis=1)
+    # within 1e-4 of the lower bound no swap can help enough to pay for another round of the table
+    good_enough = dispatch_lower_bound(areas, len(parts)) * (1.0 + _REFINE_CLOSE_ENOUGH)
     for _ in range(max_rounds or 4 * len(parts)):
+        if loads.max() <= good_enough:
+            break
         top = int(np.argmax(loads))
         gap = loads[top] - loads  # per rank: how much the top rank is above it
         d = a[mat[top]][:, None, None] - a[mat][None, :, :]  # [m(top), cp, m]: area moved top -> rank
