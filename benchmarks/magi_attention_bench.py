@@ -289,6 +289,8 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         "backend": resolved,
         "tokens_per_gpu": tokens_per_gpu,
         "degree": degree,
+        "chunk_size": plan.dispatch.chunk_size,  # the runtime's choice: a later reader rebuilds this plan
+        "dispatch_alg": plan.dispatch.alg.value,
         "imbalance": max(r["area"] for r in rows) / mean_area,
         "slowest_fwd_ms": worst_f,
         "slowest_bwd_ms": worst_b,
