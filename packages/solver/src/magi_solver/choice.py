@@ -69,7 +69,7 @@ _PRICED_MAX = 4
 """Chunk sizes priced at most, while none keeps the remote K/V within the budget."""
 _REMOTE_BUDGET = 1.25
 """Remote K/V of the busiest rank allowed over what the fixed rule (largest size, min_heap) moves."""
-_TOLERANCES = (0.0, 0.02)
+_TOLERANCES = (0.0, 0.02, 0.05, 0.1)
 """Affinity's slack over the balance bound, tried in turn (`solve_dispatch`'s `affinity_tolerance`)."""
 _TOLERANCE_CHUNKS = 512
 """Chunk counts up to which every tolerance is tried (each try is one more affinity assignment)."""
