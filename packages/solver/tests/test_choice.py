@@ -28,7 +28,13 @@ from magi_solver import (
     plan_attention,
     plan_dist_attn,
 )
-from magi_solver.choice import choose_dispatch, clear_dispatch_cache, mask_digest
+from magi_solver.choice import (
+    _key_intervals,
+    choose_dispatch,
+    clear_dispatch_cache,
+    mask_digest,
+    remote_kv_tokens,
+)
 from magi_solver.cli import lognormal_doc_lens
 from magi_solver.cli import main as plan_cli
 from magi_solver.mask import normalize_mask
@@ -102,6 +108,16 @@ def test_remote_estimate_is_exact() -> None:
             choice, dispatch = choose_dispatch(slices, total, cp, chunk_size=chunk, alg="affinity")
             plan = plan_attention(q, k, t, total, cp, chunk_size=chunk, dispatch=dispatch)
             assert choice.remote_kv_tokens_max == max(plan.remote_tokens_per_rank)
+            # what each rank fetches from outside its group of 2 ranks (a "node"), against the plan's casts
+            owner = np.asarray(dispatch.chunk_owner)
+            pieces = _key_intervals(slices, chunk)
+            got = remote_kv_tokens(owner, pieces[0], pieces[2], pieces[3], chunk, cp, group_size=2)
+            want = [
+                sum(n for st in rp.stages for n, src in zip(st.cast.output_split_sizes, st.cast.src_index)
+                    if src // 2 != r // 2)
+                for r, rp in enumerate(plan.ranks)
+            ]  # fmt: skip
+            assert got.tolist() == want
 
 
 def test_choice_is_a_pure_function_across_processes() -> None:

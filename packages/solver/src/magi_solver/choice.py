@@ -73,6 +73,10 @@ _TOLERANCES = (0.0, 0.02, 0.05, 0.1)
 """Affinity's slack over the balance bound, tried in turn (`solve_dispatch`'s `affinity_tolerance`)."""
 _TOLERANCE_CHUNKS = 512
 """Chunk counts up to which every tolerance is tried (each try is one more affinity assignment)."""
+_NODE = 8
+"""GPUs per node: past this many ranks, remote K/V from another node goes over the slower link."""
+_INTERNODE_GBPS = 50.0
+"""Per-GPU bandwidth between nodes (GB/s) the price assumes."""
 _TILE = 128
 _CHOICE_CACHE_SIZE = 256
 # the shape the choice prices with: the benchmarks' 64:8 heads, head dim 128, bf16 (only ratios of compute
@@ -146,11 +150,20 @@ def _key_intervals(
 
 
 def remote_kv_tokens(
-    owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, chunk_size: int, cp_size: int
+    owner: np.ndarray,
+    chunk: np.ndarray,
+    kl: np.ndarray,
+    kr: np.ndarray,
+    chunk_size: int,
+    cp_size: int,
+    group_size: int = 1,
 ) -> np.ndarray:
     """int64 `[cp]`: K/V tokens each rank fetches: the union of the key ranges its chunks' rows need
     (`chunk`, `kl`, `kr` from the (slice, chunk) pieces), less the tokens of its own chunks (`owner`: the
-    rank of each chunk). Self-attention (keys are the query sequence). Exact, vectorised."""
+    rank of each chunk). Self-attention (keys are the query sequence). Exact, vectorised.
+
+    With `group_size` g > 1: less the tokens of every chunk held in the rank's group of g ranks (ranks
+    `g * (r // g)` onwards: a node), i.e. what the rank fetches from outside its node."""
     out = np.zeros(cp_size, dtype=np.int64)
     if chunk.size == 0:
         return out
@@ -176,9 +189,12 @@ def remote_kv_tokens(
         inside = np.clip(x - starts[safe], 0, lens[safe])
         return np.where(i >= 0, cum[safe] + inside, 0)
 
-    own = np.arange(owner.size, dtype=np.int64)
-    a = own * chunk_size + owner * span
-    np.subtract.at(out, owner, covered(a + chunk_size) - covered(a))
+    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
+    ok = members < cp_size
+    holder = members[ok]
+    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
+    a = c * chunk_size + holder * span
+    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
     return out
 
 
@@ -190,14 +206,22 @@ class _Candidate:
     seconds: float
 
 
-def _price(plan: DispatchPlan, slices: list, waste_per_chunk: np.ndarray, remote: np.ndarray) -> float:
-    """The busiest rank's predicted forward + backward seconds (see the module docstring)."""
+def _price(
+    plan: DispatchPlan, waste_per_chunk: np.ndarray, remote: np.ndarray, inter: np.ndarray | None
+) -> float:
+    """The busiest rank's predicted forward + backward seconds (see the module docstring); `inter`: the
+    part of each rank's remote K/V from outside its node (None: one node), fetched at `_INTERNODE_GBPS`
+    while the rest comes over NVLink (the slower link sets the time)."""
     m = _PRICE_MODEL
     worst = 0.0
+    # bytes per token there and back: K and V forward, dK and dV (fp32) in the backward's reduce
+    wire = m.kv_bytes_per_token + m.grad_kv_bytes_per_token
     for r, part in enumerate(plan.partitions):
         area = plan.rank_areas[r] + float(waste_per_chunk[list(part)].sum())
         comp = m.calc(area) + m.calc(area, backward=True)
         comm = m.fetch(remote[r]) + m.reduce(remote[r]) if remote[r] else 0.0
+        if inter is not None and inter[r]:
+            comm = max(comm, float(inter[r]) * wire / (_INTERNODE_GBPS * 1e9))
         worst = max(worst, comp, comm)
     return worst
 
@@ -286,11 +310,11 @@ def _choose(
         )
         return choice, plan
 
-    def remote_of(plan: DispatchPlan) -> np.ndarray:
+    def remote_of(plan: DispatchPlan, group: int = 1) -> np.ndarray:
         if cross:
             return np.zeros(cp, dtype=np.int64)
         chunk, _, kl, kr = _key_intervals(slices, plan.chunk_size)
-        return remote_kv_tokens(np.asarray(plan.chunk_owner), chunk, kl, kr, plan.chunk_size, cp)
+        return remote_kv_tokens(np.asarray(plan.chunk_owner), chunk, kl, kr, plan.chunk_size, cp, group)
 
     if chunk_size is not None:
         a = alg or DispatchAlg.MIN_HEAP
@@ -338,7 +362,8 @@ def _choose(
         for tol in tolerances:
             plan = _assign(slices, geometry(c), cp, c, a, uneven, tol)
             remote = remote_of(plan)
-            cands.append(_Candidate(c, plan, remote, _price(plan, slices, waste, remote)))
+            inter = None if cross or cp <= _NODE else remote_of(plan, _NODE)
+            cands.append(_Candidate(c, plan, remote, _price(plan, waste, remote, inter)))
     # the price weighs balance against fragments and communication; the balance itself stays near the best,
     # and the remote K/V within the budget where a candidate can
     balanced = min(x.plan.imbalance for x in cands) + _BALANCE_SLACK
