@@ -15,9 +15,13 @@ its halvings down to `_MIN_CHUNK`, never with more padding than the default) is 
    kernel time on `area + waste` (the tile-fill term: every (slice, chunk) piece leaves on average half a
    128-token tile unfilled along its query and its key edge, `64 * (q length + k length)` pairs; the H200
    kernel tables' tile-fill rows show the rate falling with the filled fraction) against the fetch of its
-   remote K/V (exact: the union of the key ranges its rows need, less its own tokens); with overlap the
-   slower of the two bounds the rank. The cheapest of the two largest sizes kept wins (smaller ones only
-   add fragments and remote keys once the balance is reached); ties go to the larger chunk.
+   remote K/V (exact: the union of the key ranges its rows need, less its own tokens; past 8 ranks the
+   part from other nodes at 50 GB/s per GPU, the rest over NVLink); with overlap the slower of the two
+   bounds the rank. The two largest sizes kept are priced (up to four while none keeps the busiest rank's
+   remote K/V within `_REMOTE_BUDGET` of what the largest size with min_heap moves: smaller ones only add
+   fragments and remote keys once the balance is reached). Among the candidates within `_BALANCE_SLACK` of
+   the best achieved balance, those within the remote budget come first, and the cheapest wins (ties: the
+   larger chunk); with none within the budget, the least remote K/V.
 
 The choice is a pure function of the mask, cp size and the request (no communication), so every rank makes
 the same one; `choose_dispatch` caches it (and the `DispatchPlan`) per mask digest, geometry and request,
