@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffa_masks import MASK_NAMES, BenchMask, build_mask
 
+from magi_attention._vendor_kernels import SliceMask, cudnn_flex_call, fa4_call
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = (
     "ffa",
@@ -151,40 +153,27 @@ def _calc_attn_runner(m: BenchMask, q, k, v, backend: str):
     return (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
 
 
+def _slice_mask(m: BenchMask, total: int) -> SliceMask:
+    """The bench mask as the vendor calls' mask (``magi_attention._vendor_kernels``, one definition of each
+    vendor call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
+    window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
+    return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,
+                        window=window)  # fmt: skip
+
+
 def _fa4_runner(m: BenchMask, q, k, v):
     """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
-    if m.name.startswith("varlen_") and m.name != "varlen_block_causal":
-        cu = torch.tensor([0, *m.q_ranges[:, 1].tolist()], dtype=torch.int32, device=q.device)
-        mx = int((m.q_ranges[:, 1] - m.q_ranges[:, 0]).max())
-        causal = m.name == "varlen_causal"
-        return (lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx,
-                                               max_seqlen_k=mx, causal=causal)[0], (q, k, v))  # fmt: skip
-    q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (q, k, v))  # [1, S, h, d]
-    if m.name in ("full", "causal"):
-        return (lambda: flash_attn_func(q4, k4, v4, causal=m.name == "causal")[0], (q4, k4, v4))
-    if m.name.startswith("swa_causal_w"):
-        w = int(m.name.removeprefix("swa_causal_w"))
-        return (lambda: flash_attn_func(q4, k4, v4, causal=True, window_size=(w - 1, 0))[0], (q4, k4, v4))
-    raise NotImplementedError(m.name)
+    return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
 
 
 def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
     """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
     or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
     from cudnn.flex_attention import create_mask_plan, flex_attn_func
-    from magi_ffa_cudnn import mask_func_from_intervals
-
-    from magi_ffa.intervals import row_intervals
 
     S = q.shape[0]
     if not varlen:
-        iv = row_intervals(m.q_ranges.cuda(), m.k_ranges.cuda(), m.attn_type_map.cuda(), S, S)
-        func = mask_func_from_intervals(iv)
-        q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (q, k, v))
-        plan = create_mask_plan(func, q4, k4, v4, build_backward=True)
-        return (lambda: flex_attn_func(q4, k4, v4, mask_plan=plan), (q4, k4, v4))
+        return cudnn_flex_call(_slice_mask(m, S), q, k, v)
     if m.name not in ("varlen_full", "varlen_causal"):
         return None
     cu = torch.tensor([0, *m.q_ranges[:, 1].tolist()], dtype=torch.int32, device=q.device)

@@ -7,6 +7,8 @@
 #   bash scripts/dev.sh docs    mkdocs build --strict (the site goes to site/)
 #   bash scripts/dev.sh lint    ruff check + ruff format --check
 #   bash scripts/dev.sh wheels  build each package's wheel on its own (into dist/)
+#   bash scripts/dev.sh check-wheels  no CUDA-only wheel (flash-attn-4, nvidia-*) in .venv or in what any
+#                               integration's set-up would install (CI runs it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -19,6 +21,24 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONUNBUFFERED=1
 export NO_MKDOCS_2_WARNING=1
 
+step() {  # step SECONDS_AT_START TEXT: one progress line of a set-up (pip itself runs quietly)
+  echo "dev.sh: [$((SECONDS - $1)) s] $2" >&2
+}
+
+run_step() {  # run_step SECONDS_AT_START TEXT CMD...: a progress line, then CMD, with a line every 15 s while it runs
+  local t0=$1 text=$2 pid n=0
+  shift 2
+  step "$t0" "$text"
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    n=$((n + 1))
+    if [ $((n % 15)) -eq 0 ] && kill -0 "$pid" 2>/dev/null; then step "$t0" "  ... still installing"; fi
+  done
+  wait "$pid"
+}
+
 setup() {
   local stamp=$VENV/.magi-setup
   local want
@@ -27,16 +47,34 @@ setup() {
   local t0=$SECONDS
   echo "dev.sh: setting up $VENV (once; 1-2 min): torch 2.13.0 (CPU wheel on a machine without a GPU), triton 3.6.0," \
     "numpy<2.4, pytest, ruff, mkdocs, matplotlib, and every package under packages/ editable" >&2
-  [ -x "$PY" ] || python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
+  if [ ! -x "$PY" ]; then step $t0 "creating the virtual environment"; python3 -m venv "$VENV"; fi
+  run_step $t0 "upgrading pip" "$PY" -m pip install -q --upgrade pip
   # pip, not uv: pip takes the local CPU torch wheel; uv would download the CUDA stack.
-  "$PY" -m pip install -q -r requirements/ci.txt
+  run_step $t0 "installing requirements/ci.txt (torch, triton, numpy, pytest, ruff, mkdocs, ...; the longest step)" \
+    "$PY" -m pip install -q -r requirements/ci.txt
   # Siblings in one pip command so no name is ever looked up on PyPI.
   local pkgs=() d
   for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
-  "$PY" -m pip install -q --no-deps "${pkgs[@]}"
+  run_step $t0 "installing packages/* editable, without dependencies (no CUDA-only wheel)" \
+    "$PY" -m pip install -q --no-deps "${pkgs[@]}"
   echo "$want" > "$stamp"
   echo "dev.sh: $VENV ready in $((SECONDS - t0)) s ($(du -sh "$VENV" | cut -f1))" >&2
+}
+
+# CUDA-only distributions: never installed on a machine without a GPU by any documented command (the
+# backends that need them are optional; `check-wheels` and CI enforce it).
+CUDA_ONLY='^(flash[-_]attn[-_]4|nvidia[-_].*|cuda[-_]toolkit|quack[-_]kernels)$'
+
+third_party_requirements() {  # third_party_requirements DIR: DIR's dependencies and test extra, siblings left out
+  "$PY" - "$1/pyproject.toml" <<'PY'
+import re, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+reqs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
+for r in reqs:
+    name = re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower().replace("_", "-")
+    if not name.startswith("magi-"):  # our packages: installed editable, without their dependencies
+        print(r)
+PY
 }
 
 integrations() {  # every integration with a package (a pyproject.toml)
@@ -50,14 +88,51 @@ setup_integration() {  # setup_integration DIR: its test dependencies, on first 
   stamp=$VENV/.magi-setup-$(basename "$dir")
   want=$(cat "$dir/pyproject.toml" requirements/constraints.txt | sha1sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
-  local t0=$SECONDS pkgs=() d
+  local t0=$SECONDS pkgs=() d reqs=()
   echo "dev.sh: installing $dir with its test dependencies into $VENV (once)" >&2
-  # the integration and every sibling in one pip command (no name looked up on PyPI); the constraints keep
-  # the pinned torch, triton and numpy
+  # The siblings and the integration editable WITHOUT dependencies (with them, pip would pull the optional
+  # backends' CUDA-only wheels: flash-attn-4, the CUTLASS DSL, cuDNN's frontend), in one pip command (no name
+  # looked up on PyPI); then only the integration's third-party dependencies, under the constraints that
+  # keep the pinned torch, triton and numpy.
   for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
-  "$PY" -m pip install -q -c requirements/constraints.txt "${pkgs[@]}" -e "$dir[test]"
+  run_step $t0 "$dir and packages/* editable, without dependencies" \
+    "$PY" -m pip install -q --no-deps "${pkgs[@]}" -e "$dir"
+  mapfile -t reqs < <(third_party_requirements "$dir")
+  if [ ${#reqs[@]} -gt 0 ]; then
+    run_step $t0 "third-party dependencies: ${reqs[*]}" \
+      "$PY" -m pip install -q -c requirements/constraints.txt "${reqs[@]}"
+  fi
+  gpu_present || check_wheels_installed
   echo "$want" > "$stamp"
   echo "dev.sh: $dir installed in $((SECONDS - t0)) s" >&2
+}
+
+check_wheels_installed() {  # the venv holds no CUDA-only distribution (run where there is no GPU)
+  local bad
+  bad=$("$PY" -m pip list --format=freeze 2>/dev/null | cut -d= -f1 | grep -Ei "$CUDA_ONLY" || true)
+  if [ -n "$bad" ]; then
+    echo "dev.sh: CUDA-only wheels in $VENV on a machine without a GPU: $(echo $bad)" >&2
+    return 1
+  fi
+}
+
+check_wheels() {  # check-wheels: the venv, and what every integration's set-up would add, hold no CUDA-only wheel
+  check_wheels_installed
+  local dir reqs report bad
+  for dir in $(integrations); do
+    mapfile -t reqs < <(third_party_requirements "$dir")
+    [ ${#reqs[@]} -gt 0 ] || continue
+    report=$(mktemp)
+    "$PY" -m pip install -q --dry-run --ignore-installed --report "$report" -c requirements/constraints.txt "${reqs[@]}"
+    bad=$("$PY" -c 'import json,sys; print(" ".join(i["metadata"]["name"] for i in json.load(open(sys.argv[1]))["install"]))' \
+      "$report" | tr ' ' '\n' | grep -Ei "$CUDA_ONLY" || true)
+    rm -f "$report"
+    if [ -n "$bad" ]; then
+      echo "dev.sh: $dir's set-up would install CUDA-only wheels: $(echo $bad)" >&2
+      return 1
+    fi
+  done
+  echo "dev.sh: no CUDA-only wheel in $VENV or in any integration's set-up" >&2
 }
 
 pytest_integration() {  # pytest_integration DIR [ARGS]: with the integration's own pytest configuration
@@ -108,6 +183,9 @@ case "$cmd" in
     "$PY" -m mkdocs build --strict -q -d "$ROOT/site"
     echo "dev.sh: docs built: $ROOT/site/index.html (serve them: $VENV/bin/mkdocs serve)"
     ;;
+  check-wheels)
+    check_wheels
+    ;;
   lint)
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
@@ -129,7 +207,7 @@ PY
     ls dist
     ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test|docs|lint|wheels} [args]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|docs|lint|wheels|check-wheels} [args]" >&2
     exit 2
     ;;
 esac

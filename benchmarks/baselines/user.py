@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from magi_attention._vendor_kernels import SliceMask, VendorUnavailable, fa4_local
 
 Ranges = Sequence[Sequence[int]]
 
@@ -40,49 +41,11 @@ KERNEL_MODULES = {"fa4": "flash_attn.cute", "ffa_fa4": "magi_ffa_fa4", "ffa_cudn
 with the same call signatures, without shadowing the real packages for anyone else."""
 
 
-class Unavailable(Exception):
-    """This system cannot run this case on this machine; the message says why (the same on every rank)."""
+Unavailable = VendorUnavailable
+"""This system cannot run this case on this machine; the message says why (the same on every rank)."""
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Mask:
-    """A benchmark mask over ``total`` tokens: slices ``(q_ranges[i], k_ranges[i], types[i])``, types 0 FULL,
-    1 CAUSAL (bottom-right aligned), 2 INV_CAUSAL, 3 BI_CAUSAL (magi-attention's convention)."""
-
-    q_ranges: tuple[tuple[int, int], ...]
-    k_ranges: tuple[tuple[int, int], ...]
-    types: tuple[int, ...]
-    total: int
-
-    @classmethod
-    def of(cls, q_ranges: Ranges, k_ranges: Ranges, types: Sequence[int], total: int) -> Mask:
-        return cls(
-            q_ranges=tuple((int(a), int(b)) for a, b in q_ranges),
-            k_ranges=tuple((int(a), int(b)) for a, b in k_ranges),
-            types=tuple(int(t) for t in types),
-            total=int(total),
-        )
-
-    def dense_causal(self) -> bool | None:
-        """True / False when the mask is causal / full over the whole square; None otherwise."""
-        whole = ((0, self.total),)
-        if self.q_ranges == whole and self.k_ranges == whole and self.types in ((0,), (1,)):
-            return self.types == (1,)
-        return None
-
-    def varlen(self) -> tuple[list[int], bool] | None:
-        """``(cu_seqlens, causal)`` when the mask is packed documents (diagonal squares tiling the sequence
-        in order, all FULL or all CAUSAL); None otherwise."""
-        if not self.q_ranges or self.q_ranges != self.k_ranges or len(set(self.types)) != 1:
-            return None
-        if self.types[0] not in (0, 1):
-            return None
-        cu = [0]
-        for a, b in self.q_ranges:
-            if a != cu[-1] or b <= a:
-                return None
-            cu.append(b)
-        return (cu, self.types[0] == 1) if cu[-1] == self.total else None
+Mask = SliceMask
+"""A benchmark mask (``magi_attention._vendor_kernels.SliceMask``: slices, ``dense_causal``, ``varlen``)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,48 +153,12 @@ def _first(out):
 # -- ulysses_fa4 ----------------------------------------------------------------------------------------------
 def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
     """Ulysses + FlashAttention-4 (``flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` for packed
-    documents)."""
-    causal = mask.dense_causal()
-    varlen = mask.varlen() if causal is None else None
-    if causal is None and varlen is None:
-        raise Unavailable(
-            "mask not expressible: FA4 takes full / causal, or packed documents (cu_seqlens) all full or all causal"
-        )
+    documents): the native call of ``magi_attention._vendor_kernels.fa4_local``."""
+    if mask.dense_causal() is None and mask.varlen() is None and mask.window is None:
+        fa4_local(mask, q.device, fa=object())  # raises Unavailable saying which masks FA4 takes
     fa = _import("fa4", "flash_attn.cute (FlashAttention-4)")
-    if causal is not None:
-
-        def local(qh, kh, vh):
-            return _first(fa.flash_attn_func(qh[None], kh[None], vh[None], causal=causal))[0]
-
-        return _ulysses_case(
-            q, k, v, do, group, local, f"FA4 flash_attn_func ({'causal' if causal else 'full'})"
-        )
-    cu_list, causal = varlen
-    cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
-    longest = max(b - a for a, b in itertools.pairwise(cu_list))
-
-    def local(qh, kh, vh):
-        out = fa.flash_attn_varlen_func(
-            qh,
-            kh,
-            vh,
-            cu_seqlens_q=cu,
-            cu_seqlens_k=cu,
-            max_seqlen_q=longest,
-            max_seqlen_k=longest,
-            causal=causal,
-        )
-        return _first(out)
-
-    return _ulysses_case(
-        q,
-        k,
-        v,
-        do,
-        group,
-        local,
-        f"FA4 flash_attn_varlen_func ({len(cu_list) - 1} docs{', causal' if causal else ''})",
-    )
+    local, label = fa4_local(mask, q.device, fa=fa)
+    return _ulysses_case(q, k, v, do, group, local, label)
 
 
 # -- SDPA backend choice ----------------------------------------------------------------------------------------

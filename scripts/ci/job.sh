@@ -2,7 +2,8 @@
 # The jobs of .ci/run (each also runs alone, after `wheels` and `torch-base`):
 #   bash scripts/ci/job.sh wheels                 build every package's and integration's wheel, check metadata
 #   bash scripts/ci/job.sh torch-base             a venv holding only torch==2.13.0 (CPU), cloned by the jobs that need torch
-#   bash scripts/ci/job.sh dev                    scripts/dev.sh's editable venv: lint, docs, collect every test of the suite
+#   bash scripts/ci/job.sh dev                    scripts/dev.sh's editable venv: lint, docs, collect every test of the suite,
+#                                                 no CUDA-only wheel (dev.sh check-wheels)
 #   bash scripts/ci/job.sh pkg DIR [--extras test,X] [--drop A,B]
 #                                                 DIR's wheel alone in a fresh venv (declared deps + sibling wheels), its tests
 #   bash scripts/ci/job.sh repo [--drop A,B]      every package wheel in one venv, the root tests/
@@ -216,6 +217,9 @@ job_dev() {
     say "the whole suite in the editable venv"
     bash scripts/dev.sh test -p no:cacheprovider || failed+=(test)
   fi
+  # No CUDA-only wheel (flash-attn-4, nvidia-*) in the dev venv or in what any integration's set-up adds
+  say "no CUDA-only wheel on a CPU machine"
+  bash scripts/dev.sh check-wheels || failed+=(check-wheels)
   say "docs"
   bash scripts/dev.sh docs || failed+=(docs)
   say "lint"

@@ -1,6 +1,7 @@
 """Every environment variable magi_ffa reads, in one place: one function per variable, read on each call
 (tests and sweeps may change them between calls); the library never writes them, except
-:func:`interpret_triton_without_cuda`, which test suites call from their ``conftest.py``.
+:func:`interpret_triton_without_cuda`, which test suites call from their ``conftest.py``, and
+:func:`set_vendor_setting`, with which ``magi_ffa.compile_cache`` turns the vendors' kernel caches on.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
@@ -13,7 +14,17 @@ import os
 
 from magi_mask.flags import parse_bool
 
-__all__ = ["backend", "interpret_triton_without_cuda", "poison", "tiles", "triton_interpret"]
+__all__ = [
+    "backend",
+    "cache_dir",
+    "compile_cache",
+    "interpret_triton_without_cuda",
+    "poison",
+    "set_vendor_setting",
+    "tiles",
+    "triton_interpret",
+    "vendor_setting",
+]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -79,6 +90,38 @@ def triton_interpret() -> bool:
     """``TRITON_INTERPRET`` (Triton's own; boolean, default false): Triton runs kernels in its interpreter,
     so the triton backend accepts CPU tensors (tests, CI). Set it before Triton is imported."""
     return _flag("TRITON_INTERPRET", False)
+
+
+def compile_cache() -> bool:
+    """``MAGI_ATTENTION_COMPILE_CACHE`` (boolean, default true): when magi_ffa_fa4 / magi_ffa_cudnn are
+    imported, turn on the vendors' on-disk caches of compiled kernels (FA4's and cuDNN flex_attention's), in
+    ``cache_dir()``; false leaves the vendors' defaults (off). Read when those packages are imported."""
+    return _flag("MAGI_ATTENTION_COMPILE_CACHE", True)
+
+
+def cache_dir() -> tuple[str, str]:
+    """``MAGI_ATTENTION_CACHE_DIR``: the root of magi-attention's compiled-kernel caches, and where it came
+    from: ``(path, "MAGI_ATTENTION_CACHE_DIR")``, else ``($XDG_CACHE_HOME/magi_attention, "XDG_CACHE_HOME")``,
+    else ``(~/.cache/magi_attention, "default")``. The path is expanded (``~``) but not created."""
+    raw = os.environ.get("MAGI_ATTENTION_CACHE_DIR", "").strip()
+    if raw:
+        return os.path.abspath(os.path.expanduser(raw)), "MAGI_ATTENTION_CACHE_DIR"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg:
+        return os.path.join(os.path.abspath(os.path.expanduser(xdg)), "magi_attention"), "XDG_CACHE_HOME"
+    return os.path.join(os.path.expanduser("~"), ".cache", "magi_attention"), "default"
+
+
+def vendor_setting(name: str) -> str | None:
+    """The raw value of a vendor's own variable (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TRITON_CACHE_DIR``,
+    ...), None when unset: ``magi_ffa.compile_cache`` leaves a user's own setting alone and reports it."""
+    return os.environ.get(name)
+
+
+def set_vendor_setting(name: str, value: str) -> None:
+    """Set a vendor's own variable for this process and its children (the one place the library writes the
+    environment: ``magi_ffa.compile_cache`` turns the vendors' kernel caches on before they are imported)."""
+    os.environ[name] = value
 
 
 def interpret_triton_without_cuda() -> bool:

@@ -5,6 +5,8 @@ by the mask's value and geometry. The conversion needs only torch (and Triton on
 points need ``nvidia-cudnn-frontend`` and raise an ImportError saying what to install when it is missing.
 """
 
+# first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
+from . import env
 from .interface import (
     INSTALL_HINT,
     CudnnMaskPlan,
@@ -18,7 +20,7 @@ from .interface import (
 )
 from .mask_func import mask_func_from_intervals, visible_from_mask_func
 
-__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
+__version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "INSTALL_HINT",

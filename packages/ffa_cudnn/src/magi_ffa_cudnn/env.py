@@ -1,11 +1,20 @@
 """Every environment variable magi_ffa_cudnn reads, in one place; the library never writes them. (cuDNN's
-frontend and the CuTe DSL read their own; ``docs/flags.md`` lists every package's variables.)"""
+frontend and the CuTe DSL read their own; ``docs/flags.md`` lists every package's variables.) The one
+exception: importing this module turns cuDNN flex_attention's on-disk kernel cache on (``COMPILE_CACHE``,
+``magi_ffa.compile_cache``) unless the user set ``FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED`` themselves."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["plan_cache_size"]
+from magi_ffa.compile_cache import CacheState, enable_vendor_cache
+
+__all__ = ["PACKAGE_VERSION", "plan_cache_size"]
+
+
+PACKAGE_VERSION = "0.1.0"
+"""The [project] version of pyproject.toml (CI checks that ``__version__`` agrees); part of the compile
+cache's directory name (``magi_ffa.compile_cache``)."""
 
 
 def plan_cache_size() -> int:
@@ -23,3 +32,8 @@ def plan_cache_size() -> int:
             f"MAGI_FFA_CUDNN_PLAN_CACHE={raw!r} is not valid: it must be a positive integer (default 64)"
         )
     return value
+
+
+COMPILE_CACHE: CacheState = enable_vendor_cache("cudnn", os.path.dirname(__file__), PACKAGE_VERSION)
+"""The vendor's on-disk kernel cache as decided when this package was imported (before any vendor import:
+the vendor reads its cache variables once, when it is imported; ``magi_ffa.compile_cache``)."""

@@ -8,11 +8,13 @@ point needs ``flash-attn-4`` and raises an ImportError saying what to install wh
 from magi_ffa import merge_out_lse_
 from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_reference
 
+# first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
+from . import env
 from ._launch_meta import clear_launch_cache, clear_plan_cache
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
 
-__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
+__version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "INSTALL_HINT",

@@ -1,5 +1,7 @@
 """Every environment variable magi_ffa_fa4 reads, in one place: one function per variable; the library
 never writes them. (FlashAttention-4 and the CuTe DSL read their own; magi_ffa's are in ``magi_ffa.env``.)
+The one exception: importing this module turns FA4's on-disk kernel cache on (``COMPILE_CACHE``,
+``magi_ffa.compile_cache``) unless the user set ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`` themselves.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else. ``docs/flags.md`` lists every package's variables.
@@ -11,7 +13,14 @@ import os
 
 from magi_mask.flags import parse_bool
 
-__all__ = ["plan_cache_size", "poison", "r2p", "varlen"]
+from magi_ffa.compile_cache import CacheState, enable_vendor_cache
+
+__all__ = ["PACKAGE_VERSION", "plan_cache_size", "poison", "r2p", "varlen"]
+
+
+PACKAGE_VERSION = "0.1.0"
+"""The [project] version of pyproject.toml (CI checks that ``__version__`` agrees); part of the compile
+cache's directory name (``magi_ffa.compile_cache``)."""
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -53,3 +62,8 @@ def poison() -> bool:
     """``MAGI_FFA_FA4_POISON`` (boolean, default false): FA4's output buffer starts as NaN, so any element the
     kernel does not write shows up (tests)."""
     return _flag("MAGI_FFA_FA4_POISON", False)
+
+
+COMPILE_CACHE: CacheState = enable_vendor_cache("fa4", os.path.dirname(__file__), PACKAGE_VERSION)
+"""The vendor's on-disk kernel cache as decided when this package was imported (before any vendor import:
+the vendor reads its cache variables once, when it is imported; ``magi_ffa.compile_cache``)."""

@@ -31,6 +31,7 @@ from .api import (
     squash_batch_dim,
     undispatch,
     undispatch_kv,
+    warmup,
 )
 from .config import (
     DispatchAlg,
@@ -79,4 +80,5 @@ __all__ = [
     "squash_batch_dim",
     "undispatch",
     "undispatch_kv",
+    "warmup",
 ]

@@ -26,6 +26,7 @@ from ._collective_choice import choose_collective
 from ._mask_input import normalize_mask_types, normalize_ranges
 from ._runtime import RUNTIME_CACHE
 from .checks import agree_on_call, agree_on_key, collective_key_build
+from .checks._arguments import CALC_ATTN_DTYPES
 from .config import DistAttnConfig, KernelBackend, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
@@ -71,6 +72,7 @@ __all__ = [
     "squash_batch_dim",
     "undispatch",
     "undispatch_kv",
+    "warmup",
 ]
 
 
@@ -485,3 +487,65 @@ def clear_cache(cp_group_or_mesh: Any = None) -> None:
         name = group.name
     agree_on_call(group, "clear_cache", lambda: None, same=lambda: {"cp group": name})
     RUNTIME_CACHE.clear(name)
+
+
+def warmup(
+    key: DistAttnRuntimeKey,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    device: torch.device | str | None = None,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> None:
+    """Compile every kernel this rank's part of `key` needs, before the first training step.
+
+    Runs `calc_attn` forward and backward once on fresh random `q`, `k`, `v` of this rank's shapes
+    (`[key.shard_seqlen, num_heads_q, head_dim]`, k/v `[key.kv_shard_seqlen, num_heads_kv, head_dim]`) in
+    `dtype`: the same plan, backends (forward and backward, `auto`'s pick included) and deterministic
+    variants (`DistAttnConfig.deterministic` or `MAGI_ATTENTION_DETERMINISTIC_MODE`) as the real calls, so
+    their kernels are compiled (and, with the on-disk compile cache, stored for the next process). No user
+    tensor and no global random state is touched; the result is discarded.
+
+    Collective: it runs exactly the communication of one `calc_attn` forward + backward, so every rank of the
+    key's cp group must call it, with the same arguments. Kernels that depend on call arguments are only
+    compiled for the ones given here: pass the `softmax_scale` / `softcap` of the real calls (attention
+    sinks are not warmed up).
+
+    Args:
+        key: the runtime key of the real calls.
+        dtype: the dtype of the real q, k, v (float16, bfloat16, float32 or float64).
+        device: where the real tensors live. Default: the current CUDA device for an NCCL group or a
+            single-process key on a CUDA machine, else the CPU.
+        softmax_scale, softcap: as for `calc_attn`.
+
+    Raises:
+        TypeError: `key` is not a DistAttnRuntimeKey or `dtype` is not a supported torch dtype (raised
+            before any communication, on every rank alike).
+    """
+    if not isinstance(key, DistAttnRuntimeKey):
+        raise TypeError(f"key must be a DistAttnRuntimeKey, got {type(key).__name__}")
+    if not isinstance(dtype, torch.dtype) or dtype not in CALC_ATTN_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in CALC_ATTN_DTYPES)
+        raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
+    if device is None:
+        group = key.cp_group.group
+        if group is None:
+            use_cuda = torch.cuda.is_available()
+        else:
+            use_cuda = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # our own: the user's random state is untouched
+
+    def rand(rows: int, heads: int) -> torch.Tensor:
+        x = torch.randn(rows, heads, key.head_dim, generator=gen, device=device, dtype=torch.float32)
+        return x.to(dtype).requires_grad_(True)
+
+    q = rand(key.shard_seqlen, key.num_heads_q)
+    k = rand(key.kv_shard_seqlen, key.num_heads_kv)
+    v = rand(key.kv_shard_seqlen, key.num_heads_kv)
+    with torch.enable_grad():
+        out, _ = calc_attn(q, k, v, key, softmax_scale, softcap)
+        out.backward(torch.randn(out.shape, generator=gen, device=device, dtype=torch.float32).to(dtype))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

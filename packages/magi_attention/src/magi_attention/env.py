@@ -133,3 +133,18 @@ def cost_profile_override() -> str | None:
 def child_process_env(**overrides: str) -> dict[str, str]:
     """This process's environment with `overrides`, for a child process (tests launching ranks)."""
     return {**os.environ, **overrides}
+
+
+_REPORTED_PREFIXES = (
+    "MAGI_",
+    "FLASH_ATTENTION_CUTE_DSL_",
+    "FLEX_ATTENTION_CUTE_DSL_",
+    "TRITON_",
+    "CUDA_VISIBLE",
+)
+
+
+def variables_in_effect() -> dict[str, str]:
+    """Every set variable that changes what this library does (``MAGI_*``, the vendors' compile-cache
+    variables, ``TRITON_*``, ``CUDA_VISIBLE_DEVICES``), sorted by name, for ``python -m magi_attention.info``."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_REPORTED_PREFIXES)}

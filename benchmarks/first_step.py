@@ -1,0 +1,233 @@
+"""How long the first training step takes in a fresh process, with a cold and a warm compile cache.
+
+Every measurement runs in a fresh child process (imports, CUDA start-up, the key and the inputs on the GPU
+come first and are not timed). The clock starts at the first ``calc_attn`` call and stops when its backward
+has finished (``torch.cuda.synchronize``): that is the first step's attention, compiles included. Steps 2-3
+are timed too (steady state). ``kernel_backend="auto"``, a 16k-token packed causal documents mask
+(``magi_attention._vendor_kernels.standard_masks``), 64 query heads, 8 key/value heads, head_dim 128, bf16.
+
+Runs, in order, all with ``MAGI_ATTENTION_CACHE_DIR`` pointing at one fresh directory (the compiled-kernel
+caches of FA4 and cuDNN; Triton's ``TRITON_CACHE_DIR`` is pointed below it too, so it starts cold as well):
+
+1. ``cp1``, cold cache; 2. ``cp1`` again, warm cache; 3. ``cp1_warmup``: ``magi_attention.warmup(key)`` first
+   (timed on its own), then the first step;
+4. ``sim8`` / ``sim8_warmup``: the simulated cp 8 loop (``magi_attention.simulate``: the 8 ranks' plans of
+   the same mask run one after the other on this GPU, ``auto``'s backend for the busiest rank's features),
+   first step without and with a warm-up step before it, on a second fresh cache directory (cold) and then
+   again warm.
+
+The cache's size on disk is recorded after each run. Results: ``$OUT/first_step.json`` (or ``--out``).
+
+    python benchmarks/first_step.py --out $OUT     # on one GPU, about 2-4 minutes
+    python benchmarks/first_step.py --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
+
+The GPU needs the vendors (flash-attn-4, nvidia-cudnn-frontend) installed for ``auto`` to pick them; without
+them the runs measure the Triton backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOKENS = 16384
+HEADS = (64, 8, 128)
+DEVICE = "cuda"
+RUNS = ("cp1", "cp1", "cp1_warmup", "sim8", "sim8", "sim8_warmup")
+"""The order of the runs; the first run of each kind on its cache directory is cold, the others warm."""
+
+
+def _mask():
+    from magi_attention._vendor_kernels import standard_masks
+
+    return next(m for m in standard_masks(TOKENS) if m.name == "docs")
+
+
+def _dtype():
+    import torch
+
+    return torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CPU smoke runs: the torch path in fp32
+
+
+def _start():
+    """CUDA start-up (not timed)."""
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.init()
+        torch.ones(1, device="cuda").sum().item()
+
+
+def _sync():
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def child_cp1(warm: bool) -> dict:
+    import torch
+
+    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
+
+    _start()
+    m = _mask()
+    hq, hk, d = HEADS
+    key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
+                             DistAttnConfig(kernel_backend="auto"))  # fmt: skip
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()).requires_grad_()
+               for h in (hq, hk, hk))  # fmt: skip
+    do = torch.randn(TOKENS, hq, d, device=DEVICE, generator=gen, dtype=_dtype())
+    _sync()
+    resolved, reason = get_kernel_backend(key)
+    out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
+    if warm:
+        t0 = time.perf_counter()
+        warmup(key, _dtype(), device=DEVICE)
+        out["warmup_s"] = time.perf_counter() - t0
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        o, _meta = calc_attn(q, k, v, key)
+        o.backward(do)
+        _sync()
+        steps.append(time.perf_counter() - t0)
+    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
+    return out
+
+
+def child_sim8(warm: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from magi_attention._kernels import _resolve, choose_auto, probe_local
+    from magi_attention.config import KernelBackend
+    from magi_attention.simulate import simulate_dist_attn
+    from magi_solver import plan_dist_attn
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    _start()
+    m = _mask()
+    hq, hk, d = HEADS
+    cp = 8
+    qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
+    chunk = TOKENS // cp // 4  # 4 chunks per rank (512 tokens at 16k)
+    plan = plan_dist_attn(qr, kr, types, TOKENS, cp, chunk, overlap_degree=2, min_chunk_size=min(256, chunk))
+    rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
+    keys = kernel_key_ids(rows, plan.kv_layout)
+    choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,
+                         lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
+                   for h in (hq, hk, hk, hq))  # fmt: skip
+    _sync()
+    out = {"backend": choice.backend.value, "reason": choice.reason}
+    if warm:  # one step on other inputs: what magi_attention.warmup does on a real cp 8 key
+        t0 = time.perf_counter()
+        simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend)
+        _sync()
+        out["warmup_s"] = time.perf_counter() - t0
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend)
+        _sync()
+        steps.append(time.perf_counter() - t0)
+    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
+    return out
+
+
+def _dir_size(path: str) -> int:
+    from magi_ffa.compile_cache import dir_size
+
+    return dir_size(path)
+
+
+def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
+    env = dict(os.environ, MAGI_ATTENTION_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLEX_ATTENTION_CUTE_DSL_CACHE_DIR",
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
+        env.pop(name, None)  # ours decide: the point is the default
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, *shape], env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result.update(kind=kind, process_s=round(wall, 2), cache_bytes=_dir_size(cache))
+    return result
+
+
+def main() -> None:
+    global TOKENS, HEADS, DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of first_step.json ($OUT)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per child process")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (fp32)")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"mask length (default {TOKENS})")
+    parser.add_argument("--heads", default=",".join(map(str, HEADS)), help="heads_q,heads_kv,head_dim")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"runs in order (default {','.join(RUNS)})")
+    args = parser.parse_args()
+    TOKENS, DEVICE = args.tokens, args.device
+    HEADS = tuple(int(x) for x in args.heads.split(","))
+    if len(HEADS) != 3 or TOKENS % 128:
+        parser.error("--heads needs three integers and --tokens a multiple of 128")
+    shape = ["--device", DEVICE, "--tokens", str(TOKENS), "--heads", args.heads]
+    runs = args.runs.split(",")
+    if not runs or any(r not in RUNS for r in runs):
+        parser.error(f"--runs takes names among {sorted(set(RUNS))}")
+    if args.child:
+        kind = args.child
+        fn = {"cp1": lambda: child_cp1(False), "cp1_warmup": lambda: child_cp1(True),
+              "sim8": lambda: child_sim8(False), "sim8_warmup": lambda: child_sim8(True)}[kind]  # fmt: skip
+        print(json.dumps(fn()))
+        return
+    runs_out = []
+    with tempfile.TemporaryDirectory(prefix="magi_first_step_") as tmp:
+        caches = {"cp1": os.path.join(tmp, "a"), "sim8": os.path.join(tmp, "b")}  # one fresh directory each
+        seen = set()
+        for kind in runs:
+            cache = caches[kind.split("_")[0]]
+            r = run_child(kind, cache, args.timeout, shape)
+            r["cache"] = "warm" if cache in seen else "cold"
+            seen.add(cache)
+            runs_out.append(r)
+            print(json.dumps(r), flush=True)
+    import torch
+
+    doc = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
+        "tokens": TOKENS,
+        "heads": list(HEADS),
+        "mask": "docs (packed causal documents)",
+        "runs": runs_out,
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "first_step.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(
+        f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
+    )
+    for r in runs_out:
+        if "error" in r:
+            print(f"{r['kind']:<12}{r['cache']:<6}error: {r['error'].splitlines()[-1][:50]}")
+            continue
+        w = f"{r['warmup_s']:.2f}" if "warmup_s" in r else "-"
+        print(f"{r['kind']:<12}{r['cache']:<6}{r['backend'][:15]:<16}{w:>9}{r['first_step_s']:>9.2f}"
+              f"{r['steady_step_s']:>9.3f}{r['cache_bytes'] / 2**20:>10.1f}")  # fmt: skip
+    print(f"wrote {path}")
+    sys.exit(1 if any("error" in r for r in runs_out) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The vendors' own attention calls on a mask of slices, defined once: FlashAttention-4's ``flash_attn_func`` /
+``flash_attn_varlen_func``, cuDNN's ``flex_attn_func`` and PyTorch's FlexAttention, for the masks each can
+express. ``python -m magi_attention.info --bench`` times them beside our backends; ``benchmarks/`` (the
+baselines of ``cp_bench.py``, ``ffa_bench.py``) imports them from here.
+
+Tensors are packed ``[tokens, heads, head_dim]`` (magi-attention's layout); each ``*_call`` builds what the
+vendor needs once (block masks, mask plans, cu_seqlens: outside any timing) and returns a callable
+``fn() -> out [tokens, heads_q, head_dim]`` with autograd to the returned leaf inputs. A mask a vendor cannot
+express, or a vendor that is not installed, raises :class:`VendorUnavailable` saying why. Vendor modules are
+imported on first use (through magi_ffa_fa4 / magi_ffa_cudnn first, so their compile caches are set up), so
+this module imports on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "SliceMask",
+    "VendorUnavailable",
+    "cudnn_flex_call",
+    "fa4_call",
+    "fa4_local",
+    "flex_attention_call",
+    "import_vendor",
+    "standard_masks",
+]
+
+Ranges = Sequence[Sequence[int]]
+VendorCall = tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]
+"""``(fn, leaf inputs)``: ``fn()`` runs the forward; gradients flow to the leaves."""
+
+
+class VendorUnavailable(Exception):
+    """This vendor cannot run this case here; the message says why (missing package, mask not expressible)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SliceMask:
+    """A mask over ``total`` tokens (self-attention): slices ``(q_ranges[i], k_ranges[i], types[i])``, types 0
+    FULL, 1 CAUSAL (bottom-right aligned), 2 INV_CAUSAL, 3 BI_CAUSAL (magi-attention's convention).
+    ``window``: when set, the mask is also causal sliding-window attention over the whole sequence, row q
+    seeing keys ``q - window .. q`` (how FA4 and FlexAttention express it)."""
+
+    q_ranges: tuple[tuple[int, int], ...]
+    k_ranges: tuple[tuple[int, int], ...]
+    types: tuple[int, ...]
+    total: int
+    name: str = ""
+    window: int | None = None
+
+    @classmethod
+    def of(
+        cls, q_ranges: Ranges, k_ranges: Ranges, types: Sequence[int], total: int, **kw: object
+    ) -> SliceMask:
+        return cls(
+            q_ranges=tuple((int(a), int(b)) for a, b in q_ranges),
+            k_ranges=tuple((int(a), int(b)) for a, b in k_ranges),
+            types=tuple(int(t) for t in types),
+            total=int(total),
+            **kw,
+        )
+
+    def dense_causal(self) -> bool | None:
+        """True / False when the mask is causal / full over the whole square; None otherwise."""
+        whole = ((0, self.total),)
+        if self.q_ranges == whole and self.k_ranges == whole and self.types in ((0,), (1,)):
+            return self.types == (1,)
+        return None
+
+    def varlen(self) -> tuple[list[int], bool] | None:
+        """``(cu_seqlens, causal)`` when the mask is packed documents (diagonal squares tiling the sequence
+        in order, all FULL or all CAUSAL); None otherwise."""
+        if not self.q_ranges or self.q_ranges != self.k_ranges or len(set(self.types)) != 1:
+            return None
+        if self.types[0] not in (0, 1):
+            return None
+        cu = [0]
+        for a, b in self.q_ranges:
+            if a != cu[-1] or b <= a:
+                return None
+            cu.append(b)
+        return (cu, self.types[0] == 1) if cu[-1] == self.total else None
+
+    def slices(self) -> list[tuple[int, int, int, int, int]]:
+        """``(q_start, q_end, k_start, k_end, type)`` per slice (``magi_solver.kernel_choice``'s form)."""
+        return [(*q, *k, t) for q, k, t in zip(self.q_ranges, self.k_ranges, self.types, strict=True)]
+
+    def area(self) -> int:
+        """Visible (q, k) pairs: the FLOP count's base (slices do not overlap in the standard masks)."""
+        from magi_solver.kernel_choice import mask_features
+
+        return mask_features(self.slices(), self.total).area
+
+
+def standard_masks(total: int, window: int = 1024) -> list[SliceMask]:
+    """The masks of ``info --bench``: ``causal``; ``docs``, packed causal documents (lengths cycling
+    1/8, 1/4, 1/16, 1/16 of ``total``: a mix of long and short ones); ``window``, causal sliding window of
+    ``window`` keys before each query."""
+    from magi_solver import make_sliding_window_mask
+
+    if total % 16:
+        raise ValueError(f"total must be a multiple of 16, got {total}")
+    lengths = []
+    for f in itertools.cycle((8, 4, 16, 16)):
+        n = min(total // f, total - sum(lengths))
+        if n <= 0:
+            break
+        lengths.append(n)
+    cu = list(itertools.accumulate(lengths, initial=0))
+    docs = [(a, b) for a, b in itertools.pairwise(cu)]
+    spec = make_sliding_window_mask([0, total], (window, 0))
+    return [
+        SliceMask.of([(0, total)], [(0, total)], [1], total, name="causal"),
+        SliceMask.of(docs, docs, [1] * len(docs), total, name="docs"),
+        SliceMask.of(
+            [(r.start, r.end) for r in spec.q_ranges],
+            [(r.start, r.end) for r in spec.k_ranges],
+            [int(t) for t in spec.types],
+            total,
+            name="window",
+            window=window,
+        ),
+    ]
+
+
+def import_vendor(name: str, what: str) -> ModuleType:
+    """``importlib.import_module(name)``, VendorUnavailable (with ``what``) when it does not import. Our
+    backend package of the vendor is imported first, so its compile cache is on before the vendor loads."""
+    first = {"flash_attn": "magi_ffa_fa4", "cudnn": "magi_ffa_cudnn"}.get(name.split(".")[0])
+    try:
+        if first is not None:
+            importlib.import_module(first)
+        return importlib.import_module(name)
+    except ImportError as exc:  # also a broken install (e.g. a CuTe DSL library missing)
+        raise VendorUnavailable(f"{what} not importable: {exc}") from None
+
+
+def _first(out):
+    """FA4 returns out or (out, lse, ...) depending on the version and flags."""
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def fa4_local(
+    mask: SliceMask, device: torch.device, fa: ModuleType | None = None
+) -> tuple[Callable[..., torch.Tensor], str]:
+    """``(attn(q, k, v) -> out, label)``: FlashAttention-4's native call for ``mask`` on packed
+    ``[tokens, heads, head_dim]`` tensors (``flash_attn_func`` for full / causal / a causal window,
+    ``flash_attn_varlen_func`` for packed documents); ``fa`` = the ``flash_attn.cute`` module (imported when
+    None)."""
+    causal = mask.dense_causal()
+    varlen = mask.varlen() if causal is None else None
+    if causal is None and varlen is None and mask.window is None:
+        raise VendorUnavailable(
+            "mask not expressible: FA4 takes full / causal, a causal window, or packed documents "
+            "(cu_seqlens) all full or all causal"
+        )
+    fa = fa if fa is not None else import_vendor("flash_attn.cute", "flash_attn.cute (FlashAttention-4)")
+    if causal is not None or varlen is None:
+        window = (mask.window, 0) if causal is None else None
+        kw = {"causal": True, "window_size": window} if window else {"causal": causal}
+
+        def dense(q, k, v):
+            return _first(fa.flash_attn_func(q[None], k[None], v[None], **kw))[0]
+
+        what = "causal" if causal else "full" if causal is not None else f"window {mask.window}"
+        return dense, f"FA4 flash_attn_func ({what})"
+    cu_list, causal = varlen
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in itertools.pairwise(cu_list))
+
+    def packed(q, k, v):
+        return _first(
+            fa.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                causal=causal,
+            )
+        )  # fmt: skip
+
+    docs = f"{len(cu_list) - 1} docs{', causal' if causal else ''}"
+    return packed, f"FA4 flash_attn_varlen_func ({docs})"
+
+
+def _leaves(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(x.detach().requires_grad_() for x in xs)
+
+
+def fa4_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
+    """FlashAttention-4's native call (``fa4_local``) on fresh leaves of ``q``, ``k``, ``v``."""
+    attn, _ = fa4_local(mask, q.device)
+    leaves = _leaves(q, k, v)
+    return (lambda: attn(*leaves)), leaves
+
+
+def cudnn_flex_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
+    """cuDNN's own ``flex_attn_func``: the packed problem as one BSHD sample, the mask as magi_ffa's per-row
+    key intervals turned into cuDNN's ``mask_func`` (its mask plan, backward included, built here)."""
+    flex = import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
+    from magi_ffa_cudnn import mask_func_from_intervals
+
+    from magi_ffa.intervals import row_intervals
+
+    def table(rows):
+        return torch.tensor(rows, dtype=torch.int32, device=q.device).reshape(-1, 2)
+
+    types = torch.tensor(mask.types, dtype=torch.int32, device=q.device)
+    iv = row_intervals(table(mask.q_ranges), table(mask.k_ranges), types, mask.total, mask.total)
+    q4, k4, v4 = (x[None] for x in _leaves(q, k, v))
+    plan = flex.create_mask_plan(mask_func_from_intervals(iv), q4, k4, v4, build_backward=True)
+    leaves = (q4, k4, v4)
+    return (lambda: _first(flex.flex_attn_func(q4, k4, v4, mask_plan=plan))[0]), leaves
+
+
+_FLEX: dict[str, Callable] = {}
+
+
+def flex_attention_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
+    """PyTorch's FlexAttention (``torch.compile``-d, one block mask built here) for causal, packed causal
+    documents and causal windows."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    causal, varlen, window = mask.dense_causal(), mask.varlen(), mask.window
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        # one compiled kernel per mask and shape: raise the limits or Flex falls back to an eager O(N^2) path
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    if causal is not None:
+        mod = None if not causal else (lambda b, h, qi, ki: qi >= ki)
+    elif window is not None:
+        mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= window)  # noqa: E731
+    elif varlen is not None:
+        cu, is_causal = varlen
+        doc = torch.repeat_interleave(
+            torch.arange(len(cu) - 1, device=q.device), torch.tensor(cu, device=q.device).diff()
+        )
+
+        def mod(b, h, qi, ki):
+            same = doc[qi] == doc[ki]
+            return same & (qi >= ki) if is_causal else same
+    else:
+        raise VendorUnavailable("mask not expressible here: FlexAttention runs causal, documents, windows")
+    s = mask.total
+    block = None if mod is None else create_block_mask(mod, 1, 1, s, s, device=q.device)
+    gqa = q.shape[1] != k.shape[1]
+    qb, kb, vb = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))  # [1, h, S, d]
+    fn = _FLEX["fn"]
+    return (lambda: fn(qb, kb, vb, block_mask=block, enable_gqa=gqa)[0].transpose(0, 1)), (qb, kb, vb)

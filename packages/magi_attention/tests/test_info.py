@@ -1,0 +1,85 @@
+"""python -m magi_attention.info on the CPU: 80 columns, --json is one JSON document, the CPU --check passes
+(exit 0) and a wrong backend fails it (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from magi_attention import info
+
+
+def test_text_report_fits_80_columns_and_checks_pass(capsys) -> None:
+    code = info.main(["--check", "--bench"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    wide = [line for line in text.splitlines() if len(line) > 80]
+    assert not wide, wide
+    for needle in ("Kernel backends:", "torch  runs here", "Compiled-kernel caches:", "All checks passed."):
+        assert needle in text
+    if not torch.cuda.is_available():
+        assert "not run: needs a CUDA GPU" in text
+
+
+def test_json_is_one_document(capsys) -> None:
+    code = info.main(["--json", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out)  # nothing else on stdout
+    assert report["backends"]["torch"]["runs"] and report["check"]["passed"]
+    checked = {(r["backend"], r["mask"]) for r in report["check"]["rows"]}
+    assert {("torch", "causal"), ("torch", "docs"), ("torch", "window")} <= checked
+    assert all(r["ratio"] is not None and r["ratio"] < 10 for r in report["check"]["rows"])
+    assert {c["name"] for c in report["caches"]} >= {"fa4", "cudnn", "triton"}
+    if not torch.cuda.is_available():
+        assert not report["backends"]["fa4"]["runs"] and report["backends"]["fa4"]["why_not"]
+
+
+def test_a_wrong_backend_fails_the_check(monkeypatch, capsys) -> None:
+    right = info.kernel_fns
+
+    def wrong(backend):
+        fwd, bwd = right(backend)
+
+        def bad_fwd(*args, **kw):
+            out, lse = fwd(*args, **kw)
+            return out * 1.01, lse  # 1% off: far beyond bf16 / fp32 rounding
+
+        return bad_fwd, bwd
+
+    monkeypatch.setattr(info, "kernel_fns", wrong)
+    monkeypatch.setattr(info, "BACKENDS", ("torch",))
+    code = info.main(["--check"])
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL" in text and "SOME CHECKS FAILED." in text and "out: max error" in text
+
+
+def test_module_entry_point_runs() -> None:
+    """``python -m magi_attention.info --json`` in a fresh process (the documented command)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "magi_attention.info", "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["python"]
+
+
+def test_bad_arguments_exit_2() -> None:
+    with pytest.raises(SystemExit) as exc:
+        info.main(["--rounds", "0"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_check_passes_on_every_backend_that_runs(capsys) -> None:
+    """On a GPU: every backend that runs here passes the bf16 check (FA4 and cuDNN where installed)."""
+    code = info.main(["--json", "--check"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, [r for r in report["check"]["rows"] if not r["passed"]]
+    ran = {r["backend"] for r in report["check"]["rows"]}
+    assert {"triton", "torch"} <= ran

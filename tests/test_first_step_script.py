@@ -1,0 +1,28 @@
+"""benchmarks/first_step.py runs end to end on the CPU (tiny shapes, two fresh child processes), so the
+script the GPU measurement uses cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_first_step_smoke_on_cpu(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--device", "cpu", "--tokens", "256",
+           "--heads", "2,1,16", "--runs", "cp1,sim8_warmup", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "first_step.json").read_text())
+    kinds = [(r["kind"], r["cache"]) for r in doc["runs"]]
+    assert kinds == [("cp1", "cold"), ("sim8_warmup", "cold")]
+    for r in doc["runs"]:
+        assert r["first_step_s"] > 0 and r["steady_step_s"] > 0 and r["cache_bytes"] >= 0
+    assert doc["runs"][1]["warmup_s"] > 0
+    bad = subprocess.run([*cmd[:2], "--runs", "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--runs" in bad.stderr
