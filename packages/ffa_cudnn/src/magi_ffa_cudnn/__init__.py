@@ -3,9 +3,13 @@
 A mask of slices becomes magi_ffa's per-row key intervals, then cuDNN's ``mask_func`` and a mask plan cached
 by the mask's value and geometry. The conversion needs only torch (and Triton on CUDA); the attention entry
 points need ``nvidia-cudnn-frontend`` and raise an ImportError saying what to install when it is missing.
+The package provides cuDNN's launchers and its capability (``CAPABILITY``); the entry points are
+``magi_ffa.contract``'s, bound to them (``BACKEND``).
 """
 
 from .interface import (
+    BACKEND,
+    CAPABILITY,
     INSTALL_HINT,
     CudnnMaskPlan,
     clear_plan_cache,
@@ -21,6 +25,8 @@ from .mask_func import mask_func_from_intervals, visible_from_mask_func
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
+    "BACKEND",
+    "CAPABILITY",
     "INSTALL_HINT",
     "CudnnMaskPlan",
     "clear_plan_cache",

@@ -18,7 +18,7 @@ from magi_ffa.validation import RangesLike, TypeMapLike, host_slices
 
 from . import env
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
-from .varlen import VarlenPlan, plan_varlen
+from .varlen import VarlenPlan, plan_varlen, varlen_possible
 
 CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
@@ -130,6 +130,12 @@ def build_launch_meta(
         has_empty_rows=meta_fwd.has_empty_rows,
         empty_rows=(iv.counts == 0).nonzero().flatten() if meta_fwd.has_empty_rows else None,
     )
+
+
+def takes_varlen(slices, total_q: int, total_k: int) -> bool:
+    """Whether :func:`build_launch_meta` runs these checked slices (``magi_ffa``'s host slices) as FA4 varlen
+    calls (the path whose backward has a deterministic mode) rather than the block-sparse path."""
+    return env.varlen() and varlen_possible(slices)
 
 
 _CACHE: MaskValueCache[LaunchMeta] = MaskValueCache(CACHE_SIZE)
