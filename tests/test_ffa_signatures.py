@@ -1,6 +1,6 @@
 """The public signatures of the three FFA packages' entry points, snapshotted: the one FFA contract binds
 each backend's `flex_flash_attn_func` / `ffa_fwd` / `ffa_bwd`, and `inspect.signature` must keep showing every
-parameter (name, kind, default) of each. Runs on the CPU without FA4 or cuDNN installed (their interface
+parameter (name, kind, default) of each; `deterministic` is in every backend's `flex_flash_attn_func`. Runs on the CPU without FA4 or cuDNN installed (their interface
 modules import without them)."""
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ _GRADS = [("dq", K, "None"), ("dk", K, "None"), ("dv", K, "None")]
 _BWD_TAIL = [("dlse", K, "None"), ("sink", K, "None")]
 
 FLEX = [*_QKV, *_TABLES, *_SCALARS, *_ACC, *_FWD_TAIL]
-FLEX_NO_DET = [*_QKV, *_TABLES, *_SCALARS[:2], *_ACC, *_FWD_TAIL]
 EXPECTED = {
     ("magi_ffa", "flex_flash_attn_func"): FLEX,
     ("magi_ffa", "ffa_fwd"): [*_QKV, *_TABLES, *_SCALARS, *_ACC, *_BACKEND, *_FWD_TAIL],
     ("magi_ffa", "ffa_bwd"): [*_BWD_HEAD, *_TABLES, *_SCALARS, *_GRADS, *_BACKEND, *_BWD_TAIL],
-    ("magi_ffa_fa4", "flex_flash_attn_func"): FLEX_NO_DET,
+    ("magi_ffa_fa4", "flex_flash_attn_func"): FLEX,
     ("magi_ffa_fa4", "ffa_fwd"): [*_QKV, *_TABLES, *_SCALARS, *_ACC, *_FWD_TAIL],
     ("magi_ffa_fa4", "ffa_bwd"): [*_BWD_HEAD, *_TABLES, *_SCALARS, *_GRADS, *_BWD_TAIL],
-    ("magi_ffa_cudnn", "flex_flash_attn_func"): FLEX_NO_DET,
+    ("magi_ffa_cudnn", "flex_flash_attn_func"): FLEX,
     ("magi_ffa_cudnn", "ffa_fwd"): [*_QKV, *_TABLES, *_SCALARS, *_ACC, *_FWD_TAIL],
     ("magi_ffa_cudnn", "ffa_bwd"): [*_BWD_HEAD, *_TABLES, *_SCALARS, *_GRADS, *_BWD_TAIL],
 }

@@ -19,7 +19,7 @@ from ._common import (
     validate_scalars,
 )
 from ._max_logits import head_max, max_logits_pass
-from .contract import BackendCapability, FFABackend, public_functions, register_backend
+from .contract import BackendCapability, FFABackend, Launchers, public_functions, register_backend
 
 __all__ = ["TORCH", "TRITON", "ffa_bwd", "ffa_fwd", "ffa_max_logits", "flex_flash_attn_func"]
 
@@ -33,51 +33,42 @@ def _delta(do, out, lse, dlse, q) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(delta), delta)
 
 
-class _TritonLaunchers:
-    """magi_ffa's Triton kernels: fused accumulation into out / lse and dq / dk / dv, the row max in the
-    forward's epilogue; every gradient block has one owner (no atomics), so always deterministic."""
+def _triton_forward(q, k, v, slices, scale, softcap, want_max, zero_empty, out=None, lse=None):
+    """magi_ffa's Triton forward: fused accumulation into out / lse, the row max in its epilogue."""
+    from ._triton_fwd import triton_fwd
 
-    def prepare(self, q, k, checked: CheckedSlices):
-        return checked.slices
-
-    def forward(self, q, k, v, slices, scale, softcap, want_max, zero_empty, out=None, lse=None):
-        from ._triton_fwd import triton_fwd
-
-        row_max = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if want_max else None
-        o, l = triton_fwd(q, k, v, slices, scale, float(softcap), out=out, lse=lse, row_max=row_max)
-        return o, l, None if row_max is None else head_max(row_max)
-
-    def backward(self, do, q, k, v, out, lse, slices, scale, softcap, deterministic, dlse, dq=None, dk=None,
-                 dv=None):  # fmt: skip
-        from ._triton_bwd import triton_bwd
-
-        delta = _delta(do, out, lse, dlse, q)
-        gq, gk, gv = triton_bwd(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
-        return (
-            gq if dq is not None else gq.to(q.dtype),
-            gk if dk is not None else gk.to(k.dtype),
-            gv if dv is not None else gv.to(v.dtype),
-        )
+    row_max = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if want_max else None
+    o, l = triton_fwd(q, k, v, slices, scale, float(softcap), out=out, lse=lse, row_max=row_max)
+    return o, l, None if row_max is None else head_max(row_max)
 
 
-class _TorchLaunchers:
+def _triton_backward(do, q, k, v, out, lse, slices, scale, softcap, deterministic, dlse, dq=None, dk=None,
+                     dv=None):  # fmt: skip
+    """magi_ffa's Triton backward: every gradient block has one owner (no atomics): always deterministic."""
+    from ._triton_bwd import triton_bwd
+
+    delta = _delta(do, out, lse, dlse, q)
+    gq, gk, gv = triton_bwd(do, q, k, v, lse, delta, slices, scale, softcap, dq=dq, dk=dk, dv=dv)
+    return tuple(
+        g if buf is not None else g.to(t.dtype) for g, buf, t in ((gq, dq, q), (gk, dk, k), (gv, dv, v))
+    )
+
+
+def _torch_forward(q, k, v, slices, scale, softcap, want_max, zero_empty, out=None, lse=None):
     """magi_ffa's blockwise torch path (any device and float dtype; the reference)."""
+    res = reference.fwd_on_slices(
+        q, k, v, slices, scale, softcap, out=out, lse=lse, return_max_logits=want_max
+    )
+    return res[0], res[1], res[2] if want_max else None
 
-    def prepare(self, q, k, checked: CheckedSlices):
-        return checked.slices
 
-    def forward(self, q, k, v, slices, scale, softcap, want_max, zero_empty, out=None, lse=None):
-        res = reference.fwd_on_slices(q, k, v, slices, scale, softcap, out=out, lse=lse,
-                                      return_max_logits=want_max)  # fmt: skip
-        return res[0], res[1], res[2] if want_max else None
-
-    def backward(self, do, q, k, v, out, lse, slices, scale, softcap, deterministic, dlse, dq=None, dk=None,
-                 dv=None):  # fmt: skip
-        grads = reference.bwd_core(do, q, k, v, lse, _delta(do, out, lse, dlse, q), slices, scale, softcap)
-        return tuple(
-            g.to(ref.dtype) if buf is None else buf.add_(g)
-            for buf, g, ref in ((dq, grads[0], q), (dk, grads[1], k), (dv, grads[2], v))
-        )
+def _torch_backward(do, q, k, v, out, lse, slices, scale, softcap, deterministic, dlse, dq=None, dk=None,
+                    dv=None):  # fmt: skip
+    grads = reference.bwd_core(do, q, k, v, lse, _delta(do, out, lse, dlse, q), slices, scale, softcap)
+    return tuple(
+        g.to(ref.dtype) if buf is None else buf.add_(g)
+        for buf, g, ref in ((dq, grads[0], q), (dk, grads[1], k), (dv, grads[2], v))
+    )
 
 
 def _pow2(d: int) -> bool:
@@ -92,7 +83,7 @@ TRITON = register_backend(
             head_dim_ok=_pow2, head_dim_rule="a power of two in [16, 256]",
             device="cuda_or_interpret", accumulates=True,
         ),
-        _TritonLaunchers(),
+        Launchers(_triton_forward, _triton_backward),
     )
 )  # fmt: skip
 """magi_ffa's Triton kernels bound to the contract (any CUDA GPU; the CPU under ``TRITON_INTERPRET=1``)."""
@@ -104,7 +95,7 @@ TORCH = register_backend(
             dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
             head_dim_ok=lambda d: d > 0, head_dim_rule="positive", device="any", accumulates=True,
         ),
-        _TorchLaunchers(),
+        Launchers(_torch_forward, _torch_backward),
     )
 )  # fmt: skip
 """magi_ffa's blockwise torch path bound to the contract (any device and float dtype, slow)."""

@@ -26,7 +26,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -173,57 +173,33 @@ def _arch_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-class Launchers(Protocol):
-    """The kernels of one backend, on CHECKED inputs (the contract checks everything before calling them).
+def _host_slices_of(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> Any:
+    return checked.slices
 
-    ``prepared`` is what :meth:`prepare` returned for the call's mask (cached by the contract per mask and
-    geometry). ``lse`` tensors are ``[total_q, num_heads_q]`` (any strides); the launchers see only calls that
-    have at least one slice and at least one query and one key token.
+
+@dataclass(frozen=True)
+class Launchers:
+    """The kernels of one backend, on CHECKED inputs (the contract checks everything before calling them);
+    they see only calls with at least one slice, one query and one key token.
+
+    Attributes:
+        forward: ``forward(q, k, v, prepared, scale, softcap, want_max, zero_empty) -> (out, lse, max_logits |
+            None)``: out in q's dtype, lse ``[total_q, num_heads_q]`` (any strides) in the accumulator dtype;
+            rows that see no key get lse -inf and (with ``zero_empty``) out 0. Launchers of a capability that
+            ``accumulates`` also take ``out=`` / ``lse=`` accumulators, merge into them in place and return
+            them.
+        backward: ``backward(do, q, k, v, out, lse, prepared, scale, softcap, deterministic, dlse) -> (dq, dk,
+            dv)`` of this call's slices from the FINAL out / lse (``dlse``: the final lse's gradient, already 0
+            on rows whose lse is -inf), fresh tensors in the inputs' dtypes; with ``accumulates`` also
+            ``dq=`` / ``dk=`` / ``dv=`` fp32 accumulators, added to and returned.
+        prepare: ``prepare(q, k, checked) -> prepared``, the per-mask launch data (FA4's launch metadata,
+            cuDNN's mask plan; default: the host slices), cached by the contract on the ``CheckedSlices`` per
+            backend and geometry.
     """
 
-    def prepare(self, q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> Any:
-        """Per-mask launch data (FA4's launch metadata, cuDNN's mask plan; magi_ffa: the host slices)."""
-        ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        prepared: Any,
-        scale: float,
-        softcap: float,
-        want_max: bool,
-        zero_empty: bool,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(out, lse, max_logits | None)``: out in q's dtype, lse in the accumulator dtype; rows that see no
-        key get lse -inf and (with ``zero_empty``) out 0. ``out`` / ``lse`` (only when the capability says
-        ``accumulates``): merge into them in place and return them."""
-        ...
-
-    def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        prepared: Any,
-        scale: float,
-        softcap: float,
-        deterministic: bool,
-        dlse: torch.Tensor | None,
-        dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None,
-        dv: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` of this call's slices from the FINAL out / lse (``dlse``: the final lse's gradient,
-        already 0 on rows whose lse is -inf); fresh tensors in the inputs' dtypes, or (``accumulates``) the
-        given fp32 accumulators added to."""
-        ...
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    prepare: Callable[[torch.Tensor, torch.Tensor, CheckedSlices], Any] = _host_slices_of
 
 
 _REGISTRY: dict[str, FFABackend] = {}
@@ -266,6 +242,11 @@ class FFABackend:
 
     def __repr__(self) -> str:
         return f"FFABackend({self.capability.name!r})"
+
+    @property
+    def entry_points(self) -> tuple[Callable[..., tuple], Callable[..., tuple], Callable[..., tuple]]:
+        """``(flex_flash_attn_func, ffa_fwd, ffa_bwd)`` of this backend (what its package exports)."""
+        return self.flex_flash_attn_func, self.ffa_fwd, self.ffa_bwd
 
     def _fixed(self, backend: object) -> FFABackend:
         if backend is not None:
@@ -330,7 +311,7 @@ class FFABackend:
             zero_empty = not accumulate or sink is not None
             o, l, mx = self.launchers.forward(
                 q, k, v, self.prepared(q, k, checked), scale, softcap, kernel_max, zero_empty,
-                *((out, lse) if fused else (None, None)),
+                *((out, lse) if fused else ()),
             )  # fmt: skip
         else:
             o, l, mx = (out, lse, None) if fused else (torch.zeros_like(q), _empty_lse(q), None)

@@ -48,18 +48,18 @@ class MaskValueCache(Generic[T]):
 
     def get(
         self,
-        q_ranges: RangesLike,
-        k_ranges: RangesLike,
-        attn_type_map: TypeMapLike,
+        tables: tuple[RangesLike, RangesLike, TypeMapLike],
+        *,
         total_q: int,
         total_k: int,
         device: torch.device,
         build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T],
         extra: Hashable = (),
     ) -> T:
-        """The cached entry of this mask, or ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on
-        ``device``, validated) stored and returned."""
-        raw = (q_ranges, k_ranges, attn_type_map)
+        """The cached entry of the mask ``tables`` = ``(q_ranges, k_ranges, attn_type_map)``, or
+        ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on ``device``, validated) stored and returned."""
+        raw = tuple(tables)
+        q_ranges, k_ranges, attn_type_map = raw
         ikey = self._identity_key(raw, total_q, total_k, device, extra)
         if ikey is not None:
             hit = self._by_identity.get(ikey)

@@ -22,8 +22,6 @@ from .interface import (
 )
 from .mask_func import mask_func_from_intervals, visible_from_mask_func
 
-__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
-
 __all__ = [
     "BACKEND",
     "CAPABILITY",
@@ -39,3 +37,5 @@ __all__ = [
     "mask_func_from_intervals",
     "visible_from_mask_func",
 ]
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from magi_ffa.contract import BackendCapability, FFABackend, register_backend
+from magi_ffa.contract import BackendCapability, FFABackend, Launchers, register_backend
 from magi_ffa.intervals import row_intervals
 from magi_ffa.mask_cache import MaskValueCache
 from magi_ffa.validation import CheckedSlices, RangesLike, TypeMapLike
@@ -136,7 +136,8 @@ def get_mask_plan(
         rows = empty_idx if empty_idx.numel() else None
         return CudnnMaskPlan(plan, func.shape[1], rows, time.perf_counter() - t0)
 
-    return _PLANS.get(q_ranges, k_ranges, attn_type_map, total_q, total_k, q.device, build, extra=geometry)
+    tables = (q_ranges, k_ranges, attn_type_map)
+    return _PLANS.get(tables, total_q=total_q, total_k=total_k, device=q.device, build=build, extra=geometry)
 
 
 def clear_plan_cache() -> None:
@@ -161,7 +162,9 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool, zero_empty: bool = True):
+def _forward(
+    q, k, v, plan: CudnnMaskPlan, scale: float, softcap: float, want_max: bool, zero_empty: bool = True
+):
     """cuDNN forward: out ``[total_q, hq, d]`` (q's dtype), lse fp32 ``[total_q, hq]`` (a transposed view),
     max logits fp32 ``[hq]`` or None. ``zero_empty=False`` leaves the out rows of rows that see no key as the
     kernel left them (lse -inf is still set): for a result only merged into an accumulator."""
@@ -179,7 +182,9 @@ def _forward(q, k, v, plan: CudnnMaskPlan, scale: float, want_max: bool, zero_em
     return out, lse.t(), max_logit
 
 
-def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, deterministic: bool, dlse):
+def _backward(
+    do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, softcap: float, deterministic: bool, dlse
+):
     """cuDNN backward from a (possibly merged) out / lse: dq, dk, dv in q's dtype."""
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = _kernel_layout(out.to(q.dtype))
@@ -203,27 +208,18 @@ def _backward(do, q, k, v, out, lse, plan: CudnnMaskPlan, scale: float, determin
     return dq[0], dk[0], dv[0]
 
 
-class _CudnnLaunchers:
-    """cuDNN's kernels on checked inputs (the mask plan as ``prepared``); max logits from the forward kernel."""
-
-    def prepare(self, q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> CudnnMaskPlan:
-        return get_mask_plan(q, k, checked.q_ranges, checked.k_ranges, checked.types)
-
-    def forward(self, q, k, v, plan, scale, softcap, want_max, zero_empty, out=None, lse=None):
-        return _forward(q, k, v, plan, scale, want_max, zero_empty)
-
-    def backward(self, do, q, k, v, out, lse, plan, scale, softcap, deterministic, dlse, dq=None, dk=None,
-                 dv=None):  # fmt: skip
-        return _backward(do, q, k, v, out, lse, plan, scale, deterministic, dlse)
+def _prepare(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> CudnnMaskPlan:
+    """The cached cuDNN mask plan of the checked slices for q / k's geometry."""
+    return get_mask_plan(q, k, checked.q_ranges, checked.k_ranges, checked.types)
 
 
 CAPABILITY = BackendCapability(
-    name="cudnn",
-    title="cuDNN",
-    package="magi_ffa_cudnn",
     dtypes=(torch.float16, torch.bfloat16),
     head_dim_ok=head_dim_supported,
     head_dim_rule="a multiple of 8 up to 128, or 256",
+    name="cudnn",
+    title="cuDNN",
+    package="magi_ffa_cudnn",
     architectures=(9, 10),  # cuDNN flex_attention 1.32.0 ships kernels for sm90 and sm100 / sm103
     architecture_names="Hopper (sm90) or Blackwell (sm100/sm103)",
     softcap=False,
@@ -234,14 +230,7 @@ CAPABILITY = BackendCapability(
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
 from the kernel, deterministic on every mask (its deterministic backward)."""
 
-BACKEND = register_backend(FFABackend(CAPABILITY, _CudnnLaunchers()))
+BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _prepare)))
 """The FFA contract bound to cuDNN's launchers."""
 
-flex_flash_attn_func = BACKEND.flex_flash_attn_func
-ffa_fwd = BACKEND.ffa_fwd
-ffa_bwd = BACKEND.ffa_bwd
-
-
-def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
-    """The contract's checks with cuDNN's capability (the architecture aside); the softmax scale."""
-    return BACKEND.capability.check_inputs(q, k, v, softmax_scale, softcap, out, lse)
+flex_flash_attn_func, ffa_fwd, ffa_bwd = BACKEND.entry_points

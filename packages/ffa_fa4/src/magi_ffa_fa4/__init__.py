@@ -26,8 +26,6 @@ from .interface import (
     head_dim_supported,
 )
 
-__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
-
 __all__ = [
     "BACKEND",
     "CAPABILITY",
@@ -49,3 +47,5 @@ __all__ = [
     "row_intervals",
     "row_intervals_reference",
 ]
+
+__version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)

@@ -154,7 +154,8 @@ def get_launch_meta(
     def build(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> LaunchMeta:
         return build_launch_meta(qr, kr, tm, total_q, total_k, device)
 
-    return _CACHE.get(q_ranges, k_ranges, attn_type_map, total_q, total_k, device, build)
+    tables = (q_ranges, k_ranges, attn_type_map)
+    return _CACHE.get(tables, total_q=total_q, total_k=total_k, device=device, build=build)
 
 
 def clear_launch_cache() -> None:

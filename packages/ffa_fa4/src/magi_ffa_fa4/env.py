@@ -11,6 +11,8 @@ import os
 
 from magi_mask.flags import parse_bool
 
+from magi_ffa.env import parse_positive_int
+
 __all__ = ["plan_cache_size", "poison", "r2p", "varlen"]
 
 
@@ -21,18 +23,7 @@ def _flag(name: str, default: bool) -> bool:
 def plan_cache_size() -> int:
     """``MAGI_FFA_FA4_PLAN_CACHE`` (positive int, default 64): launch metadata kept (LRU), one entry per
     distinct mask and device. Read once, when the package is imported."""
-    raw = os.environ.get("MAGI_FFA_FA4_PLAN_CACHE", "").strip()
-    if not raw:
-        return 64
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"MAGI_FFA_FA4_PLAN_CACHE={raw!r} is not valid: it must be a positive integer (default 64)"
-        )
-    return value
+    return parse_positive_int("MAGI_FFA_FA4_PLAN_CACHE", os.environ.get("MAGI_FFA_FA4_PLAN_CACHE"), 64)
 
 
 def r2p() -> bool:

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from magi_ffa import merge_out_lse
-from magi_ffa.contract import BackendCapability, FFABackend, register_backend
+from magi_ffa.contract import BackendCapability, FFABackend, Launchers, register_backend
 from magi_ffa.validation import CheckedSlices, RangesLike, TypeMapLike, check_slices
 
 from . import env
@@ -69,15 +69,25 @@ def head_dim_supported(head_dim: int) -> bool:
     return 0 < head_dim <= 128 and head_dim % 8 == 0
 
 
-def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float, zero_empty: bool = True):
-    """FA4 forward; returns out ``[1, total_q, hq, d]`` and lse ``[1, hq, total_q]`` (4-D/3-D FA4 layout).
+def _prepare(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> LaunchMeta:
+    """The cached launch metadata of the checked slices' mask on q's device."""
+    return get_launch_meta(
+        checked.q_ranges, checked.k_ranges, checked.types, checked.total_q, checked.total_k, q.device
+    )
+
+
+def _forward(
+    q, k, v, meta: LaunchMeta, scale: float, softcap: float, want_max: bool, zero_empty: bool = True
+):
+    """FA4 forward (the contract's launcher): out ``[total_q, hq, d]``, lse ``[total_q, hq]`` (a transposed
+    view of FA4's ``[hq, total_q]``) and None (FA4 reports no max logits).
 
     ``zero_empty=False`` leaves whatever the kernel wrote in the out rows of rows that see no key (their lse
     is -inf): for a result that is only merged into an accumulator, whose merge selects such rows away."""
     fa = _fa4()
     if meta.varlen is not None:
         out, lse = forward_varlen(fa, q, k, v, meta.varlen, scale, softcap)
-        return out[None], lse[None]
+        return out, lse.t(), None
     q4, k4, v4 = q[None], k[None], v[None]
     # tests set MAGI_FFA_FA4_POISON=1 so that any element the kernel does not write shows up as NaN
     poison = torch.full_like(q4, float("nan")) if env.poison() else None
@@ -101,7 +111,7 @@ def _forward(q, k, v, meta: LaunchMeta, scale: float, softcap: float, zero_empty
     if meta.has_empty_rows and zero_empty:
         # rows that see no key: output 0 whatever the kernel left there (lse is -inf already)
         out4.index_fill_(1, meta.empty_rows, 0.0)
-    return out4, lse3
+    return out4[0], lse3[0].t(), None
 
 
 def _backward(
@@ -120,23 +130,6 @@ def _backward(
         dlse=None if dlse is None else dlse.t()[None].contiguous(),
     )[:3]  # fmt: skip
     return gq[0], gk[0], gv[0]
-
-
-class _FA4Launchers:
-    """FA4's kernels on checked inputs (the launch metadata of the mask as ``prepared``)."""
-
-    def prepare(self, q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> LaunchMeta:
-        return get_launch_meta(
-            checked.q_ranges, checked.k_ranges, checked.types, checked.total_q, checked.total_k, q.device
-        )
-
-    def forward(self, q, k, v, meta, scale, softcap, want_max, zero_empty, out=None, lse=None):
-        out4, lse3 = _forward(q, k, v, meta, scale, float(softcap), zero_empty)
-        return out4[0], lse3[0].t(), None
-
-    def backward(self, do, q, k, v, out, lse, meta, scale, softcap, deterministic, dlse, dq=None, dk=None,
-                 dv=None):  # fmt: skip
-        return _backward(do, q, k, v, out, lse, meta, scale, softcap, deterministic, dlse)
 
 
 def _deterministic(checked: CheckedSlices) -> bool:
@@ -181,17 +174,10 @@ CAPABILITY = BackendCapability(
 """FA4's capability: fp16/bf16, head_dim a multiple of 8 up to 128, sm90/sm100/sm110, softcap, no max logits
 from the kernel, deterministic on the varlen path only."""
 
-BACKEND = register_backend(FFABackend(CAPABILITY, _FA4Launchers()))
+BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _prepare)))
 """The FFA contract bound to FA4's launchers."""
 
-flex_flash_attn_func = BACKEND.flex_flash_attn_func
-ffa_fwd = BACKEND.ffa_fwd
-ffa_bwd = BACKEND.ffa_bwd
-
-
-def _check_inputs(q, k, v, softmax_scale, softcap, out, lse) -> float:
-    """The contract's checks with FA4's capability (the architecture aside); the softmax scale."""
-    return BACKEND.capability.check_inputs(q, k, v, softmax_scale, softcap, out, lse)
+flex_flash_attn_func, ffa_fwd, ffa_bwd = BACKEND.entry_points
 
 
 # The autograd path's merge is magi_ffa's (torch ops, differentiable; a -inf row's out is ignored, NaN included).
