@@ -1,5 +1,6 @@
-"""Interpreter mode must be set before any Triton kernel module is imported."""
+"""Triton's interpreter only where no CUDA device is present, set before any Triton kernel module is imported
+(on a GPU machine the kernels run compiled; an explicit TRITON_INTERPRET wins)."""
 
-import os
+from magi_ffa.testing import interpret_triton_without_cuda
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret_triton_without_cuda()

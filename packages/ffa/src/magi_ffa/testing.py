@@ -9,11 +9,14 @@
   error to the float64 reference may be at most ``norm_ratio`` (2) times the error of the same-dtype naive
   reference plus an atol derived from the dtype's rounding, and elementwise mismatches (beyond ``rtol``) may
   be at most 2x as frequent as the naive reference's (capped at 75%).
+- :func:`interpret_triton_without_cuda`: the one rule of every test suite's ``conftest.py``: Triton's
+  interpreter only where no CUDA device is present.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -27,6 +30,7 @@ __all__ = [
     "assert_bitwise_repeatable",
     "assert_close_to_ref",
     "deterministic_mask_cases",
+    "interpret_triton_without_cuda",
     "make_attn_mask",
     "random_overlapping_slices",
     "random_qkv",
@@ -37,6 +41,19 @@ __all__ = [
     "tolerance_for",
     "varlen_slices",
 ]
+
+
+def interpret_triton_without_cuda() -> bool:
+    """Turn Triton's interpreter on (``TRITON_INTERPRET=1``) when the variable is unset and no CUDA device is
+    present; returns whether the interpreter is on afterwards.
+
+    Called at the top of a test suite's ``conftest.py``, before any Triton kernel module is imported. On a GPU
+    machine the kernels then run compiled on the GPU's tensors (the interpreter would run them on the host,
+    slowly and wrongly for bf16); an explicit ``TRITON_INTERPRET`` (CI sets 1) always wins.
+    """
+    if not os.environ.get("TRITON_INTERPRET", "").strip() and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true")
 
 
 def make_attn_mask(
