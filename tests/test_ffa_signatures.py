@@ -1,7 +1,7 @@
 """The public signatures of the three FFA packages' entry points, snapshotted: the one FFA contract binds
 each backend's `flex_flash_attn_func` / `ffa_fwd` / `ffa_bwd`, and `inspect.signature` must keep showing every
-parameter (name, kind, default) of each; `deterministic` is in every backend's `flex_flash_attn_func`. Runs on the CPU without FA4 or cuDNN installed (their interface
-modules import without them)."""
+parameter (name, kind, default) of each; `deterministic` is in every backend's `flex_flash_attn_func`. Runs on
+the CPU without FA4 or cuDNN installed (their interface modules import without them)."""
 
 from __future__ import annotations
 

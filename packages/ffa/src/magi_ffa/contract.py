@@ -2,8 +2,8 @@
 
 A backend is a :class:`BackendCapability` (what it accepts: dtypes, head dims, GPU architectures, softcap,
 whether its forward reports max logits, on which masks it is deterministic, the device it needs) and its
-:class:`Launchers` (the kernels, called on CHECKED slices only: no argument checks inside). :class:`FFABackend`
-binds the two and provides everything else, once:
+:class:`Launchers` (the kernels, called on CHECKED slices only: no argument checks inside).
+:class:`FFABackend` binds the two and provides everything else, once:
 
 - the argument checks (ValueError / TypeError naming the argument and the backend, before any kernel starts);
 - the autograd path: the ``torch.library`` custom ops ``magi_ffa::fwd`` / ``magi_ffa::bwd``, generic over the
@@ -60,7 +60,8 @@ __all__ = [
 
 
 def always_deterministic(checked: CheckedSlices) -> bool:
-    """The determinism predicate of a backend whose forward and backward are bitwise repeatable on every mask."""
+    """The determinism predicate of a backend whose forward and backward are bitwise repeatable on every
+    mask."""
     return True
 
 
@@ -290,7 +291,8 @@ class FFABackend:
         return bool(checked.slices) and q.shape[0] > 0 and k.shape[0] > 0 and q.shape[1] > 0
 
     def max_logits(self, q, k, checked: CheckedSlices, scale: float, softcap: float) -> torch.Tensor:
-        """Max logits of these slices alone (no gradient): the separate QK pass on magi_ffa's Triton kernel."""
+        """Max logits of these slices alone (no gradient): the separate QK pass on magi_ffa's Triton
+        kernel."""
         from ._max_logits import max_logits_pass
 
         if not self._runs(q, k, checked):
@@ -449,7 +451,8 @@ class FFABackend:
             o, l, m = self._forward(q, k, v, checked, scale, cap, ret_max, sink)
         if out is not None:
             if o.requires_grad or l.requires_grad or out.requires_grad or lse.requires_grad:
-                # autograd saves the previous out/lse for the merge backward: clones, the buffers are overwritten
+                # autograd saves the previous out/lse for the merge backward: clones (the buffers are
+                # overwritten)
                 o2, l2 = merge_out_lse(out.clone(), lse.clone(), o, l)
                 out.copy_(o2)
                 lse.copy_(l2)
