@@ -6,7 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFTESTS = sorted(
-    p for pattern in ("packages/*/tests/conftest.py", "integrations/*/tests/conftest.py", "tests/conftest.py")
+    p
+    for pattern in ("packages/*/tests/conftest.py", "integrations/*/tests/conftest.py", "tests/conftest.py")
     for p in ROOT.glob(pattern)
 )
 
@@ -17,7 +18,9 @@ def test_no_conftest_forces_the_interpreter():
         text = path.read_text()
         if re.search(r"""environ(\.setdefault\(|\[)\s*["']TRITON_INTERPRET""", text):
             offenders.append(str(path.relative_to(ROOT)))
-    assert not offenders, f"set TRITON_INTERPRET via magi_ffa.testing.interpret_triton_without_cuda: {offenders}"
+    assert not offenders, (
+        f"set TRITON_INTERPRET via magi_ffa.testing.interpret_triton_without_cuda: {offenders}"
+    )
 
 
 def test_kernel_suites_use_the_rule():

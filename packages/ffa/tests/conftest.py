@@ -6,6 +6,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from magi_ffa.testing import interpret_triton_without_cuda  # noqa: E402
+from magi_ffa.testing import interpret_triton_without_cuda
 
 interpret_triton_without_cuda()

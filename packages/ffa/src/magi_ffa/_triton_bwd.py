@@ -239,7 +239,10 @@ KV_ONLY = tl.constexpr(1)
 Q_ONLY = tl.constexpr(2)
 
 
-@triton.jit
+# The mask's block counts and the token counts are not specialised (one compile per ``== 1`` / ``% 16``
+# class of each, every step at cp > 1); ``stride_lh`` stays specialised: the launcher pads the lse / delta
+# rows to a multiple of 16, so it is always divisible by 16 (aligned vector loads) whatever total_q is.
+@triton.jit(do_not_specialize=["total_q", "total_k", "NUM_KB", "NUM_QB"])
 def ffa_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, SLICES,
     QB_PTR, QB_IDX, QB_ORDER, KB_PTR, KB_IDX, KB_ORDER,
@@ -304,6 +307,9 @@ def ffa_bwd_kernel(
         )  # fmt: skip
 
 
+_ROW_ALIGN = 16  # Triton specialises an int argument on ``% 16 == 0``
+
+
 def _grad_buffer(buf: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
     # fresh gradients are written in the input's dtype straight from the fp32 registers (no fp32 copy)
     if buf is None:
@@ -341,8 +347,12 @@ def triton_bwd(
                 g.zero_()
         return gq, gk, gv
     # [heads, rows] so a tile's rows are one contiguous read; lse in base 2 with -inf rows at +inf (P = 0)
-    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).t().contiguous()
-    delta_t = delta.t().contiguous()
+    # row stride padded to a multiple of 16: one specialisation of ``stride_lh`` for every total_q
+    rows = -(-tq // _ROW_ALIGN) * _ROW_ALIGN
+    lse2 = torch.empty(hq, rows, dtype=lse.dtype, device=q.device)
+    lse2[:, :tq] = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).t()
+    delta_t = torch.empty(hq, rows, dtype=delta.dtype, device=q.device)
+    delta_t[:, :tq] = delta.t()
     upcast, ieee = compute_flags(q)
     t = bwd_tiles(q)
     dev = str(q.device)

@@ -82,7 +82,14 @@ def fwd_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Mask- and token-count-dependent ints are not specialised (Triton would compile one variant per class
+# ``== 1`` / ``% 16 == 0`` of each): a training loop hands every step new counts, and a compile per class
+# costs seconds. The lse / max strides follow the caller's layout (a transposed view strides by total_q).
+@triton.jit(
+    do_not_specialize=[
+        "total_q", "total_k", "stride_lt", "stride_lh", "stride_mt", "stride_mh",
+    ]
+)  # fmt: skip
 def ffa_fwd_kernel(
     Q, K, V, O, LSE, SLICES, BLK_PTR, BLK_IDX, BLK_ORDER, SINK_LSE, MAXL,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -19,7 +19,9 @@ from ._triton_common import merge_partials
 _BLOCK_ROWS = 16
 
 
-@triton.jit
+# Row counts and lse strides vary with the token count (an lse given as a transposed ``[heads, rows]`` view
+# strides by rows): not specialised, so a new count never compiles a new variant.
+@triton.jit(do_not_specialize=["num_rows", "stride_lat", "stride_lah", "stride_lnt", "stride_lnh"])
 def merge_out_lse_kernel(
     ACC, ACC_LSE, NEW, NEW_LSE, num_rows, num_heads,
     stride_at, stride_ah, stride_lat, stride_lah, stride_nt, stride_nh, stride_lnt, stride_lnh,

@@ -1,5 +1,6 @@
 """Every environment variable magi_ffa reads, in one place: one function per variable, read on each call
-(tests and sweeps may change them between calls); the library never writes them.
+(tests and sweeps may change them between calls); the library never writes them, except
+:func:`interpret_triton_without_cuda`, which test suites call from their ``conftest.py``.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
@@ -12,7 +13,14 @@ import os
 
 from magi_mask.flags import parse_bool
 
-__all__ = ["backend", "parse_positive_int", "poison", "tiles", "triton_interpret"]
+__all__ = [
+    "backend",
+    "interpret_triton_without_cuda",
+    "parse_positive_int",
+    "poison",
+    "tiles",
+    "triton_interpret",
+]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -94,3 +102,19 @@ def triton_interpret() -> bool:
     """``TRITON_INTERPRET`` (Triton's own; boolean, default false): Triton runs kernels in its interpreter,
     so the triton backend accepts CPU tensors (tests, CI). Set it before Triton is imported."""
     return _flag("TRITON_INTERPRET", False)
+
+
+def interpret_triton_without_cuda() -> bool:
+    """Turn Triton's interpreter on (``TRITON_INTERPRET=1``) when the variable is unset and no CUDA device is
+    present; returns whether the interpreter is on afterwards.
+
+    The one rule of every test suite's ``conftest.py`` (re-exported by :mod:`magi_ffa.testing`), called before
+    any Triton kernel module is imported. On a GPU machine the kernels then run compiled on the GPU's tensors
+    (the interpreter would run them on the host, slowly, and not at all on bf16); an explicit
+    ``TRITON_INTERPRET`` (CI sets 1) always wins.
+    """
+    import torch  # here, not at import: env stays importable without torch's start-up cost
+
+    if not os.environ.get("TRITON_INTERPRET", "").strip() and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return triton_interpret()

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -25,6 +24,7 @@ from magi_mask import AttnMaskType, dense_mask
 
 from ._common import RangesLike, TypeMapLike, as_ranges, as_type_map
 from ._slice import make_slice
+from .env import interpret_triton_without_cuda
 
 __all__ = [
     "assert_bitwise_repeatable",
@@ -41,19 +41,6 @@ __all__ = [
     "tolerance_for",
     "varlen_slices",
 ]
-
-
-def interpret_triton_without_cuda() -> bool:
-    """Turn Triton's interpreter on (``TRITON_INTERPRET=1``) when the variable is unset and no CUDA device is
-    present; returns whether the interpreter is on afterwards.
-
-    Called at the top of a test suite's ``conftest.py``, before any Triton kernel module is imported. On a GPU
-    machine the kernels then run compiled on the GPU's tensors (the interpreter would run them on the host,
-    slowly and wrongly for bf16); an explicit ``TRITON_INTERPRET`` (CI sets 1) always wins.
-    """
-    if not os.environ.get("TRITON_INTERPRET", "").strip() and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true")
 
 
 def make_attn_mask(

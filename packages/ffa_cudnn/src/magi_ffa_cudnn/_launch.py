@@ -26,12 +26,61 @@ from typing import Any
 
 import torch
 
-__all__ = ["BackwardLaunch", "ForwardLaunch", "layout_key"]
+__all__ = ["BackwardLaunch", "ForwardLaunch", "compile_key", "layout_key"]
 
 
 def layout_key(*tensors: torch.Tensor | None) -> tuple:
     """What a compiled launch binds of its tensors: shapes, strides, dtypes (the device is the plan's)."""
     return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def compile_key(
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    nfunc: int,
+    deterministic: bool = False,
+    want_max: bool = False,
+    has_dlse: bool = False,
+    arch: int = 90,
+    narrow_workset: bool = False,
+) -> tuple:
+    """The cuDNN flex_attention kernels one call of a mask runs (forward, backward), as a hashable tuple.
+
+    A pure function mirroring what nvidia-cudnn-frontend 1.32.0's compile keys read
+    (``cudnn.flex_attention.dispatch``: the forward's ``compile_key`` plus its output broadcast patterns,
+    the backward's ``compile_key`` plus ``dlse is not None``; the mask-plan builder's classify / materialize
+    kernels key on the tile configuration only). This backend always calls with one fixed-length sample
+    (batch 1, not varlen), lse on, contiguous or 16-byte aligned layouts (no stride-0 dimension) and
+    ``pack_gqa`` left to cuDNN (a function of the heads), so what varies is the configuration below.
+
+    What a mask sets never enters: ``nfunc`` (the endpoints per row of :func:`~magi_ffa_cudnn.mask_func.
+    mask_func_from_intervals`) and the plan's block counts are runtime values of cuDNN's kernels. The one
+    mask-dependent flag is sm100's ``narrow_workset`` (fewer than 7 non-empty blocks per block row: the
+    plan builder's hint that selects the overlapped q-stage-1 schedule), which only sm100's q-stage-1
+    one-CTA forward reads; pass it from the plan there (it is dropped on sm90).
+
+    Args:
+        dtype: q's dtype (fp16 / bf16).
+        head_dim: q / k / v head dim.
+        num_heads_q, num_heads_kv: heads of q and of k / v.
+        nfunc: endpoints per row of the mask function (odd, positive): checked, not keyed.
+        deterministic: the backward's deterministic mode.
+        want_max: the forward also returns max logits.
+        has_dlse: the backward receives an lse gradient.
+        arch: ``major * 10 + minor`` (90 Hopper, 100 / 103 Blackwell).
+        narrow_workset: see above (sm100 only).
+    """
+    if isinstance(nfunc, bool) or not isinstance(nfunc, int) or nfunc <= 0 or nfunc % 2 == 0:
+        raise ValueError(f"`nfunc` must be a positive odd int, got {nfunc!r}")
+    gqa = num_heads_q // num_heads_kv
+    hd256 = head_dim == 256 and arch in (100, 103)
+    narrow = bool(narrow_workset) if arch in (100, 103) else None
+    fwd = ("fwd", arch, dtype, head_dim, gqa, want_max, hd256, narrow)
+    bwd = ("bwd", arch, dtype, head_dim, gqa, bool(deterministic), hd256, bool(has_dlse))
+    return fwd, bwd
 
 
 class ForwardLaunch:

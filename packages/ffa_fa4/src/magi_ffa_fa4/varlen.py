@@ -41,10 +41,23 @@ import torch
 
 from magi_ffa._slice import Slice
 
-__all__ = ["MAX_GROUPS", "MIN_MEAN_ROWS", "VarlenGroup", "VarlenPlan", "plan_varlen", "varlen_possible"]
+__all__ = [
+    "MAX_GROUPS",
+    "MIN_MEAN_ROWS",
+    "SEQLEN_FLOOR",
+    "VarlenGroup",
+    "VarlenPlan",
+    "plan_varlen",
+    "varlen_possible",
+]
 
 MAX_GROUPS = 1
 MIN_MEAN_ROWS = 256
+SEQLEN_FLOOR = 512
+"""Smallest ``max_seqlen_q`` / ``max_seqlen_k`` handed to FA4. FA4 reads them as upper bounds (grid size),
+and its compile keys hold whether they fit one tile (``seqlen <= tile``, up to 2 x 128 rows): a floor above
+every tile keeps those flags fixed, so a group of short entries compiles no kernel of its own. Entries
+shorter than it cost a few empty programs that exit at once."""
 
 _Bound = tuple[int, int | None]  # accepted window values [lo, hi], hi None = unbounded
 
@@ -137,7 +150,8 @@ class VarlenGroup:
     ``window_left`` / ``window_right``: FA4's window (``None`` = unbounded; ``(None, 0)`` is causal).
     The tensors are int32 on the device: ``cu_seqlens_q`` / ``cu_seqlens_k`` ``[n + 1]`` (entry starts, then
     the last end), ``seqused_q`` / ``seqused_k`` ``[n]`` entry lengths, or None when the entries are
-    contiguous (the lengths are then the differences of ``cu_seqlens``).
+    contiguous (the lengths are then the differences of ``cu_seqlens``); ``lengths_q`` / ``lengths_k``
+    ``[n]`` the entry lengths always (what the launches pass as ``seqused``, see :meth:`fa4_kwargs`).
     """
 
     q_ranges: tuple[tuple[int, int], ...]
@@ -154,17 +168,24 @@ class VarlenGroup:
     """Its entries hold every query row (else the rows of no entry are left unwritten by FA4)."""
     covers_k: bool
     """Its entries hold every key (else FA4 leaves the dK / dV rows of the other keys unwritten)."""
+    lengths_q: torch.Tensor = field(repr=False)
+    lengths_k: torch.Tensor = field(repr=False)
 
     def fa4_kwargs(self) -> dict:
-        """The keyword arguments of ``_flash_attn_fwd`` / ``_flash_attn_bwd`` for this group."""
+        """The keyword arguments of ``_flash_attn_fwd`` / ``_flash_attn_bwd`` for this group.
+
+        Both ``seqused`` are always given (the entry lengths, equal to the ``cu_seqlens`` differences when
+        the entries are contiguous) and the ``max_seqlen`` are at least :data:`SEQLEN_FLOOR`: FA4's compile
+        keys hold whether ``seqused`` is None and whether a sequence fits one tile, so otherwise two masks
+        of one shape could need two compiled kernels (see :func:`magi_ffa_fa4.compile_key`)."""
         causal = self.window_left is None and self.window_right == 0
         return dict(
             cu_seqlens_q=self.cu_seqlens_q,
             cu_seqlens_k=self.cu_seqlens_k,
-            seqused_q=self.seqused_q,
-            seqused_k=self.seqused_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
+            seqused_q=self.lengths_q,
+            seqused_k=self.lengths_k,
+            max_seqlen_q=max(self.max_seqlen_q, SEQLEN_FLOOR),
+            max_seqlen_k=max(self.max_seqlen_k, SEQLEN_FLOOR),
             causal=causal,
             window_size_left=None if causal else self.window_left,
             window_size_right=None if causal else self.window_right,
@@ -222,12 +243,15 @@ def _union_len(ranges: list[tuple[int, int]]) -> int:
     return total
 
 
-def _tensors(ranges: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _tensors(
+    ranges: list[tuple[int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``cu_seqlens``, ``seqused`` (None when the ranges are contiguous) and the lengths, on ``device``."""
     starts = [a for a, _ in ranges]
     cu = torch.tensor([*starts, ranges[-1][1]], dtype=torch.int32)
     contiguous = all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    used = None if contiguous else torch.tensor([b - a for a, b in ranges], dtype=torch.int32).to(device)
-    return cu.to(device), used
+    lengths = torch.tensor([b - a for a, b in ranges], dtype=torch.int32).to(device)
+    return cu.to(device), None if contiguous else lengths, lengths
 
 
 def _open_groups(slices: Sequence[Slice], max_groups: int, min_mean_rows: int) -> list[_Open] | None:
@@ -264,8 +288,8 @@ def plan_varlen(
     for g in opened:
         qr = [(e.q_start, e.q_end) for e in g.entries]
         kr = [(e.k_start, e.k_end) for e in g.entries]
-        cu_q, used_q = _tensors(qr, device)
-        cu_k, used_k = _tensors(kr, device)
+        cu_q, used_q, len_q = _tensors(qr, device)
+        cu_k, used_k, len_k = _tensors(kr, device)
         groups.append(
             VarlenGroup(
                 q_ranges=tuple(qr), k_ranges=tuple(kr),
@@ -274,6 +298,7 @@ def plan_varlen(
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
                 max_seqlen_q=max(b - a for a, b in qr), max_seqlen_k=max(b - a for a, b in kr),
                 covers_q=sum(b - a for a, b in qr) == total_q, covers_k=sum(b - a for a, b in kr) == total_k,
+                lengths_q=len_q, lengths_k=len_k,
             )
         )  # fmt: skip
     all_q = [r for g in groups for r in g.q_ranges]

@@ -1,0 +1,399 @@
+"""A training loop's view of the kernels: a new mask every step, forward + backward timed per step, per kernel
+backend, at cp 1 (the whole mask in one call) and in the simulated cp 8 loop (every rank's calls of the
+runtime's plan, one after the other on one GPU), with the compiled-kernel caches of FA4 (CuTe DSL), cuDNN's
+flex_attention and magi_ffa's Triton kernels counted after every step.
+
+A warm-up runs first: a stream of masks of other seeds and the same kinds, then
+``magi_ffa_fa4._launch_meta.warmup_masks`` (masks of 1, 2, 4, 8 and 16 intervals per row, FA4's width
+buckets, and the varlen window kinds; ``--warmup-widths``): it pays the compiles of the kernel variants such
+masks need, as a training job's warm-up would. Then ``--steps`` new masks run; each is new, so each step also builds its launch
+metadata, as a training step does; then it runs again (metadata cached, kernels compiled) for the work's
+own time. Targets (``--check`` exits 1 when one misses): no compiled-kernel cache grows during the timed
+steps, and no step stalls (slower than 1.5x the median and than 1.5x its own re-run); ``--literal`` also
+holds every step after the first within 1.5x the median, a fair target when the masks do equal work
+(``--kinds random``: the random-slice loop). For FA4 the script
+also predicts each call's compile keys (``magi_ffa_fa4._launch_meta.compile_key``) and lists the steps that
+bring a key the warm-up did not have: a cache that grows exactly there is a warm-up gap, anywhere else a key
+the prediction misses.
+
+    python benchmarks/mask_loop_bench.py                                   # fa4,cudnn,triton,auto; cp 1 and 8
+    python benchmarks/mask_loop_bench.py --backends fa4 --cps 1 --check    # the GPU test's run
+    python benchmarks/mask_loop_bench.py --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
+
+Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
+SLOW_RATIO = 1.5  # a step slower than this times the median misses the target
+
+
+# ------------------------------------------------------------------------------------------------ masks
+def _docs(total: int, rng: random.Random, n: int) -> list[list[int]]:
+    """``n`` documents of log-normal lengths covering ``[0, total)``."""
+    w = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
+    cuts = sorted({0, total, *(int(total * x) for x in itertools.accumulate(w[:-1]) for x in [x / sum(w)])})
+    return [[a, b] for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list, list, list]:
+    """The mask of ``step``: ``(kind, q_ranges, k_ranges, types)`` over ``total`` tokens, ``kinds`` in turn."""
+    rng = random.Random(seed * 100_003 + step)
+    kind = kinds[step % len(kinds)]
+    if kind == "random":  # random overlapping slices of all four types
+        from magi_ffa.testing import random_overlapping_slices
+
+        qr, kr, tm = random_overlapping_slices(rng, total, total, rng.randint(4, 40))
+        keep = [i for i in range(len(qr)) if qr[i][1] > qr[i][0] and kr[i][1] > kr[i][0]]
+        return kind, [qr[i] for i in keep], [kr[i] for i in keep], [tm[i] for i in keep]
+    if kind in ("docs_causal", "docs_full", "short_docs"):
+        docs = _docs(
+            total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200)
+        )
+        return kind, docs, docs, [0 if kind == "docs_full" else 1] * len(docs)
+    if kind == "stripes":  # overlapping row bands over narrow key bands: several intervals per row
+        n = rng.randint(3, 9)
+        qr = [[rng.randint(0, total // 8), total - rng.randint(0, total // 8)] for _ in range(n)]
+        kr = [[s * total // n, s * total // n + rng.randint(16, max(17, total // (4 * n)))] for s in range(n)]
+        return kind, qr, kr, [0] * (n - 1) + [rng.choice([1, 2, 3])]
+    if kind == "window":  # a sliding window: its causal head and its band
+        w = rng.randint(64, total // 4)
+        return kind, [[0, w], [w, total]], [[0, w], [1, total]], [1, 3]
+    p = rng.randint(total // 32, total // 8)  # documents that also see a shared prefix
+    docs = [[a + p, b + p] for a, b in _docs(total - p, rng, rng.randint(2, 8))]
+    return kind, docs + docs, docs + [[0, p]] * len(docs), [1] * len(docs) + [0] * len(docs)
+
+
+# ------------------------------------------------------------------------------------------- caches
+def cache_entries() -> dict[str, int]:
+    """Compiled kernels held in this process: FA4's and cuDNN's JIT caches (every ``*Cache`` object with a
+    ``cache`` dict their modules hold, directly or as a function's ``compile_cache``), and the Triton kernels
+    of magi_ffa (``device_caches``). Modules not imported count 0."""
+    out = {"fa4": 0, "cudnn": 0, "triton": 0}
+    seen: set[int] = set()
+    for name, mod in list(sys.modules.items()):
+        group = (
+            "fa4"
+            if name.startswith("flash_attn.cute")
+            else "cudnn"
+            if name.startswith("cudnn.flex_attention")
+            else "triton"
+            if name.startswith("magi_ffa")
+            else None
+        )
+        if group is None or mod is None:
+            continue
+        try:
+            objs = list(vars(mod).values())
+        except TypeError:  # not a plain module
+            continue
+        for obj in objs:
+            try:
+                if group == "triton":
+                    caches = getattr(obj, "device_caches", None)
+                    if isinstance(caches, dict) and id(obj) not in seen:
+                        seen.add(id(obj))
+                        out[group] += sum(len(c[0]) for c in caches.values())
+                    continue
+                c = getattr(obj, "compile_cache", obj)
+                if type(c).__name__.endswith("Cache") and isinstance(getattr(c, "cache", None), dict):
+                    if id(c) not in seen:
+                        seen.add(id(c))
+                        out[group] += len(c.cache)
+            except Exception:  # an object whose attribute access fails holds no cache of ours
+                continue
+    return out
+
+
+def fa4_keys(calls, q, dtype) -> set:
+    """The FA4 compile keys of these ``(q_ranges, k_ranges, types, k)`` calls (forward and backward)."""
+    from magi_ffa_fa4._launch_meta import compile_key, get_launch_meta
+
+    cap = torch.cuda.get_device_capability(q.device)
+    keys = set()
+    for qr, kr, tm, k in calls:
+        meta = get_launch_meta(qr, kr, tm, q.shape[0], k.shape[0], q.device)
+        keys.update(
+            compile_key(
+                meta, dtype=dtype, head_dim=q.shape[2], num_heads_q=q.shape[1], num_heads_kv=k.shape[1],
+                arch=cap[0] * 10 + cap[1],
+            )
+        )  # fmt: skip
+    return keys
+
+
+# -------------------------------------------------------------------------------------------- steps
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
+    """``attn_kernel`` of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
+    each rank's global query ids)."""
+    from magi_attention._kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention.config import KernelBackend
+
+    if backend != "auto":
+        return attn_kernel(KernelBackend(backend))
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    _, qr, kr, tm = mask
+    keys = kernel_key_ids(rows, None)  # as the runtime: each rank's own keys first
+    choice = choose_auto(
+        _resolve(KernelBackend.AUTO, head_dim, [probe_local()]),
+        head_dim,
+        lambda: busiest_rank_features(qr, kr, tm, rows, rank_keys=keys),
+    )
+    return attn_kernel(choice.backend, choice.backward)
+
+
+def _calls_cp1(mask, q, k, v):
+    _, qr, kr, tm = mask
+    t = [torch.tensor(x, dtype=torch.int32) for x in (qr, kr, tm)]
+    return [(*t, k, v)], [np.arange(q.shape[0])], 0.0
+
+
+def _calls_sim(mask, q, k, v, rk, rv, cp: int):
+    """Every rank's calls of the runtime's plan (host stage, then remote stages): q / k / v a rank's shard,
+    the remote stages' keys leading rows of ``rk`` / ``rv`` (one buffer of every token)."""
+    from magi_attention._layout import choose_chunk_size
+    from magi_attention.simulate import kernel_ranges
+    from magi_solver import plan_dist_attn
+
+    _, qr, kr, tm = mask
+    total = q.shape[0] * cp
+    chunk = choose_chunk_size(total, cp, None)
+    t0 = time.perf_counter()
+    plan = plan_dist_attn(qr, kr, tm, total, cp, chunk, min_chunk_size=min(512, chunk))
+    plan_s = time.perf_counter() - t0
+    ranks = []
+    for rp in plan.ranks:
+        calls = [(rp.host_slices, k, v)] + [
+            (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rp.stages
+        ]
+        ranks.append([(*kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)])
+    rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
+    return ranks, rows, plan_s
+
+
+def _run_rank(kern, q, do, calls) -> None:
+    """One rank's forward (first call writes, later stages merge into an fp32 accumulator) and backward."""
+    if not calls:
+        return
+    (qr, kr, tm, kk, vv), rest = calls[0], calls[1:]
+    out, lse = kern.fwd(q, kk, vv, qr, kr, tm)
+    if rest:
+        out = out.float()
+    for qr, kr, tm, kk, vv in rest:
+        kern.fwd(q, kk, vv, qr, kr, tm, out=out, lse=lse)
+    o = out.to(q.dtype)
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    for qr, kr, tm, kk, vv in calls:
+        dk = torch.zeros(kk.shape, device=q.device, dtype=torch.float32)
+        dv = torch.zeros(vv.shape, device=q.device, dtype=torch.float32)
+        kern.bwd(do, q, kk, vv, o, lse, qr, kr, tm, dq=dq, dk=dk, dv=dv)
+
+
+def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
+    """Warm-up masks, then ``args.steps`` timed new masks; per step the time, the caches, new FA4 keys."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shard = args.tokens // cp
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(shard, h, args.head_dim, generator=g).to(dev, dtype)
+        for h in (args.heads_q, args.heads_kv, args.heads_kv, args.heads_q)
+    )
+    rk, rv = (
+        torch.randn(args.tokens, args.heads_kv, args.head_dim, generator=g).to(dev, dtype) for _ in range(2)
+    )
+    fa4_seen: set = set()
+
+    def step(mask) -> dict:
+        if cp == 1:
+            ranks, rows, plan_s = [_calls_cp1(mask, q, k, v)[0]], [np.arange(shard)], 0.0
+        else:
+            ranks, rows, plan_s = _calls_sim(mask, q, k, v, rk, rv, cp)
+        kern = _kernel(backend, mask, rows, args.head_dim)
+        used = {kern.backend.value, kern.backward_backend.value}
+        _sync(dev)
+        t0 = time.perf_counter()
+        for calls in ranks:
+            _run_rank(kern, q, do, calls)
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+        # the same mask again: its metadata cached, its kernels compiled (what the step's work costs alone)
+        t0 = time.perf_counter()
+        for calls in ranks:
+            _run_rank(kern, q, do, calls)
+        _sync(dev)
+        rerun = time.perf_counter() - t0
+        new_keys = 0
+        if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
+            keys = fa4_keys([c[:4] for r in ranks for c in r], q, dtype)
+            new_keys = len(keys - fa4_seen)
+            fa4_seen.update(keys)
+        return {
+            "kind": mask[0],
+            "slices": len(mask[1]),
+            "backend": "/".join(sorted(used)),
+            "seconds": seconds,
+            "rerun_seconds": rerun,
+            "plan_seconds": plan_s,
+            "new_fa4_keys": new_keys,
+            "cache": cache_entries(),
+        }
+
+    t0 = time.perf_counter()
+    warm_masks = [make_mask(i, args.tokens, seed=1000 + cp, kinds=args.kinds) for i in range(args.warmup)]
+    if args.warmup_widths is not None:  # FA4's width buckets and varlen window kinds
+        from magi_ffa_fa4._launch_meta import warmup_masks
+
+        warm_masks += [
+            (f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))
+        ]
+    warm = [step(m) for m in warm_masks]
+    warm_s = time.perf_counter() - t0
+    cache0 = cache_entries()
+    steps = [step(make_mask(i, args.tokens, seed=cp, kinds=args.kinds)) for i in range(args.steps)]
+    times = [s["seconds"] for s in steps]
+    med = statistics.median(times)
+    worst = max(times[1:], default=times[0]) / med if med > 0 else math.inf
+    # a stall: slower than 1.5x the median AND than 1.5x the same mask's warm re-run (masks of more work are
+    # slower than the median without any stall; a compile is seconds against milliseconds)
+    stalls = [
+        i
+        for i in range(1, len(steps))
+        if times[i] > SLOW_RATIO * med and times[i] > SLOW_RATIO * steps[i]["rerun_seconds"]
+    ]
+    growth = {n: steps[-1]["cache"][n] - cache0[n] for n in cache0}
+    grew_at = [i for i in range(len(steps)) if steps[i]["cache"] != (steps[i - 1]["cache"] if i else cache0)]
+    return {
+        "backend": backend,
+        "cp": cp,
+        "tokens": args.tokens,
+        "heads": [args.heads_q, args.heads_kv],
+        "head_dim": args.head_dim,
+        "warmup_masks": [m[0] for m in warm_masks],
+        "warmup_seconds": warm_s,
+        "warmup_steps": warm,
+        "cache_after_warmup": cache0,
+        "cache_growth": growth,
+        "cache_grew_at_steps": grew_at,
+        "new_fa4_key_steps": [i for i, s in enumerate(steps) if s["new_fa4_keys"]],
+        "first_ms": times[0] * 1e3,
+        "median_ms": med * 1e3,
+        "worst_over_median": worst,
+        "stall_steps": stalls,
+        "passed": not stalls and not any(growth.values()) and (worst <= SLOW_RATIO or not args.literal),
+        "steps": steps,
+    }
+
+
+def _available(backend: str) -> str:
+    """'' when this process can run ``backend``, else why not."""
+    try:
+        if backend == "fa4":
+            import magi_ffa_fa4
+
+            return "" if magi_ffa_fa4.fa4_available() else "flash-attn-4 does not import"
+        if backend == "cudnn":
+            import magi_ffa_cudnn
+
+            return "" if magi_ffa_cudnn.cudnn_available() else "cuDNN flex_attention does not import"
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default="fa4,cudnn,triton,auto", help="comma-separated kernel backends")
+    p.add_argument("--cps", default="1,8", help="cp sizes (1: one call; >1: simulated ranks)")
+    p.add_argument("--tokens", type=int, default=16384, help="total tokens of every mask")
+    p.add_argument("--steps", type=int, default=20, help="timed steps, one new mask each")
+    p.add_argument(
+        "--kinds",
+        type=lambda x: tuple(k for k in x.split(",") if k),
+        default=KINDS,
+        help=f"comma-separated mask kinds, in turn (from {','.join(KINDS)})",
+    )
+    p.add_argument("--warmup", type=int, default=len(KINDS), help="warm-up masks (other seeds) before them")
+    p.add_argument(
+        "--warmup-widths",
+        type=lambda x: tuple(int(w) for w in x.split(",") if w) if x != "none" else None,
+        default=(1, 2, 4, 8, 16),
+        help="and magi_ffa_fa4's warm-up masks up to these interval counts per row ('none': without)",
+    )
+    p.add_argument("--heads-q", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of mask_loop.json")
+    p.add_argument("--check", action="store_true", help="exit 1 when a run misses a target")
+    p.add_argument(
+        "--literal",
+        action="store_true",
+        help="the target is every step after the first within 1.5x the median (fair on masks of equal work)",
+    )
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    rows = []
+    for backend, cp in itertools.product(args.backends.split(","), map(int, args.cps.split(","))):
+        if args.tokens % cp:
+            raise SystemExit(f"--tokens {args.tokens} is not a multiple of cp {cp}")
+        why = _available(backend)
+        if why:
+            rows.append({"backend": backend, "cp": cp, "skipped": why})
+            print(f"# {backend} cp{cp}: skipped ({why})", flush=True)
+            continue
+        rows.append(run_loop(backend, cp, args, dev))
+        r = rows[-1]
+        print(
+            f"# {backend} cp{cp}: warm-up {r['warmup_seconds']:.1f} s, median {r['median_ms']:.2f} ms",
+            flush=True,
+        )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "mask_loop.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(
+        f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}"
+    )
+    print("backend   cp  warm-up s  first ms  median ms  worst/med  stalls  cache growth  new FA4 keys  pass")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['backend']:<8} {r['cp']:>3}  skipped: {r['skipped'][:50]}")
+            continue
+        growth = ",".join(f"{n}+{d}" for n, d in r["cache_growth"].items() if d) or "none"
+        new = ",".join(map(str, r["new_fa4_key_steps"])) or "-"
+        stalls = ",".join(map(str, r["stall_steps"])) or "-"
+        print(
+            f"{r['backend']:<8} {r['cp']:>3}  {r['warmup_seconds']:>9.1f}  {r['first_ms']:>8.1f}  "
+            f"{r['median_ms']:>9.2f}  {r['worst_over_median']:>9.2f}  {stalls:<6}  {growth:<12}  {new:<12}  "
+            f"{'yes' if r['passed'] else 'NO'}"
+        )
+    failed = [r for r in rows if not r.get("passed", True)]
+    return 1 if args.check and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
