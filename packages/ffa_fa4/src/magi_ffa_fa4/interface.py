@@ -8,8 +8,10 @@ accumulation, sinks, max logits, empty rows, ``deterministic``) is ``magi_ffa.co
 tiles unmasked, Partial tiles masked, Empty tiles skipped), the backward k->q lists, the intervals as the aux
 tensor.
 
-Deterministic mode: FA4 4.0.0b36 has a deterministic backward on its varlen path only; on the block-sparse
-path it raises ("deterministic block-sparse backward requires dq_write_order", sm90). The contract therefore
+Deterministic mode: this backend runs FA4 4.0.0b36's deterministic backward on its varlen path only; on the
+block-sparse path FA4 raises ("deterministic block-sparse backward requires dq_write_order", sm90) unless
+given dQ write-order metadata (``flash_attn.cute.block_sparsity.compute_dq_write_order``), which this backend
+does not build (its lock order has not been validated on a GPU here). The contract therefore
 refuses ``deterministic=True`` with a ValueError, before any kernel starts, for a mask that takes the
 block-sparse path, naming the backends that can (``cudnn``, ``triton``): a fixed-order varlen decomposition
 of an arbitrary mask would need one group per overlapping slice, several times slower than either of those
@@ -166,8 +168,8 @@ CAPABILITY = BackendCapability(
     max_logits=False,  # FA4 reports no max: the contract's QK pass on magi_ffa's Triton kernel
     deterministic=_deterministic,
     nondeterministic_masks=(
-        'its slices take FA4\'s "block-sparse" path (not expressible as varlen calls), whose backward has no '
-        "deterministic mode in flash-attn-4 4.0.0b36"
+        'its slices take FA4\'s "block-sparse" path (not expressible as varlen calls), whose deterministic '
+        "backward this backend does not run (flash-attn-4 4.0.0b36 needs dQ write-order metadata there)"
     ),
     install_check=lambda: _fa4(),  # the module global: tests replace it with a fake
 )
