@@ -48,8 +48,8 @@ _LOG = logging.getLogger("magi_attention")
 @dataclass(slots=True)
 class KernelSlices:
     """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call. `checked`: the
-    same slices checked once against the call's token counts, for magi_ffa's launchers (FA4 and cuDNN take
-    the tensors); None runs every check on every call."""
+    same slices checked once against the call's token counts, what every backend's launcher entry takes (the
+    one FFA contract, `AttnKernel.fwd_slices`); None: checked on first use."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
