@@ -23,6 +23,19 @@ busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0``, one f
 their own ("varlen_causal cp 8"), with the features the runtime computes for that rank. Features are computed
 as the runtime does (``magi_solver.kernel_choice.busiest_rank_features``).
 
+``--deterministic`` times each runtime backend's backward in deterministic mode against its default mode, on
+the same inputs and masks: ``launch_<backend>`` / ``launch_<backend>_det`` are the backend's launchers (the
+contract of ``magi_ffa.ffa_fwd`` / ``ffa_bwd``, which the runtime calls) with ``deterministic`` False / True;
+``auto`` / ``auto_det`` are ``calc_attn`` at cp = 1 with ``DistAttnConfig(deterministic=False / True)``. A
+backend that refuses a mask in deterministic mode (FA4 off its varlen path) shows ``err``. ``--sim-cp 8`` adds
+the busiest rank of a simulated cp 8 plan (``magi_attention_bench.make_plan``, overlap degree 0) per
+``--sim-masks`` and ``--sim-tokens-per-gpu``: that rank's kernel calls, timed the same two ways. The table
+gives deterministic / default ratios per backend and direction; ``--write-table OUT --base TABLE --sources
+RUN.json`` then adds the ``*_det`` rows to an existing table as rows marked ``"deterministic": true``
+(features of cp 1 rows as below; a simulated rank's features as the runtime computes them at that cp).
+
+    python benchmarks/kernel_backends_bench.py --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
+
 ``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
 backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
 the cache is cleared, and a cached lookup.
@@ -47,6 +60,199 @@ DEFAULT_KERNELS = (
     "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
 )
 PAIRS = (("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"))
+DET_BACKENDS = ("fa4", "cudnn", "triton")
+DET_KERNELS = ",".join([*(f"launch_{b}{m}" for b in DET_BACKENDS for m in ("", "_det")), "auto", "auto_det"])
+"""``--deterministic``'s runners: each backend's launchers both ways, and ``calc_attn``'s ``auto`` both ways."""
+
+
+class _LauncherAttn(torch.autograd.Function):
+    """One backend's launchers as an autograd function, with ``deterministic`` passed to both directions
+    (the forward is deterministic anyway; the backward is what the flag changes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, ranges, det: bool):
+        res = kernel.fwd(q, k, v, *ranges, deterministic=det)
+        out, lse = res[0], res[1]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.ranges, ctx.det = kernel, ranges, det
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        res = ctx.kernel.bwd(do.contiguous(), q, k, v, out, lse, *ctx.ranges, deterministic=ctx.det)
+        return res[0], res[1], res[2], None, None, None
+
+
+def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict:
+    """``--deterministic``'s runners (see the module docstring): name -> (fn, inputs needing grad)."""
+    import os
+
+    from ffa_bench import _calc_attn_runner
+
+    from magi_attention._kernels import attn_kernel
+    from magi_attention.config import KernelBackend
+
+    q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ranges = (m.q_ranges, m.k_ranges, m.attn_type_map)
+    out = {}
+    for b in DET_BACKENDS:
+        for det in (False, True):
+            name = f"launch_{b}{'_det' if det else ''}"
+            if name not in kernels:
+                continue
+            try:
+                kernel = attn_kernel(KernelBackend(b))
+            except Exception as e:  # not installed here: reported, not hidden
+                print(f"# {name} unavailable: {e!r}"[:200])
+                continue
+            out[name] = (
+                lambda kernel=kernel, det=det: _LauncherAttn.apply(q, k, v, kernel, ranges, det),
+                (q, k, v),
+            )
+    for name, det in (("auto", False), ("auto_det", True)):
+        if name not in kernels:
+            continue
+        saved = os.environ.get("MAGI_ATTENTION_DETERMINISTIC_MODE")
+        os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = "1" if det else "0"  # read when the config is built
+        try:
+            out[name] = _calc_attn_runner(m, q, k, v, "auto")
+        except Exception as e:
+            print(f"# {name} unavailable: {e!r}"[:200])
+        finally:
+            if saved is None:
+                del os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"]
+            else:
+                os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = saved
+    return out
+
+
+def _time_rank_calls(lq, ldo, calls, kern, det: bool, args) -> tuple[float, float]:
+    """Median fwd and bwd ms over ``args.repeats`` rounds of one rank's kernel calls (the runtime's order:
+    the host call, then the remote one, merged into fp32 accumulators)."""
+    from triton.testing import do_bench
+
+    def fwd():
+        out = torch.zeros(lq.shape, dtype=torch.float32, device="cuda")
+        lse = torch.full(lq.shape[:2], float("-inf"), dtype=torch.float32, device="cuda")
+        for (qr, kr, tr), kk, vv in calls:
+            kern.fwd(lq, kk, vv, qr, kr, tr, out=out, lse=lse, deterministic=det)
+        return out.to(lq.dtype), lse
+
+    o16, lse = fwd()
+
+    def bwd():
+        dq = torch.zeros(lq.shape, dtype=torch.float32, device="cuda")
+        for (qr, kr, tr), kk, vv in calls:
+            dk = torch.zeros(kk.shape, dtype=torch.float32, device="cuda")
+            dv = torch.zeros(vv.shape, dtype=torch.float32, device="cuda")
+            kern.bwd(ldo, lq, kk, vv, o16, lse, qr, kr, tr, dq=dq, dk=dk, dv=dv, deterministic=det)
+
+    fw, bw = [], []
+    for _ in range(args.repeats):
+        fw.append(do_bench(fwd, warmup=args.warmup, rep=args.rep, return_mode="median"))
+        bw.append(do_bench(bwd, warmup=args.warmup, rep=args.rep, return_mode="median"))
+    return round(statistics.median(fw), 4), round(statistics.median(bw), 4)
+
+
+def sim_det_rows(args) -> list[dict]:
+    """The busiest rank of a simulated cp ``--sim-cp`` plan (overlap degree 0: its host call and one remote
+    call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
+    ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
+    import numpy as np
+    from magi_attention_bench import make_mask, make_plan
+
+    from magi_attention._kernels import attn_kernel
+    from magi_attention.config import KernelBackend
+    from magi_attention.simulate import rank_calls, token_index
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    cp = args.sim_cp
+    hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
+    d = int(args.d.split(",")[0])
+    rows = []
+    for mask in filter(None, args.sim_masks.split(",")):
+        for tpg in (int(x) for x in args.sim_tokens_per_gpu.split(",")):
+            total, plan = make_plan(mask, cp, tpg, 0)
+            q_ranges, k_ranges, types = make_mask(mask, total)
+
+            def area(rp) -> int:
+                return rp.host_slices.area() + sum(st.remote_slices.area() for st in rp.stages)
+
+            rank_plan = max(plan.ranks, key=lambda rp: (area(rp), -rp.rank))  # the runtime's busiest rank
+            ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
+            f = busiest_rank_features(
+                q_ranges, k_ranges, types, ids, rank_keys=kernel_key_ids(ids, plan.kv_layout)
+            )
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                       for h in (hq, hk, hk))  # fmt: skip
+            kv = plan.kv_layout
+            rc = rank_calls(rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank))
+            q_index = token_index(rank_plan.host_token_ranges, q.device)
+            lq = q[q_index].contiguous()
+            ldo = torch.randn_like(lq)
+            calls = [c for c in rc.calls if c[0][0].shape[0]]
+            for b in DET_BACKENDS:
+                try:
+                    kern = attn_kernel(KernelBackend(b))
+                except Exception as e:
+                    print(f"# sim {b} unavailable: {e!r}"[:200])
+                    continue
+                for det in (False, True):
+                    name = f"launch_{b}{'_det' if det else ''}"
+                    r = dict(kernel=name, mask=f"{mask} cp {cp}", S=tpg, hq=hq, hk=hk, d=d, area=f.area,
+                             features=f.to_dict())  # fmt: skip
+                    try:
+                        fwd_ms, bwd_ms = _time_rank_calls(lq, ldo, calls, kern, det, args)
+                        r.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, repeats=args.repeats)
+                    except Exception as e:  # e.g. FA4 refusing a deterministic block-sparse backward
+                        r["error"] = repr(e)[:300]
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            del q, k, v, rc, lq, ldo, calls
+            torch.cuda.empty_cache()
+    return rows
+
+
+def render_det(rows: list[dict]) -> list[str]:
+    """Deterministic / default per backend and direction (ms ratios; the forward should stay at ~1)."""
+    pairs = [(f"launch_{b}", f"launch_{b}_det", b) for b in DET_BACKENDS] + [("auto", "auto_det", "auto")]
+    keys = sorted(
+        {(r["S"], r["hq"], r["hk"], r["d"], r["mask"]) for r in rows}, key=lambda x: (x[3], x[4], x[0])
+    )
+    lines = [
+        "",
+        "Deterministic mode against the default, per backend: bwd ms default -> deterministic (ratio); fwd ratio.",
+        "",
+        "| S | heads | d | mask | " + " | ".join(label for *_, label in pairs) + " |",
+        "|---|---|---|---|" + "---|" * len(pairs),
+    ]
+    for S, hq, hk, d, mask in keys:
+        by = {
+            r["kernel"]: r
+            for r in rows
+            if (r["S"], r["hq"], r["hk"], r["d"], r["mask"]) == (S, hq, hk, d, mask)
+        }
+
+        def cell(a, b, by=by):
+            ra, rb = by.get(a), by.get(b)
+            if ra is None or rb is None:
+                return "-"
+            if "error" in ra:
+                return "err"
+            if "error" in rb:
+                return f"{ra['bwd_ms']:.2f} -> refused"
+            return (f"{ra['bwd_ms']:.2f} -> {rb['bwd_ms']:.2f} ({rb['bwd_ms'] / ra['bwd_ms']:.2f}x); "
+                    f"fwd {rb['fwd_ms'] / ra['fwd_ms']:.2f}x")  # fmt: skip
+
+        size = f"{S // 1024}k" + ("/GPU" if " cp " in mask else "")
+        lines.append(
+            f"| {size} | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(a, b) for a, b, _ in pairs) + " |"
+        )
+    return lines
 
 
 def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
@@ -58,7 +264,7 @@ def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
 
 
 def bench(args) -> list[dict]:
-    kernels = set(args.kernels.split(","))
+    kernels = set((args.kernels or (DET_KERNELS if args.deterministic else DEFAULT_KERNELS)).split(","))
     flex_tools = _flex_setup() if "flex" in kernels else None
     rows = []
     for d in (int(x) for x in args.d.split(",")):
@@ -68,7 +274,10 @@ def bench(args) -> list[dict]:
                 for name in args.masks.split(","):
                     m = build_mask(name, S)
                     flops = 4 * m.area * hq * d
-                    runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
+                    if args.deterministic:
+                        runners = _det_runners(m, S, hq, hk, d, kernels)
+                    else:
+                        runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
                     grads, times, errors = {}, {k: ([], []) for k in runners}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
@@ -146,6 +355,8 @@ def render(data: dict) -> str:
         "TFLOP/s.",
         "",
     ]
+    if any(r["kernel"].endswith("_det") for r in rows):
+        return "\n".join(lines + render_det(rows)) + "\n"
     if rows:
         kern = [k for k in DEFAULT_KERNELS.split(",") if any(r["kernel"] == k for r in rows)]
         lines += [
@@ -208,6 +419,9 @@ def render(data: dict) -> str:
 
 
 RUNTIME_NAMES = {"ffa_fa4": "fa4", "ffa_cudnn": "cudnn", "ffa": "triton"}
+DET_NAMES = {f"launch_{b}_det": b for b in DET_BACKENDS}
+"""``--deterministic`` runs' rows that become the table's deterministic rows (the default-mode ``launch_*``
+rows of such a run stay out: the table's default rows come from the backends' own entry points)."""
 
 
 def _features_at_cp1(mask: str, S: int):
@@ -273,37 +487,53 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     return rows
 
 
-def write_table(out: str, sources: str, sim_sources: str = "") -> dict:
-    """The auto table from measured rows (see the module docstring)."""
+def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -> dict:
+    """The auto table from measured rows (see the module docstring); ``base``: an existing table whose rows
+    are kept unless a source measured the same (size, head_dim, heads, mask, mode)."""
     from magi_solver import gpu_kind
 
     rows: dict[tuple, dict] = {}
     env = None
-    for spec in sources.split(","):
+    base_table = json.loads(Path(base).read_text()) if base else None
+    if base_table is not None:
+        for r in base_table["rows"]:
+            hq, hk = (int(x) for x in r["heads"].split(":"))
+            rows[(r["tokens"], r["head_dim"], hq, hk, r["mask"], bool(r.get("deterministic", False)))] = r
+    for spec in filter(None, sources.split(",")):
         path, _, masks = spec.partition(":")
         keep = set(masks.split("+")) if masks else None
         data = json.loads(Path(path).read_text())
         env = env or data["env"]
         found: dict[tuple, dict] = {}
+        features: dict[tuple, dict] = {}
         for r in data["rows"]:
-            name = RUNTIME_NAMES.get(r["kernel"])
+            det = r["kernel"] in DET_NAMES
+            name = DET_NAMES.get(r["kernel"]) or RUNTIME_NAMES.get(r["kernel"])
             if name is None or "error" in r or (keep is not None and r["mask"] not in keep):
                 continue
-            key = (r["S"], r["d"], r["hq"], r["hk"], r["mask"])
+            key = (r["S"], r["d"], r["hq"], r["hk"], r["mask"], det)
             found.setdefault(key, {})[name] = [r["fwd_ms"], r["bwd_ms"]]
+            if "features" in r:  # a simulated rank's, as the runtime computes them at that cp
+                features[key] = r["features"]
         for key, ms in found.items():
-            S, d, hq, hk, mask = key
-            f = _features_at_cp1(mask, S)
+            S, d, hq, hk, mask, det = key
+            f = features.get(key) or _features_at_cp1(mask, S).to_dict()
             rows[key] = {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
-                         "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
-                         "documents": f.documents,
-                         "ms": ms, "source": Path(path).name}  # fmt: skip
-    rows.update(_sim_rows(sim_sources))
+                         "tile_fill": round(f["tile_fill"], 4), "slices_per_row": round(f["slices_per_row"], 4),
+                         "documents": f["documents"], "ms": ms, "source": Path(path).name,
+                         **({"deterministic": True} if det else {})}  # fmt: skip
+    rows.update({(*k, False): v for k, v in _sim_rows(sim_sources).items()})
+    if env is None and base_table is None:
+        raise SystemExit("--write-table needs --sources or --base")
+    source = base_table["source"] if base_table is not None else ""
+    if env is not None:
+        measured = (f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
+                    f"{env.get('versions', '')}")  # fmt: skip
+        source = measured if not source else f"{source}; {measured}"
     table = {
-        "gpu_kind": gpu_kind(env["gpu"]),
-        "source": f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
-        f"{env.get('versions', '')}",
-        "rows": [rows[k] for k in sorted(rows)],
+        "gpu_kind": gpu_kind(env["gpu"]) if env is not None else base_table["gpu_kind"],
+        "source": source,
+        "rows": [rows[k] for k in sorted(rows, key=lambda k: (*k[:5], k[5]))],
     }
     Path(out).write_text(json.dumps(table, indent=1) + "\n")
     return table
@@ -327,7 +557,19 @@ def main() -> None:
     ap.add_argument("--seqlens", default="8192,32768")
     ap.add_argument("--heads", default="64:8")
     ap.add_argument("--d", default="128")
-    ap.add_argument("--kernels", default=DEFAULT_KERNELS)
+    ap.add_argument(
+        "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
+    )
+    ap.add_argument(
+        "--deterministic", action="store_true",
+        help="time each runtime backend's backward in deterministic mode against its default (see above)",
+    )  # fmt: skip
+    ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
+    ap.add_argument(
+        "--sim-masks", default="varlen_causal,full", help="magi_attention_bench.py masks for --sim-cp"
+    )
+    ap.add_argument("--sim-tokens-per-gpu", default="8192")
+    ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the cell is their median)")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
@@ -345,7 +587,7 @@ def main() -> None:
     ap.add_argument("--tag", default="kernel_backends")
     args = ap.parse_args()
     if args.write_table:
-        table = write_table(args.write_table, args.sources, args.sim_sources)
+        table = write_table(args.write_table, args.sources, args.sim_sources, args.base)
         print(f"{len(table['rows'])} rows for {table['gpu_kind']} -> {args.write_table}")
         return
     env = environment()
@@ -362,6 +604,8 @@ def main() -> None:
         )
     else:
         data["rows"] = bench(args)
+        if args.deterministic and args.sim_cp:
+            data["rows"] += sim_det_rows(args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))

@@ -17,7 +17,7 @@ def test_signatures_are_the_contract() -> None:
                     "group", "async_op"]  # fmt: skip
     red = list(inspect.signature(gc.group_reduce).parameters)
     assert red == ["input", "output", "input_split_sizes", "output_split_sizes", "dst_index", "src_indices",
-                   "group", "async_op", "reduce_op", "input_lse", "output_lse"]  # fmt: skip
+                   "group", "async_op", "reduce_op", "input_lse", "output_lse", "deterministic"]  # fmt: skip
     for cls, first in ((gc.GroupCastPlan, "dst_indices"), (gc.GroupReducePlan, "dst_index")):
         params = inspect.signature(cls).parameters
         assert list(params)[2] == first

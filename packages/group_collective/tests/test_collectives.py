@@ -107,6 +107,18 @@ def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
                 assert torch.allclose(out_lse.double(), ref_lse, atol=1e-5, rtol=1e-5), "lse values"
                 assert not out_lse.isnan().any(), "lse must never be NaN"
             results[(op, str(dtype), asyn)] = (out, out_lse)
+        # deterministic: the fixed-order torch reduction, twice: the same bits both times, the same bits as
+        # CPU index_add_ (which adds in received order too), and the reference's values
+        for _ in range(2):
+            out = out0.clone()
+            out_lse = None if out_lse0 is None else out_lse0.clone()
+            plan.reduce(x, out, reduce_op=op, input_lse=x_lse, output_lse=out_lse, deterministic=True)
+            want, want_lse = results[(op, str(dtype), False)]
+            assert torch.equal(out.nan_to_num(3.5), want.nan_to_num(3.5)), (
+                f"deterministic reduce {op} {dtype}"
+            )
+            if op == "lse":
+                assert torch.equal(out_lse, want_lse), f"deterministic reduce {op} {dtype}: lse"
         # functional API gives the same bits as the plan
         out = out0.clone()
         out_lse = None if out_lse0 is None else out_lse0.clone()

@@ -128,3 +128,30 @@ def test_kernel(name: str) -> None:
         [sys.executable, "-c", code, __file__, name], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fixed_order_reduction_is_a_loop_in_received_order(dtype) -> None:
+    """The deterministic torch reduction (the fallback's, used on CUDA without Triton or for a non-contiguous
+    output) adds each output row's sources one at a time in received order: bitwise a plain Python loop."""
+    gen = torch.Generator().manual_seed(5)
+    out0 = torch.randn(19, 2, 3, generator=gen, dtype=torch.float64).to(dtype)
+    recv = (torch.randn(45, 2, 3, generator=gen, dtype=torch.float64) * 1e3).to(dtype)  # rounding shows
+    red = ReduceIndex.build(torch.randint(0, 19, (45,), generator=gen), torch.device("cpu"))
+    assert len(red.levels) == int(torch.bincount(red.recv_to_out).max()) > 2
+    acc_dt = torch.float32 if dtype == torch.bfloat16 else dtype
+    want = out0.to(acc_dt).clone()
+    for k in range(recv.shape[0]):  # received order
+        want[red.recv_to_out[k]] = want[red.recv_to_out[k]] + recv[k].to(acc_dt)
+    want = want.to(dtype)
+    for _ in range(2):
+        got = out0.clone()
+        reduce_rows(got, recv, red, deterministic=True)
+        assert torch.equal(got, want)
+    # the lse merge's fixed-order path gives the default path's bits on CPU (index_add_ there is a loop too)
+    lse0 = torch.randn(19, 2, generator=gen)
+    rlse = torch.randn(45, 2, generator=gen)
+    a, a_lse, b, b_lse = out0.clone(), lse0.clone(), out0.clone(), lse0.clone()
+    lse_reduce_rows(a, a_lse, recv, rlse, red, deterministic=True)
+    lse_reduce_rows(b, b_lse, recv, rlse, red)
+    assert torch.equal(a, b) and torch.equal(a_lse, b_lse)

@@ -203,10 +203,10 @@ def test_split_kernels_through_calc_attn(monkeypatch) -> None:
     monkeypatch.delenv("MAGI_ATTENTION_KERNEL_BACKEND", raising=False)
     real = runtime_mod.choose_auto
 
-    def split(choice, head_dim, features):
+    def split(choice, head_dim, features, **kw):
         import dataclasses
 
-        return dataclasses.replace(real(choice, head_dim, features), backend=B.TRITON, backward=B.TORCH,
+        return dataclasses.replace(real(choice, head_dim, features, **kw), backend=B.TRITON, backward=B.TORCH,
                                    triton_everywhere=True, reason="test: triton forward, torch backward")  # fmt: skip
 
     monkeypatch.setattr(runtime_mod, "choose_auto", split)

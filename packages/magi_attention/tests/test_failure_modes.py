@@ -7,6 +7,7 @@ a hang, a silent wrong result or an abort; `run_distributed` bounds each run.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -78,6 +79,20 @@ def _key_disagreement_worker(rank: int, world: int) -> None:
         magi_attn_flex_key,
         [[0, TOTAL]], [[0, TOTAL]], "causal", TOTAL, TOTAL, HQ, HKV, D, dist.group.WORLD, conf,
     )  # fmt: skip
+    # deterministic mode on one rank only: set in the config, or through the environment variable
+    det = dataclasses.replace(_config(), deterministic=rank == last)
+    msg = _raises(
+        ValueError,
+        "deterministic",
+        magi_attn_flex_key,
+        [[0, TOTAL]], [[0, TOTAL]], "causal", TOTAL, TOTAL, HQ, HKV, D, dist.group.WORLD, det,
+    )  # fmt: skip
+    assert f"ranks [{last}]" in msg and "dist_attn_config" not in msg, msg
+    os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = "1" if rank == last else "0"
+    try:
+        _raises(ValueError, "deterministic", _key, "causal")  # _config() is built after the variable is set
+    finally:
+        del os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"]
     # pad_size passed differently
     _raises(ValueError, "pad_size", _key, pad_size=0 if rank == last else None)
     # the environment choosing different group collectives (native buffers on one rank, all-to-all-v on the

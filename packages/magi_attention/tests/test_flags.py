@@ -148,10 +148,14 @@ def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
     x = torch.zeros(4, 1, 8)
     r = torch.tensor([[0, 4]], dtype=torch.int32)
     sl = KernelSlices(r, r, torch.zeros(1, dtype=torch.int32), 1)
+    from magi_attention.config import DistAttnConfig
+
     for flag in ("0", "1"):
         monkeypatch.setenv("MAGI_ATTENTION_DETERMINISTIC_MODE", flag)
-        _fwd_call(kernel, x, x, x, sl, None, None, 1.0, 0.0)
-        _bwd_call(kernel, x, x, x, x, x, x[:, :, 0], sl, None, None, None, 1.0, 0.0)
+        # the variable is read when a config is built; the calls take the key's config value
+        det = DistAttnConfig().deterministic
+        _fwd_call(kernel, x, x, x, sl, None, None, 1.0, 0.0, deterministic=det)
+        _bwd_call(kernel, x, x, x, x, x, x[:, :, 0], sl, None, None, None, 1.0, 0.0, deterministic=det)
     assert seen == [("fwd", False), ("bwd", False), ("fwd", True), ("bwd", True)]
 
 

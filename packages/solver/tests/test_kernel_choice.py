@@ -210,12 +210,29 @@ def test_pick_splits_directions_only_for_a_clear_gain() -> None:
     assert (pick.forward, pick.backward) == ("fa4", "fa4")
 
 
+def test_deterministic_rows_are_used_only_in_deterministic_mode() -> None:
+    docs = MaskFeatures(9000, 1, 0.72, 1.0, True)
+    det_row = {**ROWS[0], "deterministic": True, "ms": {"fa4": [1.0, 9.0], "cudnn": [1.5, 3.5]}}
+    t = _table([*ROWS, det_row])
+    assert t.rows[0]["deterministic"] is False and t.rows[-1]["deterministic"] is True
+    # default mode: the default rows only (fa4 fastest there)
+    assert pick_kernel(t, docs, 128, ["fa4", "cudnn"]).forward == "fa4"
+    # deterministic mode: the deterministic row (fa4's ordered backward is slow there)
+    pick = pick_kernel(t, docs, 128, ["fa4", "cudnn"], deterministic=True)
+    assert (pick.forward, pick.backward) == ("fa4", "cudnn") and "nearest deterministic" in pick.reason
+    # no deterministic row for the head_dim: the default rows, and the reason says so
+    pick = pick_kernel(_table(ROWS), docs, 128, ["fa4", "cudnn"], deterministic=True)
+    assert pick.forward == "fa4" and "default-mode (no deterministic rows" in pick.reason
+    with pytest.raises(ValueError, match="deterministic"):
+        _table([{**ROWS[0], "deterministic": "yes"}])
+
+
 def test_shipped_table_picks_what_it_measured() -> None:
     t = load_kernel_table("h200")
     for row in t.rows:
         f = MaskFeatures(row["tokens"], 1, row["tile_fill"], row["slices_per_row"], row["documents"])
         cands = ["fa4", "cudnn", "triton"]
-        pick = pick_kernel(t, f, row["head_dim"], cands)
+        pick = pick_kernel(t, f, row["head_dim"], cands, deterministic=row["deterministic"])
         ms = {b: row["ms"][b] for b in cands if b in row["ms"]}
         # on its own row, each direction is within SPLIT_GAIN of that direction's fastest measured backend
         for i, got in enumerate((pick.forward, pick.backward)):

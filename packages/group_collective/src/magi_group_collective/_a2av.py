@@ -79,7 +79,7 @@ class _A2AVReduce(ReduceRunner):
             torch.tensor(scale, dtype=torch.float32), torch.tensor(sizes, dtype=torch.int64)
         ).to(device)
 
-    def run(self, input, output, reduce_op, input_lse, output_lse, async_op):
+    def run(self, input, output, reduce_op, input_lse, output_lse, async_op, deterministic=False):
         send = input if self.send_identity and input.is_contiguous() else gather_rows(input, self.send_idx)
         recv = output.new_empty((self.red.recv_to_out.numel(), *output.shape[1:]))
         works = [a2a(recv, send, self.recv_splits, self.send_splits, self.group, async_op)]
@@ -93,9 +93,10 @@ class _A2AVReduce(ReduceRunner):
 
         def post() -> None:
             if reduce_op is ReduceOp.LSE:
-                lse_reduce_rows(output, output_lse, recv, recv_lse, self.red)
+                lse_reduce_rows(output, output_lse, recv, recv_lse, self.red, deterministic)
             else:
-                reduce_rows(output, recv, self.red, self.avg_weight if reduce_op is ReduceOp.AVG else None)
+                weight = self.avg_weight if reduce_op is ReduceOp.AVG else None
+                reduce_rows(output, recv, self.red, weight, deterministic)
 
         if not async_op:
             post()

@@ -159,11 +159,11 @@ class _CastFn(torch.autograd.Function):
 class _ReduceFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, input: torch.Tensor, plan: GroupReducePlan, op: ReduceOp, out_shape: tuple
+        ctx, input: torch.Tensor, plan: GroupReducePlan, op: ReduceOp, out_shape: tuple, det: bool
     ) -> torch.Tensor:
         ctx.plan, ctx.op = plan, op
         out = input.new_zeros(out_shape)
-        plan.reduce(input, out, reduce_op=op)
+        plan.reduce(input, out, reduce_op=op, deterministic=det)
         return out
 
     @staticmethod
@@ -177,7 +177,7 @@ class _ReduceFn(torch.autograd.Function):
         n_in = sum(plan.tables.input_split_sizes)
         grad_in = g.new_empty((n_in, *g.shape[1:]))
         plan.transpose().cast(g, grad_in)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
 def _agree_on_backward(call: str, plan, grad: torch.Tensor) -> None:
@@ -245,6 +245,7 @@ def group_reduce(
     reduce_op: str = "sum",
     input_lse: torch.Tensor | None = None,
     output_lse: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> Work:
     """Transpose of :func:`group_cast`: send each input piece to one rank, reduce into ``output``.
 
@@ -261,6 +262,8 @@ def group_reduce(
             ``"lse"`` (log-sum-exp merge of partial attention outputs, ``output`` being one term).
         input_lse: ``"lse"`` only: ``[input tokens, heads]`` fp32 log-sum-exp of ``input``.
         output_lse: ``"lse"`` only: ``[output tokens, heads]`` fp32, updated in place (``-inf`` = empty).
+        deterministic: sum each output row's sources in a fixed order on every path (see
+            :meth:`GroupReducePlan.reduce`).
 
     Returns:
         :class:`Work`. Autograd (sum/avg): when ``input`` or ``output`` requires grad, the call completes
@@ -287,9 +290,10 @@ def group_reduce(
     op = ops[0]
     plan = _get_plan(GroupReducePlan, tables, group, input.device)
     if _needs_grad(input, output, input_lse, output_lse):
-        delta = _ReduceFn.apply(input, plan, op, tuple(output.shape))
+        delta = _ReduceFn.apply(input, plan, op, tuple(output.shape), bool(deterministic))
         output.add_(delta)  # accumulate onto output, recorded by autograd
         return Work.completed()
     return plan.reduce(
-        input, output, reduce_op=op, async_op=async_op, input_lse=input_lse, output_lse=output_lse
-    )
+        input, output, reduce_op=op, async_op=async_op, input_lse=input_lse, output_lse=output_lse,
+        deterministic=deterministic,
+    )  # fmt: skip

@@ -239,7 +239,7 @@ class _HierReduce(ReduceRunner):
         self.r2_splits = r2_splits
         self.final = ReduceIndex.build(ranges_index(recv.starts, recv.sizes, _CPU), device)
 
-    def run(self, input, output, reduce_op, input_lse, output_lse, async_op):
+    def run(self, input, output, reduce_op, input_lse, output_lse, async_op, deterministic=False):
         trailing = output.shape[1:]
         lse = reduce_op is ReduceOp.LSE
         send1 = gather_rows(input, self.send1_idx)
@@ -255,9 +255,10 @@ class _HierReduce(ReduceRunner):
             p = output.new_zeros((self.p_rows, *trailing))
             if lse:
                 p_lse = output_lse.new_full((self.p_rows, *output_lse.shape[1:]), float("-inf"))
-                lse_reduce_rows(p, p_lse, b1, b1_lse, self.pre)
+                lse_reduce_rows(p, p_lse, b1, b1_lse, self.pre, deterministic)
             else:
-                reduce_rows(p, b1, self.pre, self.avg_weight if reduce_op is ReduceOp.AVG else None)
+                weight = self.avg_weight if reduce_op is ReduceOp.AVG else None
+                reduce_rows(p, b1, self.pre, weight, deterministic)
             recv = output.new_empty((self.final.recv_to_out.numel(), *trailing))
             ws = [a2a(recv, p, self.r2_splits, self.s2_splits, self.inter, True)]
             recv_lse = None
@@ -267,9 +268,9 @@ class _HierReduce(ReduceRunner):
 
             def post() -> None:
                 if lse:
-                    lse_reduce_rows(output, output_lse, recv, recv_lse, self.final)
+                    lse_reduce_rows(output, output_lse, recv, recv_lse, self.final, deterministic)
                 else:  # avg weights were applied in the pre-reduction
-                    reduce_rows(output, recv, self.final)
+                    reduce_rows(output, recv, self.final, None, deterministic)
 
             return Work(ws, post, (p, recv, recv_lse))
 

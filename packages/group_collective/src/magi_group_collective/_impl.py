@@ -36,8 +36,10 @@ class ReduceRunner(ABC):
         input_lse: torch.Tensor | None,
         output_lse: torch.Tensor | None,
         async_op: bool,
+        deterministic: bool = False,
     ) -> Work:
-        """Send ``input`` pieces, reduce into ``output`` (validated by the caller)."""
+        """Send ``input`` pieces, reduce into ``output`` (validated by the caller); ``deterministic``: every
+        reduction adds in a fixed order (the same bits on every run)."""
 
 
 class CollectiveImpl(ABC):

@@ -233,7 +233,8 @@ class NativeReduce(ReduceRunner):
                 self.touched, self.ptr, self.c_src, self.c_row, weight,
             )  # fmt: skip
 
-    def run(self, input, output, reduce_op, input_lse, output_lse, async_op):
+    def run(self, input, output, reduce_op, input_lse, output_lse, async_op, deterministic=False):
+        # the native reduction's Triton kernels add every row's sources in a fixed order always
         lse = reduce_op is ReduceOp.LSE
         x = input.contiguous()
         x_lse = input_lse.contiguous() if lse else None

@@ -94,14 +94,28 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
 
 
+def _fixed_order_add(acc: torch.Tensor, red: ReduceIndex, src: torch.Tensor) -> None:
+    """``acc[recv_to_touched[k]] += src[k]`` (``acc`` ``[T, ...]``, one row per touched output row), each
+    row's contributions added one at a time in received order (``red.levels``): no atomics, so the same bits
+    on every run and device. ``index_add_`` on CUDA adds with atomics, in whatever order they land."""
+    for positions, rows in red.levels:
+        acc.index_copy_(0, positions, acc.index_select(0, positions) + src.index_select(0, rows))
+
+
 def reduce_rows(
-    out: torch.Tensor, recv: torch.Tensor, red: ReduceIndex, weight: torch.Tensor | None = None
+    out: torch.Tensor,
+    recv: torch.Tensor,
+    red: ReduceIndex,
+    weight: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> None:
     """``out[recv_to_out[k]] += weight[k] * recv[k]`` over all k, accumulated in fp32 for fp16/bf16.
 
     ``weight`` is ``[R]`` fp32 (``avg``: 1 / number of sources of the piece) or None (plain sum).
-    ``out`` ``[N_out, ...]`` and ``recv`` ``[R, ...]`` share dtype and trailing shape. Deterministic on
-    CPU (index_add_) and with the Triton kernel (one program per output row, fixed source order).
+    ``out`` ``[N_out, ...]`` and ``recv`` ``[R, ...]`` share dtype and trailing shape. The Triton kernel
+    (one program per output row) adds in a fixed source order always; the torch fallback (no Triton, or
+    ``out`` not contiguous) uses ``index_add_`` (atomics on CUDA) unless ``deterministic``, which adds each
+    row's sources in received order (bitwise repeatable, and the same bits as CPU ``index_add_``).
     """
     if recv.shape[0] == 0:
         return
@@ -117,14 +131,26 @@ def reduce_rows(
     if out.dtype in _HALF:
         # One rounding per output element: gather the touched rows, accumulate in fp32, write back.
         acc = out.index_select(0, red.touched).to(torch.float32)
-        acc.index_add_(0, red.recv_to_touched, src.to(torch.float32))
+        if deterministic:
+            _fixed_order_add(acc, red, src.to(torch.float32))
+        else:
+            acc.index_add_(0, red.recv_to_touched, src.to(torch.float32))
         out.index_copy_(0, red.touched, acc.to(out.dtype))
+    elif deterministic:
+        acc = out.index_select(0, red.touched)
+        _fixed_order_add(acc, red, src.to(out.dtype))
+        out.index_copy_(0, red.touched, acc)
     else:
         out.index_add_(0, red.recv_to_out, src.to(out.dtype))
 
 
 def lse_reduce_rows(
-    out: torch.Tensor, out_lse: torch.Tensor, recv: torch.Tensor, recv_lse: torch.Tensor, red: ReduceIndex
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+    recv: torch.Tensor,
+    recv_lse: torch.Tensor,
+    red: ReduceIndex,
+    deterministic: bool = False,
 ) -> None:
     """Merge received partial attention results into ``out`` / ``out_lse`` in place.
 
@@ -132,7 +158,8 @@ def lse_reduce_rows(
     ``[R, H]`` fp32. For an output row with terms ``(o_0, l_0) = (out, out_lse)`` and the received
     ``(o_k, l_k)``: ``lse = log Σ exp(l_k)``, ``out = Σ exp(l_k - lse) · o_k``. A term with ``l = -inf``
     has weight 0 (its ``o`` is ignored, even NaN); a row whose terms are all ``-inf`` keeps ``out`` and
-    gets ``lse = -inf``.
+    gets ``lse = -inf``. ``deterministic``: the torch fallback sums in a fixed order (as in
+    :func:`reduce_rows`); the Triton kernel always does.
     """
     if recv.shape[0] == 0:
         return
@@ -158,7 +185,11 @@ def lse_reduce_rows(
     m.scatter_reduce_(0, ridx.view(-1, 1).expand_as(lse_k), lse_k, "amax", include_self=True)
     m_safe = torch.where(m == ninf, torch.zeros_like(m), m)
     s = torch.exp(lse0 - m_safe)
-    s.index_add_(0, ridx, torch.exp(lse_k - m_safe.index_select(0, ridx)))
+    terms = torch.exp(lse_k - m_safe.index_select(0, ridx))
+    if deterministic:
+        _fixed_order_add(s, red, terms)
+    else:
+        s.index_add_(0, ridx, terms)
     lse = m_safe + torch.log(s)  # s == 0 exactly when every term is -inf: lse = -inf, no NaN
     empty = lse == ninf
     lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
@@ -168,7 +199,11 @@ def lse_reduce_rows(
     w0 = torch.exp(lse0 - lse_safe).view(*lse0.shape, *tail)
     acc = torch.where(w0 > 0, o0.to(adt) * w0, zero)
     wk = torch.exp(lse_k - lse_safe.index_select(0, ridx)).view(*lse_k.shape, *tail)
-    acc.index_add_(0, ridx, torch.where(wk > 0, recv.to(adt) * wk, zero))
+    weighted = torch.where(wk > 0, recv.to(adt) * wk, zero)
+    if deterministic:
+        _fixed_order_add(acc, red, weighted)
+    else:
+        acc.index_add_(0, ridx, weighted)
     new = torch.where(empty.view(*empty.shape, *tail), o0, acc.to(out.dtype))
     out.index_copy_(0, tidx, new)
     out_lse.index_copy_(0, tidx, lse.to(out_lse.dtype))

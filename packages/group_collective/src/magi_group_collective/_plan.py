@@ -235,6 +235,7 @@ class GroupReducePlan(_PlanBase):
         async_op: bool = False,
         input_lse: torch.Tensor | None = None,
         output_lse: torch.Tensor | None = None,
+        deterministic: bool = False,
     ) -> Work:
         """Send ``input`` pieces to one rank each; reduce received pieces into ``output``.
 
@@ -247,6 +248,9 @@ class GroupReducePlan(_PlanBase):
             input_lse: ``"lse"`` only: ``[n_in_tokens, heads]`` fp32 log-sum-exp of ``input``.
             output_lse: ``"lse"`` only: ``[n_out_tokens, heads]`` fp32, updated in place; ``-inf`` means
                 "nothing yet" (the matching ``output`` rows are then ignored, even if NaN).
+            deterministic: every reduction adds each output row's sources in a fixed order, so the same
+                inputs give the same bits on every run (the Triton and native reductions always do; this
+                makes the torch fallback, used without Triton or for non-contiguous ``output``, do so too).
 
         Records no autograd graph (use :func:`group_reduce` for autograd).
         """
@@ -256,7 +260,9 @@ class GroupReducePlan(_PlanBase):
         if self._debug:
             self._debug_check_call(input)
         with torch.no_grad():
-            return self._runner.run(input, output, op, input_lse, output_lse, bool(async_op))
+            return self._runner.run(
+                input, output, op, input_lse, output_lse, bool(async_op), deterministic=bool(deterministic)
+            )
 
     def avg_row_scale(self) -> torch.Tensor:
         """``[n_out_tokens]`` fp32: 1 / number of sources of each output row's piece (0 if none)."""

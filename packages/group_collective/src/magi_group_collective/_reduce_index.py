@@ -24,6 +24,10 @@ class ReduceIndex:
         csr_ptr: ``[T + 1]`` int64, received rows of ``touched[t]`` are ``csr_rows[csr_ptr[t]:csr_ptr[t+1]]``.
         csr_rows: ``[R]`` int64, received rows sorted by target (stable: source order is kept, so the
             Triton reduction is deterministic).
+        levels: the same contributions by rank within their row, for the fixed-order torch reduction: level
+            ``j`` is ``(positions, rows)``, ``[T_j]`` int64 each: the positions in ``touched`` that receive a
+            ``j``-th row, and that received row (``csr_rows`` order). Every position appears at most once per
+            level, so a level adds without atomics, and levels run in order.
     """
 
     recv_to_out: torch.Tensor
@@ -31,6 +35,7 @@ class ReduceIndex:
     recv_to_touched: torch.Tensor
     csr_ptr: torch.Tensor
     csr_rows: torch.Tensor
+    levels: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @staticmethod
     def build(recv_to_out: torch.Tensor, device: torch.device) -> ReduceIndex:
@@ -39,10 +44,20 @@ class ReduceIndex:
         rows = torch.sort(inverse, stable=True).indices
         ptr = torch.zeros(touched.numel() + 1, dtype=torch.int64)
         ptr[1:] = torch.cumsum(counts, 0)
+        # rank of each sorted received row inside its target row: 0 for the first source, 1 for the next, ...
+        rank_in_row = torch.arange(rows.numel(), dtype=torch.int64) - torch.repeat_interleave(
+            ptr[:-1], counts
+        )
+        target = torch.repeat_interleave(torch.arange(touched.numel(), dtype=torch.int64), counts)
+        depth = int(counts.max()) if counts.numel() else 0
+        levels = tuple(
+            (target[rank_in_row == j].to(device), rows[rank_in_row == j].to(device)) for j in range(depth)
+        )
         return ReduceIndex(
             recv_to_out=r2o.to(device),
             touched=touched.to(device),
             recv_to_touched=inverse.to(device),
             csr_ptr=ptr.to(device),
             csr_rows=rows.to(device),
+            levels=levels,
         )

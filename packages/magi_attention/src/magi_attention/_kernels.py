@@ -7,13 +7,20 @@ resolves the same backend from the same gathered flags. So ranks with different 
 compute differently, and an explicit choice that some rank cannot run raises on every rank, before any
 collective of the attention itself. The dtype and softcap are only known at `calc_attn`:
 `KernelChoice.backend_for` refines the choice for them (a deterministic function of values every rank shares).
+
+Deterministic mode (`DistAttnConfig.deterministic`): every backward must be bitwise repeatable. Triton and
+torch always are, cuDNN is with its deterministic flag, and FA4 only on its varlen path (packed documents):
+its block-sparse backward has no deterministic variant. Which path FA4 takes depends on each kernel call's
+slices, which the plan fixes for every rank, so every rank evaluates every rank's calls
+(`fa4_deterministic_supported`) and `restrict_deterministic` drops FA4 from `auto` (or raises for an
+explicit `fa4`) identically everywhere, with no communication and before any data moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -265,14 +272,143 @@ def _resolve(requested: KernelBackend, head_dim: int, ranks: list[LocalCapabilit
     )  # fmt: skip
 
 
-def choose_auto(choice: KernelChoice, head_dim: int, features: Callable[[], MaskFeatures]) -> KernelChoice:
+def fa4_deterministic_supported(
+    q_ranges: Sequence[Sequence[int]],
+    k_ranges: Sequence[Sequence[int]],
+    types: Sequence[int],
+    total_q: int,
+    total_k: int,
+) -> bool:
+    """Whether FA4 runs the backward of one kernel call on these slices deterministically: its varlen path
+    (packed documents), not its block-sparse one. An empty call runs no kernel (True). False when
+    magi-ffa-fa4 is not installed. Pure host work on the slice values (no GPU needed)."""
+    if len(types) == 0:
+        return True
+    try:
+        import magi_ffa_fa4
+    except ImportError:
+        return False
+    q = torch.tensor([list(r) for r in q_ranges], dtype=torch.int32).reshape(-1, 2)
+    k = torch.tensor([list(r) for r in k_ranges], dtype=torch.int32).reshape(-1, 2)
+    t = torch.tensor(list(types), dtype=torch.int32).reshape(-1)
+    predicate = getattr(magi_ffa_fa4, "deterministic_supported", None)
+    if predicate is not None:
+        return bool(predicate(q, k, t, int(total_q), int(total_k)))
+    # magi-ffa-fa4 without the predicate: the decision of its launch metadata (`_launch_meta.build_mask_meta`:
+    # varlen groups or the block-sparse path), without building the block-sparse part
+    from magi_ffa.validation import host_slices
+    from magi_ffa_fa4 import env as fa4_env
+    from magi_ffa_fa4.varlen import plan_varlen
+
+    if not fa4_env.varlen():
+        return False
+    slices = host_slices(q, k, t, int(total_q), int(total_k))
+    return not slices or plan_varlen(slices, int(total_q), int(total_k), torch.device("cpu")) is not None
+
+
+def describe_mask(q_ranges: Sequence[Sequence[int]], types: Sequence[int], documents: bool) -> str:
+    """A short name of a mask's kind for messages: full / causal, packed documents, or its slice count and
+    types (`documents`: the slices are packed documents, as `magi_solver.kernel_choice.MaskFeatures`)."""
+    names = {0: "full", 1: "causal", 2: "inv_causal", 3: "bi_causal"}
+    kinds = sorted({names.get(int(t), str(t)) for t in types})
+    if len(types) == 1:
+        return f"one {kinds[0]} slice"
+    if documents:
+        return f"{len(types)} packed {kinds[0]} documents"
+    return f"{len(q_ranges)} slices of types {', '.join(kinds)}"
+
+
+CUDNN_DETERMINISTIC_MAX_HEAD_DIM = 128
+"""cuDNN's deterministic backward compiles up to this head_dim: at 256, nvidia-cudnn-frontend 1.32.0's
+deterministic dQ post-processing kernel fails to compile (measured on an H200, 2026-12-02), while its default
+backward runs there."""
+
+
+def restrict_deterministic_head_dim(choice: KernelChoice, head_dim: int) -> KernelChoice:
+    """The choice in deterministic mode at this head_dim, before any plan: cuDNN leaves `auto`'s candidates
+    above `CUDNN_DETERMINISTIC_MAX_HEAD_DIM`, and an explicit `cudnn` there raises ValueError (on every rank:
+    a function of the config and head_dim alone)."""
+    if head_dim <= CUDNN_DETERMINISTIC_MAX_HEAD_DIM or not (
+        choice.cudnn_everywhere or choice.requested == KernelBackend.CUDNN
+    ):
+        return choice
+    if choice.requested == KernelBackend.CUDNN:
+        can = [b for b in deterministic_alternatives(choice, head_dim) if b != "cudnn"]
+        raise ValueError(
+            f"kernel_backend='cudnn' has no deterministic backward at head_dim {head_dim} (DistAttnConfig."
+            f"deterministic is True; cuDNN's deterministic backward compiles only up to head_dim "
+            f"{CUDNN_DETERMINISTIC_MAX_HEAD_DIM}); use kernel_backend={' or '.join(repr(b) for b in can)}"
+        )
+    return dataclasses.replace(choice, cudnn_everywhere=False)
+
+
+def restrict_deterministic(
+    choice: KernelChoice, fa4_ok_per_rank: Sequence[bool], mask_kind: str, head_dim: int
+) -> KernelChoice:
+    """The choice in deterministic mode, given per rank whether FA4 can run all of that rank's kernel calls'
+    backward deterministically (`fa4_deterministic_supported` on each call of the plan). All True: unchanged.
+    Otherwise FA4 leaves the candidates of `auto` and the fallbacks (`fa4_everywhere` False; re-run
+    `choose_auto` afterwards), and an explicit `fa4` raises ValueError naming the backend, the ranks, the mask
+    kind and the backends that can. A pure function of values every rank shares: every rank decides alike."""
+    bad = [r for r, ok in enumerate(fa4_ok_per_rank) if not ok]
+    if not bad:
+        return choice
+    if choice.requested == KernelBackend.FA4:
+        can = deterministic_alternatives(choice, head_dim)
+        raise ValueError(
+            f"kernel_backend='fa4' cannot run a deterministic backward on rank(s) {bad} of the cp group "
+            f"(DistAttnConfig.deterministic is True): their kernel calls on this mask ({mask_kind}) take "
+            "FA4's block-sparse path, whose backward has no deterministic variant (only packed documents run "
+            f"FA4's deterministic varlen path); use kernel_backend={' or '.join(repr(b) for b in can)}"
+        )
+    return dataclasses.replace(choice, fa4_everywhere=False)
+
+
+def deterministic_alternatives(choice: KernelChoice, head_dim: int) -> list[str]:
+    """The backends other than FA4 that run deterministically on every rank of `choice` ('auto' first)."""
+    can = ["auto"]
+    if choice.cudnn_everywhere:
+        can.append("cudnn")
+    if choice.triton_everywhere and magi_ffa.triton_head_dim_ok(head_dim):
+        can.append("triton")
+    return [*can, "torch"]
+
+
+def uses_fa4(choice: KernelChoice) -> bool:
+    """FA4 may run a backward of this choice: as its backend, its backward, or the fallback of cuDNN."""
+    fallback = choice.backend == KernelBackend.CUDNN and choice.fa4_everywhere
+    return KernelBackend.FA4 in (choice.backend, choice.backward) or fallback
+
+
+def choose_auto(
+    choice: KernelChoice,
+    head_dim: int,
+    features: Callable[[], MaskFeatures],
+    *,
+    deterministic: bool = False,
+) -> KernelChoice:
     """`auto` refined by the shipped table of rank 0's GPU kind: the candidate every rank can run with the
     smallest measured forward + backward time on the nearest measured row (`magi_solver.kernel_choice`).
     `features` is called only when a table and two candidates exist; it must return the same value on every
     rank (it is computed from the global mask and the dispatch). Without a table the capability rule stays and
-    the reason says so."""
+    the reason says so. `deterministic`: the table's deterministic rows (`pick_kernel(deterministic=True)`);
+    the candidates are those `choice` allows (after `restrict_deterministic`)."""
     if choice.requested != KernelBackend.AUTO or choice.backend == KernelBackend.TORCH:
         return choice
+    if choice.backend == KernelBackend.FA4 and not choice.fa4_everywhere:
+        # FA4 was ruled out (deterministic mode): the capability rule without it
+        ok = choice.triton_everywhere and magi_ffa.triton_head_dim_ok(head_dim) and choice.gpu_kind != "cpu"
+        if choice.cudnn_everywhere:
+            fallback = KernelBackend.CUDNN
+        else:
+            fallback = KernelBackend.TRITON if ok else KernelBackend.TORCH
+        choice = dataclasses.replace(
+            choice, backend=fallback, backward=None,
+            reason=f"auto: {fallback.value} (deterministic mode: FA4's backward is not deterministic on this "
+            "mask for every rank)",
+        )  # fmt: skip
+        if fallback == KernelBackend.TORCH:
+            return choice
     candidates = [
         name
         for name, ok in (
@@ -288,7 +424,7 @@ def choose_auto(choice: KernelChoice, head_dim: int, features: Callable[[], Mask
         return dataclasses.replace(choice, reason=reason)
     if len(candidates) < 2:
         return choice
-    picked = pick_kernel(table, features(), head_dim, candidates)
+    picked = pick_kernel(table, features(), head_dim, candidates, deterministic=deterministic)
     if picked is None:
         reason = f"auto: the {choice.gpu_kind} table has no row for head_dim {head_dim}; the capability rule"
         return dataclasses.replace(choice, reason=f"{reason} ({choice.reason})")

@@ -32,7 +32,18 @@ from magi_solver import (
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 
 from ._cache_budget import runtime_nbytes
-from ._kernels import AttnKernel, KernelChoice, agree_kernel_choice, attn_kernel, choose_auto
+from ._kernels import (
+    AttnKernel,
+    KernelChoice,
+    agree_kernel_choice,
+    attn_kernel,
+    choose_auto,
+    describe_mask,
+    fa4_deterministic_supported,
+    restrict_deterministic,
+    restrict_deterministic_head_dim,
+    uses_fa4,
+)
 from ._layout import DispatchLayout, build_layout, remember_lengths
 from .config import KernelBackend, OverlapMode
 from .env import (
@@ -242,6 +253,72 @@ def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> Ma
     )
 
 
+def rank_kernel_calls(
+    key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None
+) -> list[list[tuple[SliceList, int, int]]]:
+    """Per rank of the group, the kernel calls the plan makes there: (slices, query rows, key rows) each, as
+    `DistAttnRuntime._build_device_meta` builds them (the merged call at overlap degree 0, else the host call
+    and one per remote stage; the whole mask at cp 1). The same on every rank."""
+    if plan is None:
+        whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
+        return [[(whole, key.total_seqlen_q, key.total_seqlen_k)]]
+    calls = []
+    for r, rank_plan in enumerate(plan.ranks):
+        rows, local_kv = layout.shard_seqlens[r], layout.kv_shard_seqlens[r]
+        remote = [s.num_remote_tokens for s in rank_plan.stages]
+        if plan.overlap_degree == 0:
+            calls.append([(rank_plan.merged_slices, rows, local_kv + sum(remote))])
+            continue
+        mine = [(rank_plan.host_slices, rows, local_kv)]
+        calls.append(
+            mine + [(s.remote_slices, rows, n) for s, n in zip(rank_plan.stages, remote, strict=True)]
+        )
+    return calls
+
+
+def fa4_deterministic_per_rank(
+    key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None
+) -> list[bool]:
+    """Per rank, whether FA4 can run every kernel call of that rank's plan with a deterministic backward."""
+    return [
+        all(fa4_deterministic_supported(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in calls)
+        for calls in rank_kernel_calls(key, layout, plan)
+    ]
+
+
+def choose_kernel_and_plan(
+    key: DistAttnRuntimeKey, layout: DispatchLayout
+) -> tuple[KernelChoice, DistAttnPlan | None]:
+    """The key's kernel choice (agreed across ranks, refined by `auto`'s table) and its plan. In
+    deterministic mode, cuDNN only up to its deterministic head_dim (`restrict_deterministic_head_dim`) and FA4
+    only where every rank's kernel calls of the plan can run its backward
+    deterministically (`restrict_deterministic`: `auto` then picks again without it and the plan is rebuilt
+    if the backend changed; an explicit `fa4` raises on every rank, before any data moves)."""
+    agreed = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
+    det = key.config.deterministic
+    if det:
+        agreed = restrict_deterministic_head_dim(agreed, key.head_dim)
+
+    def features() -> MaskFeatures:
+        return rank_problem_features(key, layout)
+
+    choice = choose_auto(agreed, key.head_dim, features, deterministic=det)
+    plan = build_plan(key, layout, choice)
+    if det and uses_fa4(choice):
+        ok = fa4_deterministic_per_rank(key, layout, plan)
+        if not all(ok):
+            whole = busiest_rank_features(  # the key's mask as one rank holds it: is it packed documents?
+                key.q_ranges, key.k_ranges, list(key.attn_mask_type), [np.arange(key.total_seqlen_q)]
+            )
+            kind = describe_mask(key.q_ranges, key.attn_mask_type, whole.documents)
+            restricted = restrict_deterministic(agreed, ok, kind, key.head_dim)
+            new = choose_auto(restricted, key.head_dim, features, deterministic=det)
+            if new.backend != choice.backend:  # the dynamic overlap's cost profile follows the backend
+                plan = build_plan(key, layout, new)
+            choice = new
+    return choice, plan
+
+
 def plan_options(key: DistAttnRuntimeKey, choice: KernelChoice) -> PlanOptions:
     """The key's dispatch and overlap configs as the solver's planning options (enums as they are)."""
     dispatch, ov = key.config.dispatch_config, key.config.overlap_config
@@ -328,12 +405,16 @@ class RuntimeCache:
             layout = build_layout(root)
             self._layouts[root] = layout
             remember_lengths(root, layout)
-        choice = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
-        choice = choose_auto(choice, key.head_dim, lambda: rank_problem_features(key, layout))
+        try:
+            choice, plan = choose_kernel_and_plan(key, layout)
+        except BaseException:
+            if root not in self._layout_refs:  # no cached key uses it: do not keep it
+                self._layouts.pop(root, None)
+            raise
         _LOG.debug("magi_attention key %s: kernel backend %s%s (%s)", key.cp_group.name, choice.backend.value,
                    "" if choice.backward is None else f", backward {choice.backward.value}", choice.reason)  # fmt: skip
         try:
-            runtime = DistAttnRuntime(key, layout, build_plan(key, layout, choice), choice)
+            runtime = DistAttnRuntime(key, layout, plan, choice)
         except BaseException:
             if root not in self._layout_refs:  # no cached key uses it: do not keep it
                 self._layouts.pop(root, None)

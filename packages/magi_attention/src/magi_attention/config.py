@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 # The kernel's enum, not a copy: `magi_attention.config.KernelBackend is magi_ffa.KernelBackend` (auto, fa4,
 # cudnn, triton, torch), defined in the lowest package that runs a kernel.
 from magi_ffa import KernelBackend
@@ -16,6 +18,8 @@ from magi_ffa import KernelBackend
 # The planner's enums, not copies: `magi_attention.config.DispatchAlg is magi_solver.DispatchAlg` (same values:
 # min_heap, sequential, zigzag, affinity; static, dynamic), so a config's choice reaches the solver unchanged.
 from magi_solver import DispatchAlg, OverlapMode
+
+from .env import deterministic_mode
 
 __all__ = [
     "DispatchAlg",
@@ -131,8 +135,25 @@ class DistAttnConfig:
     dtype (False: half the backward communication, one more rounding per contributing rank)."""
     grpcoll_config: GrpCollConfig = field(default_factory=GrpCollConfig)
     """Which group-collective implementation the runtime uses (native or all-to-all-v)."""
+    deterministic: bool | None = None
+    """Bitwise reproducible `calc_attn`: the same inputs, cp size, plan, backend and GPU kind give the same
+    bits for out, lse and every gradient. Every kernel call asks its backend for a deterministic backward,
+    GroupReduce sums in a fixed order, `auto` picks only among backends deterministic for every rank's
+    problem, and an explicit backend that cannot be raises on every rank before any data moves. None (the
+    default) is resolved when the config is built: True when MAGI_ATTENTION_DETERMINISTIC_MODE is true or
+    `torch.use_deterministic_algorithms(True)` is in effect, else False. Part of the runtime key and agreed
+    across ranks."""
 
     def __post_init__(self) -> None:
+        if self.deterministic is None:
+            # resolved here, once, so the key (and every rank's agreement on it) holds the value in use
+            object.__setattr__(
+                self, "deterministic", deterministic_mode() or torch.are_deterministic_algorithms_enabled()
+            )
+        elif not isinstance(self.deterministic, bool):
+            raise TypeError(
+                f"DistAttnConfig.deterministic must be a bool or None, got {type(self.deterministic).__name__}"
+            )
         if not isinstance(self.high_precision_grad_reduce, bool):
             raise TypeError(
                 f"high_precision_grad_reduce must be a bool, got {type(self.high_precision_grad_reduce).__name__}"

@@ -30,7 +30,6 @@ from .checks import (
     tag_output,
     validate_calc_attn,
 )
-from .env import deterministic_mode
 from .key import DistAttnRuntimeKey
 
 
@@ -123,28 +122,33 @@ class _KVFetcher:
         return buf
 
 
-def _fwd_call(kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale, softcap, extras=None):
+def _fwd_call(
+    kernel: AttnKernel, q, k, v, slices: KernelSlices, out, lse, scale, softcap, extras=None, *,
+    deterministic: bool,
+):  # fmt: skip
     """One forward kernel call; with `out`/`lse` given its result is merged into them, else fresh ones are
-    returned ((None, None) when the call has no slice). `extras`: sinks / max logits (`_Extras`)."""
+    returned ((None, None) when the call has no slice). `extras`: sinks / max logits (`_Extras`);
+    `deterministic`: the key's `DistAttnConfig.deterministic`."""
     if slices.num_slices == 0:
         return out, lse
     kw = extras.kwargs() if extras is not None else {}
     res = kernel.fwd_slices(
-        q, k, v, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic_mode(), out=out,
+        q, k, v, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic, out=out,
         lse=lse, **kw,
     )  # fmt: skip
     return extras.take(res) if extras is not None else res
 
 
 def _bwd_call(
-    kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap, dlse=None
-):
+    kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap, dlse=None,
+    *, deterministic: bool,
+):  # fmt: skip
     """One backward kernel call, accumulated into dq / dk / dv when given ((None,) * 3 without slices and
     buffers). `dlse`: the gradient of a differentiable lse (`Delta = rowsum(do * out) - dlse`)."""
     if slices.num_slices == 0:
         return dq, dk, dv
     return kernel.bwd_slices(
-        do, q, k, v, out, lse, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic_mode(),
+        do, q, k, v, out, lse, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic,
         dq=dq, dk=dk, dv=dv, dlse=dlse,
     )  # fmt: skip
 
@@ -153,6 +157,7 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
     """Returns (out in q.dtype, lse in the accumulation dtype). `extras` (`_Extras`): sinks merged into the
     first kernel call that runs; max logits reduced into `extras.max_logits` (all-reduce MAX over the group)."""
     kernel = runtime.kernel(q.dtype, softcap)
+    det = runtime.key.config.deterministic
     cp_group = runtime.key.cp_group
     with comm_step(cp_group, "building the GroupCast plans (tables checked across ranks) of calc_attn"):
         meta = runtime.device_meta(q.device)
@@ -162,22 +167,26 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
     if runtime.merged_stage:
         kv_all = torch.cat([kv_local, fetcher.get(0)], dim=0)
         out, lse = _fwd_call(
-            kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap, extras
-        )
+            kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap, extras,
+            deterministic=det,
+        )  # fmt: skip
     else:
         fetcher.start(0)
         # The host call writes the accumulator itself (no zero-fill). With one remote stage the merge can
         # write q's dtype directly (the same single rounding as an fp32 accumulator cast at the end); with
         # more, intermediate merges stay in fp32.
-        out, lse = _fwd_call(kernel, q, k, v, meta.host, None, None, scale, softcap, extras)
+        out, lse = _fwd_call(
+            kernel, q, k, v, meta.host, None, None, scale, softcap, extras, deterministic=det
+        )
         if out is not None and len(meta.stages) > 1:
             out = out.to(_acc_dtype(q.dtype))
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
             fetcher.start(i + 1)
             out, lse = _fwd_call(
-                kernel, q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap, extras
-            )
+                kernel, q, *_split_kv(kv_remote, hkv), meta.stages[i], out, lse, scale, softcap, extras,
+                deterministic=det,
+            )  # fmt: skip
     if out is None:  # no slice touches this rank's queries
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
@@ -189,6 +198,7 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
 def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float, softcap: float, dlse=None):
     """dq, dk, dv of this rank's q/k/v given the final out/lse and, optionally, the lse's gradient `dlse`."""
     kernel = runtime.kernel(q.dtype, softcap)
+    det = runtime.key.config.deterministic
     meta = runtime.device_meta(q.device)
     acc = _acc_dtype(q.dtype)
     hkv = k.shape[1]
@@ -202,7 +212,7 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
         # one call, no accumulators: the kernel writes dq, dk, dv itself (no zero-filled fp32 buffers)
         dq, dk_all, dv_all = _bwd_call(
             kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap,
-            dlse,
+            dlse, deterministic=det,
         )  # fmt: skip
         if dq is None:  # no slice touches this rank's queries
             dq = torch.zeros_like(q)
@@ -213,14 +223,17 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
         dkv_local = torch.cat([dk_all[:n], dv_all[:n]], dim=1).to(red)
         dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1).to(red)
         with comm_step(cp_group, "GroupReduce of stage 0 (remote dK/dV) in the backward of calc_attn"):
-            meta.reduce_plans[0].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=False)
+            meta.reduce_plans[0].reduce(
+                dkv_remote, dkv_local, reduce_op="sum", async_op=False, deterministic=det
+            )
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
         fetcher.start(0)
         _bwd_call(
-            kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap, dlse
-        )
+            kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap, dlse,
+            deterministic=det,
+        )  # fmt: skip
         previous_reduce = None
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
@@ -228,10 +241,12 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
             dkv_remote = torch.zeros((kv_remote.shape[0], *dkv_local.shape[1:]), dtype=acc, device=k.device)
             _bwd_call(
                 kernel, do, q, *_split_kv(kv_remote, hkv), out, lse, meta.stages[i], dq,
-                *_split_kv(dkv_remote, hkv), scale, softcap, dlse,
+                *_split_kv(dkv_remote, hkv), scale, softcap, dlse, deterministic=det,
             )  # fmt: skip
             with comm_step(cp_group, _reduce_what(i)):
-                reduce = meta.reduce_plans[i].reduce(dkv_remote, dkv_local, reduce_op="sum", async_op=True)
+                reduce = meta.reduce_plans[i].reduce(
+                    dkv_remote, dkv_local, reduce_op="sum", async_op=True, deterministic=det
+                )
             if previous_reduce is not None:
                 with comm_step(cp_group, _reduce_what(i - 1)):
                     previous_reduce.wait()
@@ -379,6 +394,6 @@ def _calc_attn_single(
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype, softcap)
-    det = deterministic_mode()
+    det = runtime.key.config.deterministic
     out, lse, *mx = _SingleCall.apply(q, k, v, kernel, host, scale, float(softcap), sink, bool(ret_max), det)
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)

@@ -9,8 +9,8 @@
   ``fa4``, ``cudnn``, ``triton`` (or MagiAttention's ``ffa``), ``torch`` (or ``sdpa``).
 - ``MAGI_ATTENTION_COST_PROFILE``: overlap cost-model profile (a name of ``magi_solver.PROFILES`` or a JSON
   file) when ``OverlapConfig.cost_profile`` is None.
-- ``MAGI_ATTENTION_DETERMINISTIC_MODE``: true passes ``deterministic=True`` to every kernel call (bitwise
-  reproducible backward: e.g. FA4's ordered dQ/dK/dV accumulation, magi_ffa's split Triton backward).
+- ``MAGI_ATTENTION_DETERMINISTIC_MODE``: the default of ``DistAttnConfig.deterministic`` (read when a config
+  is built): true makes every kernel call and GroupReduce of ``calc_attn`` bitwise reproducible.
 - ``MAGI_ATTENTION_HIERARCHICAL_COMM``: on a 2-D (inter, intra) mesh, run GroupCast / GroupReduce
   hierarchically (default true); false runs the flat all-to-all-v over the same ranks.
 - ``MAGI_ATTENTION_NATIVE_GRPCOLL``: true selects the native group-collective implementation (symmetric
@@ -30,7 +30,8 @@ import os
 
 from magi_mask.flags import parse_bool
 
-from .config import KernelBackend
+# magi_ffa's enum (what config.py re-exports): config.py reads this module when a config is built.
+from magi_ffa import KernelBackend
 
 _BACKEND_ALIASES = {"ffa": KernelBackend.TRITON, "sdpa": KernelBackend.TORCH}
 
@@ -47,9 +48,9 @@ def sanity_check_enabled() -> bool:
 
 
 def deterministic_mode() -> bool:
-    """MAGI_ATTENTION_DETERMINISTIC_MODE (boolean, default false): every kernel call of `calc_attn` gets
-    `deterministic=True` (bitwise reproducible gradients: FA4 then orders its dQ / dK / dV accumulation;
-    magi_ffa's Triton backward is deterministic always). Read on each call."""
+    """MAGI_ATTENTION_DETERMINISTIC_MODE (boolean, default false): the default of
+    `DistAttnConfig.deterministic` (None resolves to this or `torch.are_deterministic_algorithms_enabled()`).
+    Read when a config is built; the runtime then reads the key's config, never this variable per call."""
     return _flag("MAGI_ATTENTION_DETERMINISTIC_MODE", False)
 
 

@@ -41,6 +41,12 @@ FLOPs are in its time) for both directions, unless another candidate is faster b
 (the backward starts from the final out / lse, whichever kernel made them), so a forward on one backend and a
 backward on another compute the same attention. No timing at run time: same inputs, same answer on every
 rank.
+
+Deterministic mode (``DistAttnConfig.deterministic``) asks each backend for a bitwise repeatable backward,
+which costs time (ordered accumulation instead of atomics). A row measured that way carries
+``"deterministic": true``; ``pick_kernel(..., deterministic=True)`` uses only those rows, and falls back to
+the default-mode rows (its reason says so) when the table has none for the head_dim. The caller restricts
+the candidates to the backends that can run deterministically on every rank's problem.
 """
 
 from __future__ import annotations
@@ -290,13 +296,21 @@ class KernelTable:
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelTable:
+        """Rows need ``mask``, ``tokens``, ``head_dim``, ``tile_fill``, ``slices_per_row``, ``documents`` and
+        ``ms`` (backend -> [forward ms, backward ms]); ``deterministic`` (bool, default false) marks a row
+        measured in deterministic mode."""
+        rows = []
         for i, row in enumerate(data["rows"]):
             missing = {"mask", "tokens", "head_dim", "tile_fill", "slices_per_row", "documents", "ms"} - set(
                 row
             )
             if missing:
                 raise ValueError(f"kernel table row {i} lacks {sorted(missing)}")
-        return cls(str(data["gpu_kind"]), str(data.get("source", "")), tuple(data["rows"]))
+            det = row.get("deterministic", False)
+            if not isinstance(det, bool):
+                raise ValueError(f"kernel table row {i}: 'deterministic' must be a bool, got {det!r}")
+            rows.append({**row, "deterministic": det})
+        return cls(str(data["gpu_kind"]), str(data.get("source", "")), tuple(rows))
 
 
 @cache
@@ -326,13 +340,30 @@ class KernelPick:
 
 
 def pick_kernel(
-    table: KernelTable | None, features: MaskFeatures, head_dim: int, candidates: Sequence[str]
+    table: KernelTable | None,
+    features: MaskFeatures,
+    head_dim: int,
+    candidates: Sequence[str],
+    *,
+    deterministic: bool = False,
 ) -> KernelPick | None:
     """The pick on the nearest row of ``head_dim`` among ``candidates`` (see the module docstring); None when
-    the table has no such row or measured none of the candidates. Ties go by name, so every rank agrees."""
+    the table has no such row or measured none of the candidates. Ties go by name, so every rank agrees.
+    ``deterministic``: the rows measured in deterministic mode (default-mode rows when there are none, and
+    the reason says so); otherwise the default-mode rows."""
     if table is None:
         return None
     rows = [r for r in table.rows if r["head_dim"] == head_dim]
+    mode = ""
+    if deterministic:
+        det_rows = [r for r in rows if r.get("deterministic", False)]
+        if det_rows:
+            rows, mode = det_rows, "deterministic "
+        else:
+            rows = [r for r in rows if not r.get("deterministic", False)]
+            mode = "default-mode (no deterministic rows measured for this head_dim) "
+    else:
+        rows = [r for r in rows if not r.get("deterministic", False)]
     if not rows:
         return None
     row = min(rows, key=lambda r: (_distance(features, r), r["mask"], r["tokens"]))
@@ -349,7 +380,7 @@ def pick_kernel(
     times = ", ".join(f"{b} {ms[b][0]:.3f} / {ms[b][1]:.3f}" for b in sorted(ms))
     picked = fwd if fwd == bwd else f"{fwd} forward, {bwd} backward"
     reason = (
-        f"{table.gpu_kind} table, nearest measured row {row['mask']} at {row['tokens']} tokens, d {head_dim} "
+        f"{table.gpu_kind} table, nearest {mode}measured row {row['mask']} at {row['tokens']} tokens, d {head_dim} "
         f"(rank problem: {features.tokens} tokens, tile fill {features.tile_fill:.2f}, "
         f"{features.slices_per_row:.2f} slices per row{', documents' if features.documents else ''}): "
         f"{picked} (fwd / bwd ms: {times})"

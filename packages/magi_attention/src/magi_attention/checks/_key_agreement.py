@@ -4,8 +4,8 @@ A key is a value every rank computes on its own; nothing forces two ranks to com
 a size, a head count or a config that differs across ranks would give plans whose GroupCast tables do not
 match (stale rows, or gloo aborting the process). So when a key is built for the first time (a cache miss),
 the ranks all-gather one small int64 row each: a status flag and one 63-bit hash per part of the key (mask,
-sizes, heads, config, group, dispatch key, pad size), through the host-side status agreement every public
-collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch` on
+sizes, heads, config, deterministic mode, group, dispatch key, pad size), through the host-side status
+agreement every public collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch` on
 another meet and are told so). Different hashes raise on every rank, naming the part and the ranks; a rank
 whose key build failed sends the failed flag instead, so the others raise too rather than wait for it in
 the next collective. Cache hits communicate nothing (in sanity mode, MAGI_ATTENTION_SANITY_CHECK=1, every
@@ -16,6 +16,7 @@ Rule that follows: every rank of a cp group must build its keys in the same orde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -36,6 +37,8 @@ PARTS = (
     "sizes (total_seqlen_q / total_seqlen_k)",
     "heads (num_heads_q / num_heads_kv / head_dim)",
     "dist_attn_config",
+    "deterministic (DistAttnConfig.deterministic; None follows MAGI_ATTENTION_DETERMINISTIC_MODE and "
+    "torch.use_deterministic_algorithms)",
     "cp group",
     "key_for_dispatch",
     "pad_size",
@@ -56,7 +59,9 @@ def key_parts(key: DistAttnRuntimeKey, pad_size: object = None) -> list[object]:
         (key.q_ranges, key.k_ranges, key.attn_mask_type),
         (key.total_seqlen_q, key.total_seqlen_k),
         (key.num_heads_q, key.num_heads_kv, key.head_dim),
-        key.config,
+        # the deterministic flag is its own part, so a rank set differently is told that and nothing else
+        dataclasses.replace(key.config, deterministic=False),
+        key.config.deterministic,
         (group.name, group.ranks, group.mesh_shape),
         dispatch,
         pad_size,

@@ -1,0 +1,114 @@
+"""HF Transformers with magi-attention in deterministic mode: the same training twice gives the same bits.
+
+For each model of `hf_run.py` (Llama, and Qwen2 with a sliding-window layer), a random-initialised model is
+trained `--steps` AdamW steps on the same packed batch twice, from the same seed, in one process, with
+`torch.use_deterministic_algorithms(True)` (so `DistAttnConfig()` resolves `deterministic=True`) and
+`CUBLAS_WORKSPACE_CONFIG=:4096:8`. The losses of every step and every parameter afterwards must be
+bitwise identical between the two trainings. The report (JSON) goes to `--out` or `$OUT/hf_deterministic.json`.
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/integration_runs/hf_deterministic_run.py   # GPU, bf16
+    python benchmarks/integration_runs/hf_deterministic_run.py --device cpu                      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import os
+
+# cuBLAS needs its workspace fixed before CUDA starts for deterministic GEMMs (torch raises otherwise)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+import hf_run
+
+NAME = "hf_deterministic"
+
+
+def train_once(family: str, cfg: harness.RunConfig, group) -> tuple[list[float], list[torch.Tensor], str]:
+    """One training from the seed: per-step losses, the parameters afterwards, and the kernel `auto` chose."""
+    from magi_attention_transformers import (
+        all_reduce_gradients,
+        apply_magi_attention,
+        causal_lm_loss,
+        dispatch_batch,
+    )
+
+    from magi_attention.api import clear_cache, get_kernel_backend
+    from magi_attention.config import DistAttnConfig
+
+    clear_cache()  # the second training plans again, as a fresh process would
+    model, _ = hf_run.build_model(family, cfg)
+    batch = harness.packed_batch(cfg.tokens, model.config.vocab_size, seed=cfg.seed + 1, device=cfg.device)
+    config = DistAttnConfig(kernel_backend=cfg.kernel_backend)  # deterministic: None -> torch's switch
+    if not config.deterministic:
+        raise SystemExit("DistAttnConfig() did not resolve deterministic=True under torch's switch")
+    apply_magi_attention(model, group, dist_attn_config=config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    losses, backend = [], ""
+    for _ in range(cfg.steps):
+        local = dispatch_batch(batch.input_ids, group, cu_seqlens=batch.cu_seqlens)
+        logits = model(input_ids=local.input_ids, position_ids=local.position_ids).logits
+        loss = causal_lm_loss(logits, local)
+        loss.backward()
+        all_reduce_gradients(model, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if not backend:
+            chosen, reason = get_kernel_backend(local.key, cfg.dtype)
+            backend = f"{chosen.value} ({reason})"
+    params = [p.detach().clone() for p in model.parameters()]
+    return [float(x) for x in losses], params, backend
+
+
+def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
+    first_losses, first_params, backend = train_once(family, cfg, group)
+    second_losses, second_params, _ = train_once(family, cfg, group)
+    differing = [i for i, (a, b) in enumerate(zip(first_params, second_params)) if not torch.equal(a, b)]
+    max_diff = max(
+        ((a.double() - b.double()).abs().max().item() for a, b in zip(first_params, second_params)),
+        default=0.0,
+    )
+    ok = first_losses == second_losses and not differing
+    return {
+        "run": f"{NAME}/{family}",
+        "ok": ok,
+        "kernel_backend": backend,
+        "losses_first": first_losses,
+        "losses_second": second_losses,
+        "parameters": len(first_params),
+        "parameters_differing": differing,
+        "max_parameter_abs_diff": max_diff,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = harness.parse_args(NAME, __doc__, argv)
+    torch.use_deterministic_algorithms(True)
+    group = harness.init_world_1(cfg.device)
+    try:
+        results = [run_family(family, cfg, group) for family in hf_run.FAMILIES]
+    finally:
+        harness.close_world()
+    report = {"name": NAME, "device": str(cfg.device), "dtype": str(cfg.dtype), "steps": cfg.steps,
+              "tokens": cfg.tokens, "versions": harness.versions(), "results": results}  # fmt: skip
+    for r in results:
+        verdict = "identical" if r["ok"] else "DIFFER"
+        print(f"{r['run']:<28} {verdict:<9} losses {r['losses_first']} kernel {r['kernel_backend']}")
+        if not r["ok"]:
+            print(f"  second losses {r['losses_second']}; parameters differing: {r['parameters_differing']}"
+                  f" (max |d| {r['max_parameter_abs_diff']:.3e})")  # fmt: skip
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(report, indent=1))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
