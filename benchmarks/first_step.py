@@ -110,7 +110,7 @@ def child_sim8(warm: bool) -> dict:
     from magi_attention._kernels import _resolve, choose_auto, probe_local
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import simulate_dist_attn
-    from magi_solver import plan_dist_attn
+    from magi_solver import PlanOptions, plan_attention
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     _start()
@@ -119,7 +119,8 @@ def child_sim8(warm: bool) -> dict:
     cp = 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
     chunk = TOKENS // cp // 4  # 4 chunks per rank (512 tokens at 16k)
-    plan = plan_dist_attn(qr, kr, types, TOKENS, cp, chunk, overlap_degree=2, min_chunk_size=min(256, chunk))
+    options = PlanOptions(overlap_degree=2, min_chunk_size=min(256, chunk))
+    plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     keys = kernel_key_ids(rows, plan.kv_layout)
     choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,

@@ -30,11 +30,12 @@ from magi_attention.config import KernelBackend
 from magi_attention.simulate import simulate_dist_attn
 from magi_ffa.testing import make_attn_mask, ref_attn
 from magi_solver import (
+    PlanOptions,
     make_block_causal_mask,
     make_sliding_window_mask,
     make_varlen_causal_mask,
     make_varlen_full_mask,
-    plan_dist_attn,
+    plan_attention,
 )
 
 for _name, _value in {
@@ -148,9 +149,8 @@ def run_dist(backend, degree, mask, total, q, k, v, do, hq, hkv, d, chunk, uneve
 
 def run_simulated(backend, cp, mask, total, q, k, v, do, chunk, uneven=False):
     qr, kr, tm = mask
-    plan = plan_dist_attn(
-        qr, kr, tm, total, cp, chunk, overlap_degree=2, min_chunk_size=128, uneven_shard=uneven
-    )
+    options = PlanOptions(overlap_degree=2, min_chunk_size=128, uneven_shard=uneven)
+    plan = plan_attention(qr, kr, tm, total, cp, chunk_size=chunk, options=options)
     out, lse, dq, dk, dv = simulate_dist_attn(q, k, v, do, plan, kernel_backend=backend)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 

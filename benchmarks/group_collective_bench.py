@@ -4,7 +4,7 @@ time of a cast against one plain all_to_all_single of the same bytes on gloo.
     .venv/bin/python benchmarks/group_collective_bench.py                 # both tables (docs/benchmarks)
     .venv/bin/python benchmarks/group_collective_bench.py --json out.json # also JSON rows (git SHA, machine)
 
-Comm plans come from magi-solver (`plan_dist_attn`, one merged stage: overlap_degree=0) on three masks:
+Comm plans come from magi-solver (`plan_attention`, one merged stage: overlap_degree=0) on three masks:
 varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
 sliding window of 1024 over the same documents. Bytes assume K and V stacked per token, 8 KV heads x
 head_dim 128 in bf16 (4 KiB per token). "Inter-node" counts tokens leaving a node of 8 ranks: flat
@@ -63,9 +63,10 @@ def _masks() -> dict[str, Callable[[int], tuple]]:
 
 def cast_tables(mask: str, total: int, cp: int, chunk: int) -> list[tuple]:
     """Per rank: (input_split_sizes, output_split_sizes, dst_indices, src_index) of the merged stage."""
-    from magi_solver import plan_dist_attn
+    from magi_solver import PlanOptions, plan_attention
 
-    plan = plan_dist_attn(*_masks()[mask](total), total, cp, chunk, overlap_degree=0)
+    options = PlanOptions(overlap_degree=0)
+    plan = plan_attention(*_masks()[mask](total), total, cp, chunk_size=chunk, options=options)
     out = []
     for rp in plan.ranks:
         a = rp.stages[0].cast

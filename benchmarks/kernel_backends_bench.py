@@ -470,7 +470,10 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         if len(row["ms"]) < 2:  # a row with one backend measured would pick it whatever the others do
             continue
         entry = row["entry"]
-        total, plan = make_plan(entry["mask"], entry["cp"], S, 0)
+        # the plan that run measured: its recorded chunk, else the fixed chunk magi_attention_bench used
+        # before it planned with the runtime's choice (min(2048, tokens per GPU / 4))
+        chunk = entry.get("chunk_size", min(2048, S // 4))
+        total, plan = make_plan(entry["mask"], entry["cp"], S, 0, chunk)
         q, k, t = make_mask(entry["mask"], total)
         ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
         f = busiest_rank_features(q, k, t, ids, rank_keys=kernel_key_ids(ids, plan.kv_layout))

@@ -30,7 +30,7 @@ from magi_attention._kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_solver import long_tailed_cu_seqlens, plan_dist_attn
+from magi_solver import PlanOptions, long_tailed_cu_seqlens, plan_attention
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -71,7 +71,22 @@ def kv_total(name: str, total: int) -> int:
     return total // CROSS_KV_RATIO if name == "cross_varlen" else total
 
 
+FRAME_TOKENS = 1560
+"""video_block_causal: tokens of one frame (frames do not line up with chunks)."""
+CLIP_FRAMES = 16
+
+
 def make_mask(name: str, total: int):
+    if name == "video_block_causal":
+        # clips of CLIP_FRAMES whole frames (the last clip and frame take the remainder), block-causal by
+        # frame: a frame sees every frame of its clip up to itself
+        q_ranges, k_ranges = [], []
+        for clip in range(0, total, CLIP_FRAMES * FRAME_TOKENS):
+            end = min(total, clip + CLIP_FRAMES * FRAME_TOKENS)
+            for a in range(clip, end, FRAME_TOKENS):
+                q_ranges.append([a, min(end, a + FRAME_TOKENS)])
+                k_ranges.append([clip, min(end, a + FRAME_TOKENS)])
+        return q_ranges, k_ranges, [0] * len(q_ranges)
     if name == "full":
         return [[0, total]], [[0, total]], [0]
     if name == "causal":
@@ -199,25 +214,21 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
     return _events_ms(fwd), _events_ms(bwd)
 
 
-def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int):
+def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int | None = None):
+    """The runtime's own plan of `mask` (`plan_attention`): the chunk size and dispatch algorithm chosen per
+    mask and cp size unless `chunk` is given (then min_heap, as `DispatchConfig(chunk_size=chunk)`)."""
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
-    chunk = min(2048, tokens_per_gpu // 4)  # MagiAttention's benchmark: chunk 2048, 4 per rank at 8k/GPU
-    cross = {}
-    if kv_total(mask, total) != total:  # key/value shards of their own: chunk them like the queries
-        kv_chunk = max(1, chunk // CROSS_KV_RATIO)
-        cross = {"total_seqlen_k": kv_total(mask, total), "kv_chunk_size": kv_chunk}
-    return total, plan_dist_attn(
-        q_ranges,
-        k_ranges,
-        types,
-        total,
-        cp,
-        chunk,
+    options = PlanOptions(
+        dispatch_alg=None if chunk is None else "min_heap",
         overlap_degree=degree,
-        min_chunk_size=min(512, chunk),
-        **cross,
+        min_chunk_size=512 if chunk is None else min(512, chunk),
     )
+    cross = {}
+    if kv_total(mask, total) != total:  # key/value shards of their own, as the runtime cuts them
+        cross = {"total_seqlen_k": kv_total(mask, total)}
+    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options, **cross)
+    return total, plan
 
 
 def auto_kernel(mask: str, total: int, plan):
@@ -252,12 +263,70 @@ def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     }
 
 
+_FAMILY = {"video_block_causal": "block_causal", "cross_varlen": "other"}
+
+# MagiAttention's published H100 curve (native group collectives, 8k tokens per GPU, heads 64:8, d 128):
+# TFLOP/s per GPU at cp 8 and cp 64, from ../shared/reference/anchors.md (B.9); other cp sizes unpublished
+PUBLISHED_H100 = {
+    ("full", "fwd"): {8: 665, 64: 628},
+    ("causal", "fwd"): {8: 645, 64: 594},
+    ("causal", "bwd"): {8: 529, 64: 529},
+    ("varlen_full", "fwd"): {8: 535, 64: 400},
+    ("varlen_causal", "fwd"): {8: 459, 64: 237},
+    ("varlen_causal", "bwd"): {8: 360, 64: 264},
+}
+
+
+def predicted_step(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+    """The cost model's step per GPU for the runtime's plan (`magi_solver.tools.predict`, the H200 profile:
+    measured kernel rates, NVLink inside 8-GPU nodes, 50 GB/s per GPU between nodes): fwd / bwd ms and
+    TFLOP/s per GPU of the slowest rank, communication included. Computed, not measured."""
+    from magi_solver.tools.hardware import get_hardware
+    from magi_solver.tools.predict import Workload, predict_cp
+
+    total = tokens_per_gpu * cp
+    q, k, t = make_mask(mask, total)
+    if kv_total(mask, total) != total:
+        return {}  # cross-attention: the predictor plans self-attention masks only
+    rec, _ = predict_cp(
+        q, k, t, total, cp, hardware=get_hardware("h200"), family=_FAMILY.get(mask, mask),
+        workload=Workload(num_heads_q=HQ, num_heads_kv=HKV, head_dim=D, overlap_degree=degree),
+    )  # fmt: skip
+    m = rec["schemes"]["magi"]
+    return {k: m[k] for k in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu")}
+
+
+def scaling_rows(sim: list[dict]) -> list[dict]:
+    """Scaling efficiency per simulated row: `E = T_one_gpu / (cp x T_slowest_rank)`, i.e. the TFLOP/s per
+    GPU the slowest rank implies over the one-GPU rate on the same mask (an `auto` row takes the fastest
+    explicit backend's one-GPU rate of the same mask and cp: the strictest yardstick)."""
+    out = []
+    for r in sim:
+        singles = [o for o in sim if (o["mask"], o["cp"]) == (r["mask"], r["cp"]) and "single_fwd" in o]
+        row = {
+            "mask": r["mask"], "cp": r["cp"], "kernel_backend": r["kernel_backend"], "backend": r["backend"],
+            "chunk_size": r.get("chunk_size"), "dispatch_alg": r.get("dispatch_alg"),
+            "remote_kv_tokens_max": r.get("remote_kv_tokens_max"),
+            "remote_kv_tokens_mean": r.get("remote_kv_tokens_mean"),
+            "predicted": r.get("predicted", {}),
+        }  # fmt: skip
+        if singles:
+            one_f = max(o["single_fwd"] for o in singles)
+            one_b = max(o["single_bwd"] for o in singles)
+            row["single_tokens"] = singles[0]["single_tokens"]
+            row["E_fwd"], row["E_bwd"] = r["tflops_fwd"] / one_f, r["tflops_bwd"] / one_b
+        for way in ("fwd", "bwd"):
+            row[f"published_h100_{way}"] = PUBLISHED_H100.get((r["mask"], way), {}).get(r["cp"])
+        out.append(row)
+    return out
+
+
 def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend) -> dict:
     """Every rank's forward and backward on ``backend`` (``auto``: the launchers the runtime would pick for
     this plan), one after the other; the slowest rank's times and the throughput they imply."""
     total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
-    shard = total // cp
+    shard = plan.dispatch.shard_seqlen  # the chosen chunk may pad the sequence
     kv_shard = shard if plan.kv_layout is None else plan.kv_layout.shard_seqlen
     q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
@@ -293,6 +362,11 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         "backend": resolved,
         "tokens_per_gpu": tokens_per_gpu,
         "degree": degree,
+        "chunk_size": plan.dispatch.chunk_size,  # the runtime's choice: a later reader rebuilds this plan
+        "dispatch_alg": plan.dispatch.alg.value,
+        "remote_kv_tokens_max": max(plan.remote_tokens_per_rank),
+        "remote_kv_tokens_mean": sum(plan.remote_tokens_per_rank) / cp,
+        "predicted": predicted_step(mask, cp, tokens_per_gpu, degree),
         "imbalance": max(r["area"] for r in rows) / mean_area,
         "slowest_fwd_ms": worst_f,
         "slowest_bwd_ms": worst_b,
@@ -312,7 +386,8 @@ def check_on_gpu(mask: str, cp: int, backend: KernelBackend, total: int = 4096) 
 
     q_ranges, k_ranges, types = make_mask(mask, total)
     chunk = min(128, total // (4 * cp))
-    plan = plan_dist_attn(q_ranges, k_ranges, types, total, cp, chunk, overlap_degree=2, min_chunk_size=chunk)
+    options = PlanOptions(overlap_degree=2, min_chunk_size=chunk)
+    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options)
     gen = torch.Generator(device=DEVICE).manual_seed(cp)
     hq, hkv, d = 8, 2, 128
     q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
@@ -368,6 +443,12 @@ def main() -> int:
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
     ap.add_argument("--no-cp1", action="store_true", help="skip the cp = 1 overhead rows")
     ap.add_argument("--single-max-tokens", type=int, default=131072)
+    ap.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also print the scaling table: E = T_one_gpu / (cp x T_slowest_rank), remote K/V per rank, the "
+        "cost model's predicted step per GPU beside MagiAttention's published H100 curve",
+    )
     args = ap.parse_args()
     names = [b.strip() for b in args.kernel_backend.split(",")]
     if bad := [b for b in names if b not in BACKENDS]:
@@ -432,6 +513,8 @@ def main() -> int:
                     f"{r.get('single_bwd', 0):.0f})",
                     flush=True,
                 )
+    if args.scaling:
+        results["scaling"] = scaling_rows(results["sim"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -463,7 +546,40 @@ def main() -> int:
             f"{r['slowest_bwd_ms']:.2f} | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | "
             f"{auto_over_fastest(r, results['sim'])} | {r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
         )
+    if args.scaling:
+        print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0
+
+
+def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
+    """The scaling table (markdown): measured E, the plan's remote K/V, predicted and published TFLOP/s."""
+
+    def num(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    print(
+        f"\nScaling, {tokens_per_gpu} tokens per GPU (E measured: every rank's kernels on this GPU; predicted: "
+        "cost model, NVLink inside 8-GPU nodes, 50 GB/s per GPU between nodes; published: MagiAttention H100)"
+    )
+    print(
+        "\n| mask | cp | kernel backend | chunk | E fwd | E bwd | one-GPU tokens | remote K/V max (mean) | "
+        "predicted fwd / bwd TFLOP/s/GPU | published H100 fwd / bwd |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        p = r["predicted"]
+        name = (
+            r["kernel_backend"]
+            if r["kernel_backend"] == r["backend"]
+            else f"{r['kernel_backend']} ({r['backend']})"
+        )
+        mean = r["remote_kv_tokens_mean"]
+        print(
+            f"| {r['mask']} | {r['cp']} | {name} | {r['chunk_size']} ({r['dispatch_alg']}) | "
+            f"{num(r.get('E_fwd'), '.2f')} | {num(r.get('E_bwd'), '.2f')} | {num(r.get('single_tokens'), ',')} | "
+            f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')}) | "
+            f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')} | "
+            f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -171,15 +171,17 @@ def _calls_cp1(mask, q, k, v):
 def _calls_sim(mask, q, k, v, rk, rv, cp: int):
     """Every rank's calls of the runtime's plan (host stage, then remote stages): q / k / v a rank's shard,
     the remote stages' keys leading rows of ``rk`` / ``rv`` (one buffer of every token)."""
-    from magi_attention._layout import choose_chunk_size
     from magi_attention.simulate import kernel_ranges
-    from magi_solver import plan_dist_attn
+    from magi_solver import PlanOptions, dispatch_choice, plan_attention
 
     _, qr, kr, tm = mask
     total = q.shape[0] * cp
-    chunk = choose_chunk_size(total, cp, None)
     t0 = time.perf_counter()
-    plan = plan_dist_attn(qr, kr, tm, total, cp, chunk, min_chunk_size=min(512, chunk))
+    # the runtime's dispatch: chunk size and algorithm chosen for this mask (DispatchConfig() does the same)
+    choice, dispatch = dispatch_choice(qr, kr, tm, total, cp)
+    chunk = choice.chunk_size
+    options = PlanOptions(min_chunk_size=min(512, chunk))
+    plan = plan_attention(qr, kr, tm, total, cp, chunk_size=chunk, options=options, dispatch=dispatch)
     plan_s = time.perf_counter() - t0
     ranks = []
     for rp in plan.ranks:

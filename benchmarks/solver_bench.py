@@ -27,13 +27,15 @@ import numpy as np
 
 from magi_solver import (
     MaskSpec,
+    PlanOptions,
     make_block_causal_mask,
     make_sliding_window_mask,
     make_varlen_causal_mask,
     make_varlen_full_mask,
-    plan_dist_attn,
+    plan_attention,
     solve_dispatch,
 )
+from magi_solver.choice import clear_dispatch_cache
 from magi_solver.demo import varlen_doc_lengths
 
 
@@ -85,6 +87,7 @@ def _timed(repeat: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     out = fn(*args, **kwargs)  # warm-up
     ts = []
     for _ in range(repeat):
+        clear_dispatch_cache()  # time the solve, not a cache hit
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         ts.append((time.perf_counter() - t0) * 1e3)
@@ -102,9 +105,13 @@ def run(total: int, cps: list[int], chunk: int, repeat: int) -> list[Row]:
         for cp in cps:
             args = (q, k, t, total, cp, chunk)
             disp, td = _timed(repeat, solve_dispatch, *args)
-            plan, tp = _timed(repeat, plan_dist_attn, *args)
-            dyn, tdyn = _timed(1, plan_dist_attn, *args, overlap_mode="dynamic")
-            aff = plan_dist_attn(q, k, t, total, cp, chunk, dispatch_alg="affinity")
+            # the runtime's path with this explicit chunk size (min_heap, one remote stage)
+            plan_args = (q, k, t, total, cp)
+            opts = {"chunk_size": chunk}
+            plan, tp = _timed(repeat, plan_attention, *plan_args, **opts, options=PlanOptions())
+            dynamic = PlanOptions(overlap_degree=None)
+            dyn, tdyn = _timed(1, plan_attention, *plan_args, **opts, options=dynamic)
+            aff = plan_attention(*plan_args, **opts, options=PlanOptions(dispatch_alg="affinity"))
             s = plan.summary()
             rows.append(
                 Row(

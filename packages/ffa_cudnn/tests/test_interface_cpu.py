@@ -79,7 +79,7 @@ def _args(**kw):
 )
 def test_bad_inputs(kwargs, exc, match) -> None:
     with pytest.raises(exc, match=match):
-        interface._check_inputs(**_args(**kwargs))
+        interface.CAPABILITY.check_inputs(**_args(**kwargs))
 
 
 def test_kernel_layout_copies_only_what_cudnn_cannot_read() -> None:

@@ -47,13 +47,13 @@ def test_bad_inputs(kwargs, exc, match) -> None:
     }
     args.update(kwargs)
     with pytest.raises(exc, match=match):
-        interface._check_inputs(**args)
+        interface.CAPABILITY.check_inputs(**args)
 
 
 def test_cpu_tensors_rejected_and_heads_checked() -> None:
     bf = torch.bfloat16
     with pytest.raises(ValueError, match="CUDA"):
-        interface._check_inputs(
+        interface.CAPABILITY.check_inputs(
             torch.randn(4, 2, 8, dtype=bf),
             torch.randn(4, 1, 8, dtype=bf),
             torch.randn(4, 1, 8, dtype=bf),

@@ -220,7 +220,7 @@ def test_split_kernels_through_calc_attn(monkeypatch) -> None:
     kern = runtime_mod.RUNTIME_CACHE.get(key).kernel(torch.float32)
     assert (kern.backend, kern.backward_backend) == (B.TRITON, B.TORCH)
     out, meta = __import__("magi_attention").calc_attn(*leaves, key)
-    assert out.grad_fn.name().endswith("_SplitSingleCallBackward")  # one launcher call each way
+    assert out.grad_fn.name().endswith("_SingleCallBackward")  # one launcher call each way
     # gradients through out and lse (the lse weights: rows with no key are -inf and take none)
     w = torch.randn(total, hq, generator=gen)
     mask = make_attn_mask(qr, kr, tm, total, total)

@@ -127,6 +127,8 @@ def test_every_variable_is_documented() -> None:
 
 
 def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
+    from types import SimpleNamespace
+
     from magi_attention._kernels import AttnKernel
     from magi_attention._runtime import KernelSlices
     from magi_attention.dist_attn import _bwd_call, _fwd_call
@@ -141,7 +143,8 @@ def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
         seen.append(("bwd", kw.get("deterministic", False)))
         return args[1], args[2], args[3]
 
-    kernel = AttnKernel("torch", fwd, bwd, "torch")
+    impl = SimpleNamespace(fwd_checked=fwd, bwd_checked=bwd)  # the contract's entries on checked slices
+    kernel = AttnKernel("torch", "torch", impl, impl)
     x = torch.zeros(4, 1, 8)
     r = torch.tensor([[0, 4]], dtype=torch.int32)
     sl = KernelSlices(r, r, torch.zeros(1, dtype=torch.int32), 1)

@@ -1,13 +1,12 @@
 """The runtime's slices are checked once, when their tensors are built; its magi_ffa calls then skip the
-slice checks (magi_ffa's internal entry), while the public launchers keep them."""
+slice checks (the FFA contract's entry on checked slices), while the public launchers keep them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import magi_ffa._ops
-import magi_ffa.reference
+import magi_ffa.contract
 from magi_attention._kernels import attn_kernel
 from magi_attention._runtime import RUNTIME_CACHE
 from magi_attention.api import calc_attn, clear_cache, magi_attn_flex_key
@@ -28,9 +27,8 @@ def test_runtime_calls_use_the_slices_checked_at_build(monkeypatch) -> None:
     def unchecked(*args, **kwargs):
         raise AssertionError("the runtime re-checked its slices through the public launcher")
 
-    # the slice checks of every public launcher (module globals, looked up on each call)
-    monkeypatch.setattr(magi_ffa._ops, "prepare", unchecked)
-    monkeypatch.setattr(magi_ffa.reference, "prepare", unchecked)
+    # the slice checks of every public entry of the FFA contract (a module global, looked up on each call)
+    monkeypatch.setattr(magi_ffa.contract, "check_slices", unchecked)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(total, h, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3)

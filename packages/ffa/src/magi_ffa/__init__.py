@@ -7,23 +7,29 @@ mask (torch and Triton builders, shared by the FA4 and cuDNN backends); ``merge_
 ``merge_out_lse_`` (fused Triton, in place) the out/lse merge; ``merge_sink`` / ``sink_grad`` attention sinks
 on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alone (a QK pass). ``KernelBackend``
 is the one kernel-backend enum of every package (magi_ffa runs its ``triton`` and ``torch`` members).
+``contract`` is the FFA contract written once: every backend (magi_ffa's two, magi_ffa_fa4, magi_ffa_cudnn) is a
+``BackendCapability`` plus launchers on checked slices, bound by ``FFABackend`` into the public functions.
 """
 
 from magi_mask import AttnMaskType
 
-from . import intervals, reference, testing, validation
+from . import contract, intervals, reference, testing, validation
 from ._common import KernelBackend, triton_head_dim_ok
 from ._merge import merge_out_lse, merge_out_lse_
 from ._ops import ffa_bwd, ffa_fwd, ffa_max_logits, flex_flash_attn_func
 from ._sink import merge_sink, sink_grad
+from .contract import BackendCapability, FFABackend
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
     "AttnMaskType",
+    "BackendCapability",
+    "FFABackend",
     "KernelBackend",
     "RowIntervals",
+    "contract",
     "ffa_bwd",
     "ffa_fwd",
     "ffa_max_logits",

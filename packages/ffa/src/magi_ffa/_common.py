@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from magi_mask import as_int_pairs, normalize_types, validate_slices
@@ -155,6 +155,13 @@ class CheckedSlices:
     slices: tuple[Slice, ...]
     total_q: int
     total_k: int
+    q_ranges: torch.Tensor | None = None
+    """The checked tables themselves (int32 CPU tensors), for backends whose launch data is built from them."""
+    k_ranges: torch.Tensor | None = None
+    types: torch.Tensor | None = None
+    prepared: dict = field(default_factory=dict, compare=False, repr=False)
+    """Per-backend launch data of these slices (``magi_ffa.contract``: FA4's launch metadata, cuDNN's mask
+    plan), built on first use: a plan's slices launched many times build it once."""
 
 
 def check_slices(
@@ -168,7 +175,7 @@ def check_slices(
     qr = as_ranges(q_ranges, "q_ranges", cpu)
     kr = as_ranges(k_ranges, "k_ranges", cpu)
     tm = as_type_map(attn_type_map, qr.shape[0], cpu)
-    return CheckedSlices(host_slices(qr, kr, tm, total_q, total_k), total_q, total_k)
+    return CheckedSlices(host_slices(qr, kr, tm, total_q, total_k), total_q, total_k, qr, kr, tm)
 
 
 def slices_on_device(

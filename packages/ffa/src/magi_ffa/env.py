@@ -19,6 +19,7 @@ __all__ = [
     "cache_dir",
     "compile_cache",
     "interpret_triton_without_cuda",
+    "parse_positive_int",
     "poison",
     "set_vendor_setting",
     "tiles",
@@ -29,6 +30,22 @@ __all__ = [
 
 def _flag(name: str, default: bool) -> bool:
     return parse_bool(name, os.environ.get(name), default)
+
+
+def parse_positive_int(name: str, raw: str | None, default: int) -> int:
+    """The value of a positive-int variable ``name`` from its raw text (unset or empty = ``default``);
+    ValueError naming the variable otherwise. The parser of the kernel packages' env modules (they read their
+    own variables and pass the text here)."""
+    raw = (raw or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} is not valid: it must be a positive integer (default {default})")
+    return value
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str | None:

@@ -48,18 +48,18 @@ class MaskValueCache(Generic[T]):
 
     def get(
         self,
-        q_ranges: RangesLike,
-        k_ranges: RangesLike,
-        attn_type_map: TypeMapLike,
+        tables: tuple[RangesLike, RangesLike, TypeMapLike],
+        *,
         total_q: int,
         total_k: int,
         device: torch.device,
         build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T],
         extra: Hashable = (),
     ) -> T:
-        """The cached entry of this mask, or ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on
-        ``device``, validated) stored and returned."""
-        raw = (q_ranges, k_ranges, attn_type_map)
+        """The cached entry of the mask ``tables`` = ``(q_ranges, k_ranges, attn_type_map)``, or
+        ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on ``device``, validated) stored and returned."""
+        raw = tuple(tables)
+        q_ranges, k_ranges, attn_type_map = raw
         ikey = self._identity_key(raw, total_q, total_k, device, extra)
         if ikey is not None:
             hit = self._by_identity.get(ikey)
@@ -70,13 +70,15 @@ class MaskValueCache(Generic[T]):
                     if entry is not None:
                         self._by_value.move_to_end(vkey)
                         return entry
-        qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
-        packed = torch.cat([qr.reshape(-1), kr.reshape(-1), tm]).cpu()
+        # the value key is read on the host: host tables cost no device round trip (tables on the device
+        # cost one copy to the host, the sync the value key needs)
+        qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, torch.device("cpu"))
+        packed = torch.cat([qr.reshape(-1), kr.reshape(-1), tm])
         vkey = (packed.numpy().tobytes(), qr.shape[0], total_q, total_k, str(device), extra)
         entry = self._by_value.get(vkey)
         if entry is None:
             check_slice_values(qr, kr, tm, total_q, total_k)
-            entry = build(qr, kr, tm)
+            entry = build(*(t.to(device) for t in (qr, kr, tm)))
             self._by_value[vkey] = entry
             while len(self._by_value) > self.capacity:
                 self._by_value.popitem(last=False)

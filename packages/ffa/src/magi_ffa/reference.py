@@ -1,8 +1,8 @@
 """Blockwise torch path of FFA: any device, any float dtype (float64 included), O(block x block) memory.
 
 It is the CPU / CI / distributed-CPU backend and the style guide's reference next to the Triton kernel:
-``reference.ffa_fwd`` / ``reference.ffa_bwd`` take exactly the arguments of ``magi_ffa.ffa_fwd`` /
-``magi_ffa.ffa_bwd``. Compute runs in float32 for 16-bit inputs and float64 for float64 inputs. Never imports
+``reference.ffa_fwd`` / ``reference.ffa_bwd`` are ``magi_ffa.ffa_fwd`` / ``magi_ffa.ffa_bwd`` on this path (the
+contract's launchers bound to the torch backend, without the ``backend`` argument). Compute runs in float32 for 16-bit inputs and float64 for float64 inputs. Never imports
 Triton.
 """
 
@@ -11,17 +11,13 @@ from __future__ import annotations
 import torch
 
 from ._common import (
-    RangesLike,
     Slice,
-    TypeMapLike,
     acc_dtype,
-    prepare,
-    validate_dlse,
-    validate_grad_buffers,
     validate_out_lse,
 )
 from ._merge import merge_out_lse
-from ._sink import merge_sink, sink_grad, validate_sink
+from ._sink import merge_sink, validate_sink
+from .contract import public_functions
 
 __all__ = ["bwd_core", "ffa_bwd", "ffa_fwd", "fwd_core"]
 
@@ -179,28 +175,6 @@ def bwd_core(
     return dq, dk, dv
 
 
-def ffa_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_ranges: RangesLike,
-    k_ranges: RangesLike,
-    attn_type_map: TypeMapLike = None,
-    *,
-    softmax_scale: float | None = None,
-    softcap: float = 0.0,
-    deterministic: bool = False,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    sink: torch.Tensor | None = None,
-    return_max_logits: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """Torch-path forward launcher; same contract as :func:`magi_ffa.ffa_fwd` (always deterministic)."""
-    slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    return fwd_on_slices(q, k, v, slices, scale, softcap, out=out, lse=lse, sink=sink,
-                         return_max_logits=return_max_logits)  # fmt: skip
-
-
 def fwd_on_slices(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -236,46 +210,14 @@ def fwd_on_slices(
     return (*res, mx.to(torch.float32))
 
 
-def ffa_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q_ranges: RangesLike,
-    k_ranges: RangesLike,
-    attn_type_map: TypeMapLike = None,
-    *,
-    softmax_scale: float | None = None,
-    softcap: float = 0.0,
-    deterministic: bool = False,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
-    sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """Torch-path backward launcher; same contract as :func:`magi_ffa.ffa_bwd` (always deterministic)."""
-    slices, scale = prepare(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    validate_out_lse(out, lse, q, ("out", "lse"))
-    if not isinstance(do, torch.Tensor) or do.shape != q.shape or do.dtype != q.dtype:
-        raise ValueError(f"`do` must be a {q.dtype} tensor of shape {tuple(q.shape)}")
-    validate_grad_buffers(dq, dk, dv, q, k)
-    validate_sink(sink, q)
-    adt = acc_dtype(q.dtype)
-    delta = (do.to(adt) * out.to(adt)).sum(-1)
-    validate_dlse(dlse, lse)
-    if dlse is not None:
-        delta = delta - dlse.to(adt)
-    gq, gk, gv = bwd_core(do, q, k, v, lse, delta, slices, scale, float(softcap))
-    res = []
-    for buf, g, ref in ((dq, gq, q), (dk, gk, k), (dv, gv, v)):
-        if buf is None:
-            res.append(g.to(ref.dtype))
-        else:
-            buf.add_(g)
-            res.append(buf)
-    if sink is not None:
-        return res[0], res[1], res[2], sink_grad(do, out, lse, sink, delta=delta)
-    return res[0], res[1], res[2]
+def _torch_backend(q: torch.Tensor, backend: object):
+    from .contract import get_backend  # registered by magi_ffa._ops, imported with the package
+
+    if backend is not None:
+        raise TypeError("magi_ffa.reference's launchers take no `backend` argument (they are the torch path)")
+    return get_backend("torch")
+
+
+# the torch path's launchers: magi_ffa.ffa_fwd / ffa_bwd with backend="torch" (the contract's templates)
+_, ffa_fwd, ffa_bwd = public_functions(_torch_backend, None, selectable=False)
+ffa_fwd.__module__ = ffa_bwd.__module__ = __name__

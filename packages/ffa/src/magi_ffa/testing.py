@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from magi_mask import AttnMaskType, dense_mask
@@ -27,7 +27,9 @@ from ._slice import make_slice
 from .env import interpret_triton_without_cuda
 
 __all__ = [
+    "assert_bitwise_repeatable",
     "assert_close_to_ref",
+    "deterministic_mask_cases",
     "interpret_triton_without_cuda",
     "make_attn_mask",
     "random_overlapping_slices",
@@ -61,14 +63,18 @@ def ref_attn(
     softcap: float = 0.0,
     *,
     sink: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention: q ``[total_q, num_heads_q, head_dim]``, k/v ``[total_k, num_heads_kv, head_dim]``,
     mask bool ``[total_q, total_k]``. Returns out (q's shape) and lse ``[total_q, num_heads_q]`` in the inputs'
-    dtype, computed in that dtype. Rows with no visible key: out 0, lse -inf, gradients 0 (no NaN).
+    dtype, computed in that dtype (or in ``dtype``, on copies of q, k, v, when given; differentiable). Rows
+    with no visible key: out 0, lse -inf, gradients 0 (no NaN).
 
     ``sink`` ``[num_sink, num_heads_q]`` (autograd-capable): extra logits in every row's softmax that carry
     no value (concatenated to the scores as value-less columns); lse includes them and rows with no
     visible key then have out 0 and a finite lse."""
+    if dtype is not None:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     hq, hk = q.shape[1], k.shape[1]
     s = _scores(q, k, mask, softmax_scale, softcap)
     vh = v.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
@@ -292,3 +298,54 @@ def split_keys_into_stages(
             for part, value in zip(stages[i], ([qs, qe], [a - lo, b - lo], t)):
                 part.append(value)
     return stages
+
+
+def deterministic_mask_cases(total: int, seed: int = 0) -> dict[str, tuple[list, list, list]]:
+    """The masks of the deterministic-mode tests, as python lists ``(q_ranges, k_ranges, attn_type_map)`` over
+    ``total`` tokens: ``random_overlap`` (overlapping slices of all four types, rows that see nothing),
+    ``packed_docs`` (causal documents of random lengths, packed) and ``sliding_window`` (a causal window of
+    ``total // 8`` keys per row: a causal head and a bi-causal band)."""
+    rng = random.Random(seed)
+    cuts, s = [], 0
+    while s < total:
+        e = min(total, s + rng.randrange(max(1, total // 8), max(2, total // 2)))
+        cuts.append([s, e])
+        s = e
+    w = max(1, total // 8)
+    return {
+        "random_overlap": random_overlapping_slices(rng, total, total, 9),
+        "packed_docs": (cuts, [list(c) for c in cuts], [1] * len(cuts)),
+        "sliding_window": ([[0, w], [w, total]], [[0, w], [1, total]], [1, 3]),
+    }
+
+
+def assert_bitwise_repeatable(
+    func: Callable[..., tuple[torch.Tensor, ...]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: TypeMapLike,
+    *,
+    runs: int = 4,
+    seed: int = 0,
+) -> None:
+    """Run ``func(q, k, v, q_ranges, k_ranges, attn_type_map, deterministic=True)`` (a backend's
+    ``flex_flash_attn_func``) forward and backward ``runs`` times on the same inputs and the same output
+    gradient (and lse gradient); AssertionError unless out, lse, dq, dk and dv are bitwise equal every time."""
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(q.shape, generator=gen, device=q.device).to(q.dtype)
+    dlse = torch.randn(q.shape[:2], generator=gen, device=q.device)
+    results = []
+    for _ in range(runs):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = func(*xs, q_ranges, k_ranges, attn_type_map, deterministic=True)[:2]
+        grads = torch.autograd.grad((out, lse), xs, (do, torch.where(torch.isneginf(lse), 0.0, dlse)))
+        results.append((out.detach(), lse.detach(), *grads))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for i, other in enumerate(results[1:], 1):
+        for name, a, b in zip(names, results[0], other):
+            if not torch.equal(a, b):
+                diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item()
+                raise AssertionError(f"{name} of run {i} differs from run 0 (max |diff| {diff:.3e})")

@@ -3,11 +3,15 @@
 A mask of slices becomes magi_ffa's per-row key intervals, then cuDNN's ``mask_func`` and a mask plan cached
 by the mask's value and geometry. The conversion needs only torch (and Triton on CUDA); the attention entry
 points need ``nvidia-cudnn-frontend`` and raise an ImportError saying what to install when it is missing.
+The package provides cuDNN's launchers and its capability (``CAPABILITY``); the entry points are
+``magi_ffa.contract``'s, bound to them (``BACKEND``).
 """
 
 # first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
 from . import env
 from .interface import (
+    BACKEND,
+    CAPABILITY,
     INSTALL_HINT,
     CudnnMaskPlan,
     clear_plan_cache,
@@ -23,6 +27,8 @@ from .mask_func import mask_func_from_intervals, visible_from_mask_func
 __version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
 
 __all__ = [
+    "BACKEND",
+    "CAPABILITY",
     "INSTALL_HINT",
     "CudnnMaskPlan",
     "clear_plan_cache",
@@ -35,3 +41,4 @@ __all__ = [
     "mask_func_from_intervals",
     "visible_from_mask_func",
 ]
+

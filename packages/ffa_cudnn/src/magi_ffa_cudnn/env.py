@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from magi_ffa.compile_cache import CacheState, enable_vendor_cache
+from magi_ffa.env import parse_positive_int
 
 __all__ = ["PACKAGE_VERSION", "plan_cache_size"]
 
@@ -20,18 +21,7 @@ cache's directory name (``magi_ffa.compile_cache``)."""
 def plan_cache_size() -> int:
     """``MAGI_FFA_CUDNN_PLAN_CACHE`` (positive int, default 64): cuDNN mask plans kept (LRU), one per distinct
     mask, geometry (heads, head_dim, dtype) and device. Read once, when the package is imported."""
-    raw = os.environ.get("MAGI_FFA_CUDNN_PLAN_CACHE", "").strip()
-    if not raw:
-        return 64
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"MAGI_FFA_CUDNN_PLAN_CACHE={raw!r} is not valid: it must be a positive integer (default 64)"
-        )
-    return value
+    return parse_positive_int("MAGI_FFA_CUDNN_PLAN_CACHE", os.environ.get("MAGI_FFA_CUDNN_PLAN_CACHE"), 64)
 
 
 COMPILE_CACHE: CacheState = enable_vendor_cache("cudnn", os.path.dirname(__file__), PACKAGE_VERSION)

@@ -3,6 +3,10 @@ selects FA4's sm100 kernels on Blackwell, where it has not run).
 
 The metadata parts (tile classes and block lists on magi_ffa's row intervals, re-exported here) need only torch and Triton; the attention entry
 point needs ``flash-attn-4`` and raises an ImportError saying what to install when it is missing.
+
+The package provides FA4's launchers and its capability (``CAPABILITY``); the entry points are
+``magi_ffa.contract``'s, bound to them (``BACKEND``). ``deterministic_supported`` says on which masks
+``deterministic=True`` is accepted (those that take FA4's varlen path).
 """
 
 from magi_ffa import merge_out_lse_
@@ -12,11 +16,21 @@ from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_refere
 from . import env
 from ._launch_meta import clear_launch_cache, clear_plan_cache
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
-from .interface import INSTALL_HINT, fa4_available, ffa_bwd, ffa_fwd, flex_flash_attn_func, head_dim_supported
-
-__version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
+from .interface import (
+    BACKEND,
+    CAPABILITY,
+    INSTALL_HINT,
+    deterministic_supported,
+    fa4_available,
+    ffa_bwd,
+    ffa_fwd,
+    flex_flash_attn_func,
+    head_dim_supported,
+)
 
 __all__ = [
+    "BACKEND",
+    "CAPABILITY",
     "INSTALL_HINT",
     "BlockLists",
     "BlockSparseMeta",
@@ -25,6 +39,7 @@ __all__ = [
     "build_block_meta",
     "clear_launch_cache",
     "clear_plan_cache",
+    "deterministic_supported",
     "fa4_available",
     "ffa_bwd",
     "ffa_fwd",
@@ -34,3 +49,5 @@ __all__ = [
     "row_intervals",
     "row_intervals_reference",
 ]
+
+__version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)

@@ -19,7 +19,7 @@ from magi_ffa.validation import RangesLike, TypeMapLike, host_slices
 
 from . import env
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
-from .varlen import VarlenPlan, plan_varlen
+from .varlen import VarlenPlan, plan_varlen, varlen_possible
 
 CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
@@ -311,6 +311,12 @@ def warmup_masks(total: int, widths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list
     return out
 
 
+def takes_varlen(slices, total_q: int, total_k: int) -> bool:
+    """Whether :func:`build_launch_meta` runs these checked slices (``magi_ffa``'s host slices) as FA4 varlen
+    calls (the path whose backward has a deterministic mode) rather than the block-sparse path."""
+    return env.varlen() and varlen_possible(slices)
+
+
 _CACHE: MaskValueCache[LaunchMeta] = MaskValueCache(CACHE_SIZE)
 
 
@@ -327,7 +333,8 @@ def get_launch_meta(
     def build(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> LaunchMeta:
         return build_launch_meta(qr, kr, tm, total_q, total_k, device)
 
-    return _CACHE.get(q_ranges, k_ranges, attn_type_map, total_q, total_k, device, build)
+    tables = (q_ranges, k_ranges, attn_type_map)
+    return _CACHE.get(tables, total_q=total_q, total_k=total_k, device=device, build=build)
 
 
 def clear_launch_cache() -> None:

@@ -14,6 +14,7 @@ import os
 from magi_mask.flags import parse_bool
 
 from magi_ffa.compile_cache import CacheState, enable_vendor_cache
+from magi_ffa.env import parse_positive_int
 
 __all__ = ["PACKAGE_VERSION", "plan_cache_size", "poison", "r2p", "varlen"]
 
@@ -30,18 +31,7 @@ def _flag(name: str, default: bool) -> bool:
 def plan_cache_size() -> int:
     """``MAGI_FFA_FA4_PLAN_CACHE`` (positive int, default 64): launch metadata kept (LRU), one entry per
     distinct mask and device. Read once, when the package is imported."""
-    raw = os.environ.get("MAGI_FFA_FA4_PLAN_CACHE", "").strip()
-    if not raw:
-        return 64
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"MAGI_FFA_FA4_PLAN_CACHE={raw!r} is not valid: it must be a positive integer (default 64)"
-        )
-    return value
+    return parse_positive_int("MAGI_FFA_FA4_PLAN_CACHE", os.environ.get("MAGI_FFA_FA4_PLAN_CACHE"), 64)
 
 
 def r2p() -> bool:

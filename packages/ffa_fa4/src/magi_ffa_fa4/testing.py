@@ -4,6 +4,7 @@ mask generators and the tolerance rule. Independent of the interval and block co
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,30 +29,10 @@ def dense_mask(
     return make_attn_mask(q_ranges, k_ranges, attn_type_map, total_q, total_k)
 
 
-def ref_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    softmax_scale: float | None = None,
-    softcap: float = 0.0,
-    dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense masked attention computed in ``dtype`` (differentiable): ``magi_ffa.testing.ref_attn`` on copies
-    of q, k, v in ``dtype``.
-
-    Args:
-        q: ``[total_q, num_heads_q, head_dim]``.
-        k, v: ``[total_k, num_heads_kv, head_dim]``; query head ``h`` uses kv head ``h // (hq // hkv)``.
-        mask: bool ``[total_q, total_k]``, True = visible.
-
-    Returns:
-        ``(out, lse)``: out ``[total_q, num_heads_q, head_dim]`` in ``dtype`` (0 on rows with no key),
-        lse ``[total_q, num_heads_q]`` in ``dtype`` (-inf on rows with no key).
-    """
-    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
-    return ref_attn(qf, kf, vf, mask, softmax_scale=softmax_scale, softcap=softcap)
+ref_attention = functools.partial(ref_attn, dtype=torch.float64)
+ref_attention.__doc__ = """Dense masked attention in float64 (``dtype=`` another one), differentiable:
+``magi_ffa.testing.ref_attn(q, k, v, mask, softmax_scale=None, softcap=0.0, dtype=torch.float64)`` on copies of
+q, k, v in that dtype. Returns ``(out, lse)`` in it (rows with no key: out 0, lse -inf)."""
 
 
 def assert_close_to_ref(

@@ -41,7 +41,15 @@ import torch
 
 from magi_ffa._slice import Slice
 
-__all__ = ["MAX_GROUPS", "MIN_MEAN_ROWS", "SEQLEN_FLOOR", "VarlenGroup", "VarlenPlan", "plan_varlen"]
+__all__ = [
+    "MAX_GROUPS",
+    "MIN_MEAN_ROWS",
+    "SEQLEN_FLOOR",
+    "VarlenGroup",
+    "VarlenPlan",
+    "plan_varlen",
+    "varlen_possible",
+]
 
 MAX_GROUPS = 1
 MIN_MEAN_ROWS = 256
@@ -246,6 +254,22 @@ def _tensors(
     return cu.to(device), None if contiguous else lengths, lengths
 
 
+def _open_groups(slices: Sequence[Slice], max_groups: int, min_mean_rows: int) -> list[_Open] | None:
+    if not slices:
+        return None
+    entries = _entries(slices)
+    if sum(e.q_end - e.q_start for e in entries) < min_mean_rows * len(entries):
+        return None
+    return _group(entries, max_groups)
+
+
+def varlen_possible(
+    slices: Sequence[Slice], *, max_groups: int = MAX_GROUPS, min_mean_rows: int = MIN_MEAN_ROWS
+) -> bool:
+    """Whether :func:`plan_varlen` would return groups for these slices (host work only, no tensors)."""
+    return _open_groups(slices, max_groups, min_mean_rows) is not None
+
+
 def plan_varlen(
     slices: Sequence[Slice],
     total_q: int,
@@ -257,12 +281,7 @@ def plan_varlen(
 ) -> VarlenPlan | None:
     """The varlen groups of these disjoint-area slices (``magi_ffa.validation.host_slices``), or None when
     the mask is better served by the block-sparse path (see the module docstring)."""
-    if not slices:
-        return None
-    entries = _entries(slices)
-    if sum(e.q_end - e.q_start for e in entries) < min_mean_rows * len(entries):
-        return None
-    opened = _group(entries, max_groups)
+    opened = _open_groups(slices, max_groups, min_mean_rows)
     if opened is None:
         return None
     groups = []

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 import magi_ffa
-from magi_ffa._ops import ffa_bwd_checked, ffa_fwd_checked
+from magi_ffa.contract import FFABackend, get_backend
+from magi_ffa.validation import CheckedSlices, check_slices
 from magi_solver.kernel_choice import MaskFeatures, load_kernel_table, pick_kernel
 
 from .config import KernelBackend
@@ -466,75 +467,62 @@ def clear_agreements() -> None:
 
 
 # -- the launchers of each backend ------------------------------------------------------------------------
+def ffa_backend(backend: KernelBackend) -> FFABackend:
+    """The FFA contract bound to `backend`'s kernels (`magi_ffa.contract.FFABackend`): magi_ffa's Triton or
+    torch path, magi_ffa_fa4 or magi_ffa_cudnn (each package registers its backend when imported)."""
+    if backend == KernelBackend.FA4:
+        import magi_ffa_fa4
+
+        return magi_ffa_fa4.BACKEND
+    if backend == KernelBackend.CUDNN:
+        import magi_ffa_cudnn
+
+        return magi_ffa_cudnn.BACKEND
+    if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
+        raise ValueError(f"no kernel for backend {backend!r}")
+    return get_backend(backend.value)
+
+
 @dataclass(frozen=True, slots=True)
 class AttnKernel:
-    """The launchers of one call: the forward of `backend`, the backward of `backward_backend` (the same
-    backend unless `auto` split the directions). `fwd` / `bwd` have the contract of `magi_ffa.ffa_fwd` /
-    `ffa_bwd` (slice tables, checked on every call); `fwd_slices` / `bwd_slices` are the runtime's, with the
-    three tables replaced by one `KernelSlices` (`fwd_slices(q, k, v, slices, **kw)`,
-    `bwd_slices(do, q, k, v, out, lse, slices, **kw)`): magi_ffa's take the slices the plan checked once,
-    FA4's and cuDNN's (and the default) pass the tables to `fwd` / `bwd`."""
+    """The kernels of one call: the forward of `backend`, the backward of `backward_backend` (the same
+    backend unless `auto` split the directions), both through the one FFA contract on the slices the plan
+    checked once (`KernelSlices.checked`): no value checks and no host sync per call, and each backend's
+    per-mask launch data (FA4's launch metadata, cuDNN's mask plan) cached on those slices."""
 
     backend: KernelBackend
-    fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     backward_backend: KernelBackend
-    fwd_slices: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    bwd_slices: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    forward_impl: FFABackend
+    backward_impl: FFABackend
 
-    def __post_init__(self) -> None:
-        fwd, bwd = self.fwd, self.bwd
-        if self.fwd_slices is None:  # frozen: the default is set once, here
+    def fwd_slices(self, q, k, v, slices, **kw):
+        """`FFABackend.fwd_checked` of the forward's backend on `slices` (a `KernelSlices`)."""
+        return self.forward_impl.fwd_checked(q, k, v, _checked(slices, q, k), **kw)
 
-            def fwd_on_tables(q, k, v, slices, **kw):
-                return fwd(q, k, v, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+    def bwd_slices(self, do, q, k, v, out, lse, slices, **kw):
+        """`FFABackend.bwd_checked` of the backward's backend on `slices`."""
+        return self.backward_impl.bwd_checked(do, q, k, v, out, lse, _checked(slices, q, k), **kw)
 
-            object.__setattr__(self, "fwd_slices", fwd_on_tables)
-        if self.bwd_slices is None:
+    @property
+    def fwd(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The forward backend's `ffa_fwd` (slice tables, checked on every call)."""
+        return self.forward_impl.ffa_fwd
 
-            def bwd_on_tables(do, q, k, v, out, lse, slices, **kw):
-                return bwd(do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, **kw)
+    @property
+    def bwd(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The backward backend's `ffa_bwd`."""
+        return self.backward_impl.ffa_bwd
 
-            object.__setattr__(self, "bwd_slices", bwd_on_tables)
+
+def _checked(slices, q: torch.Tensor, k: torch.Tensor) -> CheckedSlices:
+    """The slices' `CheckedSlices` (checked now, once, when a caller built them without)."""
+    if slices.checked is None:
+        slices.checked = check_slices(slices.q_ranges, slices.k_ranges, slices.types, q.shape[0], k.shape[0])
+    return slices.checked
 
 
 @functools.cache
 def attn_kernel(backend: KernelBackend, backward: KernelBackend | None = None) -> AttnKernel:
-    """The launchers of `backend`, with the backward of `backward` when given."""
+    """The kernels of `backend`, with the backward of `backward` when given."""
     backward = backend if backward is None else backward
-    fwd, fwd_slices = _launchers(backend)[0::2]
-    bwd, bwd_slices = _launchers(backward)[1::2]
-    return AttnKernel(backend, fwd, bwd, backward, fwd_slices, bwd_slices)
-
-
-def _launchers(backend: KernelBackend) -> tuple[Callable, Callable, Callable | None, Callable | None]:
-    """(fwd, bwd, fwd_slices, bwd_slices) of `backend`; None: the slices' tables passed to fwd / bwd."""
-    if backend == KernelBackend.FA4:
-        import magi_ffa_fa4
-
-        return magi_ffa_fa4.ffa_fwd, magi_ffa_fa4.ffa_bwd, None, None
-    if backend == KernelBackend.CUDNN:
-        import magi_ffa_cudnn
-
-        return magi_ffa_cudnn.ffa_fwd, magi_ffa_cudnn.ffa_bwd, None, None
-    if backend not in (KernelBackend.TRITON, KernelBackend.TORCH):
-        raise ValueError(f"no kernel for backend {backend!r}")
-    return (
-        functools.partial(magi_ffa.ffa_fwd, backend=backend.value),
-        functools.partial(magi_ffa.ffa_bwd, backend=backend.value),
-        functools.partial(_ffa_fwd_slices, backend=backend.value),
-        functools.partial(_ffa_bwd_slices, backend=backend.value),
-    )
-
-
-def _ffa_fwd_slices(q, k, v, slices, **kw):
-    """magi_ffa on the slices the plan checked once (`KernelSlices.checked`); unchecked ones get every check."""
-    if slices.checked is None:
-        return magi_ffa.ffa_fwd(q, k, v, slices.q_ranges, slices.k_ranges, slices.types, **kw)
-    return ffa_fwd_checked(q, k, v, slices.checked, **kw)
-
-
-def _ffa_bwd_slices(do, q, k, v, out, lse, slices, **kw):
-    if slices.checked is None:
-        return magi_ffa.ffa_bwd(do, q, k, v, out, lse, slices.q_ranges, slices.k_ranges, slices.types, **kw)
-    return ffa_bwd_checked(do, q, k, v, out, lse, slices.checked, **kw)
+    return AttnKernel(backend, backward, ffa_backend(backend), ffa_backend(backward))

@@ -15,17 +15,24 @@ from typing import Any
 
 import numpy as np
 
-from magi_solver import DispatchPlan, KVLayout, padded_seqlen, solve_dispatch
-
-_MIN_CHUNKS_PER_RANK = 8
-_DEFAULT_MAX_CHUNK = 2048
+from magi_solver import (
+    DispatchAlg,
+    DispatchChoice,
+    DispatchPlan,
+    KVLayout,
+    default_chunk_size,
+    dispatch_choice,
+    padded_seqlen,
+)
 
 
 def choose_chunk_size(total_seqlen: int, cp_size: int, chunk_size: int | None) -> int:
-    """User's chunk size, or min(2048, ceil(total / (8 * cp))) so each rank has ~8 chunks to balance."""
+    """The user's chunk size, or the largest one the per-mask choice considers (`default_chunk_size`:
+    min(2048, ceil(total / (8 * cp)))). The chosen size never pads the sequence more than this one, so it
+    bounds the padded length before the mask is looked at (the key checks and the key/value shards use it)."""
     if chunk_size is not None:
         return chunk_size
-    return max(1, min(_DEFAULT_MAX_CHUNK, math.ceil(total_seqlen / (_MIN_CHUNKS_PER_RANK * cp_size))))
+    return default_chunk_size(total_seqlen, cp_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,8 @@ class DispatchLayout:
     """Cross-attention: the key/value sequence's contiguous shards (None: keys are the queries' tokens)."""
     kv_total_seqlen: int | None = None
     """Cross-attention: tokens of the key/value sequence before padding."""
+    choice: DispatchChoice | None = None
+    """How the chunk size and algorithm were chosen (None at cp 1)."""
 
     @property
     def shard_seqlen(self) -> int:
@@ -100,21 +109,32 @@ def build_layout(key: Any) -> DispatchLayout:
         return DispatchLayout(
             total, total, (total,), 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
         )
-    chunk = choose_chunk_size(total, cp, dispatch_cfg.chunk_size)
-    padded = _padded(total, cp, chunk, uneven)
-    dplan = solve_dispatch(
+    # one solve per mask, cp size and config: magi_solver caches it, and the plan reuses this dispatch
+    alg = dispatch_cfg.alg
+    chosen_alg = dispatch_cfg.chunk_size is None and DispatchAlg(alg) is DispatchAlg.MIN_HEAP
+    choice, dplan = dispatch_choice(
         [list(r) for r in key.q_ranges],
         [list(r) for r in key.k_ranges],
         list(key.attn_mask_type),
-        padded,
+        total,
         cp,
-        chunk,
-        alg=str(dispatch_cfg.alg),
-        total_seqlen_k=None if kv is None else kv.total_seqlen,
+        chunk_size=dispatch_cfg.chunk_size,
+        # the default algorithm with a chosen chunk size: the algorithm is chosen with it
+        dispatch_alg=None if chosen_alg else alg,
         uneven_shard=uneven,
+        total_seqlen_k=None if kv is None else kv.total_seqlen,
     )
     return DispatchLayout(
-        total, padded, dplan.shard_seqlens, cp, chunk, dplan.permutation, dplan, kv, kv_total
+        total,
+        dplan.total_seqlen,
+        dplan.shard_seqlens,
+        cp,
+        dplan.chunk_size,
+        dplan.permutation,
+        dplan,
+        kv,
+        kv_total,
+        choice,
     )
 
 

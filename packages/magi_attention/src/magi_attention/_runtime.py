@@ -27,7 +27,7 @@ from magi_solver import (
     SliceList,
     get_profile,
     load_profile,
-    plan_with_options,
+    plan_attention,
 )
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 
@@ -59,8 +59,8 @@ _LOG = logging.getLogger("magi_attention")
 @dataclass(slots=True)
 class KernelSlices:
     """One kernel call's slices as int32 host tensors; `num_slices == 0` means skip the call. `checked`: the
-    same slices checked once against the call's token counts, for magi_ffa's launchers (FA4 and cuDNN take
-    the tensors); None runs every check on every call."""
+    same slices checked once against the call's token counts, what every backend's launcher entry takes (the
+    one FFA contract, `AttnKernel.fwd_slices`); None: checked on first use."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
@@ -339,17 +339,18 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelCh
     """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
     if key.cp_size == 1:
         return None
-    return plan_with_options(
+    # the layout's dispatch, solved once per root key: a root key's own mask reuses it as it is, a mask made
+    # after dispatch keeps its tokens where they are (only the areas are recomputed)
+    return plan_attention(
         key.q_ranges,
         key.k_ranges,
         key.attn_mask_type,
         layout.padded_seqlen,
         key.cp_size,
-        layout.chunk_size,
-        plan_options(key, choice),
+        chunk_size=layout.chunk_size,
+        options=plan_options(key, choice),
         kv_layout=layout.kv_layout,
-        # A mask made after dispatch keeps the dispatch of the key it was made from.
-        dispatch=None if key.dispatch_key is None else layout.dispatch_plan,
+        dispatch=layout.dispatch_plan,
     )
 
 

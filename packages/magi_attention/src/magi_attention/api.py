@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from magi_group_collective import as_device_mesh
-from magi_solver import AttnMaskType, AttnRanges, make_sliding_window_mask
+from magi_solver import AttnMaskType, AttnRanges, DispatchChoice, make_sliding_window_mask
 
 from ._collective_choice import choose_collective
 from ._mask_input import normalize_mask_types, normalize_ranges
@@ -50,12 +50,14 @@ __all__ = [
     "AttnMaskType",
     "AttnOverlapMode",
     "AttnRanges",
+    "DispatchChoice",
     "DistAttnRuntimeKey",
     "calc_attn",
     "clear_cache",
     "compute_pad_size",
     "dispatch",
     "dispatch_kv",
+    "get_dispatch_choice",
     "get_most_recent_key",
     "get_position_ids",
     "infer_attn_mask_from_cu_seqlens",
@@ -433,6 +435,35 @@ def get_kernel_backend(
     if backward != backend:
         reason = f"{reason}; backward: {backward.value}"
     return backend, reason
+
+
+def get_dispatch_choice(key: DistAttnRuntimeKey) -> DispatchChoice:
+    """How `key`'s tokens are dispatched: the chunk size and algorithm, the plan's overlap degree, its
+    balance and the remote K/V of the busiest rank, with a one-sentence reason.
+
+    With `DispatchConfig(chunk_size=None)` (the default) the chunk size, and with the default algorithm the
+    algorithm too, are chosen per mask and cp size (`magi_solver.choice`); an explicit size is used as given.
+    A pure function of the global mask, the cp size and the config: the same on every rank. Plans the key if
+    needed (a collective on first use, as `dispatch`); a key built by `magi_attn_*_key` is already planned.
+
+    Returns:
+        A frozen `DispatchChoice`. At cp 1: the whole sequence as one chunk on the one rank.
+    """
+    runtime = RUNTIME_CACHE.get(key)
+    layout, plan = runtime.layout, runtime.plan
+    if plan is None or layout.choice is None:
+        return DispatchChoice(
+            layout.chunk_size, "sequential", 0, 1.0, 1.0, 0, "cp 1: one rank holds the whole sequence."
+        )
+    return DispatchChoice(
+        layout.choice.chunk_size,
+        layout.choice.algorithm,
+        plan.overlap_degree,
+        plan.imbalance,
+        plan.dispatch.lower_bound_imbalance,
+        max(plan.remote_tokens_per_rank),
+        layout.choice.reason,
+    )
 
 
 def clear_cache(cp_group_or_mesh: Any = None) -> None:

@@ -13,8 +13,6 @@ Degree 0: all remote K/V arrives in one blocking GroupCast and one FFA call cove
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +30,6 @@ from .checks import (
     tag_output,
     validate_calc_attn,
 )
-from .config import KernelBackend
 from .key import DistAttnRuntimeKey
 
 
@@ -135,52 +132,25 @@ def _fwd_call(
     if slices.num_slices == 0:
         return out, lse
     kw = extras.kwargs() if extras is not None else {}
-    if deterministic:
-        kw["deterministic"] = True
-    if kw:
-        res = kernel.fwd_slices(q, k, v, slices, softmax_scale=scale, softcap=softcap, out=out, lse=lse, **kw)
-        return extras.take(res) if extras is not None else res
-    return kernel.fwd_slices(
-        q,
-        k,
-        v,
-        slices,
-        softmax_scale=scale,
-        softcap=softcap,
-        out=out,
-        lse=lse,
-    )
+    res = kernel.fwd_slices(
+        q, k, v, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic, out=out,
+        lse=lse, **kw,
+    )  # fmt: skip
+    return extras.take(res) if extras is not None else res
 
 
 def _bwd_call(
     kernel: AttnKernel, do, q, k, v, out, lse, slices: KernelSlices, dq, dk, dv, scale, softcap, dlse=None,
     *, deterministic: bool,
 ):  # fmt: skip
+    """One backward kernel call, accumulated into dq / dk / dv when given ((None,) * 3 without slices and
+    buffers). `dlse`: the gradient of a differentiable lse (`Delta = rowsum(do * out) - dlse`)."""
     if slices.num_slices == 0:
         return dq, dk, dv
-    kw: dict = {}
-    if dlse is not None:  # a differentiable lse: Delta = rowsum(do * out) - dlse
-        kw["dlse"] = dlse
-    if deterministic:
-        kw["deterministic"] = True
-    if kw:
-        return kernel.bwd_slices(
-            do, q, k, v, out, lse, slices, softmax_scale=scale, softcap=softcap, dq=dq, dk=dk, dv=dv, **kw
-        )
     return kernel.bwd_slices(
-        do,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        slices,
-        softmax_scale=scale,
-        softcap=softcap,
-        dq=dq,
-        dk=dk,
-        dv=dv,
-    )
+        do, q, k, v, out, lse, slices, softmax_scale=scale, softcap=softcap, deterministic=deterministic,
+        dq=dq, dk=dk, dv=dv, dlse=dlse,
+    )  # fmt: skip
 
 
 def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: float, *, extras=None):
@@ -382,54 +352,40 @@ def calc_attn(
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)
 
 
-def _flex_flash_attn_func(backend: KernelBackend):
-    if backend == KernelBackend.CUDNN:
-        import magi_ffa_cudnn
-
-        return magi_ffa_cudnn.flex_flash_attn_func
-    import magi_ffa_fa4
-
-    return magi_ffa_fa4.flex_flash_attn_func
-
-
-@functools.cache
-def _takes_deterministic(fn) -> bool:
-    """Whether a backend's `flex_flash_attn_func` has the `deterministic` parameter of the FFA contract."""
-    return "deterministic" in inspect.signature(fn).parameters
-
-
-class _SplitSingleCall(torch.autograd.Function):
-    """cp_size 1 with the forward on one backend and the backward on another (`auto`'s split): one launcher
-    call each way, no accumulators (the backward starts from this forward's out / lse)."""
+class _SingleCall(torch.autograd.Function):
+    """cp_size 1: one launcher call each way on the plan's checked slices (`AttnKernel.fwd_slices` /
+    `bwd_slices`, the one FFA contract): the forward on `kernel.backend`, the backward on
+    `kernel.backward_backend` (`auto` may split them), starting from this forward's out / lse. Sinks, max
+    logits, `dlse` and the deterministic flag are the contract's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float, det: bool = False):
-        kw = {"deterministic": True} if det else {}
-        out, lse = kernel.fwd_slices(q, k, v, host, softmax_scale=scale, softcap=softcap, **kw)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.host, ctx.scale, ctx.softcap, ctx.kw = kernel, host, scale, softcap, kw
+    def forward(ctx, q, k, v, kernel, host, scale: float, softcap: float, sink, ret_max: bool, det: bool):
+        kw = {} if sink is None else {"sink": sink}
+        res = kernel.fwd_slices(
+            q, k, v, host, softmax_scale=scale, softcap=softcap, deterministic=det, return_max_logits=ret_max,
+            **kw,
+        )  # fmt: skip
+        out, lse = res[0], res[1]
+        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
+        ctx.kernel, ctx.host, ctx.scale, ctx.softcap, ctx.det = kernel, host, scale, softcap, det
         ctx.set_materialize_grads(False)
+        if ret_max:
+            ctx.mark_non_differentiable(res[2])
+            return out, lse, res[2]
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx, dout, dlse, *_dmax):
+        q, k, v, out, lse, *sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.kernel.bwd_slices(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            ctx.host,
-            softmax_scale=ctx.scale,
-            softcap=ctx.softcap,
-            dlse=dlse,
-            **ctx.kw,
-        )[:3]
-        return dq, dk, dv, None, None, None, None, None
+        kw = {"sink": sink[0]} if sink else {}
+        grads = ctx.kernel.bwd_slices(
+            dout.contiguous(), q, k, v, out, lse, ctx.host, softmax_scale=ctx.scale, softcap=ctx.softcap,
+            deterministic=ctx.det, dlse=dlse, **kw,
+        )  # fmt: skip
+        dsink = grads[3] if sink else None
+        return grads[0], grads[1], grads[2], None, None, None, None, dsink, None, None
 
 
 def _calc_attn_single(
@@ -438,23 +394,6 @@ def _calc_attn_single(
     """cp_size 1: one kernel call on the whole mask, no communication."""
     host = runtime.device_meta(q.device).host
     kernel = runtime.kernel(q.dtype, softcap)
-    split = kernel.backward_backend != kernel.backend
     det = runtime.key.config.deterministic
-    own = None
-    if kernel.backend in (KernelBackend.FA4, KernelBackend.CUDNN) and not split:
-        own = _flex_flash_attn_func(kernel.backend)
-        if det and not _takes_deterministic(own):  # then DistAttnFunc passes the flag to each launcher
-            own = None
-    if own is not None:
-        # the backend's own autograd function: the raw kernel's cost, nothing around it
-        kw = {"deterministic": True} if det else {}
-        out, lse, *mx = own(
-            q, k, v, host.q_ranges, host.k_ranges, host.types, softmax_scale=scale, softcap=softcap,
-            sink=sink, return_max_logits=ret_max, **kw,
-        )  # fmt: skip
-    elif split and sink is None and not ret_max:
-        out, lse = _SplitSingleCall.apply(q, k, v, kernel, host, scale, float(softcap), det)
-        mx = []
-    else:
-        out, lse, *mx = DistAttnFunc.apply(q, k, v, runtime, scale, float(softcap), sink, ret_max)
+    out, lse, *mx = _SingleCall.apply(q, k, v, kernel, host, scale, float(softcap), sink, bool(ret_max), det)
     return out, AttnForwardMeta(lse=lse, max_logits=mx[0] if mx else None)

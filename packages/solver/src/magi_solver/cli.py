@@ -2,13 +2,16 @@
 
 Pure Python (numpy and rich; no torch). Examples:
 
-    magi-attention-plan --mask causal --doc-lens 8192,30000,4096,90000 --cp 2,4,8
-    magi-attention-plan --mask varlen-causal --total 1048576 --num-docs 300 --cp 8,16,64 --json
-    magi-attention-plan --mask sliding-window --window 4096,0 --total 262144 --cp 8 --plot out/
+    magi-attention-plan --mask causal --doc-lens 8192,30000,4096,90000 --cp 2,4
+    magi-attention-plan --mask varlen-causal --total 1048576 --cp 8,16,64 --json
+    magi-attention-plan --mask sliding-window --total 262144 --cp 8 --plot out/
     magi-attention-plan --slices my_mask.json --cp 16 --hardware b200
 
-Plots (`--plot DIR`) need matplotlib, the `plot` extra: `python scripts/install.py plot` from a clone
-(the "plot" row of docs/install.md).
+With no --chunk-size, each cp size gets the runtime's own choice of chunk size
+and dispatch algorithm (`magi_solver.plan_attention`).
+
+Plots (`--plot DIR`) need matplotlib, the `plot` extra:
+`python scripts/install.py plot` from a clone (see docs/install.md).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import (
+    default_chunk_size,
     env,
     make_block_causal_mask,
     make_global_window_mask,
@@ -51,6 +55,7 @@ MASKS = (
     "prefix-lm",
 )
 _DEFAULT_CP = "8,16,64"
+_HELP_WIDTH = 80
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _SCHEME_LABEL = {
     "magi": "magi",
@@ -228,13 +233,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The parsed command line (see `magi-attention-plan --help`)."""
     p = argparse.ArgumentParser(
         prog="magi-attention-plan",
-        description="Plan a context-parallel attention mask for several cp sizes: balance, communication and "
-        "predicted time against ring, all-gather and Ulysses, from one cost model.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan a context-parallel attention mask for several cp sizes: balance,\n"
+        "communication and predicted time against ring, all-gather and Ulysses,\n"
+        "from one cost model.",
+        # 80 columns whatever the terminal says (the epilog and description are wrapped by hand)
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=_HELP_WIDTH),
         epilog=__doc__.split("\n\n", 1)[1],
     )
     m = p.add_argument_group("mask (a builder and its documents, or --slices)")
-    m.add_argument("--mask", choices=MASKS, default="causal", help="mask builder (default causal)")
+    m.add_argument(
+        "--mask",
+        choices=MASKS,
+        default="causal",
+        metavar="NAME",
+        help=f"mask builder: {', '.join(MASKS)} (default causal)",
+    )
     m.add_argument("--slices", metavar="FILE", help="JSON mask: {q_ranges, k_ranges, types} or {slices}")
     m.add_argument("--cu-seqlens", metavar="LIST", help="document boundaries, e.g. 0,1024,4096")
     m.add_argument("--doc-lens", metavar="LIST", help="document lengths, e.g. 1024,3072")
@@ -254,12 +267,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument(
         "--prefix-len", type=int, default=1024, help="prefix-lm: bidirectional prefix per document"
     )
-    m.add_argument("--family", choices=[f.value for f in MaskFamily], help="kernel throughput class to use")
+    families = [f.value for f in MaskFamily]
+    m.add_argument(
+        "--family",
+        choices=families,
+        metavar="NAME",
+        help=f"kernel throughput class to use: {', '.join(families)}",
+    )
 
     s = p.add_argument_group("model and planner")
     s.add_argument("--cp", default=_DEFAULT_CP, help=f"cp sizes (default {_DEFAULT_CP})")
     s.add_argument(
-        "--chunk-size", type=int, default=2048, help="dispatch chunk size in tokens (default 2048)"
+        "--chunk-size",
+        type=int,
+        help="dispatch chunk size in tokens (default: the runtime's choice per mask and cp size)",
     )
     s.add_argument("--heads", default="64:8", help="query:key-value heads (default 64:8)")
     s.add_argument("--head-dim", type=int, default=128)
@@ -489,7 +510,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records, plans = [], []
     # --plot's scaling curve: the user's sizes, plus the defaults when fewer than three are given
-    curve = scaling_cps(cps, total, work.chunk_size, _int_list(_DEFAULT_CP, "--cp")) if args.plot else cps
+    smallest_chunk = work.chunk_size or default_chunk_size(total, max(cps))  # the largest the choice tries
+    curve = scaling_cps(cps, total, smallest_chunk, _int_list(_DEFAULT_CP, "--cp")) if args.plot else cps
     extra = [c for c in curve if c not in cps]
     by_cp: dict[int, dict[str, Any]] = {}
     with Progress(

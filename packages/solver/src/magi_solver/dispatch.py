@@ -43,8 +43,9 @@ class DispatchAlg(StrEnum):
     SEQUENTIAL: contiguous blocks of chunks (plain sequence sharding, for comparison).
     ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
     AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
-    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication);
-    falls back to MIN_HEAP's assignment when that one needs no more (estimated) communication.
+    whose rows need its keys) as long as that rank stays within the balance lower bound (less communication),
+    then MIN_HEAP's swaps restore the balance; falls back to MIN_HEAP's assignment when that one needs no
+    more (estimated) communication.
     """
 
     MIN_HEAP = "min_heap"
@@ -316,6 +317,7 @@ def _min_heap(areas: list[int], cp_size: int, refine: bool = True) -> list[list[
 
 
 _REFINE_MAX_PAIRS = 1 << 22  # entries of the [m, cp, m] swap table per round (32 MiB)
+_REFINE_CLOSE_ENOUGH = 1e-4  # relative gap to the lower bound at which the swaps stop
 
 
 def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | None = None) -> None:
@@ -336,7 +338,11 @@ def _refine_swaps(areas: list[int], parts: list[list[int]], max_rounds: int | No
         return  # one round would build too large a table; the greedy result stands
     ragged = bool((mat == n).any())
     loads = a[mat].sum(axis=1)
+    # within 1e-4 of the lower bound no swap can help enough to pay for another round of the table
+    good_enough = dispatch_lower_bound(areas, len(parts)) * (1.0 + _REFINE_CLOSE_ENOUGH)
     for _ in range(max_rounds or 4 * len(parts)):
+        if loads.max() <= good_enough:
+            break
         top = int(np.argmax(loads))
         gap = loads[top] - loads  # per rank: how much the top rank is above it
         d = a[mat[top]][:, None, None] - a[mat][None, :, :]  # [m(top), cp, m]: area moved top -> rank
@@ -457,6 +463,10 @@ def _affinity(
         extra -= int(counts[r] > base)
         loads[r] += areas[c]
         aff[r] += sym[c]
+    # the greedy keeps every rank within the bound while it can; the last, smallest chunks may still land
+    # above it: swaps of one chunk (the ones min-heap refines with) restore the balance
+    if cp_size > 1:
+        _refine_swaps(areas, parts)
     # The greedy can lose to plain min-heap on both counts (e.g. block-causal video, where every late block
     # needs every earlier one): then min-heap's assignment is strictly better, so return it.
     heap = _min_heap(areas, cp_size)

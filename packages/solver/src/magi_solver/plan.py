@@ -21,15 +21,25 @@ from typing import Any
 import numpy as np
 
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
+from .choice import DispatchChoice, choose_dispatch, default_chunk_size
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .cost_model import OverlapCostModel
-from .dispatch import DispatchAlg, DispatchPlan, dispatch_slices, redispatch_areas, validate_geometry
+from .dispatch import DispatchAlg, DispatchPlan, padded_seqlen, redispatch_areas, validate_geometry
 from .kv_layout import KVLayout
 from .mask import SliceList, normalize_mask, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
 from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
 
-__all__ = ["DistAttnPlan", "PlanOptions", "RankPlan", "StagePlan", "plan_dist_attn", "plan_with_options"]
+__all__ = [
+    "DistAttnPlan",
+    "PlanOptions",
+    "RankPlan",
+    "StagePlan",
+    "dispatch_choice",
+    "plan_attention",
+    "plan_dist_attn",
+    "plan_with_options",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +121,8 @@ class DistAttnPlan:
     degree_costs: dict[int, float] = field(default_factory=dict, hash=False)
     kv_layout: KVLayout | None = None
     """Cross-attention: where keys and values live (None: with the queries, self-attention)."""
+    choice: DispatchChoice | None = field(default=None, compare=False, hash=False)
+    """How the chunk size and algorithm were chosen, with this plan's overlap degree and remote K/V."""
 
     @property
     def cp_size(self) -> int:
@@ -213,7 +225,8 @@ class PlanOptions:
     `overlap_degree` makes `overlap_mode` dynamic; `cost_model` None prices schedules with the cost factors.
     """
 
-    dispatch_alg: DispatchAlg | str = DispatchAlg.MIN_HEAP
+    dispatch_alg: DispatchAlg | str | None = DispatchAlg.MIN_HEAP
+    """A `DispatchAlg`; None: the choice's algorithm when the chunk size is chosen, else min_heap."""
     overlap_degree: int | None = 1
     overlap_mode: OverlapMode | str = OverlapMode.STATIC
     min_chunk_size: int = 512
@@ -225,6 +238,16 @@ class PlanOptions:
     uneven_shard: bool = False
 
     def __post_init__(self) -> None:
+        alg = self.dispatch_alg
+        if alg is not None:
+            try:
+                alg = DispatchAlg(alg)
+            except ValueError:
+                raise ValueError(
+                    f"`dispatch_alg` must be one of {[a.value for a in DispatchAlg]} or None, got {alg!r}"
+                ) from None
+        if not isinstance(self.uneven_shard, bool):
+            raise TypeError(f"`uneven_shard` must be a bool, got {type(self.uneven_shard).__name__}")
         if self.cost_model is not None and not isinstance(self.cost_model, OverlapCostModel):
             raise TypeError(
                 f"`cost_model` must be an OverlapCostModel or None, got {type(self.cost_model).__name__}"
@@ -240,6 +263,7 @@ class PlanOptions:
         )
         # frozen: the checked, normalised values replace the given ones once, here
         for name, value in (
+            ("dispatch_alg", alg),
             ("overlap_degree", degree),
             ("overlap_mode", mode),
             ("min_chunk_size", int(self.min_chunk_size)),
@@ -273,7 +297,9 @@ def plan_dist_attn(
     kv_chunk_size: int | None = None,
     uneven_shard: bool = False,
 ) -> DistAttnPlan:
-    """Plan attention with context parallelism over `cp_size` ranks (a pure function).
+    """Plan attention with context parallelism over `cp_size` ranks (a pure function): a thin wrapper over
+    `plan_attention` (the one planning path) for callers that give the padded geometry and every option as
+    a keyword; new code calls `plan_attention`, which also chooses the chunk size.
 
     Self-attention by default (queries and keys are one sequence, dispatched together); with
     `total_seqlen_k` (cross-attention: keys and values from another sequence) the queries are dispatched by
@@ -320,6 +346,10 @@ def plan_dist_attn(
         cost_model=cost_model,
         uneven_shard=uneven_shard,
     )
+    # this wrapper's contract: the geometry is already padded (plan_attention would pad it)
+    total_seqlen, cp_size, chunk_size = validate_geometry(
+        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
+    )
     kv_layout = None
     if total_seqlen_k is not None:
         kv_layout = KVLayout(
@@ -327,9 +357,9 @@ def plan_dist_attn(
         )
     elif kv_chunk_size is not None:
         raise ValueError("`kv_chunk_size` is for cross-attention: give `total_seqlen_k` too")
-    return plan_with_options(
-        q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size, chunk_size, options,
-        kv_layout=kv_layout, dispatch=dispatch,
+    return plan_attention(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size,
+        chunk_size=chunk_size, options=options, kv_layout=kv_layout, dispatch=dispatch,
     )  # fmt: skip
 
 
@@ -345,46 +375,193 @@ def plan_with_options(
     kv_layout: KVLayout | None = None,
     dispatch: DispatchPlan | None = None,
 ) -> DistAttnPlan:
-    """`plan_dist_attn` with its options as one checked `PlanOptions` and cross-attention's key/value
-    sequence as its `KVLayout` (None: self-attention); the one planning path (`plan_dist_attn` builds both
-    from its keyword arguments and calls this). The mask, geometry and `dispatch` are as there; `kv_layout`
-    must have `cp_size` ranks and `options.uneven_shard`.
+    """`plan_attention` with a positional, explicit chunk size (kept for earlier callers)."""
+    return plan_attention(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size,
+        chunk_size=chunk_size, options=options, kv_layout=kv_layout, dispatch=dispatch,
+    )  # fmt: skip
+
+
+def dispatch_choice(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    *,
+    chunk_size: int | None = None,
+    dispatch_alg: DispatchAlg | str | None = None,
+    uneven_shard: bool = False,
+    total_seqlen_k: int | None = None,
+) -> tuple[DispatchChoice, DispatchPlan]:
+    """The dispatch step of `plan_attention` on its own (the runtime's layout calls it before the kernel
+    backend, which prices the overlap, is known): the chosen (or given) chunk size and algorithm and the
+    solved `DispatchPlan`, cached per mask, geometry and request, so `plan_attention` reuses it.
+
+    Args:
+        q_ranges, k_ranges, attn_mask_type: the mask, as in `solve_dispatch`, over `total_seqlen` queries.
+        total_seqlen: query tokens *before* padding; the plan pads to a multiple of `chunk_size * cp_size`
+            (the dispatch's `total_seqlen` is the padded length), unless `uneven_shard`.
+        cp_size: ranks.
+        chunk_size: tokens per chunk; None chooses it per mask and cp size (`magi_solver.choice`).
+        dispatch_alg: a `DispatchAlg`; None: chosen with the chunk size (min_heap with an explicit one).
+        uneven_shard: no padding; ranks' token counts may differ by one chunk.
+        total_seqlen_k: cross-attention: the key sequence's length (`k_ranges` index it); None: self.
+
+    Returns:
+        `(choice, dispatch)`; `choice.overlap_degree` is -1 until a plan is built.
     """
-    if not isinstance(options, PlanOptions):
-        raise TypeError(f"`options` must be a PlanOptions, got {type(options).__name__}")
-    uneven_shard = options.uneven_shard
-    total_seqlen, cp_size, chunk_size = validate_geometry(
-        total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
+    choice, dispatch, _ = _dispatch_choice(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size, chunk_size, dispatch_alg, uneven_shard,
+        total_seqlen_k,
+    )  # fmt: skip
+    return choice, dispatch
+
+
+def _dispatch_choice(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: Any,
+    cp_size: Any,
+    chunk_size: Any,
+    dispatch_alg: Any,
+    uneven_shard: Any,
+    total_seqlen_k: Any,
+) -> tuple[DispatchChoice, DispatchPlan, list[tuple[int, int, int, int, int]]]:
+    """`dispatch_choice`, also returning the validated slices."""
+    total_seqlen = _check_int(total_seqlen, "total_seqlen")
+    cp_size = _check_int(cp_size, "cp_size")
+    if total_seqlen <= 0:
+        raise ValueError(f"`total_seqlen` must be positive, got {total_seqlen}")
+    if cp_size <= 0:
+        raise ValueError(f"`cp_size` must be positive, got {cp_size}")
+    if chunk_size is not None and _check_int(chunk_size, "chunk_size") <= 0:
+        raise ValueError(f"`chunk_size` must be positive or None, got {chunk_size}")
+    if not isinstance(uneven_shard, bool):
+        raise TypeError(f"`uneven_shard` must be a bool, got {type(uneven_shard).__name__}")
+    if dispatch_alg is not None:
+        try:
+            dispatch_alg = DispatchAlg(dispatch_alg)
+        except ValueError:
+            raise ValueError(
+                f"`dispatch_alg` must be one of {[a.value for a in DispatchAlg]} or None, got {dispatch_alg!r}"
+            ) from None
+    cross = total_seqlen_k is not None
+    if cross and dispatch_alg is DispatchAlg.AFFINITY:
+        raise ValueError(
+            "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
+        )
+    total_k = total_seqlen if total_seqlen_k is None else _check_int(total_seqlen_k, "total_seqlen_k")
+    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
+    if chunk_size is not None:  # a named error for a geometry that cannot hold cp chunks
+        padded = total_seqlen if uneven_shard else padded_seqlen(total_seqlen, cp_size, chunk_size)
+        validate_geometry(padded, cp_size, chunk_size, uneven_shard=uneven_shard)
+    choice, dispatch = choose_dispatch(
+        slices,
+        total_seqlen,
+        cp_size,
+        chunk_size=chunk_size,
+        alg=dispatch_alg,
+        uneven_shard=uneven_shard,
+        cross_attention=cross,
     )
+    return choice, dispatch, slices
+
+
+def plan_attention(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    *,
+    chunk_size: int | None = None,
+    options: PlanOptions | None = None,
+    kv_layout: KVLayout | None = None,
+    total_seqlen_k: int | None = None,
+    dispatch: DispatchPlan | None = None,
+) -> DistAttnPlan:
+    """Plan attention with context parallelism over `cp_size` ranks: the one planning path of the runtime,
+    `magi-attention-plan`, `magi_solver.tools` and the benchmarks (a pure function, the same on every rank).
+
+    Args:
+        q_ranges, k_ranges, attn_mask_type: the mask (see `solve_dispatch`) over `total_seqlen` queries.
+        total_seqlen: query tokens before padding; padded to a multiple of `chunk_size * cp_size` (the plan's
+            `dispatch.total_seqlen`), unless `options.uneven_shard`.
+        cp_size: ranks.
+        chunk_size: tokens per dispatch chunk; None chooses it (and, with `options.dispatch_alg` None, the
+            algorithm) per mask and cp size from the balance lower bound, the tile-fill cost of fragments and
+            the remote K/V of the busiest rank (`magi_solver.choice`). An explicit size is always used.
+        options: overlap and dispatch options (default `PlanOptions(dispatch_alg=None)`: chosen).
+        kv_layout: cross-attention: where keys and values live (`KVLayout`, `cp_size` ranks).
+        total_seqlen_k: cross-attention without a `kv_layout`: the key sequence's length (before padding);
+            it is split into contiguous shards of `default_chunk_size(total_seqlen_k, cp_size)` chunks.
+        dispatch: reuse this chunk assignment (a mask built after dispatch keeps its tokens where they are);
+            its geometry must be this plan's.
+
+    Returns:
+        A `DistAttnPlan` whose `choice` says which chunk size and algorithm, and why.
+    """
+    if options is None:
+        options = PlanOptions(dispatch_alg=None)
+    elif not isinstance(options, PlanOptions):
+        raise TypeError(f"`options` must be a PlanOptions, got {type(options).__name__}")
+    uneven = options.uneven_shard
+    cp_size = _check_int(cp_size, "cp_size")
+    if kv_layout is None and total_seqlen_k is not None:
+        tk = _check_int(total_seqlen_k, "total_seqlen_k")
+        if tk <= 0 or cp_size <= 0:
+            raise ValueError(f"`total_seqlen_k` and `cp_size` must be positive, got {tk}, {cp_size}")
+        kc = default_chunk_size(tk, cp_size)
+        kv_layout = KVLayout(tk if uneven else padded_seqlen(tk, cp_size, kc), cp_size, kc, uneven)
     if kv_layout is not None:
         if not isinstance(kv_layout, KVLayout):
             raise TypeError(f"`kv_layout` must be a KVLayout or None, got {type(kv_layout).__name__}")
-        if (kv_layout.cp_size, kv_layout.uneven_shard) != (cp_size, uneven_shard):
+        if (kv_layout.cp_size, kv_layout.uneven_shard) != (cp_size, uneven):
             raise ValueError(
                 f"`kv_layout` has (cp_size, uneven_shard) = {(kv_layout.cp_size, kv_layout.uneven_shard)}, "
-                f"the plan {(cp_size, uneven_shard)}"
+                f"the plan {(cp_size, uneven)}"
             )
-        if str(options.dispatch_alg) == "affinity" and dispatch is None:
+        if options.dispatch_alg is DispatchAlg.AFFINITY and dispatch is None:
             raise ValueError(
                 "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
             )
-    total_k = total_seqlen if kv_layout is None else kv_layout.total_seqlen
-    slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
+    total_k = None if kv_layout is None else kv_layout.total_seqlen
     if dispatch is None:
-        dispatch = dispatch_slices(
-            slices, total_seqlen, cp_size, chunk_size, options.dispatch_alg, uneven_shard=uneven_shard
-        )
+        choice, dispatch, slices = _dispatch_choice(
+            q_ranges, k_ranges, attn_mask_type, total_seqlen, cp_size, chunk_size, options.dispatch_alg,
+            uneven, total_k,
+        )  # fmt: skip
     else:
         if not isinstance(dispatch, DispatchPlan):
             raise TypeError(f"`dispatch` must be a DispatchPlan or None, got {type(dispatch).__name__}")
+        total_seqlen = _check_int(total_seqlen, "total_seqlen")
+        cs = dispatch.chunk_size if chunk_size is None else _check_int(chunk_size, "chunk_size")
+        padded = (
+            total_seqlen if uneven or cs <= 0 or cp_size <= 0 else padded_seqlen(total_seqlen, cp_size, cs)
+        )
+        padded, cp_size, cs = validate_geometry(padded, cp_size, cs, uneven_shard=uneven)
         got = (dispatch.total_seqlen, dispatch.cp_size, dispatch.chunk_size, dispatch.uneven_shard)
-        if got != (total_seqlen, cp_size, chunk_size, uneven_shard):
+        if got != (padded, cp_size, cs, uneven):
             raise ValueError(
                 f"`dispatch` was made for (total_seqlen, cp_size, chunk_size, uneven_shard) = {got}, "
-                f"not {(total_seqlen, cp_size, chunk_size, uneven_shard)}"
+                f"not {(padded, cp_size, cs, uneven)}"
             )
-        dispatch = redispatch_areas(dispatch, slices)
-    return _plan(
+        slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, padded, total_k or padded)
+        again = redispatch_areas(dispatch, slices)
+        # the same mask's dispatch (the runtime's root key) is used as it is: solved once
+        dispatch = dispatch if again.chunk_areas == dispatch.chunk_areas else again
+        choice = DispatchChoice(
+            dispatch.chunk_size,
+            dispatch.alg.value,
+            -1,
+            dispatch.imbalance,
+            dispatch.lower_bound_imbalance,
+            0,
+            f"the dispatch of chunk {dispatch.chunk_size} ({dispatch.alg.value}) was given.",
+        )
+    plan = _plan(
         dispatch,
         slices,
         options.overlap_degree,
@@ -395,6 +572,9 @@ def plan_with_options(
         options.cost_model or FactorCostModel(options.calc_cost_factor, options.comm_cost_factor),
         kv_layout,
     )
+    remote = max(plan.remote_tokens_per_rank)
+    object.__setattr__(plan, "choice", choice.with_plan(plan.overlap_degree, remote))
+    return plan
 
 
 def _plan(

@@ -3,7 +3,7 @@ priced by one cost model (`OverlapCostModel`, the one the runtime's dynamic over
 
 Per rank and per scheme (`L` = tokens per rank, `T` = remote K/V tokens, areas in (q, k) pairs):
 
-* **magi**: the plan's own schedule (`plan_dist_attn` with the dynamic degree: host kernel, remote stages
+* **magi**: the plan's own schedule (`plan_attention`, the runtime's plan, with the dynamic degree: host kernel, remote stages
   fetched by GroupCast while the previous stage computes, dK/dV sent back by GroupReduce). The fetch
   bandwidth of a rank is its tokens over the time of its slowest link: NVLink for sources on its node,
   the inter-node link for the others, both running at once.
@@ -22,6 +22,7 @@ FLOP(bwd) = 2.5 x FLOP(fwd), as in the benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from .._slicing import clip_rows, host_area_of
 from ..cost_model import BWD_FLOP_RATIO, OverlapCostModel
 from ..dispatch import DispatchPlan, dispatch_slices, padded_seqlen
 from ..mask import normalize_mask, total_area
-from ..plan import DistAttnPlan, plan_dist_attn
+from ..plan import DistAttnPlan, PlanOptions, plan_attention
 from .hardware import HardwareProfile, MaskFamily
 
 __all__ = ["SCHEMES", "Workload", "padded_seqlen", "predict_cp"]
@@ -50,8 +51,8 @@ class Workload:
     head_dim: int = 128
     bytes_per_elem: int = 2
     """Bytes of one q/k/v element (2 for bf16)."""
-    chunk_size: int = 2048
-    """Dispatch chunk size in tokens."""
+    chunk_size: int | None = None
+    """Dispatch chunk size in tokens; None: the runtime's choice per mask and cp size (`plan_attention`)."""
     max_degree: int = 4
     """Largest overlap degree the dynamic choice considers (the runtime's default)."""
     overlap_degree: int | None = None
@@ -65,6 +66,8 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("num_heads_q", "num_heads_kv", "head_dim", "bytes_per_elem", "chunk_size", "max_degree"):
             v = getattr(self, name)
+            if name == "chunk_size" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"`{name}` must be an int >= 1, got {v!r}")
         if self.num_heads_q % self.num_heads_kv:
@@ -160,32 +163,43 @@ def predict_cp(
     fam = MaskFamily(family)
     cp = int(cp_size)
     t0 = time.perf_counter()
-    padded = padded_seqlen(int(total_seqlen), cp, w.chunk_size)
+    hw = hardware
+    nvl_model = w.model(hw, fam)
+    options = PlanOptions(
+        # a chosen chunk size comes with a chosen algorithm, as in the runtime
+        dispatch_alg=None if w.chunk_size is None else "min_heap",
+        overlap_degree=w.overlap_degree,
+        overlap_mode="dynamic" if w.overlap_degree is None else "static",
+        dynamic_max_degree=w.max_degree,
+        min_chunk_size=w.min_chunk_size,
+        max_num_chunks=w.max_num_chunks,
+        cost_model=nvl_model,
+        uneven_shard=w.uneven_shard,
+    )
+    # magi's plan: the runtime's one path (the chunk size chosen unless the workload gives one)
+    plan = plan_attention(
+        q_ranges, k_ranges, attn_mask_type, int(total_seqlen), cp, chunk_size=w.chunk_size, options=options
+    )
+    chunk = plan.dispatch.chunk_size
+    padded = padded_seqlen(int(total_seqlen), cp, chunk)
     shard = padded // cp
     # magi's sequence: the padded one, or the mask's own length with uneven shards
-    magi_total = int(total_seqlen) if w.uneven_shard else padded
+    magi_total = plan.dispatch.total_seqlen
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, magi_total, magi_total)
     area = total_area(slices)
     flop_fwd = 4.0 * area * w.num_heads_q * w.head_dim
-    overlap = {
-        "overlap_degree": w.overlap_degree,
-        "overlap_mode": "dynamic" if w.overlap_degree is None else "static",
-        "dynamic_max_degree": w.max_degree,
-        "min_chunk_size": w.min_chunk_size,
-        "max_num_chunks": w.max_num_chunks,
-    }
-    hw = hardware
-    nvl_model = w.model(hw, fam)
-    q, k, t = _split(slices)
-    overlap["uneven_shard"] = w.uneven_shard
-    plan = plan_dist_attn(q, k, t, magi_total, cp, w.chunk_size, cost_model=nvl_model, **overlap)
     magi_shards = plan.dispatch.shard_seqlens
     split = _source_split(plan, hw) if cp > 1 else [(0, 0)]
     eff = [_effective_gbps(a, b, hw) for a, b in split]
     if cp > hw.gpus_per_node:  # re-price the degree choice with the inter-node links (same dispatch)
         model = w.model(hw, fam, min(eff))
-        plan = plan_dist_attn(
-            q, k, t, magi_total, cp, w.chunk_size, cost_model=model, dispatch=plan.dispatch, **overlap
+        choice = plan.choice
+        plan = plan_attention(
+            q_ranges, k_ranges, attn_mask_type, magi_total, cp, chunk_size=chunk,
+            options=dataclasses.replace(options, cost_model=model), dispatch=plan.dispatch,
+        )  # fmt: skip
+        object.__setattr__(
+            plan, "choice", choice.with_plan(plan.overlap_degree, max(plan.remote_tokens_per_rank))
         )
     plan_s = time.perf_counter() - t0
 
@@ -228,7 +242,9 @@ def predict_cp(
         "padded_seqlen": padded,
         "tokens_per_rank": max(magi_shards),
         "uneven_shard": w.uneven_shard,
-        "chunk_size": w.chunk_size,
+        "chunk_size": chunk,
+        "dispatch_alg": plan.dispatch.alg.value,
+        "dispatch_reason": plan.choice.reason,
         "mask_area": area,
         "family": fam.value,
         "hardware": hw.name,
@@ -248,11 +264,6 @@ def predict_cp(
         "schemes": schemes,
     }
     return record, plan
-
-
-def _split(slices: list[tuple[int, int, int, int, int]]) -> tuple[list, list, list]:
-    """Typed slices as (q_ranges, k_ranges, types)."""
-    return [[s[0], s[1]] for s in slices], [[s[2], s[3]] for s in slices], [s[4] for s in slices]
 
 
 def _baselines(
