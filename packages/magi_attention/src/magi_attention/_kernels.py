@@ -280,8 +280,8 @@ def fa4_deterministic_supported(
     total_k: int,
 ) -> bool:
     """Whether FA4 runs the backward of one kernel call on these slices deterministically: its varlen path
-    (packed documents), not its block-sparse one. An empty call runs no kernel (True). False when
-    magi-ffa-fa4 is not installed. Pure host work on the slice values (no GPU needed)."""
+    (packed documents), not its block-sparse one (`magi_ffa_fa4.deterministic_supported`). An empty call runs
+    no kernel (True). False when magi-ffa-fa4 is not installed. Pure host work on the slice values."""
     if len(types) == 0:
         return True
     try:
@@ -291,19 +291,7 @@ def fa4_deterministic_supported(
     q = torch.tensor([list(r) for r in q_ranges], dtype=torch.int32).reshape(-1, 2)
     k = torch.tensor([list(r) for r in k_ranges], dtype=torch.int32).reshape(-1, 2)
     t = torch.tensor(list(types), dtype=torch.int32).reshape(-1)
-    predicate = getattr(magi_ffa_fa4, "deterministic_supported", None)
-    if predicate is not None:
-        return bool(predicate(q, k, t, int(total_q), int(total_k)))
-    # magi-ffa-fa4 without the predicate: the decision of its launch metadata (`_launch_meta.build_mask_meta`:
-    # varlen groups or the block-sparse path), without building the block-sparse part
-    from magi_ffa.validation import host_slices
-    from magi_ffa_fa4 import env as fa4_env
-    from magi_ffa_fa4.varlen import plan_varlen
-
-    if not fa4_env.varlen():
-        return False
-    slices = host_slices(q, k, t, int(total_q), int(total_k))
-    return not slices or plan_varlen(slices, int(total_q), int(total_k), torch.device("cpu")) is not None
+    return bool(magi_ffa_fa4.deterministic_supported(q, k, t, int(total_q), int(total_k)))
 
 
 def describe_mask(q_ranges: Sequence[Sequence[int]], types: Sequence[int], documents: bool) -> str:
