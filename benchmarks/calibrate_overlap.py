@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import triton.testing
 
-from magi_attention._kernels import attn_kernel
+from magi_attention._runtime.kernels import attn_kernel
 from magi_attention.config import KernelBackend
 from magi_solver import CostProfile, get_profile, gpu_kind
 

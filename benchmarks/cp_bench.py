@@ -56,7 +56,7 @@ from baselines import user
 from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
-from magi_attention import _runtime as magi_runtime
+from magi_attention._runtime import cache as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.env import native_grpcoll
 from magi_solver import SliceList

@@ -28,11 +28,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+import magi_attention._runtime.checks._key_agreement as fp
 import magi_attention.api as api
-import magi_attention.checks._key_agreement as fp
 from magi_attention import config as cfg
-from magi_attention._runtime import RUNTIME_CACHE
-from magi_attention.checks import check_dispatch_tags, check_dtype, check_scalars
+from magi_attention._runtime.cache import RUNTIME_CACHE
+from magi_attention._runtime.checks import check_dispatch_tags, check_dtype, check_scalars
 from magi_attention.testing import run_distributed
 
 TOTAL = 32768
@@ -126,8 +126,8 @@ _SYNC_EVENTS = frozenset(
 @contextmanager
 def _agreement_off():
     """Every public call's agreement replaced by its local check alone (what the calls did before)."""
-    import magi_attention.checks._calc_attn as calc_checks
-    import magi_attention.checks._call_agreement as sanity
+    import magi_attention._runtime.checks._calc_attn as calc_checks
+    import magi_attention._runtime.checks._call_agreement as sanity
     import magi_attention.dist_attn as da
 
     def local_only(cp_group, call, check, *, same=None, extra=None):
@@ -148,7 +148,7 @@ def _agreement_off():
 
 
 def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
-    from magi_attention.checks import agree_on_call
+    from magi_attention._runtime.checks import agree_on_call
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffa_masks import MASK_NAMES, BenchMask, build_mask
 
-from magi_attention._vendor_kernels import SliceMask, cudnn_flex_call, fa4_call
+from magi_attention._runtime.vendor_kernels import SliceMask, cudnn_flex_call, fa4_call
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = (
@@ -154,7 +154,7 @@ def _calc_attn_runner(m: BenchMask, q, k, v, backend: str):
 
 
 def _slice_mask(m: BenchMask, total: int) -> SliceMask:
-    """The bench mask as the vendor calls' mask (``magi_attention._vendor_kernels``, one definition of each
+    """The bench mask as the vendor calls' mask (``magi_attention._runtime.vendor_kernels``, one definition of each
     vendor call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
     window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
     return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,

@@ -4,7 +4,7 @@ Every measurement runs in a fresh child process (imports, CUDA start-up, the key
 come first and are not timed). The clock starts at the first ``calc_attn`` call and stops when its backward
 has finished (``torch.cuda.synchronize``): that is the first step's attention, compiles included. Steps 2-3
 are timed too (steady state). ``kernel_backend="auto"``, a 16k-token packed causal documents mask
-(``magi_attention._vendor_kernels.standard_masks``), 64 query heads, 8 key/value heads, head_dim 128, bf16.
+(``magi_attention._runtime.vendor_kernels.standard_masks``), 64 query heads, 8 key/value heads, head_dim 128, bf16.
 
 Runs, in order, all with ``MAGI_ATTENTION_CACHE_DIR`` pointing at one fresh directory (the compiled-kernel
 caches of FA4 and cuDNN; Triton's ``TRITON_CACHE_DIR`` is pointed below it too, so it starts cold as well):
@@ -44,7 +44,7 @@ RUNS = ("cp1", "cp1", "cp1_warmup", "sim8", "sim8", "sim8_warmup")
 
 
 def _mask():
-    from magi_attention._vendor_kernels import standard_masks
+    from magi_attention._runtime.vendor_kernels import standard_masks
 
     return next(m for m in standard_masks(TOKENS) if m.name == "docs")
 
@@ -107,7 +107,7 @@ def child_sim8(warm: bool) -> dict:
     import numpy as np
     import torch
 
-    from magi_attention._kernels import _resolve, choose_auto, probe_local
+    from magi_attention._runtime.kernels import _resolve, choose_auto, probe_local
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import simulate_dist_attn
     from magi_solver import PlanOptions, plan_attention

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention._kernels import attn_kernel
-from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention._runtime.cache import RUNTIME_CACHE
+from magi_attention._runtime.kernels import attn_kernel
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import simulate_dist_attn

@@ -90,7 +90,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
 
     from ffa_bench import _calc_attn_runner
 
-    from magi_attention._kernels import attn_kernel
+    from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
 
     q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -164,7 +164,7 @@ def sim_det_rows(args) -> list[dict]:
     import numpy as np
     from magi_attention_bench import make_mask, make_plan
 
-    from magi_attention._kernels import attn_kernel
+    from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import rank_calls, token_index
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids

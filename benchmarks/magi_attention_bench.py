@@ -26,7 +26,7 @@ import torch
 import triton
 
 from magi_attention import DistAttnConfig
-from magi_attention._kernels import AttnKernel, attn_kernel
+from magi_attention._runtime.kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
@@ -236,7 +236,7 @@ def auto_kernel(mask: str, total: int, plan):
     every backend this process can run as a candidate; the backward's backend may differ)."""
     import numpy as np
 
-    from magi_attention._kernels import _resolve, choose_auto, probe_local
+    from magi_attention._runtime.kernels import _resolve, choose_auto, probe_local
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     q_ranges, k_ranges, types = make_mask(mask, total)

@@ -145,7 +145,7 @@ def _sync(dev: torch.device) -> None:
 def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
     """``attn_kernel`` of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
     each rank's global query ids)."""
-    from magi_attention._kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention._runtime.kernels import _resolve, attn_kernel, choose_auto, probe_local
     from magi_attention.config import KernelBackend
 
     if backend != "auto":

@@ -5,7 +5,7 @@ magi_mask (the mask vocabulary and algebra) is the lowest layer and imports none
 imports no torch; magi_ffa and magi_group_collective import neither each other nor the solver; magi_ffa_fa4
 and magi_ffa_cudnn sit on top of magi_ffa (and not on each other); only magi_attention composes them. Inside a package the modules import each other
 without cycles, function-level (lazy) imports included: a type two modules share lives a module below both.
-A room keeps its side: `magi_attention.checks` below the public calls, `magi_solver.tools` above the
+A room keeps its side: `magi_attention._runtime` (the runtime's internals) below the public modules, `magi_solver.tools` above the
 planning core, the group-collective implementations beside each other below `_select`.
 """
 
@@ -157,16 +157,19 @@ def test_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
     assert _internal_imports(path, "p._a", "p", {"p._a", "p._b"}) == {"p._b"}
 
 
-# rooms inside a package, with the modules (or subpackages) they may not import: the failure checks sit
-# below the public calls they guard; the planner's tools (CLI, predictions, plots) sit above the planning
-# core, which never imports them; the group-collective implementations sit side by side under the one
-# module that chooses among them
+# rooms inside a package, with the modules (or subpackages) they may not import: the runtime's internals
+# (failure checks included) sit below the public modules they serve; the planner's tools (CLI, predictions,
+# plots) sit above the planning core, which never imports them; the group-collective implementations sit
+# side by side under the one module that chooses among them
 _GRPCOLL_IMPLS = tuple(f"magi_group_collective._{n}" for n in ("a2av", "hierarchical", "native"))
 SUBPACKAGE_RULES = [
     (
         "magi_attention",
-        lambda m: m.startswith("magi_attention.checks"),
-        ("magi_attention.api", "magi_attention.dispatch", "magi_attention.dist_attn", "magi_attention.roll"),
+        lambda m: m.startswith("magi_attention._runtime"),
+        tuple(
+            f"magi_attention.{n}"
+            for n in ("api", "dispatch", "dist_attn", "roll", "simulate", "info", "demo", "testing")
+        ),
     ),
     (
         "solver",

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import magi_attention._kernels as kernels
-import magi_attention._runtime as runtime_mod
+import magi_attention._runtime.cache as runtime_mod
+import magi_attention._runtime.kernels as kernels
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
-from magi_attention._kernels import LocalCapability, _resolve, attn_kernel, choose_auto
 from magi_attention._layout import build_layout
-from magi_attention._runtime import rank_problem_features
+from magi_attention._runtime.cache import rank_problem_features
+from magi_attention._runtime.kernels import LocalCapability, _resolve, attn_kernel, choose_auto
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn

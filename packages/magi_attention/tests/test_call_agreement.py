@@ -100,7 +100,7 @@ def _cases_worker(rank: int, world: int) -> int:
         _timed(AgreementError, "different calls", clear_cache)
     else:
         _timed(AgreementError, "different calls", calc_attn, q, k, v, key)
-    assert key in __import__("magi_attention._runtime", fromlist=["RUNTIME_CACHE"]).RUNTIME_CACHE
+    assert key in __import__("magi_attention._runtime.cache", fromlist=["RUNTIME_CACHE"]).RUNTIME_CACHE
     # ... and on every rank: collective, then the key is planned again together
     clear_cache()
     key = _key()

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import magi_attention._kernels as kernels
+import magi_attention._runtime.kernels as kernels
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention._kernels import (
+from magi_attention._runtime.kernels import (
     LocalCapability,
     _resolve,
     choose_auto,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from magi_attention import DistAttnConfig
-from magi_attention._kernels import (
+from magi_attention._runtime.kernels import (
     _resolve,
     attn_kernel,
     choose_auto,

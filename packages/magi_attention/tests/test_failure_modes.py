@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from magi_attention import config as cfg
-from magi_attention._runtime import RUNTIME_CACHE, RuntimeCache
+from magi_attention._runtime.cache import RUNTIME_CACHE, RuntimeCache
 from magi_attention.api import (
     calc_attn,
     clear_cache,

@@ -129,8 +129,8 @@ def test_every_variable_is_documented() -> None:
 def test_deterministic_mode_reaches_every_kernel_call(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from magi_attention._kernels import AttnKernel
-    from magi_attention._runtime import KernelSlices
+    from magi_attention._runtime.cache import KernelSlices
+    from magi_attention._runtime.kernels import AttnKernel
     from magi_attention.dist_attn import _bwd_call, _fwd_call
 
     seen = []
@@ -164,7 +164,7 @@ def _runtime_flags_worker(rank: int, world_size: int) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from magi_attention._runtime import RUNTIME_CACHE
+    from magi_attention._runtime.cache import RUNTIME_CACHE
     from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_varlen_key, undispatch
     from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
     from magi_ffa.testing import make_attn_mask, ref_attn
@@ -262,7 +262,7 @@ def test_hierarchical_comm_and_native_grpcoll_flags() -> None:
 )
 def test_collective_impl_resolution(monkeypatch, config_native, env_native, mesh, hier_env, want) -> None:
     """The documented table (docs/packages/group_collective.md, "Choosing the implementation")."""
-    from magi_attention._collective_choice import choose_collective
+    from magi_attention._runtime.collective_choice import choose_collective
     from magi_attention.config import GrpCollConfig
 
     monkeypatch.setenv("MAGI_ATTENTION_NATIVE_GRPCOLL", env_native)
@@ -287,7 +287,7 @@ def test_collective_impl_resolution(monkeypatch, config_native, env_native, mesh
 def test_collective_choice_below_the_runtime_settings(
     monkeypatch, config_native, mesh, package_env, want, setting
 ) -> None:
-    from magi_attention._collective_choice import choose_collective
+    from magi_attention._runtime.collective_choice import choose_collective
     from magi_attention.config import GrpCollConfig
 
     monkeypatch.delenv("MAGI_ATTENTION_NATIVE_GRPCOLL", raising=False)

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig, OverlapMode
-from magi_attention._kernels import KernelChoice, LocalCapability, _resolve, clear_agreements
-from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention._runtime.cache import RUNTIME_CACHE
+from magi_attention._runtime.kernels import KernelChoice, LocalCapability, _resolve, clear_agreements
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import KernelBackend
 from magi_attention.env import kernel_backend_override
@@ -74,12 +74,14 @@ def test_environment_override_rejects_unknown(monkeypatch) -> None:
     ],
 )
 def test_resolution(monkeypatch, requested, ranks, head_dim, expected) -> None:
-    monkeypatch.setattr("magi_attention._kernels._fa4_head_dim_ok", lambda d: d <= 128 and d % 32 == 0)
+    monkeypatch.setattr(
+        "magi_attention._runtime.kernels._fa4_head_dim_ok", lambda d: d <= 128 and d % 32 == 0
+    )
     assert _resolve(requested, head_dim, ranks).backend == expected
 
 
 def test_explicit_choice_names_the_ranks_that_cannot(monkeypatch) -> None:
-    monkeypatch.setattr("magi_attention._kernels._fa4_head_dim_ok", lambda d: d <= 128)
+    monkeypatch.setattr("magi_attention._runtime.kernels._fa4_head_dim_ok", lambda d: d <= 128)
     with pytest.raises(ValueError, match=r"kernel_backend='fa4'.*rank 1: flash-attn-4 does not import"):
         _resolve(B.FA4, 128, [GPU_FA4, GPU_NO_FA4])
     with pytest.raises(ValueError, match="head_dim"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import magi_ffa.contract
-from magi_attention._kernels import attn_kernel
-from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention._runtime.cache import RUNTIME_CACHE
+from magi_attention._runtime.kernels import attn_kernel
 from magi_attention.api import calc_attn, clear_cache, magi_attn_flex_key
 from magi_attention.config import DistAttnConfig, KernelBackend
 from magi_ffa.testing import make_attn_mask, ref_attn

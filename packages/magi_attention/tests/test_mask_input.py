@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from magi_attention._mask_input import normalize_mask_types, normalize_ranges
+from magi_attention._runtime.mask_input import normalize_mask_types, normalize_ranges
 from magi_solver import AttnMaskType, AttnRanges
 
 PAIRS = ((0, 4), (4, 10))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention._runtime.cache import RUNTIME_CACHE
 from magi_attention.api import calc_attn, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention.testing import run_distributed

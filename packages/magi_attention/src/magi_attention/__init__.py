@@ -1,84 +1,17 @@
 """magi_attention: distributed attention (context parallelism) with slice masks.
 
-Main entry points live in `magi_attention.api`; configuration in `magi_attention.config`.
+The product is four modules: `magi_attention.api` (keys, `dispatch`, `calc_attn`, `roll` and the helpers
+that build masks: the calls a training loop makes), `magi_attention.dispatch` (tokens to ranks and back),
+`magi_attention.dist_attn` (the attention of one cp group) and `magi_attention.config` (the frozen settings
+a key holds). This package hands on `api.__all__` and `config.__all__`; `key`, `helpers`, `mask_mod`,
+`roll`, `simulate`, `info`, `testing`, `env` and `demo` are public modules of their own, and
+`magi_attention._runtime` holds the runtime's internals (no public name; its paths may change).
 """
 
-from .api import (
-    AttnForwardMeta,
-    AttnMaskType,
-    AttnOverlapMode,
-    AttnRanges,
-    DispatchChoice,
-    DistAttnRuntimeKey,
-    calc_attn,
-    clear_cache,
-    compute_pad_size,
-    dispatch,
-    dispatch_kv,
-    get_dispatch_choice,
-    get_kernel_backend,
-    get_most_recent_key,
-    get_position_ids,
-    infer_attn_mask_from_cu_seqlens,
-    infer_attn_mask_from_mask_mod,
-    infer_attn_mask_from_sliding_window,
-    infer_varlen_mask_from_batch,
-    magi_attn_flex_key,
-    magi_attn_varlen_key,
-    make_flex_key_for_new_mask_after_dispatch,
-    make_varlen_key_for_new_mask_after_dispatch,
-    roll,
-    squash_batch_dim,
-    undispatch,
-    undispatch_kv,
-    warmup,
-)
-from .config import (
-    DispatchAlg,
-    DispatchConfig,
-    DistAttnConfig,
-    GrpCollConfig,
-    KernelBackend,
-    OverlapConfig,
-    OverlapMode,
-)
+from . import api, config
+from .api import *  # noqa: F403  (the names of api.__all__)
+from .config import *  # noqa: F403  (the names of config.__all__)
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
-__all__ = [
-    "AttnForwardMeta",
-    "AttnMaskType",
-    "AttnOverlapMode",
-    "AttnRanges",
-    "DispatchAlg",
-    "DispatchChoice",
-    "DispatchConfig",
-    "DistAttnConfig",
-    "DistAttnRuntimeKey",
-    "GrpCollConfig",
-    "KernelBackend",
-    "OverlapConfig",
-    "OverlapMode",
-    "calc_attn",
-    "clear_cache",
-    "compute_pad_size",
-    "dispatch",
-    "dispatch_kv",
-    "get_dispatch_choice",
-    "get_kernel_backend",
-    "get_most_recent_key",
-    "get_position_ids",
-    "infer_attn_mask_from_cu_seqlens",
-    "infer_attn_mask_from_mask_mod",
-    "infer_attn_mask_from_sliding_window",
-    "infer_varlen_mask_from_batch",
-    "magi_attn_flex_key",
-    "magi_attn_varlen_key",
-    "make_flex_key_for_new_mask_after_dispatch",
-    "make_varlen_key_for_new_mask_after_dispatch",
-    "roll",
-    "squash_batch_dim",
-    "undispatch",
-    "undispatch_kv",
-    "warmup",
-]
+__all__ = sorted({*api.__all__, *config.__all__})

@@ -1,8 +1,9 @@
 """Dispatch layouts: where every token lives after dispatch, a pure function of a key's mask, sizes, cp size
 and dispatch config (no communication), and the per-rank token counts keys report.
 
-This module sits below `key.py` (keys read their local lengths from it) and `_runtime.py` (which caches
-full layouts with their plans); it reads a key by attribute and never imports the key module.
+The one private module outside `_runtime/`: it sits below `key.py` (keys read their local lengths from it),
+which sits below the runtime (`_runtime.cache` caches full layouts with their plans). It needs only the
+planner, reads a key by attribute and never imports the key module.
 """
 
 from __future__ import annotations

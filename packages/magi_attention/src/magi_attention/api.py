@@ -1,4 +1,5 @@
-"""Public API, compatible with MagiAttention's names.
+"""Public API, compatible with MagiAttention's names: the front door of the product (`api`, `dispatch`,
+`dist_attn`, `config`; `import magi_attention` hands on this module's `__all__` and the config's).
 
 Typical flow::
 
@@ -22,11 +23,11 @@ import torch.distributed as dist
 from magi_group_collective import as_device_mesh
 from magi_solver import AttnMaskType, AttnRanges, DispatchChoice, make_sliding_window_mask
 
-from ._collective_choice import choose_collective
-from ._mask_input import normalize_mask_types, normalize_ranges
-from ._runtime import RUNTIME_CACHE
-from .checks import agree_on_call, agree_on_key, collective_key_build
-from .checks._arguments import CALC_ATTN_DTYPES
+from ._runtime.cache import RUNTIME_CACHE
+from ._runtime.checks import CommError, agree_on_call, agree_on_key, collective_key_build
+from ._runtime.checks._arguments import CALC_ATTN_DTYPES
+from ._runtime.collective_choice import choose_collective
+from ._runtime.mask_input import normalize_mask_types, normalize_ranges
 from .config import DistAttnConfig, KernelBackend, OverlapMode
 from .dispatch import dispatch, dispatch_kv, undispatch, undispatch_kv
 from .dist_attn import AttnForwardMeta, calc_attn
@@ -50,6 +51,7 @@ __all__ = [
     "AttnMaskType",
     "AttnOverlapMode",
     "AttnRanges",
+    "CommError",
     "DispatchChoice",
     "DistAttnRuntimeKey",
     "calc_attn",
@@ -58,6 +60,7 @@ __all__ = [
     "dispatch",
     "dispatch_kv",
     "get_dispatch_choice",
+    "get_kernel_backend",
     "get_most_recent_key",
     "get_position_ids",
     "infer_attn_mask_from_cu_seqlens",

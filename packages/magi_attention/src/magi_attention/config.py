@@ -1,4 +1,5 @@
-"""User-facing configuration of the distributed attention runtime.
+"""User-facing configuration of the distributed attention runtime. Part of the product (`api`, `dispatch`,
+`dist_attn`, `config`); `import magi_attention` hands on its `__all__`.
 
 `DistAttnConfig` groups the dispatch (how the sequence is cut and balanced across ranks) and the overlap
 (how remote K/V is split into stages that overlap with compute) settings. Configs are frozen and hashable:

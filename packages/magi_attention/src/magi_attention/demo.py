@@ -21,10 +21,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._runtime import RUNTIME_CACHE
-from .api import calc_attn, dispatch, get_position_ids, magi_attn_flex_key, undispatch
-from .config import DispatchConfig, DistAttnConfig, OverlapConfig
-from .testing import run_distributed
+# the package's own names, imported as a training script would; the runtime cache only to report the plan
+from magi_attention import (
+    DispatchConfig,
+    DistAttnConfig,
+    OverlapConfig,
+    calc_attn,
+    dispatch,
+    get_position_ids,
+    magi_attn_flex_key,
+    undispatch,
+)
+from magi_attention._runtime.cache import RUNTIME_CACHE
+from magi_attention.testing import run_distributed
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """dispatch / undispatch: move a global token tensor to the ranks' chunks and back, with autograd.
+Part of the product (`api`, `dispatch`, `dist_attn`, `config`); `magi_attention.api` re-exports its calls.
 
 `dispatch(x, key)` pads `x` (tokens on dim 0) to the planned length and keeps this rank's chunks, in
 ascending chunk order. Its backward all-gathers the local gradients, so every rank receives the full
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._comm import all_gather_tokens
-from ._runtime import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime
-from .checks import (
+from ._runtime.cache import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime
+from ._runtime.checks import (
     agree_on_call,
     build_device_meta_together,
     check_dispatch_tags,
@@ -25,6 +25,7 @@ from .checks import (
     tag_output,
     tensor_values,
 )
+from ._runtime.comm import all_gather_tokens
 from .key import DistAttnRuntimeKey
 
 

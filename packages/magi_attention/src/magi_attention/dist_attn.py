@@ -1,4 +1,5 @@
 """The distributed attention forward/backward with multi-stage overlap of compute and communication.
+Part of the product (`api`, `dispatch`, `dist_attn`, `config`); `magi_attention.api` re-exports `calc_attn`.
 
 Forward (KV communication): the host stage (local q x local k/v) runs while stage 0's remote K/V is
 fetched by GroupCast; every remote stage accumulates into the same fp32 (fp64 for fp64 inputs) out/lse
@@ -20,9 +21,8 @@ import torch.distributed as dist
 
 from magi_ffa import merge_sink, sink_grad
 
-from ._kernels import AttnKernel
-from ._runtime import DeviceMeta, DistAttnRuntime, KernelSlices
-from .checks import (
+from ._runtime.cache import DeviceMeta, DistAttnRuntime, KernelSlices
+from ._runtime.checks import (
     agree_on_call,
     build_device_meta_together,
     comm_step,
@@ -30,6 +30,7 @@ from .checks import (
     tag_output,
     validate_calc_attn,
 )
+from ._runtime.kernels import AttnKernel
 from .key import DistAttnRuntimeKey
 
 

@@ -58,7 +58,7 @@ def hierarchical_comm() -> bool:
     """MAGI_ATTENTION_HIERARCHICAL_COMM (boolean, default true): on a 2-D (inter, intra) DeviceMesh the
     GroupCast / GroupReduce plans are hierarchical (a piece crosses the inter-node link once per node);
     false makes them flat all-to-all-v over the same ranks. Flat groups are unaffected. Read when a key is
-    built (`_collective_choice.choose_collective`)."""
+    built (`_runtime.collective_choice.choose_collective`)."""
     return _flag("MAGI_ATTENTION_HIERARCHICAL_COMM", True)
 
 

@@ -98,8 +98,8 @@ def _gpus() -> list[dict]:
 
 
 def backend_status() -> dict[str, str]:
-    """Backend -> "" when it runs here, else why not (the runtime's own probes, ``_kernels``)."""
-    from ._kernels import _cudnn_missing, _fa4_missing, probe_local
+    """Backend -> "" when it runs here, else why not (the runtime's own probes, ``_runtime.kernels``)."""
+    from ._runtime.kernels import _cudnn_missing, _fa4_missing, probe_local
 
     return {
         "fa4": _fa4_missing(),
@@ -112,7 +112,7 @@ def backend_status() -> dict[str, str]:
 def _auto_table() -> dict:
     from magi_solver.kernel_choice import load_kernel_table
 
-    from ._kernels import probe_local
+    from ._runtime.kernels import probe_local
 
     kind = probe_local().gpu_kind
     table = load_kernel_table(kind)
@@ -158,7 +158,7 @@ def collect() -> dict:
 
 # -- --check ------------------------------------------------------------------------------------------------
 def _check_masks(total: int) -> list[tuple[str, list, list, list]]:
-    from ._vendor_kernels import standard_masks
+    from ._runtime.vendor_kernels import standard_masks
 
     masks = standard_masks(total, window=total // 4)
     return [
@@ -168,7 +168,7 @@ def _check_masks(total: int) -> list[tuple[str, list, list, list]]:
 
 def kernel_fns(backend: str) -> tuple[Callable, Callable]:
     """``(fwd, bwd)`` of ``backend`` with ``magi_ffa.ffa_fwd`` / ``ffa_bwd``'s contract (the runtime's)."""
-    from ._kernels import attn_kernel
+    from ._runtime.kernels import attn_kernel
     from .config import KernelBackend
 
     kernel = attn_kernel(KernelBackend(backend))
@@ -275,7 +275,7 @@ def _time_ms(fn: Callable[[], None], rep_ms: float) -> float:
 
 def _bench_runners(mask, q, k, v, available: dict[str, str]) -> tuple[dict, dict]:
     """name -> (fn, leaves) for every runner that can take ``mask`` here; name -> why not for the rest."""
-    from . import _vendor_kernels as vk
+    from ._runtime import vendor_kernels as vk
 
     runners, missing = {}, {}
     table = [(b, None) for b in ("fa4", "cudnn", "triton")]
@@ -327,7 +327,7 @@ def _auto_pick(mask, head_dim: int, available: dict[str, str]) -> tuple[str, str
     """(forward, backward) backend ``auto`` picks for ``mask`` at cp 1 here (its table and candidates)."""
     from magi_solver.kernel_choice import load_kernel_table, mask_features, pick_kernel
 
-    from ._kernels import probe_local
+    from ._runtime.kernels import probe_local
 
     candidates = [b for b in ("fa4", "cudnn", "triton") if not available[b]]
     if not candidates:
@@ -344,7 +344,7 @@ def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
     """Forward / backward TFLOP/s per (mask, size, runner); see the module docstring."""
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU (none here)", "rows": []}
-    from ._vendor_kernels import standard_masks
+    from ._runtime.vendor_kernels import standard_masks
 
     hq, hk, d = BENCH_HEADS
     rows, notes = [], {}

@@ -13,11 +13,24 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._collective_choice import CollectiveChoice
+from magi_group_collective import GroupCollectiveImpl
+
 from ._layout import layout_lengths
 from .config import DistAttnConfig
 
 Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveChoice:
+    """A key's group-collective implementation and the setting that chose it (made when the key is built:
+    `magi_attention._runtime.collective_choice.choose_collective`)."""
+
+    impl: GroupCollectiveImpl
+    setting: str
+    """The setting that decided, as errors name it (e.g. ``MAGI_ATTENTION_NATIVE_GRPCOLL=1``)."""
+    native_buffer_mb: int | None = None
+    """MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB when native (every rank must map the same buffer size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +75,7 @@ class DistAttnRuntimeKey:
     cp_group: CpGroup
     config: DistAttnConfig
     collective: CollectiveChoice | None
-    """The group-collective implementation of the key's plans (`_collective_choice.choose_collective`, made
+    """The group-collective implementation of the key's plans (`magi_attention._runtime.collective_choice.choose_collective`, made
     when the key is built); None on a single-rank group, which has no collectives."""
     dispatch_key: DistAttnRuntimeKey | None = None
     """For a mask added after dispatch: the key whose dispatch (token placement) this mask reuses."""

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ._layout import DispatchLayout
-from ._runtime import RUNTIME_CACHE
-from .checks import agree_on_call, check_key, comm_step, tensor_values
+from ._runtime.cache import RUNTIME_CACHE
+from ._runtime.checks import agree_on_call, check_key, comm_step, tensor_values
 from .key import DistAttnRuntimeKey
 
 _TABLE_CACHE_SIZE = 64

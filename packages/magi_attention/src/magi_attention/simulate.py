@@ -13,7 +13,7 @@ import torch
 
 from magi_solver import AttnRanges, DistAttnPlan, RankPlan, SliceList
 
-from ._kernels import attn_kernel
+from ._runtime.kernels import attn_kernel
 from .config import KernelBackend
 
 

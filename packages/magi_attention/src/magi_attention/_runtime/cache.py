@@ -31,8 +31,16 @@ from magi_solver import (
 )
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 
-from ._cache_budget import runtime_nbytes
-from ._kernels import (
+from .._layout import DispatchLayout, build_layout, remember_lengths
+from ..config import KernelBackend, OverlapMode
+from ..env import (
+    cost_profile_override,
+    runtime_cache_bytes,
+    runtime_dict_size,
+)
+from ..key import DistAttnRuntimeKey
+from .cache_budget import runtime_nbytes
+from .kernels import (
     AttnKernel,
     KernelChoice,
     agree_kernel_choice,
@@ -44,14 +52,6 @@ from ._kernels import (
     restrict_deterministic_head_dim,
     uses_fa4,
 )
-from ._layout import DispatchLayout, build_layout, remember_lengths
-from .config import KernelBackend, OverlapMode
-from .env import (
-    cost_profile_override,
-    runtime_cache_bytes,
-    runtime_dict_size,
-)
-from .key import DistAttnRuntimeKey
 
 _LOG = logging.getLogger("magi_attention")
 
@@ -356,7 +356,7 @@ def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelCh
 
 class RuntimeCache:
     """Per-cp-group LRU of runtimes, bounded by entries (MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE) and by
-    estimated bytes (MAGI_ATTENTION_RUNTIME_CACHE_MB; `_cache_budget.runtime_nbytes`, the same number on every
+    estimated bytes (MAGI_ATTENTION_RUNTIME_CACHE_MB; `cache_budget.runtime_nbytes`, the same number on every
     rank). Every rank makes the same calls, so evictions match across ranks. A dispatch layout is shared by
     its root key and the keys made after dispatch from it, and dropped with the last of them."""
 

@@ -11,7 +11,7 @@ import torch
 
 from magi_ffa.validation import validate_scalars
 
-from ..key import DistAttnRuntimeKey
+from ...key import DistAttnRuntimeKey
 
 CALC_ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

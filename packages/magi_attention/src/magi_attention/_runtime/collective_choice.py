@@ -9,31 +9,20 @@ docs/packages/group_collective.md, "Choosing the implementation"):
 4. on a flat group, ``MAGI_GROUP_COLLECTIVE_IMPL`` (when ``native`` is None), else a2av.
 
 The choice is made when the key is built (a key made after dispatch keeps its dispatch key's choice), is
-part of the key, and so is compared across ranks by the key agreement before any plan exists: ranks that
-chose differently would enter different collectives and hang. The plans get it as their ``impl=``, so
+part of the key (`magi_attention.key.CollectiveChoice`, defined with the key, which sits below the runtime),
+and so is compared across ranks by the key agreement before any plan exists: ranks that chose differently
+would enter different collectives and hang. The plans get it as their ``impl=``, so
 magi_group_collective's own fallback never decides for the runtime.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from magi_group_collective import GroupCollectiveImpl
 from magi_group_collective import env as grpcoll_env
 
-from .config import GrpCollConfig
-from .env import hierarchical_comm, native_grpcoll
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveChoice:
-    """A key's group-collective implementation and the setting that chose it."""
-
-    impl: GroupCollectiveImpl
-    setting: str
-    """The setting that decided, as errors name it (e.g. ``MAGI_ATTENTION_NATIVE_GRPCOLL=1``)."""
-    native_buffer_mb: int | None = None
-    """MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB when native (every rank must map the same buffer size)."""
+from ..config import GrpCollConfig
+from ..env import hierarchical_comm, native_grpcoll
+from ..key import CollectiveChoice
 
 
 def choose_collective(config: GrpCollConfig, two_level_mesh: bool) -> CollectiveChoice:

@@ -21,8 +21,8 @@ import torch
 
 from magi_ffa._sink import validate_sink
 
-from .._runtime import RUNTIME_CACHE, DistAttnRuntime
-from ..key import DistAttnRuntimeKey
+from ...key import DistAttnRuntimeKey
+from ..cache import RUNTIME_CACHE, DistAttnRuntime
 from ._arguments import check_dtype, check_key, check_scalars
 from ._call_agreement import agree_on_checked, build_device_meta_together, needs_device_meta
 from ._dispatch_tags import check_dispatch_tags

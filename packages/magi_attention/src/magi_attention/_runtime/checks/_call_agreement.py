@@ -23,7 +23,7 @@ import torch
 
 from magi_group_collective.agreement import ExchangeError, agree
 
-from ..key import CpGroup
+from ...key import CpGroup
 from ._comm_errors import CommError, where
 
 T = TypeVar("T")

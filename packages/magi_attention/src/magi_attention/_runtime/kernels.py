@@ -31,9 +31,9 @@ from magi_ffa.contract import FFABackend, get_backend
 from magi_ffa.validation import CheckedSlices, check_slices
 from magi_solver.kernel_choice import MaskFeatures, load_kernel_table, pick_kernel
 
-from .config import KernelBackend
-from .env import kernel_backend_override, triton_interpret
-from .key import CpGroup
+from ..config import KernelBackend
+from ..env import kernel_backend_override, triton_interpret
+from ..key import CpGroup
 
 GPU_KINDS = ("cpu", "h100", "h200", "b200", "other")
 """GPU kinds as exchanged between ranks (index = code); the cost profile is chosen by rank 0's kind."""

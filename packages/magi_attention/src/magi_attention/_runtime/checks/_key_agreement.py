@@ -26,10 +26,10 @@ from typing import Any
 
 from magi_group_collective.agreement import ExchangeError, agree
 
-from .._cache_budget import check_plan_fits
-from .._layout import choose_chunk_size
-from ..env import sanity_check_enabled
-from ..key import CpGroup, DistAttnRuntimeKey
+from ..._layout import choose_chunk_size
+from ...env import sanity_check_enabled
+from ...key import CpGroup, DistAttnRuntimeKey
+from ..cache_budget import check_plan_fits
 from ._comm_errors import CommError, where
 
 PARTS = (
