@@ -14,4 +14,4 @@ from .config import *  # noqa: F403  (the names of config.__all__)
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
-__all__ = sorted({*api.__all__, *config.__all__})
+__all__ = [*api.__all__, *config.__all__]

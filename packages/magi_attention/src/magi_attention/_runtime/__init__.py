@@ -1,5 +1,14 @@
-"""The runtime's internals (no public API here; their paths may change in any release).
+"""The runtime's internals: no public name here, and their paths may change in any release.
 
-What the public modules (`api`, `dispatch`, `dist_attn`, `roll`, ...) stand on: the dispatch layout, the
-plans and their cache, the kernel choice and launchers, the collective choice and the failure checks.
+Everything the public modules (`api`, `dispatch`, `dist_attn`, `roll`, `simulate`, `info`) stand on, one
+room below them; it imports only `config`, `env`, `key` and `_layout` of the package, never a public call:
+
+- `cache`: the plan built from a key, its per-device tensors, and the per-group LRU cache of both.
+- `kernels`: which attention kernel the ranks agree on, and the launchers every call goes through.
+- `collective_choice`: the group-collective implementation of a key's plans, chosen when the key is built.
+- `comm`: the token all-gathers of dispatch / undispatch.
+- `cache_budget`: the byte bound of the cache and the memory check before planning.
+- `mask_input`: user mask arguments normalised into the tuples keys hash.
+- `vendor_kernels`: the vendors' own attention calls on a slice mask (what the benchmarks compare against).
+- `checks`: what stops a bad call on every rank before data moves, and `CommError` when a collective fails.
 """
