@@ -275,7 +275,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     import magi_group_collective as mgc
-    from magi_group_collective import _config
 
     def no_collective(*a, **k):
         raise AssertionError("a collective started before the native check")
@@ -294,7 +293,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
         except mgc.NativeUnavailableError as exc:
             messages.append(str(exc))
         os.environ["MAGI_GROUP_COLLECTIVE_IMPL"] = "native"
-        _config.env_impl.cache_clear()
         try:
             x = torch.ones(1)
             mgc.group_cast(x, torch.empty(1), [1], [1], [[rank]], [rank])
@@ -302,7 +300,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
             messages.append(str(exc))
         finally:
             del os.environ["MAGI_GROUP_COLLECTIVE_IMPL"]
-            _config.env_impl.cache_clear()
     finally:
         dist.all_gather_object = real
     return messages

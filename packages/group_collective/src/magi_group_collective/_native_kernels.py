@@ -23,8 +23,7 @@ import triton.language as tl
 
 from ._lse_kernel import lse_reduce_kernel
 from ._native_plan import UNIT_BYTES
-from ._reduce_index import acc_dtype
-from ._triton_kernels import _MAX_BLOCK_C, _TILE_WORDS, _as_words
+from ._triton_kernels import _MAX_BLOCK_C, _TILE_WORDS, _as_words, tl_acc_dtype
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -105,12 +104,6 @@ def _pull_reduce_kernel(
     tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
-def _acc(dtype: torch.dtype):
-    if not dtype.is_floating_point:
-        return tl.int64
-    return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
-
-
 def pull_reduce(
     base: torch.Tensor,
     deltas: torch.Tensor,
@@ -137,7 +130,7 @@ def pull_reduce(
     _pull_reduce_kernel[(T, triton.cdiv(C, block_c))](
         b, out, deltas, touched, ptr, c_src, c_row, weight if weight is not None else ptr, C, me,
         (input.data_ptr() - b.data_ptr()) // es, slot // es,
-        UNIT=UNIT_BYTES // es, HAS_W=weight is not None, ACC=_acc(out.dtype), BLOCK_C=block_c,
+        UNIT=UNIT_BYTES // es, HAS_W=weight is not None, ACC=tl_acc_dtype(out.dtype), BLOCK_C=block_c,
     )  # fmt: skip
 
 
@@ -170,6 +163,6 @@ def pull_lse_reduce(
     lse_reduce_kernel[(T, H)](
         b, lb, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me,
         (input.data_ptr() - b.data_ptr()) // es, (input_lse.data_ptr() - lb.data_ptr()) // 4, slot // es,
-        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, PEERS=True, ACC=_acc(out.dtype),
+        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, PEERS=True, ACC=tl_acc_dtype(out.dtype),
         BLOCK_D=block_d,
     )  # fmt: skip

@@ -94,7 +94,11 @@ def _reduce_rows_kernel(
     tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
-def _acc_dtype(dtype: torch.dtype):
+def tl_acc_dtype(dtype: torch.dtype):
+    """The Triton accumulator of a reduction over ``dtype`` rows: :func:`acc_dtype`'s, int64 for integer
+    rows (the native implementation reduces those too)."""
+    if not dtype.is_floating_point:
+        return tl.int64
     return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
@@ -111,7 +115,7 @@ def reduce_rows_csr(
     block_c = min(triton.next_power_of_2(C), 1024)
     _reduce_rows_kernel[(T, triton.cdiv(C, block_c))](
         out, recv, red.touched, red.csr_ptr, red.csr_rows, weight if weight is not None else red.csr_ptr, C,
-        HAS_W=weight is not None, ACC=_acc_dtype(out.dtype), BLOCK_C=block_c,
+        HAS_W=weight is not None, ACC=tl_acc_dtype(out.dtype), BLOCK_C=block_c,
     )  # fmt: skip
 
 
@@ -128,5 +132,5 @@ def lse_reduce_rows_csr(
     rows = red.csr_rows
     lse_reduce_kernel[(T, H)](
         recv, recv_lse, out, out_lse, rows, red.touched, red.csr_ptr, rows, rows, H, D, 0, 0, 0, 0, 0,
-        UNIT=1, LUNIT=1, PEERS=False, ACC=_acc_dtype(out.dtype), BLOCK_D=block_d,
+        UNIT=1, LUNIT=1, PEERS=False, ACC=tl_acc_dtype(out.dtype), BLOCK_D=block_d,
     )  # fmt: skip
