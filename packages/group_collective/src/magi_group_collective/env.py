@@ -1,5 +1,6 @@
 """Every environment variable magi_group_collective reads, in one place: one function per variable (the
-callers cache the result: each is read once per process, see ``_config`` / ``_ops``); never written.
+callers cache the result: each is read once per process, see ``_config`` / ``_ops``, except ``impl``, read
+when a plan is built); never written.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
