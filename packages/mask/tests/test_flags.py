@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from magi_mask.flags import parse_positive_int
 
 
