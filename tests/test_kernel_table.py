@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "ffa_results"
+RESULTS = ROOT / "benchmarks" / "results"
 # the measurements the H200 table was written from (docs/benchmarks/kernel_backends.md)
 H200_SOURCES = [
     "2026-12-02_h200_auto_d128.json",
