@@ -17,8 +17,8 @@ which.
 
 One process per GPU (NCCL), or per CPU rank over gloo with ``--device cpu`` (toy sizes, for smoke runs)::
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --tokens-per-gpu 16384 --out /tmp/cp_bench
-    torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --device cpu --tokens-per-gpu 64 \\
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --tokens-per-gpu 16384 --out /tmp/cp_bench
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
 For every (tokens per GPU, mask, system): the global q/k/v/dout are drawn from one seed on every rank,
@@ -52,9 +52,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from baselines import user
-from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
+from benchmarks.baselines import user
+from benchmarks.baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention import _runtime as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch

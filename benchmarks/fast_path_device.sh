@@ -69,7 +69,7 @@ phase_verify() {  # the dynamic degree with the shipped profile
 phase_bench16() { cp_bench 16384 64:8 "${BENCH_ARGS[@]}"; }
 phase_bench32() { cp_bench 32768 32:32 "${BENCH_ARGS[@]}"; }
 phase_sim() {
-  run 420 python3 benchmarks/magi_attention_bench.py --kernel-backend fa4 --tokens-per-gpu 8192 \
+  run 420 python3 -m benchmarks.magi_attention_bench --kernel-backend fa4 --tokens-per-gpu 8192 \
     --cps "${SIM_CPS:-8,16,32,64}" --masks "${SIM_MASKS:-varlen_causal,varlen_full,full,causal}" --degree 1 \
     --cp1-tokens 32768 --json "$OUT/sim_fa4.json"
 }
@@ -91,24 +91,24 @@ phase_kernel_tests() {
 }
 phase_kernels() {  # d 128, 8k and 32k, every backend interleaved
   local masks=${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}
-  run "${BENCH_S:-560}" python3 benchmarks/kernel_backends_bench.py --seqlens "${SEQLENS:-8192,32768}" \
+  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --seqlens "${SEQLENS:-8192,32768}" \
     --d "${HEAD_DIMS:-128}" --masks "$masks" --rep "${REP:-25}" \
     --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex}" --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
 }
 phase_kernels256() {  # d 256 (cuDNN and FlexAttention and the Triton kernel; FA4 stops at 128)
-  run "${BENCH_S:-400}" python3 benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 256 \
+  run "${BENCH_S:-400}" python3 -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 256 \
     --masks full,varlen_causal,random --kernels ffa_cudnn,cudnn_flex,flex,ffa --out-dir "$OUT" --tag kernels_d256
 }
 phase_cudnn_tests() {  # the cuDNN backend's GPU tests (cached launches included)
   run "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -x packages/ffa_cudnn/tests/test_cudnn_gpu.py
 }
 phase_hostprof() {  # host time against device time per call at 8k (our wrappers beside the kernels they wrap)
-  run "${BENCH_S:-240}" python3 benchmarks/kernel_host_profile.py --seqlen 8192 --cprofile "${CPROFILE:-12}" \
+  run "${BENCH_S:-240}" python3 -m benchmarks.kernel_host_profile --seqlen 8192 --cprofile "${CPROFILE:-12}" \
     --masks "${MASKS:-varlen_causal,varlen_full,swa_causal_w1024,varlen_block_causal,full}" \
     --kernels "${KERNELS:-ffa_cudnn,cudnn_flex,ffa_fa4,fa4}" --out "$OUT/host_profile.json"
 }
 phase_plans() {
-  run 300 python3 benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans
+  run 300 python3 -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans
 }
 phase_fa4prof() {  # the FA4 backend's backward and its degree-1 stages beside FA4 native (torch.profiler)
   run 300 python3 benchmarks/fa4_bwd_profile.py --what kernels --tokens "${PROF_TOKENS:-32768}" \
@@ -120,14 +120,14 @@ phase_stages() {  # simulated cp 8, 8k tokens per GPU: the slowest rank at degre
   local b deg
   for b in ${STAGE_BACKENDS:-fa4 cudnn}; do
     for deg in 0 1; do
-      run 200 python3 benchmarks/magi_attention_bench.py --kernel-backend "$b" --tokens-per-gpu 8192 --cps 8 \
+      run 200 python3 -m benchmarks.magi_attention_bench --kernel-backend "$b" --tokens-per-gpu 8192 --cps 8 \
         --masks "${STAGE_MASKS:-varlen_causal,full}" --degree "$deg" --no-single --no-cp1 --json "$OUT/stages_${b}_deg$deg.json" \
         | grep -v '^{' | tail -8
     done
   done
 }
 phase_autosim() {  # simulated cp (8k tokens per GPU, degree 0): auto beside each explicit backend, slowest rank
-  run "${SIM_S:-600}" python3 benchmarks/magi_attention_bench.py --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
+  run "${SIM_S:-600}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
     --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 \
     --no-single --no-cp1 --json "$OUT/sim_auto.json" | grep -v '^{' | tail -12
 }

@@ -1,8 +1,8 @@
 """GroupCast benchmark (magi-group-collective, CPU): bytes per rank against ring / all-gather K/V, and the
 time of a cast against one plain all_to_all_single of the same bytes on gloo.
 
-    .venv/bin/python benchmarks/group_collective_bench.py                 # both tables (docs/benchmarks)
-    .venv/bin/python benchmarks/group_collective_bench.py --json out.json # also JSON rows (git SHA, machine)
+    .venv/bin/python -m benchmarks.group_collective_bench                 # both tables (docs/benchmarks)
+    .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
 
 Comm plans come from magi-solver (`plan_attention`, one merged stage: overlap_degree=0) on three masks:
 varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
@@ -17,7 +17,7 @@ counts; median (p10-p90) over `--iters` after `--warmup`; inputs are prepared ou
 
 GPU bandwidth (one process per GPU, NCCL; multicast off)::
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/group_collective_bench.py --gpu-bandwidth \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \
         --sizes-mb 8,64,512 [--json out.json]
 
 Per size S (MiB each rank sends): every rank's input holds 2 x S in 32 pieces of bf16 tokens (4 KiB each:

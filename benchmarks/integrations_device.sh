@@ -27,10 +27,10 @@ phase_install() {
   run 60 python3 -c "import torchtitan, magi_attention_torchtitan, torch; print('torchtitan imports on torch', torch.__version__)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 }
-phase_hf() { run "$PHASE_S" python3 benchmarks/integration_runs/hf_run.py "${RUN_ARGS[@]}"; }
-phase_fsdp() { run "$PHASE_S" python3 benchmarks/integration_runs/fsdp_run.py "${RUN_ARGS[@]}"; }
-phase_megatron() { run "$PHASE_S" python3 benchmarks/integration_runs/megatron_run.py "${RUN_ARGS[@]}"; }
-phase_torchtitan() { run "$PHASE_S" python3 benchmarks/integration_runs/torchtitan_run.py "${RUN_ARGS[@]}"; }
+phase_hf() { run "$PHASE_S" python3 -m benchmarks.integration_runs.hf_run "${RUN_ARGS[@]}"; }
+phase_fsdp() { run "$PHASE_S" python3 -m benchmarks.integration_runs.fsdp_run "${RUN_ARGS[@]}"; }
+phase_megatron() { run "$PHASE_S" python3 -m benchmarks.integration_runs.megatron_run "${RUN_ARGS[@]}"; }
+phase_torchtitan() { run "$PHASE_S" python3 -m benchmarks.integration_runs.torchtitan_run "${RUN_ARGS[@]}"; }
 
 summary() {
   python3 - "$OUT" <<'PY' | tee -a "$LOG"

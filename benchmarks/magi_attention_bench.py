@@ -9,8 +9,8 @@
    With several ``--kernel-backend`` entries (``auto,fa4,cudnn``) every rank runs on each backend in turn,
    on the same plan and inputs, and the table gives ``auto`` over the fastest explicit backend.
 
-    python benchmarks/magi_attention_bench.py [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python benchmarks/magi_attention_bench.py --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
+    python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
 """
 
 from __future__ import annotations

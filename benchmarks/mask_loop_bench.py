@@ -16,9 +16,9 @@ also predicts each call's compile keys (``magi_ffa_fa4._launch_meta.compile_key`
 bring a key the warm-up did not have: a cache that grows exactly there is a warm-up gap, anywhere else a key
 the prediction misses.
 
-    python benchmarks/mask_loop_bench.py                                   # fa4,cudnn,triton,auto; cp 1 and 8
-    python benchmarks/mask_loop_bench.py --backends fa4 --cps 1 --check    # the GPU test's run
-    python benchmarks/mask_loop_bench.py --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
+    python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
+    python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
+    python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
 Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
 """

@@ -1,10 +1,10 @@
 """mask_mod -> slices benchmark: wall time of `infer_attn_mask_from_mask_mod` and the slice count per mask.
 
-    .venv/bin/python benchmarks/mask_mod_bench.py                     # CPU, every mask at 16384 x 16384
-    .venv/bin/python benchmarks/mask_mod_bench.py --device cuda       # GPU: document-causal at 1M x 1M,
+    .venv/bin/python -m benchmarks.mask_mod_bench                     # CPU, every mask at 16384 x 16384
+    .venv/bin/python -m benchmarks.mask_mod_bench --device cuda       # GPU: document-causal at 1M x 1M,
                                                                       # the other masks at 128K x 128K
-    .venv/bin/python benchmarks/mask_mod_bench.py --device cuda --sizes 1048576 --masks doc_causal
-    .venv/bin/python benchmarks/mask_mod_bench.py --json out.json     # also write JSON rows (git SHA, machine)
+    .venv/bin/python -m benchmarks.mask_mod_bench --device cuda --sizes 1048576 --masks doc_causal
+    .venv/bin/python -m benchmarks.mask_mod_bench --json out.json     # also write JSON rows (git SHA, machine)
 
 Masks (square, `size` queries x `size` keys, all FlexAttention-style `mask_mod` closures over tensors on the
 device): `doc_causal` (causal within documents of lognormal random lengths, `size / 512` documents, at most

@@ -1,8 +1,8 @@
 """Planner benchmark (magi-solver, CPU only): plan times, compute balance against the lower bound, and
 per-rank remote K/V tokens against ring (zigzag) and all-gather K/V.
 
-    .venv/bin/python benchmarks/solver_bench.py                 # the table in docs/benchmarks/solver.md
-    .venv/bin/python benchmarks/solver_bench.py --json out.json # also write JSON rows (git SHA, machine)
+    .venv/bin/python -m benchmarks.solver_bench                 # the table in docs/benchmarks/solver.md
+    .venv/bin/python -m benchmarks.solver_bench --json out.json # also write JSON rows (git SHA, machine)
 
 Masks (1M tokens by default, chunk 2048): varlen causal and varlen full (300 long-tailed documents, as in
 `python -m magi_solver.demo`), causal sliding window of 1024 over the same documents, and block-causal

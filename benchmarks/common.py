@@ -1,50 +1,147 @@
-"""Benchmark the FFA Triton kernel against FlexAttention, SDPA (cuDNN / flash) and optional FA4 entries.
+"""Helpers every kernel benchmark shares: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
+area), the runners that build each kernel's call on the same inputs (outside the timing), forward / backward
+timing, and the environment header of a result file.
 
-One process on one GPU. TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim,
-FLOPs(bwd) = 2.5 * FLOPs(fwd); bwd time = median(fwd + bwd) - median(fwd) (do_bench medians after warm-up).
-Inputs and Flex block masks are built outside the timed region.
+Masks (total length S): full, causal, varlen_full / varlen_causal (the documents of
+``magi_solver.long_tailed_cu_seqlens``: log-normal around S/16, each in [128, S/4]), swa_causal_w1024 / w4096
+(key k visible from query q iff q - w < k <= q), varlen block-causal (documents, 2048-token blocks: a key is
+visible if it is in the same document and in the same or an earlier block), random (random overlapping slices
+of all four types, disjoint areas).
 
-    python benchmarks/ffa_bench.py --seqlens 32768 --heads 64:8 --masks full,causal --out-dir /tmp/ffa
-    python benchmarks/ffa_bench.py --render /tmp/ffa/ffa_bench.json      # -> docs/benchmarks/ffa.md
-
-Kernels: ffa (magi_ffa.flex_flash_attn_func), flex, sdpa_cudnn, sdpa_flash (full/causal only), and, when
-importable, ffa_fa4 (magi_ffa_fa4.flex_flash_attn_func), fa4 (flash_attn.cute native calls), ffa_cudnn
-(magi_ffa_cudnn.flex_flash_attn_func), cudnn_flex (cuDNN's own ``flex_attn_func`` on the same interval mask,
-its plan built outside the timing) and cudnn_varlen (``flex_attn_func`` on the varlen THD path, one sample per
-document with local intervals; varlen masks only).
+TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
+import itertools
 import os
-import sys
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffa_masks import MASK_NAMES, BenchMask, build_mask
-
 from magi_attention._vendor_kernels import SliceMask, cudnn_flex_call, fa4_call
+from magi_solver import long_tailed_cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = (
-    "ffa",
-    "flex",
-    "sdpa_cudnn",
-    "sdpa_flash",
-    "ffa_fa4",
-    "fa4",
-    "ffa_cudnn",
-    "cudnn_flex",
-    "cudnn_varlen",
-)
+
+MASK_NAMES = (
+    "full", "causal", "varlen_full", "varlen_causal", "swa_causal_w1024", "swa_causal_w4096",
+    "varlen_block_causal", "random",
+)  # fmt: skip
 
 
-def _flex_setup():
+@dataclass(frozen=True)
+class BenchMask:
+    """One mask: slices (CPU int32 tensors), a Flex ``mask_mod`` (None = no mask), exact visible area."""
+
+    name: str
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type_map: torch.Tensor
+    mask_mod: Callable | None
+    area: int
+    cudnn_causal: bool | None  # SDPA expresses it as (is_causal), or None if SDPA cannot
+
+
+def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> int:
+    """Exact number of visible pairs (slices must have disjoint areas), counted row by row."""
+    total = 0
+    for (qs, qe), (ks, ke), t in zip(q_ranges.tolist(), k_ranges.tolist(), types.tolist()):
+        if qe <= qs or ke <= ks:
+            continue
+        r = torch.arange(qs, qe, dtype=torch.int64)
+        hi = torch.full_like(r, ke)
+        lo = torch.full_like(r, ks)
+        if t in (1, 3):
+            hi = torch.minimum(hi, r + (ke - qe) + 1)
+        if t in (2, 3):
+            lo = torch.maximum(lo, r + (ks - qs))
+        total += int((hi - lo).clamp(min=0).sum())
+    return total
+
+
+def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
+    """Build mask ``name`` for ``total`` tokens (Flex mask_mod tensors live on ``device``)."""
+    S = total
+    starts = long_tailed_cu_seqlens(S)
+    lens = [b - a for a, b in itertools.pairwise(starts)]
+    docs = list(itertools.pairwise(starts))
+    ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+    cudnn = None
+    if name == "full":
+        rows, mod, cudnn = [[0, S, 0, S, 0]], None, False
+    elif name == "causal":
+        rows, mod, cudnn = [[0, S, 0, S, 1]], (lambda b, h, q, k: q >= k), True
+    elif name == "varlen_full":
+        rows = [[a, b, a, b, 0] for a, b in docs]
+        mod = lambda b, h, q, k: ids[q] == ids[k]  # noqa: E731
+    elif name == "varlen_causal":
+        rows = [[a, b, a, b, 1] for a, b in docs]
+        mod = lambda b, h, q, k: (ids[q] == ids[k]) & (q >= k)  # noqa: E731
+    elif name.startswith("swa_causal_w"):
+        w = int(name.removeprefix("swa_causal_w"))
+        # rows [0, w): causal square; rows [w, S): keys (q - w, q] = a bi-causal band over k [1, S)
+        rows = [[0, min(w, S), 0, min(w, S), 1]] + ([[w, S, 1, S, 3]] if S > w else [])
+        mod = lambda b, h, q, k, w=w: (q >= k) & (q - k < w)  # noqa: E731
+    elif name == "varlen_block_causal":
+        B = 2048
+        rows = []
+        for a, b in docs:
+            for blk in range(a // B, (b - 1) // B + 1):
+                q0, q1 = max(a, blk * B), min(b, (blk + 1) * B)
+                rows.append([q0, q1, a, q1, 0])
+        blk_of = torch.arange(S, device=device) // B
+        mod = lambda b, h, q, k: (ids[q] == ids[k]) & (blk_of[k] <= blk_of[q])  # noqa: E731
+    elif name == "random":
+        rows = _random_rows(S, seed=0)
+        dense = torch.zeros(S, S, dtype=torch.bool, device=device)
+        for qs, qe, ks, ke, t in rows:
+            i = torch.arange(qs, qe, device=device)[:, None]
+            j = torch.arange(ks, ke, device=device)[None, :]
+            m = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=device)
+            if t in (1, 3):
+                m &= j <= i + (ke - qe)
+            if t in (2, 3):
+                m &= j >= i + (ks - qs)
+            dense[qs:qe, ks:ke] |= m
+        mod = lambda b, h, q, k: dense[q, k]  # noqa: E731
+    else:
+        raise ValueError(f"unknown mask {name!r}; choose from {MASK_NAMES}")
+    qr, kr, tm = _t(rows)
+    return BenchMask(name, qr, kr, tm, mod, slice_area(qr, kr, tm), cudnn)
+
+
+def _random_rows(S: int, seed: int) -> list[list[int]]:
+    """Random overlapping slices: q and k cut into 16 bands at 128-token granularity, each (q band, k band)
+    cell holds a slice with probability 0.3 (random type, sub-range); disjoint areas."""
+    rng = random.Random(seed)
+
+    def bands() -> list[tuple[int, int]]:
+        pts = sorted({0, S, *(128 * rng.randrange(1, S // 128) for _ in range(15))})
+        return list(itertools.pairwise(pts))
+
+    rows = []
+    for q0, q1 in bands():
+        for k0, k1 in bands():
+            if rng.random() < 0.3:
+                t = rng.randrange(4)
+                if t == 3 and (q1 - q0) > (k1 - k0):
+                    t = 1
+                rows.append([q0, q1, k0, k1, t])
+    rng.shuffle(rows)
+    return rows
+
+
+def flex_setup():
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -54,7 +151,7 @@ def _flex_setup():
     return torch.compile(flex_attention, dynamic=False), create_block_mask
 
 
-def _runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], flex_tools):
+def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], flex_tools):
     """name -> (fn, inputs needing grad); every input tensor is created here, outside the timing."""
     import magi_ffa
 
@@ -130,7 +227,7 @@ def _runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], 
     for name, backend in CALC_ATTN_RUNNERS.items():
         if name in kernels:
             try:
-                out[name] = _calc_attn_runner(m, q, k, v, backend)
+                out[name] = calc_attn_runner(m, q, k, v, backend)
             except Exception as e:  # a backend this machine cannot run is reported, not hidden
                 print(f"# {name} unavailable: {e!r}"[:200])
     return out
@@ -140,7 +237,7 @@ CALC_ATTN_RUNNERS = {"auto": "auto", "calc_fa4": "fa4", "calc_cudnn": "cudnn", "
 """Runner name -> ``kernel_backend`` of the runtime's ``calc_attn`` at cp = 1 (the call a user makes)."""
 
 
-def _calc_attn_runner(m: BenchMask, q, k, v, backend: str):
+def calc_attn_runner(m: BenchMask, q, k, v, backend: str):
     """The runtime's ``calc_attn`` at cp = 1 with ``kernel_backend=backend`` on the same inputs (its key
     built outside the timing; the backend it resolved and why printed)."""
     from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key
@@ -187,37 +284,6 @@ def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
     return (lambda: flex_attn_func(qv, kv, vv, mask_plan=plan), (qv, kv, vv))
 
 
-def bench(args) -> list[dict]:
-    from triton.testing import do_bench
-
-    kernels = set(args.kernels.split(","))
-    flex_tools = _flex_setup() if "flex" in kernels else None
-    rows = []
-    for S in (int(s) for s in args.seqlens.split(",")):
-        for heads in args.heads.split(","):
-            hq, hk = (int(x) for x in heads.split(":"))
-            for name in args.masks.split(","):
-                m = build_mask(name, S)
-                flops = 4 * m.area * hq * args.d
-                for kname, (fn, xs) in _runners(m, S, hq, hk, args.d, kernels, flex_tools).items():
-                    r = dict(kernel=kname, mask=name, S=S, hq=hq, hk=hk, d=args.d, area=m.area)
-                    try:
-                        o = fn()
-                        g = torch.randn_like(o)
-                        tf = do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-                        tfb = do_bench(lambda fn=fn, xs=xs, g=g: torch.autograd.grad(fn(), xs, g),
-                                       warmup=args.warmup, rep=args.rep, return_mode="median")  # fmt: skip
-                        r.update(fwd_ms=round(tf, 4), bwd_ms=round(tfb - tf, 4),
-                                 fwd_tflops=round(flops / tf / 1e9, 1),
-                                 bwd_tflops=round(2.5 * flops / (tfb - tf) / 1e9, 1))  # fmt: skip
-                    except Exception as e:  # a baseline that cannot run a shape is reported, not hidden
-                        r["error"] = repr(e)[:300]
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                torch.cuda.empty_cache()
-    return rows
-
-
 def environment() -> dict:
     import triton
 
@@ -230,71 +296,24 @@ def environment() -> dict:
     )
 
 
-# Targets of issue 3 (H200, 32k, 64:8): FlexAttention x1.3 on these masks, cuDNN x0.9 on full/causal.
-FLEX_TARGET_MASKS = {"varlen_full", "varlen_causal", "swa_causal_w1024", "swa_causal_w4096",
-                     "varlen_block_causal", "random"}  # fmt: skip
+def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``fn``: ``triton.testing.do_bench`` medians of the forward and of forward +
+    backward (gradient ``g`` into ``xs``); backward = (forward + backward) - forward."""
+    from triton.testing import do_bench
+
+    tf = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    tfb = do_bench(lambda: torch.autograd.grad(fn(), xs, g), warmup=warmup, rep=rep, return_mode="median")
+    return tf, tfb - tf
 
 
-def render(data: dict) -> str:
-    env, rows = data["env"], data["rows"]
-    kern = [k for k in KERNELS if any(r["kernel"] == k and "error" not in r for r in rows)]
-    lines = [
-        "# Kernels (magi-ffa)",
-        "",
-        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit "
-        f"{env['git']}, by `benchmarks/ffa_bench.py` (one process; bf16; TFLOP/s = 4 * area * heads_q * d / "
-        "time, bwd 2.5x; medians of `triton.testing.do_bench` after warm-up). Cells are fwd / bwd TFLOP/s.",
-        "",
-        "| S | heads | mask | " + " | ".join(kern) + " | ffa / flex | ffa / cuDNN |",
-        "|---|---|---|" + "---|" * len(kern) + "---|---|",
+def tflops(area: int, hq: int, d: int, fwd_ms: float, bwd_ms: float) -> tuple[float, float]:
+    """(forward, backward) TFLOP/s of a mask of ``area`` visible pairs at ``hq`` query heads of dim ``d``."""
+    flops = 4 * area * hq * d
+    return flops / fwd_ms / 1e9, 2.5 * flops / bwd_ms / 1e9
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row (cells formatted with ``str``)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in r) + " |" for r in rows
     ]
-    keys = sorted(
-        {(r["S"], r["hq"], r["hk"], r["mask"]) for r in rows},
-        key=lambda x: (x[0], -x[1], MASK_NAMES.index(x[3])),
-    )
-    for S, hq, hk, mask in keys:
-        by = {r["kernel"]: r for r in rows if (r["S"], r["hq"], r["hk"], r["mask"]) == (S, hq, hk, mask)}
-
-        def cell(k, by=by):
-            r = by.get(k)
-            if r is None:
-                return "-"
-            return "err" if "error" in r else f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f}"
-
-        def ratio(a, b, by=by):
-            ra, rb = by.get(a), by.get(b)
-            if not ra or not rb or "error" in ra or "error" in rb:
-                return "-"
-            return f"{ra['fwd_tflops'] / rb['fwd_tflops']:.2f} / {ra['bwd_tflops'] / rb['bwd_tflops']:.2f}"
-
-        lines.append(f"| {S // 1024}k | {hq}:{hk} | {mask} | " + " | ".join(cell(k) for k in kern)
-                     + f" | {ratio('ffa', 'flex')} | {ratio('ffa', 'sdpa_cudnn')} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--masks", default=",".join(MASK_NAMES))
-    ap.add_argument("--seqlens", default="8192,32768")
-    ap.add_argument("--heads", default="64:8,16:16")
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--kernels", default=",".join(KERNELS))
-    ap.add_argument("--warmup", type=int, default=10, help="do_bench warm-up (ms)")
-    ap.add_argument("--rep", type=int, default=60, help="do_bench measurement window (ms)")
-    ap.add_argument("--out-dir", default=".", help="where ffa_bench.json and ffa_bench.md go")
-    ap.add_argument("--render", help="render a saved JSON into docs/benchmarks/ffa.md and exit")
-    args = ap.parse_args()
-    if args.render:
-        data = json.loads(Path(args.render).read_text())
-        (ROOT / "docs/benchmarks/ffa.md").write_text(render(data) + data.get("notes", ""))
-        return
-    data = dict(env=environment(), rows=bench(args))
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ffa_bench.json").write_text(json.dumps(data, indent=1))
-    (out / "ffa_bench.md").write_text(render(data))
-    print(render(data))
-
-
-if __name__ == "__main__":
-    main()
