@@ -2,8 +2,8 @@
 area), the runners that build each kernel's call on the same inputs (outside the timing), forward / backward
 timing, and the environment header of a result file.
 
-Masks (total length S): full, causal, varlen_full / varlen_causal (the documents of
-``magi_solver.long_tailed_cu_seqlens``: log-normal around S/16, each in [128, S/4]), swa_causal_w1024 / w4096
+Masks (total length S): full, causal, varlen_full / varlen_causal (``varlen_docs(S, floor=16)``: log-normal
+lengths around S/16, each in [16, S/4]), swa_causal_w1024 / w4096
 (key k visible from query q iff q - w < k <= q), varlen block-causal (documents, 2048-token blocks: a key is
 visible if it is in the same document and in the same or an earlier block), random (random overlapping slices
 of all four types, disjoint areas).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 import random
 from collections.abc import Callable
@@ -47,6 +48,22 @@ class BenchMask:
     cudnn_causal: bool | None  # SDPA expresses it as (is_causal), or None if SDPA cannot
 
 
+def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
+    """``[start, end)`` of packed documents with long-tailed lengths: log-normal around ``total / 16`` (sigma
+    1), each in [``floor``, ``total / 4``], the last one cut at ``total``; seeded. The default floor is
+    ``magi_solver.long_tailed_cu_seqlens`` (the documents of the runtime benchmarks); the kernel masks (floor
+    16) and ``cp_bench`` (floor ``total / 512``) keep the floor their committed measurements were made with
+    (the shipped kernel table's features are computed from the kernel masks' documents)."""
+    if floor == 128:
+        return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
+    rng = random.Random(seed)
+    cap, docs = max(1, total // 4), [[0, 0]]
+    while docs[-1][1] < total:
+        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
+        docs.append([docs[-1][1], min(total, docs[-1][1] + n)])
+    return docs[1:]
+
+
 def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
     return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
@@ -72,9 +89,8 @@ def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tens
 def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
     """Build mask ``name`` for ``total`` tokens (Flex mask_mod tensors live on ``device``)."""
     S = total
-    starts = long_tailed_cu_seqlens(S)
-    lens = [b - a for a, b in itertools.pairwise(starts)]
-    docs = list(itertools.pairwise(starts))
+    docs = varlen_docs(S, floor=16)
+    lens = [b - a for a, b in docs]
     ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
     cudnn = None
     if name == "full":

@@ -40,7 +40,6 @@ import datetime
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
@@ -125,15 +125,8 @@ class BenchConfig:
 
 
 def varlen_docs(total: int, seed: int) -> list[list[int]]:
-    """Long-tailed document lengths (log-normal around total/16), each at most total/4, packed in order."""
-    rng = random.Random(seed)
-    cap, floor = max(1, total // 4), max(1, total // 512)
-    bounds, start = [], 0
-    while start < total:
-        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
-        bounds.append([start, min(total, start + n)])
-        start += n
-    return bounds
+    """The benchmark's documents: ``benchmarks.common.varlen_docs`` with a floor of ``total / 512`` tokens."""
+    return common.varlen_docs(total, seed, floor=max(1, total // 512))
 
 
 def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple[list, list, list]:

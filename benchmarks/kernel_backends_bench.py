@@ -164,8 +164,8 @@ def sim_det_rows(args) -> list[dict]:
     call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
     ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
     import numpy as np
-    from magi_attention_bench import make_mask, make_plan
 
+    from benchmarks.magi_attention_bench import make_mask, make_plan
     from magi_attention._kernels import attn_kernel
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import rank_calls, token_index
@@ -439,8 +439,8 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     import re
 
     import numpy as np
-    from magi_attention_bench import make_mask, make_plan
 
+    from benchmarks.magi_attention_bench import make_mask, make_plan
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     found: dict[tuple, dict] = {}

@@ -25,12 +25,13 @@ import sys
 import torch
 import triton
 
+from benchmarks.common import varlen_docs
 from magi_attention import DistAttnConfig
 from magi_attention._kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_solver import PlanOptions, long_tailed_cu_seqlens, plan_attention
+from magi_solver import PlanOptions, plan_attention
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -55,11 +56,6 @@ def raw_attn_func(backend: KernelBackend):
 
 
 NVLINK_BPS, IB_BPS = 450e9, 50e9
-
-
-def varlen_docs(total: int, seed: int = 0) -> list[list[int]]:
-    """Long-tailed document lengths, each at most a quarter of the total (same rule as the kernel bench)."""
-    return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
 
 
 CROSS_KV_RATIO = 4
@@ -91,7 +87,7 @@ def make_mask(name: str, total: int):
         return [[0, total]], [[0, total]], [0]
     if name == "causal":
         return [[0, total]], [[0, total]], [1]
-    docs = varlen_docs(total)
+    docs = varlen_docs(total)  # magi_solver.long_tailed_cu_seqlens's documents
     if name == "cross_varlen":
         # text documents: the video documents' boundaries scaled down, each at least one token
         bounds = sorted({min(total // CROSS_KV_RATIO, -(-s // CROSS_KV_RATIO)) for s, _ in docs})
