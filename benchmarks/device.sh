@@ -13,6 +13,8 @@
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
+#           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
+#           calibrate (the overlap cost model's profile per kernel backend, on every GPU, to $OUT/calibration)
 # Models:   hf | hf-deterministic | fsdp | megatron | torchtitan (benchmarks/integration_runs, bf16, world 1)
 # Results and logs go to $OUT (device.log, one file per phase); the table of the integration runs' reports
 # closes a call that ran one. Exits 1 if a phase failed.
@@ -94,6 +96,19 @@ phase_grpcoll() {
   [ "$NGPU" -ge 2 ] || { say "grpcoll needs 2+ GPUs; skipped"; return; }
   run 240 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.group_collective_bench --gpu-bandwidth \
     --sizes-mb 8,64,512 --json "$OUT/bandwidth.json"
+}
+
+phase_checks-overhead() {
+  local n
+  for n in 2 1; do
+    [ "$NGPU" -ge "$n" ] || continue
+    run 400 torchrun --standalone --nproc-per-node "$n" -m benchmarks.failure_checks_overhead --agreement \
+      --heads 32 --dtype bf16 --iters 20 --rounds 5
+  done
+}
+
+phase_calibrate() {
+  run 300 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.calibrate_overlap --out "$OUT/calibration"
 }
 
 integration() { run "${PHASE_S:-150}" python3 -m "benchmarks.integration_runs.$1"; INTEGRATIONS=1; }

@@ -4,7 +4,6 @@ the vectorised row fold equals a row-by-row one; the GPU path equals the CPU one
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from dataclasses import dataclass
 
@@ -473,19 +472,3 @@ def test_cuda_takes_the_compiled_pass(compiled_pass, monkeypatch) -> None:
     assert got == infer_attn_mask_from_mask_mod(
         _family("prefix_lm", _doc_ids(lengths), 100, None), total, total
     )
-
-
-def test_benchmark_script_runs(tmp_path, capsys) -> None:
-    """`python -m benchmarks.mask_mod_bench` at a small size: every mask, a table and JSON rows."""
-    import benchmarks.mask_mod_bench as bench  # the repository root is on pytest.ini's pythonpath
-
-    assert bench.main(["--sizes", "1500", "--json", str(tmp_path / "out.json")]) == 0
-    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert [r["mask"] for r in rows] == bench.MASKS
-    assert "| doc_causal | 1500 | cpu |" in capsys.readouterr().out
-    for r in rows:  # the counts the script reports are the function's, and each mask's slices are exact
-        fn = bench.build(r["mask"], 1500, torch.device("cpu"))
-        q, k, t = infer_attn_mask_from_mask_mod(fn, 1500, 1500)
-        assert len(t) == r["slices"]
-        assert torch.equal(_union(q, k, t, 1500, 1500), _dense(fn, 1500, 1500))
-    assert rows[0]["slices"] == 2  # doc_causal: one CAUSAL slice per document (1500 // 512 of them)

@@ -1,0 +1,302 @@
+"""Cost of the always-on failure checks (docs/failure_modes.md), CPU gloo, world 2.
+
+- key creation on a cache miss, with and without the key-fingerprint all-gather (the plan is built in
+  both), and on a cache hit (collective-free);
+- the GroupCast/GroupReduce table check at plan construction (once per key and device);
+- calc_attn's extra local checks (scalars, dtype, dispatch tags) in microseconds per call;
+- the status agreement of every public collective call (`--agreement`): its host time per call alone,
+  and a `calc_attn` forward + backward with and without it (same process, alternating), plus the device
+  synchronisations a step makes with and without it (torch.profiler; CUDA only), and on CUDA the same
+  steps back to back (the host running ahead, as in training).
+
+Run: OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead
+     OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead --agreement     # CPU, gloo, cp 2
+     torchrun --standalone --nproc-per-node 2 -m benchmarks.failure_checks_overhead --agreement \
+         --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
+(`--nproc-per-node 1` runs cp 1, where no agreement is exchanged at all.) Prints one table on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+import magi_attention.api as api
+import magi_attention.checks._key_agreement as fp
+from magi_attention import config as cfg
+from magi_attention._runtime import RUNTIME_CACHE
+from magi_attention.checks import check_dispatch_tags, check_dtype, check_scalars
+from magi_attention.testing import run_distributed
+
+TOTAL = 32768
+DOCS = [0, 4096, 12288, 16384, 24576, TOTAL]
+
+
+def _median_us(fn, n):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int) -> dict:
+    group = dist.group.WORLD
+    conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512))
+    out = {}
+
+    def build(shift):
+        cu = [0] + [c + shift for c in DOCS[1:-1]] + [TOTAL]
+        return api.magi_attn_varlen_key(cu, cu, 32, 32, 128, group, causal=True, dist_attn_config=conf)
+
+    for label, patch in (("miss_with_fingerprint", False), ("miss_without_fingerprint", True)):
+        real = fp.agree_on_key
+        if patch:
+            api.agree_on_key = lambda *a, **k: None
+        times = []
+        for i in range(20):
+            dist.barrier()
+            api.clear_cache()
+            t0 = time.perf_counter()
+            build(i + 1)
+            times.append((time.perf_counter() - t0) * 1e3)
+        api.agree_on_key = real
+        out[label + "_ms"] = statistics.median(times)
+    key = build(1)
+    dist.barrier()
+    out["hit_us"] = _median_us(lambda: build(1), 200)
+    dist.barrier()
+    # the fingerprint exchange alone (one all-gather of 8 int64)
+    out["fingerprint_exchange_us"] = _median_us(lambda: fp.agree_on_key(key, False), 50)
+    # table check at plan construction: device meta built with it (default) ...
+    runtime = RUNTIME_CACHE.get(key)
+    times = []
+    for _ in range(10):
+        runtime._device_meta.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        runtime.device_meta(torch.device("cpu"))
+        times.append((time.perf_counter() - t0) * 1e3)
+    out["device_meta_with_table_check_ms"] = statistics.median(times)
+    import magi_group_collective._plan as gplan
+
+    real_gather = gplan._gather_tables
+    gplan._gather_tables = lambda *a, **k: None
+    times = []
+    for _ in range(10):
+        runtime._device_meta.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        runtime.device_meta(torch.device("cpu"))
+        times.append((time.perf_counter() - t0) * 1e3)
+    gplan._gather_tables = real_gather
+    out["device_meta_without_table_check_ms"] = statistics.median(times)
+    # calc_attn's extra local checks
+    shard = runtime.layout.shard_seqlen
+    q = api.dispatch(torch.zeros(TOTAL, 32, 128, dtype=torch.bfloat16), key)
+    k = v = q
+
+    def checks():
+        check_dtype(q)
+        check_scalars(None, 0.0, 128)
+        check_dispatch_tags(runtime, q=q, k=k, v=v)
+
+    out["calc_attn_extra_checks_us"] = _median_us(checks, 2000)
+    out["shard"] = shard
+    return out
+
+
+# -- the status agreement of every call --------------------------------------------------------------------
+_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# host-side events that wait for the device (a blocking copy's `_local_scalar_dense` is `.item()` / `.tolist()`)
+_SYNC_EVENTS = frozenset(
+    ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+     "aten::_local_scalar_dense")
+)  # fmt: skip
+
+
+@contextmanager
+def _agreement_off():
+    """Every public call's agreement replaced by its local check alone (what the calls did before)."""
+    import magi_attention.checks._calc_attn as calc_checks
+    import magi_attention.checks._call_agreement as sanity
+    import magi_attention.dist_attn as da
+
+    def local_only(cp_group, call, check, *, same=None, extra=None):
+        check()
+        return [list(extra()) if extra is not None else [] for _ in range(cp_group.size)]
+
+    def local_only_checked(cp_group, call, check, *, same=None, extra=None):
+        checked = check()
+        return checked, [list(extra(checked)) if extra is not None else [] for _ in range(cp_group.size)]
+
+    real = sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked
+    da.agree_on_call = sanity.agree_on_call = local_only
+    calc_checks.agree_on_checked = local_only_checked  # calc_attn's forward
+    try:
+        yield
+    finally:
+        sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked = real
+
+
+def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    from magi_attention.checks import agree_on_call
+
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = _DTYPES[args.dtype]
+    total, h, d = args.tokens, args.heads, args.head_dim
+    cu = [0, *DOCS[1:-1], TOTAL] if total == TOTAL else [0, total]
+    conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512))
+    if not cuda:
+        conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512), kernel_backend="torch")
+    key = api.magi_attn_varlen_key(cu, cu, h, h, d, dist.group.WORLD, causal=True, dist_attn_config=conf)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v, do = (
+        api.dispatch(torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype), key)
+        for _ in range(4)
+    )
+    row: dict = {"world": world, "device": str(device), "dtype": args.dtype, "tokens": total, "heads": h}
+    # 1. the agreement alone, as calc_attn's forward runs it (check, values, device-meta flag)
+    same = {"q.dtype": q.dtype, "softmax_scale": d**-0.5, "softcap": 0.0, "return_max_logits": False}
+    dist.barrier()
+    row["agreement_us"] = _median_us(
+        lambda: agree_on_call(
+            key.cp_group, "calc_attn (forward)", lambda: None, same=lambda: same, extra=lambda: [0]
+        ),
+        args.agree_iters,
+    )
+
+    def step():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out, _ = api.calc_attn(qq, kk, vv, key)
+        out.backward(do)
+
+    def timed_steps(n):
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def back_to_back(n):  # the training regime: the host runs ahead, one device sync per n steps
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    step()  # plan, device tensors, kernels compiled
+    with _agreement_off():
+        step()
+    on, off, on_b2b, off_b2b = [], [], [], []
+    for _ in range(args.rounds):  # alternate, so drift hits both alike
+        on.append(timed_steps(args.iters))
+        with _agreement_off():
+            off.append(timed_steps(args.iters))
+        if cuda:
+            on_b2b.append(back_to_back(args.iters))
+            with _agreement_off():
+                off_b2b.append(back_to_back(args.iters))
+    row["step_ms_with"], row["step_ms_without"] = statistics.median(on), statistics.median(off)
+    # paired (with - without) of each round: drift between rounds cancels
+    row["step_ms_paired_diff"] = statistics.median(a - b for a, b in zip(on, off))
+    if cuda:
+        row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
+    if cuda:  # device synchronisations of one step, with and without the agreement
+        from torch.profiler import ProfilerActivity, profile
+
+        for label, ctx in (("with", None), ("without", _agreement_off)):
+            with (
+                ctx() if ctx else _nothing(),
+                profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+            ):
+                step()
+                sync()
+            names = [e.name for e in prof.events()]
+            row[f"syncs_{label}"] = sum(1 for n in names if n in _SYNC_EVENTS)
+    return row
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _print_agreement(rows: list[dict]) -> None:
+    r0 = rows[0]
+    agreements = 2 if r0["world"] > 1 else 0  # calc_attn forward + backward (cp 1 exchanges nothing)
+    share = 100 * agreements * max(r["agreement_us"] for r in rows) / 1e3 / r0["step_ms_without"]
+    print(f"status agreement, world {r0['world']}, {r0['device']}, {r0['dtype']}, {r0['tokens']} tokens, "
+          f"{r0['heads']} heads, varlen causal (calc_attn forward + backward)")  # fmt: skip
+    print("| rank | agreement alone (us/call) | step with (ms) | step without (ms) | syncs with / without |")
+    print("|---|---|---|---|---|")
+    for rank, r in enumerate(rows):
+        syncs = f"{r['syncs_with']} / {r['syncs_without']}" if "syncs_with" in r else "n/a (CPU)"
+        print(f"| {rank} | {r['agreement_us']:.1f} | {r['step_ms_with']:.2f} | {r['step_ms_without']:.2f} | "
+              f"{syncs} |")  # fmt: skip
+    print(f"{agreements} agreements per step x the slowest rank's agreement = {share:.3f} % of the step")
+    diffs = ", ".join(f"rank {i}: {r['step_ms_paired_diff']:+.2f} ms" for i, r in enumerate(rows))
+    print(f"step with - without, median of the rounds' paired differences: {diffs}")
+    if "b2b_ms_with" in r0:
+        b2b = [(r["b2b_ms_with"], r["b2b_ms_without"]) for r in rows]
+        print("steps back to back (one device sync per --iters steps), ms per step with / without: "
+              + ", ".join(f"rank {i}: {w:.3f} / {wo:.3f}" for i, (w, wo) in enumerate(b2b)))  # fmt: skip
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agreement", action="store_true", help="measure the per-call status agreement")
+    p.add_argument("--tokens", type=int, default=TOTAL)
+    p.add_argument("--heads", type=int, default=1, help="heads (q = kv); the CPU torch kernel is slow")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp64")
+    p.add_argument("--iters", type=int, default=1, help="timed steps per round (GPU: e.g. 20)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds with / without the agreement")
+    p.add_argument("--agree-iters", type=int, default=500, help="agreements timed alone")
+    return p.parse_args(argv)
+
+
+def _torchrun_main(args: argparse.Namespace) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+            os.environ.setdefault(name, value)
+    dist.init_process_group(backend)
+    row = _agreement_worker(dist.get_rank(), dist.get_world_size(), args)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        _print_agreement(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and "--agreement" in sys.argv:
+    _args = _parse(sys.argv[1:])
+    if "RANK" in os.environ:
+        _torchrun_main(_args)
+    else:
+        _print_agreement(run_distributed(_agreement_worker, 2, _args, timeout=3600))
+elif __name__ == "__main__":
+    results = run_distributed(_worker, 2, timeout=600)
+    for r, res in enumerate(results):
+        print(
+            f"rank {r}: "
+            + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
+        )
