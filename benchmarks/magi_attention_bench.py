@@ -374,35 +374,6 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     }
 
 
-def check_on_gpu(mask: str, cp: int, backend: KernelBackend, total: int = 4096) -> dict:
-    """Every rank's stages on ``backend`` (``auto``: Triton) in bf16 against dense fp64 attention (relative
-    errors)."""
-    from magi_attention.simulate import simulate_dist_attn
-    from magi_ffa.testing import make_attn_mask, ref_attn
-
-    q_ranges, k_ranges, types = make_mask(mask, total)
-    chunk = min(128, total // (4 * cp))
-    options = PlanOptions(overlap_degree=2, min_chunk_size=chunk)
-    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options)
-    gen = torch.Generator(device=DEVICE).manual_seed(cp)
-    hq, hkv, d = 8, 2, 128
-    q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
-    do = torch.randn(total, hq, d, device=DEVICE, generator=gen)
-    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan, kernel_backend=backend)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    out_ref, lse_ref = ref_attn(
-        qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total).to(DEVICE)
-    )
-    (out_ref * do.double()).sum().backward()
-    refs = (out_ref, lse_ref, qr.grad, kr.grad, vr.grad)
-    errs = {}
-    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
-        finite = torch.isfinite(r)
-        errs[name] = float((g.double()[finite] - r.detach()[finite]).norm() / r.detach()[finite].norm())
-        assert not torch.isnan(g).any(), f"{mask} cp{cp}: {name} has NaN"
-    return {"mask": mask, "cp": cp, **errs}
-
-
 def auto_over_fastest(row: dict, rows: list[dict]) -> str:
     """For an ``auto`` row: the fastest explicit backend's slowest-rank time over auto's, per direction
     (>= 1: auto is at least as fast), among the rows of the same mask, cp and degree."""
@@ -424,12 +395,8 @@ def main() -> int:
     ap.add_argument("--masks", default="full,causal,varlen_full,varlen_causal")
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--cp1-tokens", type=int, default=32768)
-    ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plan-only", action="store_true", help="balance and communication only (no GPU needed)")
-    ap.add_argument(
-        "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
-    )
     ap.add_argument(
         "--kernel-backend",
         default="fa4",
@@ -473,17 +440,7 @@ def main() -> int:
         f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
         f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(names)}"
     )
-    results = {"header": header, "check": [], "cp1": [], "sim": []}
-    if args.check:
-        for mask in args.masks.split(","):
-            results["check"].append(check_on_gpu(mask, 8, backends[0], args.check_tokens))
-        print(
-            "| check (bf16 vs fp64 dense, cp 8 simulated) | out | lse | dq | dk | dv |\n|---|---|---|---|---|---|"
-        )
-        for r in results["check"]:
-            print(
-                f"| {r['mask']} | {r['out']:.1e} | {r['lse']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |"
-            )
+    results = {"header": header, "cp1": [], "sim": []}
     for mask, backend in itertools.product([] if args.no_cp1 else args.masks.split(","), explicit):
         results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask, backend))
         r = results["cp1"][-1]
