@@ -300,7 +300,19 @@ def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
     return (lambda: flex_attn_func(qv, kv, vv, mask_plan=plan), (qv, kv, vv))
 
 
+def git_sha() -> str:
+    """The checkout's short commit (``"unknown"`` outside a git checkout): every result file records it."""
+    return os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def environment() -> dict:
+    """The header of a kernel result file: date, GPU, torch, triton, commit."""
     import triton
 
     return dict(
@@ -308,8 +320,23 @@ def environment() -> dict:
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         torch=torch.__version__,
         triton=triton.__version__,
-        git=os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown",
+        git=git_sha(),
     )
+
+
+def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
+    """The launchers ``kernel_backend="auto"`` picks for a plan on this GPU, by the runtime's rule (every
+    backend this process can run is a candidate; the backward's backend may differ): ``(attn_kernel,
+    choice)``. ``rows``: each rank's global query ids; ``kv_layout``: the plan's (None: keys dispatched as the
+    queries are)."""
+    from magi_attention._kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention.config import KernelBackend
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
+    choice = choose_auto(_resolve(KernelBackend.AUTO, head_dim, [probe_local()]), head_dim,
+                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    return attn_kernel(choice.backend, choice.backward), choice
 
 
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:
@@ -320,16 +347,3 @@ def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, flo
     tf = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     tfb = do_bench(lambda: torch.autograd.grad(fn(), xs, g), warmup=warmup, rep=rep, return_mode="median")
     return tf, tfb - tf
-
-
-def tflops(area: int, hq: int, d: int, fwd_ms: float, bwd_ms: float) -> tuple[float, float]:
-    """(forward, backward) TFLOP/s of a mask of ``area`` visible pairs at ``hq`` query heads of dim ``d``."""
-    flops = 4 * area * hq * d
-    return flops / fwd_ms / 1e9, 2.5 * flops / bwd_ms / 1e9
-
-
-def markdown_table(header: list[str], rows: list[list]) -> list[str]:
-    """A markdown table: the header, its rule, one line per row (cells formatted with ``str``)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in r) + " |" for r in rows
-    ]

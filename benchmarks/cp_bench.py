@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -158,15 +157,10 @@ def mask_area(q_ranges, k_ranges, types) -> int:
 
 
 # -- timing -------------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _barrier(device: torch.device) -> None:
     """A tiny all-reduce, then wait for it: every rank starts the next iteration together."""
     dist.all_reduce(torch.zeros(1, device=device))
-    _sync(device)
+    common.sync(device)
 
 
 def _time_iters(
@@ -368,12 +362,12 @@ def _profile_once(case: _Case, path: Path, device) -> None:
     _barrier(device)
     if dist.get_rank() != 0:
         torch.autograd.grad(case.step(), case.inputs, case.dout)
-        _sync(device)
+        common.sync(device)
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         torch.autograd.grad(case.step(), case.inputs, case.dout)
-        _sync(device)
+        common.sync(device)
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90)
@@ -530,16 +524,6 @@ def _meta(cfg: BenchConfig, device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "n/a"
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        git_sha = sha.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        git_sha = "unknown"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "date": datetime.date.today().isoformat(),
@@ -549,7 +533,7 @@ def _meta(cfg: BenchConfig, device) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,
-        "git": git_sha,
+        "git": common.git_sha(),
         "grpcoll": _grpcoll_label(cfg),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }

@@ -36,7 +36,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -373,9 +372,9 @@ def main() -> int:
     per_rank = run_ranks(args.time_cp, __file__, "time_worker", args.time_total, args.time_chunk, args.warmup,
                          args.iters, args.row, timeout=1800)  # fmt: skip
     timing = per_rank[0]  # every rank holds the same all-reduced maxima
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    from benchmarks.common import git_sha
+
+    sha = git_sha()
     import torch
 
     machine = (

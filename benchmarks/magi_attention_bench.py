@@ -25,6 +25,7 @@ import sys
 import torch
 import triton
 
+from benchmarks import common
 from benchmarks.common import varlen_docs
 from magi_attention import DistAttnConfig
 from magi_attention._kernels import AttnKernel, attn_kernel
@@ -232,16 +233,10 @@ def auto_kernel(mask: str, total: int, plan):
     every backend this process can run as a candidate; the backward's backend may differ)."""
     import numpy as np
 
-    from magi_attention._kernels import _resolve, choose_auto, probe_local
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
-    q_ranges, k_ranges, types = make_mask(mask, total)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-    keys = kernel_key_ids(rows, plan.kv_layout)  # as the runtime: each rank's own keys first
-    choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
-                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    kern, choice = common.auto_kernel(*make_mask(mask, total), rows, plan.kv_layout, D)
     print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
-    return attn_kernel(choice.backend, choice.backward)
+    return kern
 
 
 def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:

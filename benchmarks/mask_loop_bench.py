@@ -38,6 +38,8 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import auto_kernel, sync
+
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the target
 
@@ -137,29 +139,15 @@ def fa4_keys(calls, q, dtype) -> set:
 
 
 # -------------------------------------------------------------------------------------------- steps
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
     """``attn_kernel`` of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
     each rank's global query ids)."""
-    from magi_attention._kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention._kernels import attn_kernel
     from magi_attention.config import KernelBackend
 
     if backend != "auto":
         return attn_kernel(KernelBackend(backend))
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
-    _, qr, kr, tm = mask
-    keys = kernel_key_ids(rows, None)  # as the runtime: each rank's own keys first
-    choice = choose_auto(
-        _resolve(KernelBackend.AUTO, head_dim, [probe_local()]),
-        head_dim,
-        lambda: busiest_rank_features(qr, kr, tm, rows, rank_keys=keys),
-    )
-    return attn_kernel(choice.backend, choice.backward)
+    return auto_kernel(*mask[1:], rows, None, head_dim)[0]
 
 
 def _calls_cp1(mask, q, k, v):
@@ -232,17 +220,17 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
             ranks, rows, plan_s = _calls_sim(mask, q, k, v, rk, rv, cp)
         kern = _kernel(backend, mask, rows, args.head_dim)
         used = {kern.backend.value, kern.backward_backend.value}
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for calls in ranks:
             _run_rank(kern, q, do, calls)
-        _sync(dev)
+        sync(dev)
         seconds = time.perf_counter() - t0
         # the same mask again: its metadata cached, its kernels compiled (what the step's work costs alone)
         t0 = time.perf_counter()
         for calls in ranks:
             _run_rank(kern, q, do, calls)
-        _sync(dev)
+        sync(dev)
         rerun = time.perf_counter() - t0
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now

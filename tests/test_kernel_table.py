@@ -43,7 +43,6 @@ def test_deterministic_rows_are_added_from_a_deterministic_run(tmp_path: Path, m
     pytest.importorskip("torch")
     monkeypatch.setenv("MAGI_BENCH_DEVICE", "cpu")
     from benchmarks import kernel_backends_bench as kb
-
     from magi_solver.kernel_choice import KernelTable, MaskFeatures, pick_kernel
 
     env = {"date": "2026-12-03", "gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "git": "x"}
