@@ -9,6 +9,9 @@ visible if it is in the same document and in the same or an earlier block), rand
 of all four types, disjoint areas).
 
 TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+
+Only torch is imported with the module (the magi packages where they are used), so the tests of one package
+can import a benchmark's helpers without the others installed.
 """
 
 from __future__ import annotations
@@ -23,9 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from magi_attention._vendor_kernels import SliceMask, cudnn_flex_call, fa4_call
-from magi_solver import long_tailed_cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +55,8 @@ def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
     16) and ``cp_bench`` (floor ``total / 512``) keep the floor their committed measurements were made with
     (the shipped kernel table's features are computed from the kernel masks' documents)."""
     if floor == 128:
+        from magi_solver import long_tailed_cu_seqlens
+
         return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
     rng = random.Random(seed)
     cap, docs = max(1, total // 4), [[0, 0]]
@@ -266,9 +268,11 @@ def calc_attn_runner(m: BenchMask, q, k, v, backend: str):
     return (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
 
 
-def _slice_mask(m: BenchMask, total: int) -> SliceMask:
+def _slice_mask(m: BenchMask, total: int):
     """The bench mask as the vendor calls' mask (``magi_attention._vendor_kernels``, one definition of each
     vendor call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
+    from magi_attention._vendor_kernels import SliceMask
+
     window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
     return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,
                         window=window)  # fmt: skip
@@ -276,6 +280,8 @@ def _slice_mask(m: BenchMask, total: int) -> SliceMask:
 
 def _fa4_runner(m: BenchMask, q, k, v):
     """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
+    from magi_attention._vendor_kernels import fa4_call
+
     return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
 
 
@@ -286,6 +292,8 @@ def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
 
     S = q.shape[0]
     if not varlen:
+        from magi_attention._vendor_kernels import cudnn_flex_call
+
         return cudnn_flex_call(_slice_mask(m, S), q, k, v)
     if m.name not in ("varlen_full", "varlen_causal"):
         return None
