@@ -46,10 +46,12 @@ SLOW_RATIO = 1.5  # a step slower than this times the median misses the target
 
 # ------------------------------------------------------------------------------------------------ masks
 def _docs(total: int, rng: random.Random, n: int) -> list[list[int]]:
-    """``n`` documents of log-normal lengths covering ``[0, total)``."""
-    w = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
-    cuts = sorted({0, total, *(int(total * x) for x in itertools.accumulate(w[:-1]) for x in [x / sum(w)])})
-    return [[a, b] for a, b in itertools.pairwise(cuts) if b > a]
+    """``n`` documents of log-normal lengths covering ``[0, total)`` (``magi_solver.demo.varlen_doc_lengths``,
+    seeded from the step's ``rng``)."""
+    from magi_solver.demo import varlen_doc_lengths
+
+    cu = [0, *itertools.accumulate(varlen_doc_lengths(total, n, seed=rng.randrange(1 << 30)))]
+    return [list(doc) for doc in itertools.pairwise(cu)]
 
 
 def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list, list, list]:
