@@ -16,8 +16,8 @@
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
 #           calibrate (the overlap cost model's profile per kernel backend, on every GPU, to $OUT/calibration)
 # Models:   hf | hf-deterministic | fsdp | megatron | torchtitan (benchmarks/integration_runs, bf16, world 1)
-# Results and logs go to $OUT (device.log, one file per phase); the table of the integration runs' reports
-# closes a call that ran one. Exits 1 if a phase failed.
+# Results go to $OUT (each phase its files), every command's output to $OUT/device.log; the integration runs'
+# reports close a call that ran one, as a table. Exits 1 if a phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/magi_device_out}
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/root/fa4_cache
 # this checkout's sources first (installed integration wheels provide only their metadata)
-PYTHONPATH=$(ls -d packages/*/src integrations/*/src 2>/dev/null | tr '\n' ':')${PYTHONPATH:-}
+PYTHONPATH=$(ls -d "$PWD"/packages/*/src "$PWD"/integrations/*/src 2>/dev/null | tr '\n' ':')${PYTHONPATH:-}
 export PYTHONPATH
 NGPU=$(nvidia-smi -L | wc -l)
 LOG=$OUT/device.log
@@ -59,8 +59,8 @@ phase_install-integrations() {
   run 60 python3 -c "import torchtitan, magi_attention_torchtitan, torch; print('torchtitan imports on torch', torch.__version__)"
 }
 
-phase_gpu-tests() {
-  run "${TEST_S:-590}" python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
+phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest decides by the CUDA device)
+  run "${TEST_S:-590}" env -u TRITON_INTERPRET python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
     --junitxml "$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
 }
 phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
@@ -88,6 +88,7 @@ phase_scaling() {
     --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json"
 }
 phase_cp() {
+  local extra=()
   read -r -a extra <<< "${CP_ARGS:-}"
   run "${BENCH_S:-560}" torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.cp_bench \
     --tokens-per-gpu 16384 --heads 64:8 --iters 10 --warmup 3 --out "$OUT/cp_bench" "${extra[@]}"
@@ -135,7 +136,7 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
 PY
 }
 
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
 for PHASE in "$@"; do
   declare -F "phase_$PHASE" >/dev/null || { echo "unknown phase $PHASE" >&2; exit 2; }
 done

@@ -73,3 +73,23 @@ def test_bandwidth_tables_are_consistent() -> None:
         for r, t in enumerate(tables):
             sent = sum(n * len(d) for n, d in zip(t.input_split_sizes, t.dst_indices))
             assert sent * 2 == sum(t.input_split_sizes) and all(r not in d for d in t.dst_indices)
+
+
+def test_device_runner_documents_and_checks_its_phases(tmp_path: Path) -> None:
+    """`benchmarks/device.sh`: every phase is listed in its header (printed when called without one), the
+    documented ones exist, and an unknown phase is refused before anything runs."""
+    import re
+
+    script = ROOT / "benchmarks" / "device.sh"
+    phases = re.findall(r"^phase_([\w-]+)\(\) \{", script.read_text(), flags=re.M)
+    env = {**os.environ, "OUT": str(tmp_path)}
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert usage.returncode == 2
+    for phase in phases:
+        assert re.search(rf"[\s(|]{re.escape(phase)}[\s(|]", usage.stdout), f"phase {phase} not in the header"
+    documented = ("park", "install", "gpu-tests", "info", "mask-loop", "first-step", "kernels-det", "scaling")
+    assert set(documented) <= set(phases)
+    bad = subprocess.run(["bash", str(script), "gpu-tests", "nope"], capture_output=True, text=True, timeout=60,
+                         env=env)  # fmt: skip
+    assert bad.returncode == 2 and "unknown phase nope" in bad.stderr
+    assert not (tmp_path / "device.log").exists()  # refused before the first phase ran
