@@ -23,7 +23,8 @@ CAP_START = 4  # slots per row on the first try (masks in practice need 1-3)
 CAP_MAX = 1024
 
 
-@triton.jit
+# total_q stays a runtime value: specialising it (== 1, % 16) would compile a variant per token-count class
+@triton.jit(do_not_specialize=["total_q"])
 def _row_intervals_kernel(
     slice_ptr,  # int32 [num_slices, 5]: q_start, q_end, k_start, k_end, type
     list_ptr,  # int32 [num_incidences]: slice ids, grouped by row block, slice order kept

@@ -41,4 +41,3 @@ __all__ = [
     "mask_func_from_intervals",
     "visible_from_mask_func",
 ]
-

@@ -14,7 +14,7 @@ from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_refere
 
 # first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
 from . import env
-from ._launch_meta import clear_launch_cache, clear_plan_cache
+from ._launch_meta import clear_launch_cache, clear_plan_cache, compile_key, warmup_masks
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import (
     BACKEND,
@@ -39,6 +39,7 @@ __all__ = [
     "build_block_meta",
     "clear_launch_cache",
     "clear_plan_cache",
+    "compile_key",
     "deterministic_supported",
     "fa4_available",
     "ffa_bwd",
@@ -48,6 +49,7 @@ __all__ = [
     "merge_out_lse_",
     "row_intervals",
     "row_intervals_reference",
+    "warmup_masks",
 ]
 
 __version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)

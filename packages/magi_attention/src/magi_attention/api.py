@@ -503,7 +503,9 @@ def warmup(
     (`[key.shard_seqlen, num_heads_q, head_dim]`, k/v `[key.kv_shard_seqlen, num_heads_kv, head_dim]`) in
     `dtype`: the same plan, backends (forward and backward, `auto`'s pick included) and deterministic
     variants (`DistAttnConfig.deterministic` or `MAGI_ATTENTION_DETERMINISTIC_MODE`) as the real calls, so
-    their kernels are compiled (and, with the on-disk compile cache, stored for the next process). No user
+    their kernels are compiled (and, with the on-disk compile cache, stored for the next process). Where the
+    key runs FA4, one local forward + backward per `magi_ffa_fa4.warmup_masks` mask also compiles the
+    variants that later masks (new interval-width buckets, varlen window kinds) would need. No user
     tensor and no global random state is touched; the result is discarded.
 
     Collective: it runs exactly the communication of one `calc_attn` forward + backward, so every rank of the
@@ -548,4 +550,39 @@ def warmup(
         out, _ = calc_attn(q, k, v, key, softmax_scale, softcap)
         out.backward(torch.randn(out.shape, generator=gen, device=device, dtype=torch.float32).to(dtype))
     if device.type == "cuda":
+        _warm_fa4_buckets(key, dtype, device, gen, softmax_scale, softcap)
         torch.cuda.synchronize(device)
+
+
+def _warm_fa4_buckets(key, dtype, device, gen, softmax_scale, softcap) -> None:
+    """Where this key runs FA4: compile its kernel variants for later masks too. FA4 keys a compiled kernel
+    by the mask's interval-width bucket and varlen window kind (`magi_ffa_fa4.compile_key`), so one forward +
+    backward per `magi_ffa_fa4.warmup_masks` mask (local, no communication) moves the compiles a new mask
+    would bring out of the training loop. Deterministic mode skips the masks FA4 refuses there."""
+    forward = get_kernel_backend(key, dtype)[0]
+    backward = RUNTIME_CACHE.get(key).kernel_choice.backward_for(dtype, key.head_dim)
+    total = key.shard_seqlen
+    if KernelBackend.FA4 not in (forward, backward) or total < 512:
+        return
+    import magi_ffa_fa4
+
+    deterministic = bool(getattr(key.config, "deterministic", False))
+    shape_q = (total, key.num_heads_q, key.head_dim)
+    shape_k = (total, key.num_heads_kv, key.head_dim)
+    for q_ranges, k_ranges, types in magi_ffa_fa4.warmup_masks(total):
+        if deterministic and not magi_ffa_fa4.deterministic_supported(
+            q_ranges, k_ranges, types, total, total
+        ):
+            continue
+        q, k, v = (
+            torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+            .to(dtype)
+            .requires_grad_(True)
+            for shape in (shape_q, shape_k, shape_k)
+        )
+        with torch.enable_grad():
+            out = magi_ffa_fa4.flex_flash_attn_func(
+                q, k, v, q_ranges, k_ranges, types, softmax_scale=softmax_scale, softcap=softcap,
+                deterministic=deterministic,
+            )[0]  # fmt: skip
+            out.sum().backward()

@@ -35,9 +35,10 @@ __all__ = [
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchConfig:
     chunk_size: int | None = None
-    """Tokens per dispatch chunk. None picks min(2048, ceil(total / (8 * cp_size))) so every rank gets at
-    least about eight chunks to balance with. The sequence is padded to a multiple of chunk_size * cp_size
-    (unless `uneven_shard`)."""
+    """Tokens per dispatch chunk. None lets the planner choose per mask and cp size
+    (`magi_solver.dispatch_choice`: the largest size whose balance bound, fragment cost and remote K/V are
+    best, at most min(2048, ceil(total / (8 * cp_size))); `magi_attention.get_dispatch_choice(key)` says what
+    it chose and why). The sequence is padded to a multiple of chunk_size * cp_size (unless `uneven_shard`)."""
     alg: DispatchAlg | str = DispatchAlg.MIN_HEAP
     """Balancing algorithm, a `DispatchAlg` or its name."""
     uneven_shard: bool = False

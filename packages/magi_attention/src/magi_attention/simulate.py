@@ -70,7 +70,7 @@ def simulate_dist_attn(
     Args:
         q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total_k, heads_kv, d]` (the
             padded key sequence: the same as q's in self-attention).
-        plan: from `magi_solver.plan_dist_attn` for the same padded length.
+        plan: from `magi_solver.plan_attention` (the runtime's planning path) for the same padded length.
         softmax_scale, softcap: as in `calc_attn`.
         kernel_backend: "fa4", "triton" or "torch" (a `KernelBackend`); None = triton for CUDA fp16/bf16,
             torch otherwise.
