@@ -374,7 +374,7 @@ def test_native_on_one_cpu_rank_refuses_too() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_symmetric_buffer_on_one_gpu(tmp_path) -> None:
     """The cuda-bindings calls on one GPU (a one-rank NCCL group): allocate, export, wrap as a tensor, grow,
-    barrier, free. The peer mapping itself needs two GPUs (benchmarks/gpu_group_collective_check.py)."""
+    barrier, free. The peer mapping itself needs two GPUs (tests/gpu_group_collective_worker.py)."""
     pytest.importorskip("cuda.bindings")
     import torch.distributed as dist
 
