@@ -8,7 +8,7 @@ Measures, with the backend's own launchers and `triton.testing.do_bench` medians
   into the fp32 accumulator (bytes per element at the measured copy bandwidth);
 - with two or more ranks (torchrun), the all-to-all bandwidth and latency of the process group.
 
-``torchrun --standalone --nproc-per-node {1,2} benchmarks/calibrate_overlap.py --out DIR`` writes
+``torchrun --standalone --nproc-per-node {1,2} -m benchmarks.calibrate_overlap --out DIR`` writes
 ``DIR/<gpu>_<backend>.json`` per backend (the format of ``CostProfile.to_dict``; load one with
 ``OverlapConfig(cost_profile=path)``) and prints the profiles last. Comm numbers default to the shipped
 profile's when run on one GPU.

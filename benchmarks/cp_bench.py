@@ -17,8 +17,8 @@ which.
 
 One process per GPU (NCCL), or per CPU rank over gloo with ``--device cpu`` (toy sizes, for smoke runs)::
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --tokens-per-gpu 16384 --out /tmp/cp_bench
-    torchrun --standalone --nproc-per-node 2 benchmarks/cp_bench.py --device cpu --tokens-per-gpu 64 \\
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --tokens-per-gpu 16384 --out /tmp/cp_bench
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
 For every (tokens per GPU, mask, system): the global q/k/v/dout are drawn from one seed on every rank,
@@ -40,9 +40,7 @@ import datetime
 import json
 import math
 import os
-import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -52,9 +50,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from baselines import user
-from baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 
+from benchmarks import common
+from benchmarks.baselines import user
+from benchmarks.baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention._runtime import cache as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
@@ -125,15 +124,8 @@ class BenchConfig:
 
 
 def varlen_docs(total: int, seed: int) -> list[list[int]]:
-    """Long-tailed document lengths (log-normal around total/16), each at most total/4, packed in order."""
-    rng = random.Random(seed)
-    cap, floor = max(1, total // 4), max(1, total // 512)
-    bounds, start = [], 0
-    while start < total:
-        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
-        bounds.append([start, min(total, start + n)])
-        start += n
-    return bounds
+    """The benchmark's documents: ``benchmarks.common.varlen_docs`` with a floor of ``total / 512`` tokens."""
+    return common.varlen_docs(total, seed, floor=max(1, total // 512))
 
 
 def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple[list, list, list]:
@@ -165,15 +157,10 @@ def mask_area(q_ranges, k_ranges, types) -> int:
 
 
 # -- timing -------------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _barrier(device: torch.device) -> None:
     """A tiny all-reduce, then wait for it: every rank starts the next iteration together."""
     dist.all_reduce(torch.zeros(1, device=device))
-    _sync(device)
+    common.sync(device)
 
 
 def _time_iters(
@@ -375,12 +362,12 @@ def _profile_once(case: _Case, path: Path, device) -> None:
     _barrier(device)
     if dist.get_rank() != 0:
         torch.autograd.grad(case.step(), case.inputs, case.dout)
-        _sync(device)
+        common.sync(device)
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         torch.autograd.grad(case.step(), case.inputs, case.dout)
-        _sync(device)
+        common.sync(device)
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90)
@@ -537,16 +524,6 @@ def _meta(cfg: BenchConfig, device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "n/a"
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        git_sha = sha.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        git_sha = "unknown"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "date": datetime.date.today().isoformat(),
@@ -556,7 +533,7 @@ def _meta(cfg: BenchConfig, device) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,
-        "git": git_sha,
+        "git": common.git_sha(),
         "grpcoll": _grpcoll_label(cfg),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }

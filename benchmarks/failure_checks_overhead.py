@@ -9,9 +9,9 @@
   synchronisations a step makes with and without it (torch.profiler; CUDA only), and on CUDA the same
   steps back to back (the host running ahead, as in training).
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/failure_checks_overhead.py
-     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/failure_checks_overhead.py --agreement     # CPU, gloo, cp 2
-     torchrun --standalone --nproc-per-node 2 benchmarks/failure_checks_overhead.py --agreement \
+Run: OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead
+     OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead --agreement     # CPU, gloo, cp 2
+     torchrun --standalone --nproc-per-node 2 -m benchmarks.failure_checks_overhead --agreement \
          --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
 (`--nproc-per-node 1` runs cp 1, where no agreement is exchanged at all.) Prints one table on rank 0.
 """

@@ -18,8 +18,8 @@ caches of FA4 and cuDNN; Triton's ``TRITON_CACHE_DIR`` is pointed below it too, 
 
 The cache's size on disk is recorded after each run. Results: ``$OUT/first_step.json`` (or ``--out``).
 
-    python benchmarks/first_step.py --out $OUT     # on one GPU, about 2-4 minutes
-    python benchmarks/first_step.py --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
+    python -m benchmarks.first_step --out $OUT     # on one GPU, about 2-4 minutes
+    python -m benchmarks.first_step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
 
 The GPU needs the vendors (flash-attn-4, nvidia-cudnn-frontend) installed for ``auto`` to pick them; without
 them the runs measure the Triton backend.

@@ -1,8 +1,8 @@
 """GroupCast benchmark (magi-group-collective, CPU): bytes per rank against ring / all-gather K/V, and the
 time of a cast against one plain all_to_all_single of the same bytes on gloo.
 
-    .venv/bin/python benchmarks/group_collective_bench.py                 # both tables (docs/benchmarks)
-    .venv/bin/python benchmarks/group_collective_bench.py --json out.json # also JSON rows (git SHA, machine)
+    .venv/bin/python -m benchmarks.group_collective_bench                 # both tables (docs/benchmarks)
+    .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
 
 Comm plans come from magi-solver (`plan_attention`, one merged stage: overlap_degree=0) on three masks:
 varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
@@ -17,7 +17,7 @@ counts; median (p10-p90) over `--iters` after `--warmup`; inputs are prepared ou
 
 GPU bandwidth (one process per GPU, NCCL; multicast off)::
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/group_collective_bench.py --gpu-bandwidth \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \
         --sizes-mb 8,64,512 [--json out.json]
 
 Per size S (MiB each rank sends): every rank's input holds 2 x S in 32 pieces of bf16 tokens (4 KiB each:
@@ -36,7 +36,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -373,9 +372,9 @@ def main() -> int:
     per_rank = run_ranks(args.time_cp, __file__, "time_worker", args.time_total, args.time_chunk, args.warmup,
                          args.iters, args.row, timeout=1800)  # fmt: skip
     timing = per_rank[0]  # every rank holds the same all-reduced maxima
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    from benchmarks.common import git_sha
+
+    sha = git_sha()
     import torch
 
     machine = (

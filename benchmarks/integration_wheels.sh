@@ -10,7 +10,7 @@
 # datasets (+ dill, multiprocess) at module level. Declared but not imported there, and left out: wandb (a
 # 20 MB binary; torchtitan imports it only when wandb logging is on); torch-checkpointing is small and goes in.
 # The four integrations travel as their own wheels too: magi_attention_torchtitan reads its version from the
-# installed metadata. (PYTHONPATH still points at the sources: benchmarks/integrations_device.sh.)
+# installed metadata. (PYTHONPATH still points at the sources: benchmarks/device.sh.)
 # torchtitan 0.3.0 needs torch>=2.12 (torch.distributed.fsdp.DataParallelMeshDims): on a torch 2.11 image its
 # wheels install (--no-deps) but do not import, and magi_attention_torchtitan's ImportError says which torch it needs.
 set -euo pipefail

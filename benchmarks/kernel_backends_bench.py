@@ -10,8 +10,8 @@ of the GPU hit every kernel alike and no kernel is always the first of a round.
 A cell is the median over the rounds; the spread is (max - min) / median over the rounds. TFLOP/s from the
 masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
 
-    python benchmarks/kernel_backends_bench.py --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
-    python benchmarks/kernel_backends_bench.py --plan-times 8192,32768,1048576 --out-dir /tmp/kb
+    python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
+    python -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir /tmp/kb
 
 ``--write-table OUT --sources A.json[:mask+mask],B.json[:mask+mask]`` turns measured rows into the table
 ``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
@@ -34,7 +34,7 @@ gives deterministic / default ratios per backend and direction; ``--write-table 
 RUN.json`` then adds the ``*_det`` rows to an existing table as rows marked ``"deterministic": true``
 (features of cp 1 rows as below; a simulated rank's features as the runtime computes them at that cp).
 
-    python benchmarks/kernel_backends_bench.py --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
+    python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
 
 ``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
 backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
@@ -46,15 +46,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffa_bench import _flex_setup, _runners, environment
-from ffa_masks import build_mask
+from benchmarks.common import (
+    build_mask,
+    calc_attn_runner,
+    environment,
+    flex_setup,
+    kernel_runners,
+    time_fwd_bwd,
+)
 
 DEFAULT_KERNELS = (
     "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
@@ -88,8 +92,6 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     """``--deterministic``'s runners (see the module docstring): name -> (fn, inputs needing grad)."""
     import os
 
-    from ffa_bench import _calc_attn_runner
-
     from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
 
@@ -118,7 +120,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
         saved = os.environ.get("MAGI_ATTENTION_DETERMINISTIC_MODE")
         os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = "1" if det else "0"  # read when the config is built
         try:
-            out[name] = _calc_attn_runner(m, q, k, v, "auto")
+            out[name] = calc_attn_runner(m, q, k, v, "auto")
         except Exception as e:
             print(f"# {name} unavailable: {e!r}"[:200])
         finally:
@@ -162,8 +164,8 @@ def sim_det_rows(args) -> list[dict]:
     call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
     ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
     import numpy as np
-    from magi_attention_bench import make_mask, make_plan
 
+    from benchmarks.magi_attention_bench import make_mask, make_plan
     from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import rank_calls, token_index
@@ -255,17 +257,9 @@ def render_det(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _time_round(fn, xs, g, warmup: int, rep: int) -> tuple[float, float]:
-    from triton.testing import do_bench
-
-    tf = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    tfb = do_bench(lambda: torch.autograd.grad(fn(), xs, g), warmup=warmup, rep=rep, return_mode="median")
-    return tf, tfb - tf
-
-
 def bench(args) -> list[dict]:
     kernels = set((args.kernels or (DET_KERNELS if args.deterministic else DEFAULT_KERNELS)).split(","))
-    flex_tools = _flex_setup() if "flex" in kernels else None
+    flex_tools = flex_setup() if "flex" in kernels else None
     rows = []
     for d in (int(x) for x in args.d.split(",")):
         for S in (int(s) for s in args.seqlens.split(",")):
@@ -277,7 +271,7 @@ def bench(args) -> list[dict]:
                     if args.deterministic:
                         runners = _det_runners(m, S, hq, hk, d, kernels)
                     else:
-                        runners = _runners(m, S, hq, hk, d, kernels, flex_tools)
+                        runners = kernel_runners(m, S, hq, hk, d, kernels, flex_tools)
                     grads, times, errors = {}, {k: ([], []) for k in runners}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
@@ -293,7 +287,7 @@ def bench(args) -> list[dict]:
                             if kname in errors:
                                 continue
                             try:
-                                tf, tb = _time_round(fn, xs, grads[kname], args.warmup, args.rep)
+                                tf, tb = time_fwd_bwd(fn, xs, grads[kname], args.warmup, args.rep)
                             except Exception as e:
                                 errors[kname] = repr(e)[:300]
                                 continue
@@ -445,8 +439,8 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     import re
 
     import numpy as np
-    from magi_attention_bench import make_mask, make_plan
 
+    from benchmarks.magi_attention_bench import make_mask, make_plan
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     found: dict[tuple, dict] = {}

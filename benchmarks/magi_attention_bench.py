@@ -9,8 +9,8 @@
    With several ``--kernel-backend`` entries (``auto,fa4,cudnn``) every rank runs on each backend in turn,
    on the same plan and inputs, and the table gives ``auto`` over the fastest explicit backend.
 
-    python benchmarks/magi_attention_bench.py [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python benchmarks/magi_attention_bench.py --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
+    python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import sys
 import torch
 import triton
 
+from benchmarks import common
+from benchmarks.common import varlen_docs
 from magi_attention import DistAttnConfig
 from magi_attention._runtime.kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_ranges
-from magi_solver import PlanOptions, long_tailed_cu_seqlens, plan_attention
+from magi_solver import PlanOptions, plan_attention
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -55,11 +57,6 @@ def raw_attn_func(backend: KernelBackend):
 
 
 NVLINK_BPS, IB_BPS = 450e9, 50e9
-
-
-def varlen_docs(total: int, seed: int = 0) -> list[list[int]]:
-    """Long-tailed document lengths, each at most a quarter of the total (same rule as the kernel bench)."""
-    return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
 
 
 CROSS_KV_RATIO = 4
@@ -91,7 +88,7 @@ def make_mask(name: str, total: int):
         return [[0, total]], [[0, total]], [0]
     if name == "causal":
         return [[0, total]], [[0, total]], [1]
-    docs = varlen_docs(total)
+    docs = varlen_docs(total)  # magi_solver.long_tailed_cu_seqlens's documents
     if name == "cross_varlen":
         # text documents: the video documents' boundaries scaled down, each at least one token
         bounds = sorted({min(total // CROSS_KV_RATIO, -(-s // CROSS_KV_RATIO)) for s, _ in docs})
@@ -236,16 +233,10 @@ def auto_kernel(mask: str, total: int, plan):
     every backend this process can run as a candidate; the backward's backend may differ)."""
     import numpy as np
 
-    from magi_attention._runtime.kernels import _resolve, choose_auto, probe_local
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
-    q_ranges, k_ranges, types = make_mask(mask, total)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-    keys = kernel_key_ids(rows, plan.kv_layout)  # as the runtime: each rank's own keys first
-    choice = choose_auto(_resolve(KernelBackend.AUTO, D, [probe_local()]), D,
-                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    kern, choice = common.auto_kernel(*make_mask(mask, total), rows, plan.kv_layout, D)
     print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
-    return attn_kernel(choice.backend, choice.backward)
+    return kern
 
 
 def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
@@ -378,35 +369,6 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     }
 
 
-def check_on_gpu(mask: str, cp: int, backend: KernelBackend, total: int = 4096) -> dict:
-    """Every rank's stages on ``backend`` (``auto``: Triton) in bf16 against dense fp64 attention (relative
-    errors)."""
-    from magi_attention.simulate import simulate_dist_attn
-    from magi_ffa.testing import make_attn_mask, ref_attn
-
-    q_ranges, k_ranges, types = make_mask(mask, total)
-    chunk = min(128, total // (4 * cp))
-    options = PlanOptions(overlap_degree=2, min_chunk_size=chunk)
-    plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options)
-    gen = torch.Generator(device=DEVICE).manual_seed(cp)
-    hq, hkv, d = 8, 2, 128
-    q, k, v = (torch.randn(total, h, d, device=DEVICE, generator=gen) for h in (hq, hkv, hkv))
-    do = torch.randn(total, hq, d, device=DEVICE, generator=gen)
-    got = simulate_dist_attn(*(t.bfloat16() for t in (q, k, v, do)), plan, kernel_backend=backend)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    out_ref, lse_ref = ref_attn(
-        qr, kr, vr, make_attn_mask(q_ranges, k_ranges, types, total, total).to(DEVICE)
-    )
-    (out_ref * do.double()).sum().backward()
-    refs = (out_ref, lse_ref, qr.grad, kr.grad, vr.grad)
-    errs = {}
-    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
-        finite = torch.isfinite(r)
-        errs[name] = float((g.double()[finite] - r.detach()[finite]).norm() / r.detach()[finite].norm())
-        assert not torch.isnan(g).any(), f"{mask} cp{cp}: {name} has NaN"
-    return {"mask": mask, "cp": cp, **errs}
-
-
 def auto_over_fastest(row: dict, rows: list[dict]) -> str:
     """For an ``auto`` row: the fastest explicit backend's slowest-rank time over auto's, per direction
     (>= 1: auto is at least as fast), among the rows of the same mask, cp and degree."""
@@ -428,12 +390,8 @@ def main() -> int:
     ap.add_argument("--masks", default="full,causal,varlen_full,varlen_causal")
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--cp1-tokens", type=int, default=32768)
-    ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plan-only", action="store_true", help="balance and communication only (no GPU needed)")
-    ap.add_argument(
-        "--check", action="store_true", help="bf16 Triton vs fp64 dense check of simulated ranks first"
-    )
     ap.add_argument(
         "--kernel-backend",
         default="fa4",
@@ -477,17 +435,7 @@ def main() -> int:
         f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
         f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(names)}"
     )
-    results = {"header": header, "check": [], "cp1": [], "sim": []}
-    if args.check:
-        for mask in args.masks.split(","):
-            results["check"].append(check_on_gpu(mask, 8, backends[0], args.check_tokens))
-        print(
-            "| check (bf16 vs fp64 dense, cp 8 simulated) | out | lse | dq | dk | dv |\n|---|---|---|---|---|---|"
-        )
-        for r in results["check"]:
-            print(
-                f"| {r['mask']} | {r['out']:.1e} | {r['lse']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |"
-            )
+    results = {"header": header, "cp1": [], "sim": []}
     for mask, backend in itertools.product([] if args.no_cp1 else args.masks.split(","), explicit):
         results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask, backend))
         r = results["cp1"][-1]

@@ -16,9 +16,9 @@ also predicts each call's compile keys (``magi_ffa_fa4._launch_meta.compile_key`
 bring a key the warm-up did not have: a cache that grows exactly there is a warm-up gap, anywhere else a key
 the prediction misses.
 
-    python benchmarks/mask_loop_bench.py                                   # fa4,cudnn,triton,auto; cp 1 and 8
-    python benchmarks/mask_loop_bench.py --backends fa4 --cps 1 --check    # the GPU test's run
-    python benchmarks/mask_loop_bench.py --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
+    python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
+    python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
+    python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
 Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
 """
@@ -38,16 +38,20 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import auto_kernel, sync
+
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the target
 
 
 # ------------------------------------------------------------------------------------------------ masks
 def _docs(total: int, rng: random.Random, n: int) -> list[list[int]]:
-    """``n`` documents of log-normal lengths covering ``[0, total)``."""
-    w = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
-    cuts = sorted({0, total, *(int(total * x) for x in itertools.accumulate(w[:-1]) for x in [x / sum(w)])})
-    return [[a, b] for a, b in itertools.pairwise(cuts) if b > a]
+    """``n`` documents of log-normal lengths covering ``[0, total)`` (``magi_solver.demo.varlen_doc_lengths``,
+    seeded from the step's ``rng``)."""
+    from magi_solver.demo import varlen_doc_lengths
+
+    cu = [0, *itertools.accumulate(varlen_doc_lengths(total, n, seed=rng.randrange(1 << 30)))]
+    return [list(doc) for doc in itertools.pairwise(cu)]
 
 
 def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list, list, list]:
@@ -137,29 +141,15 @@ def fa4_keys(calls, q, dtype) -> set:
 
 
 # -------------------------------------------------------------------------------------------- steps
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
     """``attn_kernel`` of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
     each rank's global query ids)."""
-    from magi_attention._runtime.kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
 
     if backend != "auto":
         return attn_kernel(KernelBackend(backend))
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
-    _, qr, kr, tm = mask
-    keys = kernel_key_ids(rows, None)  # as the runtime: each rank's own keys first
-    choice = choose_auto(
-        _resolve(KernelBackend.AUTO, head_dim, [probe_local()]),
-        head_dim,
-        lambda: busiest_rank_features(qr, kr, tm, rows, rank_keys=keys),
-    )
-    return attn_kernel(choice.backend, choice.backward)
+    return auto_kernel(*mask[1:], rows, None, head_dim)[0]
 
 
 def _calls_cp1(mask, q, k, v):
@@ -232,17 +222,17 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
             ranks, rows, plan_s = _calls_sim(mask, q, k, v, rk, rv, cp)
         kern = _kernel(backend, mask, rows, args.head_dim)
         used = {kern.backend.value, kern.backward_backend.value}
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for calls in ranks:
             _run_rank(kern, q, do, calls)
-        _sync(dev)
+        sync(dev)
         seconds = time.perf_counter() - t0
         # the same mask again: its metadata cached, its kernels compiled (what the step's work costs alone)
         t0 = time.perf_counter()
         for calls in ranks:
             _run_rank(kern, q, do, calls)
-        _sync(dev)
+        sync(dev)
         rerun = time.perf_counter() - t0
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now

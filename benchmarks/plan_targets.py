@@ -11,8 +11,8 @@ runtime's plan (`plan_attention`, dynamic overlap priced by the H200 profile, di
 Targets: imbalance <= 1.03 at 8k tokens per GPU and <= 1.05 at 2k; remote K/V ratio <= 1.25; plan time
 <= 1 s. Computed, not measured on GPUs.
 
-    OMP_NUM_THREADS=1 python benchmarks/plan_targets.py                 # the table in docs/benchmarks/solver.md
-    OMP_NUM_THREADS=1 python benchmarks/plan_targets.py --json out.json
+    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets                 # the table in docs/benchmarks/solver.md
+    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets --json out.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 Needs magi-solver with its plot extra (`python scripts/install.py plot`); no torch, no GPU.
 Inputs: the mask builders, the planner, the cost model, `docs/benchmarks/index.md` (kernel summary table)
-and `benchmarks/cp_results/*.md` (the measured cp = 2 runs).
+and `benchmarks/results/*.md` (the measured cp = 2 runs).
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def kernel_table() -> tuple[list[str], list[str], dict[str, dict[str, tuple[floa
 
 
 def cp_rows() -> list[dict]:
-    """The measured cp = 2 rows of `benchmarks/cp_results` (first occurrence of each configuration)."""
+    """The measured cp = 2 rows of `benchmarks/results` (first occurrence of each configuration)."""
     rows, seen = [], set()
     for name in CP_RESULTS:
-        text = (ROOT / "benchmarks/cp_results" / name).read_text()
+        text = (ROOT / "benchmarks/results" / name).read_text()
         hq, hkv = map(int, re.search(r"heads (\d+):(\d+)", text).group(1, 2))
         for line in text.splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]

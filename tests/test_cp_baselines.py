@@ -17,13 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import baselines.same_kernel as cpb
-import baselines.user as user_baselines
-import cp_bench
 import numpy as np
 import pytest
 import torch
 
+import benchmarks.baselines.same_kernel as cpb
+import benchmarks.baselines.user as user_baselines
+from benchmarks import cp_bench
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, random_qkv, random_slices, ref_attn, varlen_slices
 
@@ -605,9 +605,9 @@ def test_baselines_on_triton_kernels_fp32() -> None:
         "print(max(max(x.values()) for x in r), sum(len(x) for x in r))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "MAGI_FFA_BACKEND": "triton", "OMP_NUM_THREADS": "1"}
-    # the fresh process imports this module (from tests/) and the baselines (from benchmarks/, as pytest.ini's
-    # pythonpath gives this one)
-    paths = [str(ROOT / "tests"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+    # the fresh process imports this module (from tests/) and the benchmarks package (from the repository root,
+    # as pytest.ini's pythonpath gives this one)
+    paths = [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     res = subprocess.run(
         [sys.executable, "-c", code],

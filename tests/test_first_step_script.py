@@ -1,4 +1,4 @@
-"""benchmarks/first_step.py runs end to end on the CPU (tiny shapes, two fresh child processes), so the
+"""`python -m benchmarks.first_step` runs end to end on the CPU (tiny shapes, two fresh child processes), so the
 script the GPU measurement uses cannot rot between GPU sessions."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_first_step_smoke_on_cpu(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--device", "cpu", "--tokens", "256",
+    cmd = [sys.executable, "-m", "benchmarks.first_step", "--device", "cpu", "--tokens", "256",
            "--heads", "2,1,16", "--runs", "cp1,sim8_warmup", "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -24,5 +24,5 @@ def test_first_step_smoke_on_cpu(tmp_path: Path) -> None:
     for r in doc["runs"]:
         assert r["first_step_s"] > 0 and r["steady_step_s"] > 0 and r["cache_bytes"] >= 0
     assert doc["runs"][1]["warmup_s"] > 0
-    bad = subprocess.run([*cmd[:2], "--runs", "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    bad = subprocess.run([*cmd[:3], "--runs", "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--runs" in bad.stderr

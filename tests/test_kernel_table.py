@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "ffa_results"
+RESULTS = ROOT / "benchmarks" / "results"
 # the measurements the H200 table was written from (docs/benchmarks/kernel_backends.md)
 H200_SOURCES = [
     "2026-12-02_h200_auto_d128.json",
@@ -22,7 +22,7 @@ H200_SIM_SOURCES = {"fa4": "2026-12-02_h200_sim_fa4.json", "cudnn": "2026-12-02_
 def test_h200_table_is_rebuilt_from_its_measurements(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("torch")
     monkeypatch.setenv("MAGI_BENCH_DEVICE", "cpu")
-    import kernel_backends_bench
+    from benchmarks import kernel_backends_bench
 
     shipped = json.loads((ROOT / "packages/solver/src/magi_solver/kernel_tables/h200.json").read_text())
     rebuilt = kernel_backends_bench.write_table(
@@ -42,8 +42,7 @@ def test_deterministic_rows_are_added_from_a_deterministic_run(tmp_path: Path, m
     ones; the run's default-mode launch_* rows stay out; `render` gives the ratios."""
     pytest.importorskip("torch")
     monkeypatch.setenv("MAGI_BENCH_DEVICE", "cpu")
-    import kernel_backends_bench as kb
-
+    from benchmarks import kernel_backends_bench as kb
     from magi_solver.kernel_choice import KernelTable, MaskFeatures, pick_kernel
 
     env = {"date": "2026-12-03", "gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "git": "x"}

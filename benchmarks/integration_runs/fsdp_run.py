@@ -7,22 +7,20 @@ and `F.scaled_dot_product_attention(..., is_causal=True)` on every document alon
 GPU both sides compute in bf16 through FSDP2's `MixedPrecisionPolicy` (fp32 master weights, bf16 parameters
 in the forward and backward, fp32 gradient reduction).
 
-    python benchmarks/integration_runs/fsdp_run.py                # GPU: bf16, NCCL world 1, 12288 tokens
-    python benchmarks/integration_runs/fsdp_run.py --device cpu   # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks.integration_runs.fsdp_run                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks.integration_runs.fsdp_run --device cpu   # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
 
 import sys
 from itertools import pairwise
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+from benchmarks.integration_runs import harness
 
 NAME = "fsdp"
 

@@ -7,20 +7,18 @@ batch of documents: Llama, and Qwen2 with one sliding-window layer (`layer_types
 whole pack with per-document `position_ids`, from which Transformers builds the per-document causal (and
 sliding-window) mask itself.
 
-    python benchmarks/integration_runs/hf_run.py                  # GPU: bf16, NCCL world 1, 12288 tokens
-    python benchmarks/integration_runs/hf_run.py --device cpu     # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks.integration_runs.hf_run                  # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks.integration_runs.hf_run --device cpu     # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+from benchmarks.integration_runs import harness
 
 NAME = "hf"
 FAMILIES = ("llama", "qwen2_swa")

@@ -7,8 +7,8 @@ and with `get_gpt_layer_local_spec()` (Megatron's `DotProductAttention` with the
 training) run on every document alone, the loss the token mean over the pack. Megatron's own parallel sizes stay 1. Transformer Engine is not needed
 (and its specs are not exercised here).
 
-    python benchmarks/integration_runs/megatron_run.py                # GPU: bf16, NCCL world 1, 12288 tokens
-    python benchmarks/integration_runs/megatron_run.py --device cpu   # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks.integration_runs.megatron_run                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks.integration_runs.megatron_run --device cpu   # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import contextlib
 import sys
 import warnings
 from itertools import pairwise
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+from benchmarks.integration_runs import harness
 
 NAME = "megatron"
 

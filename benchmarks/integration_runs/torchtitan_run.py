@@ -7,8 +7,8 @@ loss on a packed batch in torchtitan's format (`positions` restarting at each do
 `dispatch_batch`, the reference the same weights with torchtitan's `ScaledDotProductAttention` inner attention
 (causal) run on every document alone.
 
-    python benchmarks/integration_runs/torchtitan_run.py                # GPU: bf16, NCCL world 1, 12288 tokens
-    python benchmarks/integration_runs/torchtitan_run.py --device cpu   # CPU smoke run: float64, a tiny Llama 3
+    python -m benchmarks.integration_runs.torchtitan_run                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks.integration_runs.torchtitan_run --device cpu   # CPU smoke run: float64, a tiny Llama 3
 
 If torchtitan (or one of its dependencies) does not import with this torch, the script says why and exits 3.
 """
@@ -19,12 +19,10 @@ import copy
 import sys
 import traceback
 from itertools import pairwise
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+from benchmarks.integration_runs import harness
 
 NAME = "torchtitan"
 IMPORT_FAILED = 3

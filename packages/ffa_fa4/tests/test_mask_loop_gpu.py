@@ -1,6 +1,6 @@
 """A loop that hands the kernels a new mask every step compiles nothing after its warm-up, and no step is slow.
 
-The GPU tests run ``benchmarks/mask_loop_bench.py --check`` (20 timed steps of 16k tokens, each a new mask of
+The GPU tests run ``python -m benchmarks.mask_loop_bench --check`` (20 timed steps of 16k tokens, each a new mask of
 one of seven kinds, after a warm-up of other masks and of one mask per FA4 interval-width bucket) for the
 FA4, cuDNN and Triton backends at cp 1: it exits 1 when a compiled-kernel cache (FA4's and cuDNN's JIT
 caches, magi_ffa's Triton kernels) grows during the timed steps or a step stalls (takes more than 1.5x the
@@ -25,11 +25,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "benchmarks" / "mask_loop_bench.py"
 
 
 def _run(args: list[str], out: Path, timeout: float, env: dict | None = None) -> tuple[int, str, dict]:
-    cmd = [sys.executable, str(SCRIPT), *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.mask_loop_bench", *args, "--out", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     report = json.loads((out / "mask_loop.json").read_text()) if (out / "mask_loop.json").exists() else {}
@@ -75,12 +74,9 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
 def test_cache_counter_reads_the_vendor_caches(monkeypatch) -> None:
     """The script counts FA4's and cuDNN's JIT caches (a function's ``compile_cache`` or a module's cache
     object, each a ``*Cache`` holding a ``cache`` dict) and Triton kernels' ``device_caches``, once each."""
-    import importlib.util
     import types
 
-    spec = importlib.util.spec_from_file_location("mask_loop_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import benchmarks.mask_loop_bench as bench  # the repository root is on pytest.ini's pythonpath
 
     class JITCache:
         def __init__(self, n: int):

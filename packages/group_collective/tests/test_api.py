@@ -44,10 +44,8 @@ def test_enums_and_env(monkeypatch) -> None:
         _config.parse_reduce_op("max")
     for value, want in (("hierarchical", gc.GroupCollectiveImpl.HIERARCHICAL), ("", None)):
         monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_IMPL", value)
-        _config.env_impl.cache_clear()
         assert _config.env_impl() is want
     monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_IMPL", "deepep")
-    _config.env_impl.cache_clear()
     with pytest.raises(ValueError, match="MAGI_GROUP_COLLECTIVE_IMPL"):
         _config.env_impl()
     monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_DEBUG", "1")
@@ -55,7 +53,6 @@ def test_enums_and_env(monkeypatch) -> None:
     assert _config.env_debug() is True
     monkeypatch.delenv("MAGI_GROUP_COLLECTIVE_IMPL")
     monkeypatch.delenv("MAGI_GROUP_COLLECTIVE_DEBUG")
-    _config.env_impl.cache_clear()
     _config.env_debug.cache_clear()
 
 
@@ -76,3 +73,48 @@ def test_tables_transpose_and_cross_check() -> None:
 def test_no_process_group_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         gc.GroupCastPlan([1], [1], [[0]], [0])
+
+
+_NATIVE, _HIER, _A2AV = (
+    gc.GroupCollectiveImpl.NATIVE,
+    gc.GroupCollectiveImpl.HIERARCHICAL,
+    gc.GroupCollectiveImpl.A2AV,
+)
+_FORBID = "DistAttnConfig.grpcoll_config.native=False"
+
+
+@pytest.mark.parametrize(
+    ("settings", "mesh", "want", "setting"),
+    [
+        # 1. configuration beats every variable
+        (dict(configured="a2av", native_env=True, hierarchical_env=True, package_env=_NATIVE), True, _A2AV, "impl"),
+        (dict(configured=_NATIVE, configured_by="cfg", package_env=_A2AV), False, _NATIVE, "cfg"),
+        # 2. the runtime's native variable beats the mesh variable and the package's
+        (dict(native_env=True, hierarchical_env=True, package_env=_A2AV), True, _NATIVE,
+         "MAGI_ATTENTION_NATIVE_GRPCOLL=1"),
+        (dict(native_env=True, native_forbidden_by=_FORBID), False, _A2AV, _FORBID),
+        # 3. the runtime's hierarchical variable decides on a 2-D mesh only, before the package's
+        (dict(hierarchical_env=False, package_env=_HIER), True, _A2AV, "MAGI_ATTENTION_HIERARCHICAL_COMM=0"),
+        (dict(hierarchical_env=True, package_env=_A2AV), False, _A2AV, "MAGI_GROUP_COLLECTIVE_IMPL=a2av"),
+        # 4. the package's variable, unless it asks for a forbidden native
+        (dict(package_env=_NATIVE), True, _NATIVE, "MAGI_GROUP_COLLECTIVE_IMPL=native"),
+        (dict(package_env=_NATIVE, native_forbidden_by=_FORBID), True, _HIER, _FORBID),
+        # 5. the group's default
+        (dict(), True, _HIER, "the 2-D mesh's default"),
+        (dict(), False, _A2AV, "the flat group's default"),
+    ],
+)  # fmt: skip
+def test_decide_impl_order(settings, mesh, want, setting) -> None:
+    """The one precedence of `decide_impl` (docs/packages/group_collective.md, "Choosing the implementation")."""
+    assert gc.decide_impl(gc.ImplSettings(**settings), mesh) == gc.ImplChoice(want, setting)
+
+
+def test_decide_impl_checks_capability() -> None:
+    with pytest.raises(
+        ValueError, match=r"selected by MAGI_GROUP_COLLECTIVE_IMPL=hierarchical.*2-D DeviceMesh"
+    ):
+        gc.decide_impl(gc.ImplSettings(package_env=_HIER), False)
+    with pytest.raises(ValueError, match="forbids it"):
+        gc.decide_impl(gc.ImplSettings(configured="native", native_forbidden_by=_FORBID), False)
+    with pytest.raises(ValueError, match="`impl` must be one of"):
+        gc.decide_impl(gc.ImplSettings(configured="deepep"), False)

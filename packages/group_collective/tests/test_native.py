@@ -275,7 +275,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     import magi_group_collective as mgc
-    from magi_group_collective import _config
 
     def no_collective(*a, **k):
         raise AssertionError("a collective started before the native check")
@@ -294,7 +293,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
         except mgc.NativeUnavailableError as exc:
             messages.append(str(exc))
         os.environ["MAGI_GROUP_COLLECTIVE_IMPL"] = "native"
-        _config.env_impl.cache_clear()
         try:
             x = torch.ones(1)
             mgc.group_cast(x, torch.empty(1), [1], [1], [[rank]], [rank])
@@ -302,7 +300,6 @@ def _error_worker(rank: int, world_size: int) -> list[str]:
             messages.append(str(exc))
         finally:
             del os.environ["MAGI_GROUP_COLLECTIVE_IMPL"]
-            _config.env_impl.cache_clear()
     finally:
         dist.all_gather_object = real
     return messages
@@ -377,7 +374,7 @@ def test_native_on_one_cpu_rank_refuses_too() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_symmetric_buffer_on_one_gpu(tmp_path) -> None:
     """The cuda-bindings calls on one GPU (a one-rank NCCL group): allocate, export, wrap as a tensor, grow,
-    barrier, free. The peer mapping itself needs two GPUs (benchmarks/gpu_group_collective_check.py)."""
+    barrier, free. The peer mapping itself needs two GPUs (tests/gpu_group_collective_worker.py)."""
     pytest.importorskip("cuda.bindings")
     import torch.distributed as dist
 

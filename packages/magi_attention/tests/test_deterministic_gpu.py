@@ -237,12 +237,12 @@ def test_hf_transformers_training_is_bitwise_repeatable(tmp_path) -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    script = root / "benchmarks" / "integration_runs" / "hf_deterministic_run.py"
     out = tmp_path / "hf_deterministic.json"
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     proc = subprocess.run(
-        [sys.executable, str(script), "--steps", "5", "--tokens", "8192", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "benchmarks.integration_runs.hf_deterministic_run", "--steps", "5", "--tokens",
+         "8192", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert out.is_file()

@@ -222,10 +222,7 @@ def _runtime_flags_worker(rank: int, world_size: int) -> None:
     assert torch.allclose(undispatch(out, key), ref, rtol=1e-10, atol=1e-12)
     del os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"]
     # MAGI_GROUP_COLLECTIVE_IMPL=native (the package's own setting) on a flat group is named as such
-    from magi_group_collective import _config
-
     os.environ["MAGI_GROUP_COLLECTIVE_IMPL"] = "native"
-    _config.env_impl.cache_clear()
     try:
         clear_cache()
         key = magi_attn_varlen_key(
@@ -235,7 +232,6 @@ def _runtime_flags_worker(rank: int, world_size: int) -> None:
             calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
     finally:
         del os.environ["MAGI_GROUP_COLLECTIVE_IMPL"]
-        _config.env_impl.cache_clear()
         clear_cache()
 
 
@@ -278,7 +274,6 @@ def test_collective_impl_resolution(monkeypatch, config_native, env_native, mesh
         # a flat group with native=None leaves the choice to magi-group-collective's own variable
         (None, False, "native", "native", "MAGI_GROUP_COLLECTIVE_IMPL=native"),
         (None, False, "a2av", "a2av", "MAGI_GROUP_COLLECTIVE_IMPL=a2av"),
-        (None, False, "hierarchical", "hierarchical", "MAGI_GROUP_COLLECTIVE_IMPL=hierarchical"),
         # an explicit config, or a 2-D mesh, is not overridden by it
         (False, False, "native", "a2av", "DistAttnConfig.grpcoll_config.native=False"),
         (None, True, "native", "hierarchical", "MAGI_ATTENTION_HIERARCHICAL_COMM=1"),
@@ -297,6 +292,17 @@ def test_collective_choice_below_the_runtime_settings(
     got = choose_collective(GrpCollConfig(native=config_native), mesh)
     assert (got.impl.value, got.setting) == (want, setting)
     assert got.native_buffer_mb == (8 if want == "native" else None)
+
+
+def test_collective_choice_checks_the_group_shape_when_the_key_is_built(monkeypatch) -> None:
+    """Hierarchical chosen for a flat group raises when the key is built (naming the setting), not later."""
+    from magi_attention._runtime.collective_choice import choose_collective
+    from magi_attention.config import GrpCollConfig
+
+    monkeypatch.delenv("MAGI_ATTENTION_NATIVE_GRPCOLL", raising=False)
+    monkeypatch.setenv("MAGI_GROUP_COLLECTIVE_IMPL", "hierarchical")
+    with pytest.raises(ValueError, match="selected by MAGI_GROUP_COLLECTIVE_IMPL=hierarchical"):
+        choose_collective(GrpCollConfig(native=None), False)
 
 
 def test_grpcoll_config_validation() -> None:

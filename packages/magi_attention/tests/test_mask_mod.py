@@ -3,13 +3,9 @@ the vectorised row fold equals a row-by-row one; the GPU path equals the CPU one
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -476,22 +472,3 @@ def test_cuda_takes_the_compiled_pass(compiled_pass, monkeypatch) -> None:
     assert got == infer_attn_mask_from_mask_mod(
         _family("prefix_lm", _doc_ids(lengths), 100, None), total, total
     )
-
-
-def test_benchmark_script_runs(tmp_path, capsys, monkeypatch) -> None:
-    """benchmarks/mask_mod_bench.py at a small size: every mask, a table and JSON rows."""
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "mask_mod_bench.py"
-    spec = importlib.util.spec_from_file_location("mask_mod_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks itself up there
-    spec.loader.exec_module(bench)
-    assert bench.main(["--sizes", "1500", "--json", str(tmp_path / "out.json")]) == 0
-    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert [r["mask"] for r in rows] == bench.MASKS
-    assert "| doc_causal | 1500 | cpu |" in capsys.readouterr().out
-    for r in rows:  # the counts the script reports are the function's, and each mask's slices are exact
-        fn = bench.build(r["mask"], 1500, torch.device("cpu"))
-        q, k, t = infer_attn_mask_from_mask_mod(fn, 1500, 1500)
-        assert len(t) == r["slices"]
-        assert torch.equal(_union(q, k, t, 1500, 1500), _dense(fn, 1500, 1500))
-    assert rows[0]["slices"] == 2  # doc_causal: one CAUSAL slice per document (1500 // 512 of them)

@@ -1,6 +1,6 @@
 """The plan's decomposition with the real kernel, all ranks in one process (no communication):
 every rank's host and remote stages, merged through FFA's accumulate mode, equal dense fp64 attention.
-The same function checks the Triton kernel in bf16 on a GPU (benchmarks/magi_attention_bench.py --check)."""
+The same function checks the Triton kernel in bf16 on a GPU (tests/gpu_runtime_worker.py, simulated cp 4 and 8)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 
-from magi_mask.flags import parse_bool
+# parse_positive_int: re-exported (the kernel packages' env modules imported it from here).
+from magi_mask.flags import parse_bool, parse_positive_int
 
 __all__ = [
     "backend",
@@ -30,22 +31,6 @@ __all__ = [
 
 def _flag(name: str, default: bool) -> bool:
     return parse_bool(name, os.environ.get(name), default)
-
-
-def parse_positive_int(name: str, raw: str | None, default: int) -> int:
-    """The value of a positive-int variable ``name`` from its raw text (unset or empty = ``default``);
-    ValueError naming the variable otherwise. The parser of the kernel packages' env modules (they read their
-    own variables and pass the text here)."""
-    raw = (raw or "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}={raw!r} is not valid: it must be a positive integer (default {default})")
-    return value
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str | None:

@@ -141,7 +141,7 @@ def get_mask_plan(
 
 
 def clear_plan_cache() -> None:
-    """Drop every cached mask plan (frees their device tensors)."""
+    """Empty the mask-plan cache (frees the plans' device tensors; local to this process)."""
     _PLANS.clear()
 
 

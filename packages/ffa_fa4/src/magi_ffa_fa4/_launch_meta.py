@@ -338,7 +338,7 @@ def get_launch_meta(
 
 
 def clear_launch_cache() -> None:
-    """Drop every cached launch metadata (frees their device tensors)."""
+    """Empty the launch-metadata cache (frees its device tensors; local to this process)."""
     _CACHE.clear()
 
 

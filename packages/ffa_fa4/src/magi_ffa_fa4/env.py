@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 
-from magi_mask.flags import parse_bool
+from magi_mask.flags import parse_bool, parse_positive_int
 
 from magi_ffa.compile_cache import CacheState, enable_vendor_cache
-from magi_ffa.env import parse_positive_int
 
 __all__ = ["PACKAGE_VERSION", "plan_cache_size", "poison", "r2p", "varlen"]
 

@@ -7,6 +7,7 @@ from ._comm import as_device_mesh
 from ._config import GroupCollectiveImpl, ReduceOp
 from ._functional import clear_plan_cache, group_cast, group_reduce
 from ._plan import GroupCastPlan, GroupReducePlan
+from ._select import ImplChoice, ImplSettings, decide_impl
 from ._symmetric import NativeUnavailableError
 from ._symmetric import release_buffers as release_native_buffers
 from ._work import Work
@@ -20,11 +21,14 @@ __all__ = [
     "GroupCastPlan",
     "GroupCollectiveImpl",
     "GroupReducePlan",
+    "ImplChoice",
+    "ImplSettings",
     "NativeUnavailableError",
     "ReduceOp",
     "Work",
     "as_device_mesh",
     "clear_plan_cache",
+    "decide_impl",
     "group_cast",
     "group_reduce",
     "release_native_buffers",

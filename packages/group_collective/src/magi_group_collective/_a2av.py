@@ -20,23 +20,25 @@ from ._tables import CastTables, ReduceTables, offsets
 from ._work import Work
 
 
+def _peer_major_rows(per_peer, split_sizes) -> tuple[list[int], list[int], list[int]]:
+    """Row starts and sizes of the pieces of every peer, peer-major (a peer's pieces in its order: sends
+    destination-major, receives source-major), and the rows per peer (the all-to-all's split sizes)."""
+    off = offsets(split_sizes)
+    starts, sizes, splits = [], [], []
+    for pieces in per_peer:
+        st, sz = piece_rows(pieces, off, split_sizes)
+        starts += st
+        sizes += sz
+        splits.append(sum(sz))
+    return starts, sizes, splits
+
+
 class _A2AVCast(CastRunner):
     def __init__(self, tables: CastTables, comm: Comm, device: torch.device):
         self.group = comm.group
-        in_off, out_off = offsets(tables.input_split_sizes), offsets(tables.output_split_sizes)
-        starts, sizes, self.send_splits = [], [], []
-        for pieces in tables.sends():  # destination-major, piece order within a destination
-            st, sz = piece_rows(pieces, in_off, tables.input_split_sizes)
-            starts += st
-            sizes += sz
-            self.send_splits.append(sum(sz))
+        starts, sizes, self.send_splits = _peer_major_rows(tables.sends(), tables.input_split_sizes)
         self.send_idx = ranges_index(starts, sizes, device)
-        starts, sizes, self.recv_splits = [], [], []
-        for pieces in tables.recvs():  # source-major; a source's pieces arrive in its order
-            st, sz = piece_rows(pieces, out_off, tables.output_split_sizes)
-            starts += st
-            sizes += sz
-            self.recv_splits.append(sum(sz))
+        starts, sizes, self.recv_splits = _peer_major_rows(tables.recvs(), tables.output_split_sizes)
         self.recv_idx = ranges_index(starts, sizes, device)
         # Skip the copy when the layout already is destination-/source-major (no multicast, sorted pieces).
         self.send_identity = is_identity(self.send_idx, sum(tables.input_split_sizes))
@@ -58,22 +60,12 @@ class _A2AVCast(CastRunner):
 class _A2AVReduce(ReduceRunner):
     def __init__(self, tables: ReduceTables, comm: Comm, device: torch.device):
         self.group = comm.group
-        in_off, out_off = offsets(tables.input_split_sizes), offsets(tables.output_split_sizes)
-        starts, sizes, self.send_splits = [], [], []
-        for pieces in tables.sends():
-            st, sz = piece_rows(pieces, in_off, tables.input_split_sizes)
-            starts += st
-            sizes += sz
-            self.send_splits.append(sum(sz))
+        starts, sizes, self.send_splits = _peer_major_rows(tables.sends(), tables.input_split_sizes)
         self.send_idx = ranges_index(starts, sizes, device)
         self.send_identity = is_identity(self.send_idx, sum(tables.input_split_sizes))
-        starts, sizes, self.recv_splits, scale = [], [], [], []
-        for pieces in tables.recvs():
-            st, sz = piece_rows(pieces, out_off, tables.output_split_sizes)
-            starts += st
-            sizes += sz
-            self.recv_splits.append(sum(sz))
-            scale += [1.0 / len(tables.src_indices[j]) for j in pieces]
+        recvs = tables.recvs()
+        starts, sizes, self.recv_splits = _peer_major_rows(recvs, tables.output_split_sizes)
+        scale = [1.0 / len(tables.src_indices[j]) for pieces in recvs for j in pieces]  # AVG: per piece
         self.red = ReduceIndex.build(ranges_index(starts, sizes, torch.device("cpu")), device)
         self.avg_weight = torch.repeat_interleave(
             torch.tensor(scale, dtype=torch.float32), torch.tensor(sizes, dtype=torch.int64)

@@ -1,4 +1,5 @@
-"""Choices (StrEnum) and the environment variables of the package, each read once."""
+"""Choices (StrEnum) and the environment variables of the package (the implementation's read when a plan is
+built, the debug flag once per process)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def parse_reduce_op(value: object) -> ReduceOp:
         raise ValueError(f"`reduce_op` must be one of {[m.value for m in ReduceOp]}, got {value!r}") from None
 
 
-@lru_cache(maxsize=1)
 def env_impl() -> GroupCollectiveImpl | None:
-    """``MAGI_GROUP_COLLECTIVE_IMPL`` (``a2av`` | ``hierarchical`` | ``native``), or None when unset."""
+    """``MAGI_GROUP_COLLECTIVE_IMPL`` (``a2av`` | ``hierarchical`` | ``native``), or None when unset; read
+    when a plan (or the attention runtime's key) is built, never cached: one time for every setting that
+    chooses the implementation (``_select.decide_impl``)."""
     value = env.impl()  # ValueError naming the variable for anything else
     return None if value is None else parse_impl(value)
 

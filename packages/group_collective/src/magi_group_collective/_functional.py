@@ -1,4 +1,5 @@
-"""Functional API: ``group_cast`` / ``group_reduce`` (plan cache + autograd + the status agreement).
+"""Functional API: ``group_cast`` / ``group_reduce`` (the prepared-collective cache + autograd + the
+status agreement).
 
 Every call (and every backward of one) first runs the host-side status agreement of
 :mod:`magi_group_collective.agreement`: each rank validates its tables and tensors locally, then the ranks
@@ -37,12 +38,12 @@ def _freeze(x) -> tuple:
 
 def _get_plan(cls, tables: tuple, group, device: torch.device):
     comm = resolve_comm(group)
-    impl = choose_impl(None, comm)
+    impl = choose_impl(None, comm).impl
     cacheable = not env_debug() and not implementation(impl).needs_all_tables
     if not cacheable:
         return cls(*tables, group=group, device=device)
     try:
-        key = (cls.__name__, *(_freeze(t) for t in tables), comm.group, device)
+        key = (cls.__name__, *(_freeze(t) for t in tables), comm.group, device, impl)
         hash(key)
     except TypeError:  # unhashable entries: let the plan's validation report them
         return cls(*tables, group=group, device=device)
@@ -60,8 +61,8 @@ def _get_plan(cls, tables: tuple, group, device: torch.device):
 
 
 def clear_plan_cache() -> None:
-    """Drop the plans cached by :func:`group_cast` / :func:`group_reduce` (local: building a functional
-    plan communicates nothing, so ranks may clear at different times)."""
+    """Empty the prepared-collective cache: the plans :func:`group_cast` / :func:`group_reduce` prepared
+    (local: building a functional plan communicates nothing, so ranks may clear at different times)."""
     _cache.clear()
     _checked.clear()
 

@@ -23,8 +23,7 @@ import triton.language as tl
 
 from ._lse_kernel import lse_reduce_kernel
 from ._native_plan import UNIT_BYTES
-from ._reduce_index import acc_dtype
-from ._triton_kernels import _MAX_BLOCK_C, _TILE_WORDS, _as_words
+from ._triton_kernels import _as_words, csr_row_tile, row_tiles, tl_acc_dtype, word_size
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -46,10 +45,6 @@ def _pull_rows_kernel(
     tl.store(out + rows.to(tl.int64)[:, None] * C + cols[None, :], x, mask=mask)
 
 
-def _word(row_bytes: int, *ptrs: int) -> int:
-    return next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and all(p % w == 0 for p in ptrs))
-
-
 def pull_rows(
     base: torch.Tensor,
     deltas: torch.Tensor,
@@ -66,13 +61,11 @@ def pull_rows(
     row_bytes = out.shape[1] * out.element_size()
     if R == 0 or row_bytes == 0:
         return
-    word = _word(row_bytes, input.data_ptr(), out.data_ptr(), base.data_ptr())
+    word = word_size(row_bytes, input.data_ptr(), out.data_ptr(), base.data_ptr())
     b = base.view(_WORD_DTYPES[word])
     i, o = _as_words(input, word), _as_words(out, word)
     C = row_bytes // word
-    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
-    block_r = max(1, min(64, _TILE_WORDS // block_c))
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    grid, block_r, block_c = row_tiles(R, C)
     _pull_rows_kernel[grid](
         b, o, deltas, src_rank, src_row, R, C, me, (i.data_ptr() - b.data_ptr()) // word, slot // word,
         UNIT=UNIT_BYTES // word, BLOCK_R=block_r, BLOCK_C=block_c,
@@ -84,13 +77,7 @@ def _pull_reduce_kernel(
     base, out, deltas, touched, ptr, c_src, c_row, weight, C, me, in_delta, slot,
     UNIT: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    o = tl.load(touched + t).to(tl.int64)
-    start = tl.load(ptr + t)
-    end = tl.load(ptr + t + 1)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    acc = tl.load(out + o * C + cols, mask=cmask, other=0).to(ACC)
+    t, o, start, end, cols, cmask, acc = csr_row_tile(out, touched, ptr, C, ACC, BLOCK_C)
     if HAS_W:
         w = tl.load(weight + t).to(ACC)
     for k in range(start, end):
@@ -103,12 +90,6 @@ def _pull_reduce_kernel(
             x = x * w
         acc += x
     tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
-
-
-def _acc(dtype: torch.dtype):
-    if not dtype.is_floating_point:
-        return tl.int64
-    return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
 def pull_reduce(
@@ -137,7 +118,7 @@ def pull_reduce(
     _pull_reduce_kernel[(T, triton.cdiv(C, block_c))](
         b, out, deltas, touched, ptr, c_src, c_row, weight if weight is not None else ptr, C, me,
         (input.data_ptr() - b.data_ptr()) // es, slot // es,
-        UNIT=UNIT_BYTES // es, HAS_W=weight is not None, ACC=_acc(out.dtype), BLOCK_C=block_c,
+        UNIT=UNIT_BYTES // es, HAS_W=weight is not None, ACC=tl_acc_dtype(out.dtype), BLOCK_C=block_c,
     )  # fmt: skip
 
 
@@ -170,6 +151,6 @@ def pull_lse_reduce(
     lse_reduce_kernel[(T, H)](
         b, lb, out, out_lse, deltas, touched, ptr, c_src, c_row, H, D, me,
         (input.data_ptr() - b.data_ptr()) // es, (input_lse.data_ptr() - lb.data_ptr()) // 4, slot // es,
-        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, PEERS=True, ACC=_acc(out.dtype),
+        lse_slot // 4, UNIT=UNIT_BYTES // es, LUNIT=UNIT_BYTES // 4, PEERS=True, ACC=tl_acc_dtype(out.dtype),
         BLOCK_D=block_d,
     )  # fmt: skip

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ._comm import Comm, default_device, resolve_comm
 from ._config import GroupCollectiveImpl, ReduceOp, env_debug, parse_reduce_op
 from ._impl import CastRunner, ReduceRunner
-from ._select import choose_impl, implementation, selected_by
+from ._select import choose_impl, implementation
 from ._tables import CastTables, ReduceTables, cross_check
 from ._work import Work
 
@@ -69,14 +69,15 @@ class _PlanBase:
         self._comm = resolve_comm(group)
         if tables.world_size != self._comm.world_size:  # pragma: no cover - tables built from comm
             raise AssertionError("tables validated for another world size")
-        self._impl = choose_impl(impl, self._comm)
+        choice = choose_impl(impl, self._comm)
+        self._impl = choice.impl
         self._debug = env_debug() if debug is None else bool(debug)
         self.device = torch.device(device) if device is not None else default_device(self._comm)
         self.tables = tables
         self._transposed = None
         coll_impl = implementation(self._impl)
         # before any communication: an implementation that cannot run here raises on every rank alike
-        coll_impl.check_usable(self._comm, self.device, selected_by(impl))
+        coll_impl.check_usable(self._comm, self.device, choice.setting)
         if (
             all_tables is None
             and self._comm.world_size > 1

@@ -47,6 +47,19 @@ def _as_words(x: torch.Tensor, word: int) -> torch.Tensor:
     return x if x.dtype == dtype else x.view(torch.uint8).view(dtype)
 
 
+def word_size(row_bytes: int, *ptrs: int) -> int:
+    """The widest integer word (8, 4, 2 or 1 bytes) that divides a row and aligns every pointer."""
+    return next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and all(p % w == 0 for p in ptrs))
+
+
+def row_tiles(R: int, C: int) -> tuple[tuple[int, int], int, int]:
+    """``(grid, BLOCK_R, BLOCK_C)`` of a row-copy kernel over ``R`` rows of ``C`` words (about
+    ``_TILE_WORDS`` words a program)."""
+    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
+    block_r = max(1, min(64, _TILE_WORDS // block_c))
+    return (triton.cdiv(R, block_r), triton.cdiv(C, block_c)), block_r, block_c
+
+
 def copy_rows(
     src: torch.Tensor, dst: torch.Tensor, *, src_idx: torch.Tensor | None, dst_idx: torch.Tensor | None
 ) -> None:
@@ -59,14 +72,10 @@ def copy_rows(
     row_bytes = src.shape[1] * src.element_size()
     if R == 0 or row_bytes == 0:
         return
-    word = next(
-        w for w in (8, 4, 2, 1) if row_bytes % w == 0 and src.data_ptr() % w == 0 and dst.data_ptr() % w == 0
-    )
+    word = word_size(row_bytes, src.data_ptr(), dst.data_ptr())
     s, d = _as_words(src, word), _as_words(dst, word)
     C = row_bytes // word
-    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
-    block_r = max(1, min(64, _TILE_WORDS // block_c))
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    grid, block_r, block_c = row_tiles(R, C)
     _copy_rows_kernel[grid](
         s, d, idx if src_idx is None else src_idx, idx if dst_idx is None else dst_idx, R, C,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, BLOCK_R=block_r, BLOCK_C=block_c,
@@ -74,17 +83,24 @@ def copy_rows(
 
 
 @triton.jit
+def csr_row_tile(out, touched, ptr, C, ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The start of a CSR reduction program (one touched output row ``o``, one tile of ``BLOCK_C`` columns):
+    ``(t, o, first, end, cols, cmask, acc)``, ``acc`` the tile of ``out`` row ``o`` in ``ACC``; the reduce
+    kernels here and in ``_native_kernels`` then add their rows ``first .. end - 1`` into ``acc``."""
+    t = tl.program_id(0)
+    o = tl.load(touched + t).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    acc = tl.load(out + o * C + cols, mask=cmask, other=0).to(ACC)
+    return t, o, tl.load(ptr + t), tl.load(ptr + t + 1), cols, cmask, acc
+
+
+@triton.jit
 def _reduce_rows_kernel(
     out, recv, touched, ptr, rows, weight, C,
     HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    o = tl.load(touched + t).to(tl.int64)
-    start = tl.load(ptr + t)
-    end = tl.load(ptr + t + 1)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    acc = tl.load(out + o * C + cols, mask=cmask, other=0).to(ACC)
+    _, o, start, end, cols, cmask, acc = csr_row_tile(out, touched, ptr, C, ACC, BLOCK_C)
     for k in range(start, end):
         r = tl.load(rows + k).to(tl.int64)
         x = tl.load(recv + r * C + cols, mask=cmask, other=0).to(ACC)
@@ -94,7 +110,11 @@ def _reduce_rows_kernel(
     tl.store(out + o * C + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
-def _acc_dtype(dtype: torch.dtype):
+def tl_acc_dtype(dtype: torch.dtype):
+    """The Triton accumulator of a reduction over ``dtype`` rows: :func:`acc_dtype`'s, int64 for integer
+    rows (the native implementation reduces those too)."""
+    if not dtype.is_floating_point:
+        return tl.int64
     return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
@@ -111,7 +131,7 @@ def reduce_rows_csr(
     block_c = min(triton.next_power_of_2(C), 1024)
     _reduce_rows_kernel[(T, triton.cdiv(C, block_c))](
         out, recv, red.touched, red.csr_ptr, red.csr_rows, weight if weight is not None else red.csr_ptr, C,
-        HAS_W=weight is not None, ACC=_acc_dtype(out.dtype), BLOCK_C=block_c,
+        HAS_W=weight is not None, ACC=tl_acc_dtype(out.dtype), BLOCK_C=block_c,
     )  # fmt: skip
 
 
@@ -128,5 +148,5 @@ def lse_reduce_rows_csr(
     rows = red.csr_rows
     lse_reduce_kernel[(T, H)](
         recv, recv_lse, out, out_lse, rows, red.touched, red.csr_ptr, rows, rows, H, D, 0, 0, 0, 0, 0,
-        UNIT=1, LUNIT=1, PEERS=False, ACC=_acc_dtype(out.dtype), BLOCK_D=block_d,
+        UNIT=1, LUNIT=1, PEERS=False, ACC=tl_acc_dtype(out.dtype), BLOCK_D=block_d,
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Every environment variable magi_group_collective reads, in one place: one function per variable (the
-callers cache the result: each is read once per process, see ``_config`` / ``_ops``); never written.
+callers cache the result: each is read once per process, see ``_config`` / ``_ops``, except ``impl``, read
+when a plan is built); never written.
 
 Booleans accept ``0`` / ``1`` / ``true`` / ``false`` in any case (unset or empty = the default) and raise
 ``ValueError`` naming the variable for anything else; valued variables are checked against their allowed
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from magi_mask.flags import parse_bool
+from magi_mask.flags import parse_bool, parse_positive_int
 
 __all__ = ["debug", "impl", "kernels", "native_buffer_mb"]
 
@@ -53,13 +54,5 @@ def native_buffer_mb() -> int:
     """``MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB`` (int >= 4, default 64): initial size in MiB of the symmetric
     buffer the native implementation maps on every rank of a group (it doubles when a call needs more; every
     rank must see the same value)."""
-    raw = os.environ.get("MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB", "").strip()
-    if not raw:
-        return 64
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 4:
-        raise ValueError(f"MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB must be an int >= 4, got {raw!r}")
-    return value
+    name = "MAGI_GROUP_COLLECTIVE_NATIVE_BUFFER_MB"
+    return parse_positive_int(name, os.environ.get(name), 64, minimum=4)

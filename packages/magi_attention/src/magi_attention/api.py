@@ -404,7 +404,8 @@ def _key_device(key: DistAttnRuntimeKey) -> torch.device:
 
 
 def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | None:
-    """The key most recently planned or used for `cp_group_or_mesh` (integrations use it to find the mask).
+    """The key most recently planned or used for `cp_group_or_mesh`, from the runtime cache (integrations use
+    it to find the mask).
 
     Args:
         cp_group_or_mesh: the group or mesh the key was built for (None: the default group).
@@ -470,7 +471,8 @@ def get_dispatch_choice(key: DistAttnRuntimeKey) -> DispatchChoice:
 
 
 def clear_cache(cp_group_or_mesh: Any = None) -> None:
-    """Drop cached plans. Collective: every rank of the group calls it at the same point of its calls.
+    """Empty the runtime cache (the cached plans; docs/glossary.md). Collective: every rank of the group
+    calls it at the same point of its calls.
 
     A rank that dropped its plans alone would re-plan alone: its next key build would agree with no one and
     its next `calc_attn` would check its GroupCast tables with no one, both waiting for the others until the

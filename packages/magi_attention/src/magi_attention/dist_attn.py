@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from magi_ffa import merge_sink, sink_grad
+from magi_ffa.validation import acc_dtype  # the FFA contract's out / lse dtype, defined once there
 
 from ._runtime.cache import DeviceMeta, DistAttnRuntime, KernelSlices
 from ._runtime.checks import (
@@ -81,10 +82,6 @@ class _Extras:
                     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=cp_group.group)
             self.max_logits = mx
         return out, lse
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _split_kv(kv: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +177,7 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
             kernel, q, k, v, meta.host, None, None, scale, softcap, extras, deterministic=det
         )
         if out is not None and len(meta.stages) > 1:
-            out = out.to(_acc_dtype(q.dtype))
+            out = out.to(acc_dtype(q.dtype))
         for i in range(len(meta.stages)):
             kv_remote = fetcher.get(i)
             fetcher.start(i + 1)
@@ -190,7 +187,7 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
             )  # fmt: skip
     if out is None:  # no slice touches this rank's queries
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     if extras is not None:
         out, lse = extras.finish(out, lse, q.shape[1], runtime.key.cp_group)
     return out.to(q.dtype), lse
@@ -201,7 +198,7 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
     kernel = runtime.kernel(q.dtype, softcap)
     det = runtime.key.config.deterministic
     meta = runtime.device_meta(q.device)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     hkv = k.shape[1]
     do = do.contiguous()
     kv_local = torch.cat([k, v], dim=1)

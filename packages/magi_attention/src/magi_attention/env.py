@@ -1,6 +1,6 @@
 """Every environment variable magi_attention reads, in one place (read on each call, so tests can set them).
 
-- ``MAGI_ATTENTION_SANITY_CHECK``: 1 = key builds that hit the plan cache agree across ranks too (every
+- ``MAGI_ATTENTION_SANITY_CHECK``: 1 = key builds that hit the runtime cache agree across ranks too (every
   public collective call agrees always; off by default).
 - ``MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE``: plans kept per cp group (LRU, default 1000).
 - ``MAGI_ATTENTION_RUNTIME_CACHE_MB``: estimated memory of the plans kept per cp group (LRU, default 1024).
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from magi_mask.flags import parse_bool
+from magi_mask.flags import parse_bool, parse_positive_int
 
 # magi_ffa's enum (what config.py re-exports): config.py reads this module when a config is built.
 from magi_ffa import KernelBackend
@@ -41,7 +41,7 @@ def _flag(name: str, default: bool) -> bool:
 
 
 def sanity_check_enabled() -> bool:
-    """MAGI_ATTENTION_SANITY_CHECK (boolean, default false): key builds that hit the plan cache take part in
+    """MAGI_ATTENTION_SANITY_CHECK (boolean, default false): key builds that hit the runtime cache take part in
     the key agreement too (a cache hit communicates nothing by default), so a key build that fails on one
     rank is heard by the others even when they hit the cache. Every public collective call agrees always."""
     return _flag("MAGI_ATTENTION_SANITY_CHECK", False)
@@ -93,16 +93,7 @@ def runtime_cache_bytes() -> int:
 
 
 def _positive_int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise ValueError(f"{name}={raw!r} is not valid: it must be a positive integer (default {default})")
-    return value
+    return parse_positive_int(name, os.environ.get(name), default)
 
 
 def kernel_backend_override() -> KernelBackend | None:

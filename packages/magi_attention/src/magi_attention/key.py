@@ -82,7 +82,7 @@ class DistAttnRuntimeKey:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Every calc_attn / dispatch call looks its key up (plan cache, tags, agreement); the mask's tuples
+        # Every calc_attn / dispatch call looks its key up (runtime cache, tags, agreement); the mask's tuples
         # can hold thousands of ranges (244 us per lookup at 4096 slices, hashed anew), so hash once.
         compared = tuple(getattr(self, f.name) for f in fields(self) if f.compare)
         object.__setattr__(self, "_hash", hash(compared))

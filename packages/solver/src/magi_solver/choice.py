@@ -41,8 +41,7 @@ from .cost_model import OverlapCostModel, get_profile
 from .dispatch import (
     DispatchAlg,
     DispatchPlan,
-    _region_arrays,
-    _row_chunk_pairs,
+    _key_intervals,
     chunk_areas,
     dispatch_lower_bound,
     dispatch_slices,
@@ -133,24 +132,6 @@ def mask_digest(slices: list[tuple[int, int, int, int, int]]) -> str:
     """A digest of validated `(qs, qe, ks, ke, code)` slices (cache keys; equal masks, equal digests)."""
     arr = np.asarray(slices, dtype=np.int64).reshape(-1, 5)
     return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
-
-
-def _key_intervals(
-    slices: list[tuple[int, int, int, int, int]], chunk_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per (slice, chunk) piece with area: (chunk id, q length, key start, key end) of the keys its rows need."""
-    regs = _region_arrays(slices)
-    if len(regs) == 0:
-        z = np.zeros(0, dtype=np.int64)
-        return z, z, z, z
-    idx, chunk = _row_chunk_pairs(regs, chunk_size)
-    qs, qe, ks, ke, lo, hi = (regs[idx, i] for i in range(6))
-    a = np.maximum(np.maximum(qs, chunk * chunk_size), ks - hi)
-    b = np.minimum(np.minimum(qe, (chunk + 1) * chunk_size), ke - lo)
-    kl = np.maximum(ks, a + lo)
-    kr = np.minimum(ke, b + hi)
-    ok = (a < b) & (kl < kr)
-    return chunk[ok], (b - a)[ok], kl[ok], kr[ok]
 
 
 def remote_kv_tokens(

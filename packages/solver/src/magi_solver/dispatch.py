@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .mask import band_area_np, normalize_mask, region_of
-from .ranges import AttnRange, AttnRanges, _check_int
+from .ranges import AttnRange, AttnRanges, _check_int, _check_positive
 
 __all__ = [
     "DispatchAlg",
@@ -199,15 +199,9 @@ def validate_geometry(
 
     Padded geometry (default): `chunk_size * cp_size` divides `total_seqlen`. With `uneven_shard`, any
     `total_seqlen` with at least `cp_size` chunks (`ceil(total_seqlen / chunk_size) >= cp_size`)."""
-    total_seqlen = _check_int(total_seqlen, "total_seqlen")
-    cp_size = _check_int(cp_size, "cp_size")
-    chunk_size = _check_int(chunk_size, "chunk_size")
-    if total_seqlen <= 0:
-        raise ValueError(f"`total_seqlen` must be positive, got {total_seqlen}")
-    if cp_size <= 0:
-        raise ValueError(f"`cp_size` must be positive, got {cp_size}")
-    if chunk_size <= 0:
-        raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
+    total_seqlen = _check_positive(total_seqlen, "total_seqlen")
+    cp_size = _check_positive(cp_size, "cp_size")
+    chunk_size = _check_positive(chunk_size, "chunk_size")
     if not isinstance(uneven_shard, bool):
         raise TypeError(f"`uneven_shard` must be a bool, got {type(uneven_shard).__name__}")
     if uneven_shard:
@@ -389,14 +383,14 @@ def _zigzag(num_chunks: int, cp_size: int, uneven_shard: bool = False) -> list[l
     ]
 
 
-def _key_need_matrix(
-    slices: list[tuple[int, int, int, int, int]], num_chunks: int, chunk_size: int
-) -> np.ndarray:
-    """float32 `[num_chunks, num_chunks]`: keys of chunk j needed by the rows of chunk i (overlaps add up)."""
-    need = np.zeros((num_chunks, num_chunks + 1), dtype=np.float32)
+def _key_intervals(
+    slices: list[tuple[int, int, int, int, int]], chunk_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per (slice, chunk) piece with area: (chunk id, q length, key start, key end) of the keys its rows need."""
     regs = _region_arrays(slices)
     if len(regs) == 0:
-        return need[:, :-1]
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z, z
     idx, chunk = _row_chunk_pairs(regs, chunk_size)
     qs, qe, ks, ke, lo, hi = (regs[idx, i] for i in range(6))
     a = np.maximum(np.maximum(qs, chunk * chunk_size), ks - hi)
@@ -404,7 +398,17 @@ def _key_need_matrix(
     kl = np.maximum(ks, a + lo)
     kr = np.minimum(ke, b + hi)
     ok = (a < b) & (kl < kr)
-    chunk, kl, kr = chunk[ok], kl[ok], kr[ok]
+    return chunk[ok], (b - a)[ok], kl[ok], kr[ok]
+
+
+def _key_need_matrix(
+    slices: list[tuple[int, int, int, int, int]], num_chunks: int, chunk_size: int
+) -> np.ndarray:
+    """float32 `[num_chunks, num_chunks]`: keys of chunk j needed by the rows of chunk i (overlaps add up)."""
+    need = np.zeros((num_chunks, num_chunks + 1), dtype=np.float32)
+    chunk, _, kl, kr = _key_intervals(slices, chunk_size)
+    if chunk.size == 0:
+        return need[:, :-1]
     j0, j1 = kl // chunk_size, (kr - 1) // chunk_size
     same = j0 == j1
     np.add.at(need, (chunk[same], j0[same]), (kr - kl)[same])

@@ -182,17 +182,8 @@ def overlap_chunk_areas(
     remote: list[tuple[int, int]], bounds: list[int], clipped: list[tuple[int, ...]]
 ) -> np.ndarray:
     """Mask area (this rank's rows) of the keys of each overlap chunk (vectorised over region x piece)."""
-    # cut the remote ranges at the chunk token bounds: pieces (global start, global end, chunk index)
-    pieces: list[tuple[int, int, int]] = []
-    off, ci = 0, 0
-    for s, e in remote:
-        while s < e:
-            while bounds[ci + 1] <= off:
-                ci += 1
-            take = min(e - s, bounds[ci + 1] - off)
-            pieces.append((s, s + take, ci))
-            s += take
-            off += take
+    # the remote ranges cut at the chunk token bounds: pieces (global start, global end, chunk index)
+    pieces = _pieces(remote, bounds)
     starts = [p[0] for p in pieces]
     ri, pi = [], []
     for i, r in enumerate(clipped):
@@ -222,13 +213,22 @@ def overlap_chunk_areas(
 def cut_tokens(remote: list[tuple[int, int]], tb: list[int]) -> list[list[tuple[int, int]]]:
     """Split sorted global ranges into stages at the token offsets `tb`."""
     stages: list[list[tuple[int, int]]] = [[] for _ in range(len(tb) - 1)]
-    off, si = 0, 0
+    for s, e, si in _pieces(remote, tb):
+        stages[si].append((s, e))
+    return stages
+
+
+def _pieces(remote: list[tuple[int, int]], bounds: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted global ranges cut where their running token offset crosses ``bounds``: (start, end, index of
+    the part ``[bounds[i], bounds[i + 1])`` of the offsets the piece falls in)."""
+    pieces: list[tuple[int, int, int]] = []
+    off, i = 0, 0
     for s, e in remote:
         while s < e:
-            while tb[si + 1] <= off:
-                si += 1
-            take = min(e - s, tb[si + 1] - off)
-            stages[si].append((s, s + take))
+            while bounds[i + 1] <= off:
+                i += 1
+            take = min(e - s, bounds[i + 1] - off)
+            pieces.append((s, s + take, i))
             s += take
             off += take
-    return stages
+    return pieces

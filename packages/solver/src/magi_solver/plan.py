@@ -28,7 +28,7 @@ from .dispatch import DispatchAlg, DispatchPlan, padded_seqlen, redispatch_areas
 from .kv_layout import KVLayout
 from .mask import SliceList, normalize_mask, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
-from .ranges import AttnRange, AttnRanges, _check_int, merge_pairs, subtract_pairs
+from .ranges import AttnRange, AttnRanges, _check_int, _check_positive, merge_pairs, subtract_pairs
 
 __all__ = [
     "DistAttnPlan",
@@ -430,12 +430,8 @@ def _dispatch_choice(
     total_seqlen_k: Any,
 ) -> tuple[DispatchChoice, DispatchPlan, list[tuple[int, int, int, int, int]]]:
     """`dispatch_choice`, also returning the validated slices."""
-    total_seqlen = _check_int(total_seqlen, "total_seqlen")
-    cp_size = _check_int(cp_size, "cp_size")
-    if total_seqlen <= 0:
-        raise ValueError(f"`total_seqlen` must be positive, got {total_seqlen}")
-    if cp_size <= 0:
-        raise ValueError(f"`cp_size` must be positive, got {cp_size}")
+    total_seqlen = _check_positive(total_seqlen, "total_seqlen")
+    cp_size = _check_positive(cp_size, "cp_size")
     if chunk_size is not None and _check_int(chunk_size, "chunk_size") <= 0:
         raise ValueError(f"`chunk_size` must be positive or None, got {chunk_size}")
     if not isinstance(uneven_shard, bool):

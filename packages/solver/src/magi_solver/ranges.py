@@ -21,6 +21,14 @@ __all__ = ["AttnRange", "AttnRanges", "as_int_pairs"]
 _check_int = check_int  # one int rule for every package (magi_mask)
 
 
+def _check_positive(value: Any, name: str) -> int:
+    """`value` as an int >= 1: TypeError as `_check_int`, ValueError naming `name` for zero or less."""
+    value = check_int(value, name)
+    if value <= 0:
+        raise ValueError(f"`{name}` must be positive, got {value}")
+    return value
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class AttnRange:
     """The half-open token range `[start, end)` with `0 <= start <= end`."""

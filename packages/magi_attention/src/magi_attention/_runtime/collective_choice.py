@@ -1,23 +1,21 @@
 """The group-collective implementation of a key's GroupCast / GroupReduce plans, chosen here once per key.
 
-One precedence, the first setting that says wins (configuration over environment; the table is in
-docs/packages/group_collective.md, "Choosing the implementation"):
+The rule is magi_group_collective's one :func:`~magi_group_collective.decide_impl` (the precedence and the
+capability check, the same for the runtime's plans and for a plan built alone; the table is in
+docs/packages/group_collective.md, "Choosing the implementation"). This module only reads the settings,
+once, when the key is built: ``GrpCollConfig.native`` (True: native; False: never native), then
+``MAGI_ATTENTION_NATIVE_GRPCOLL``, ``MAGI_ATTENTION_HIERARCHICAL_COMM`` (2-D meshes) and
+``MAGI_GROUP_COLLECTIVE_IMPL``.
 
-1. ``GrpCollConfig.native`` (True: native; False: not native, whatever the environment says);
-2. ``MAGI_ATTENTION_NATIVE_GRPCOLL=1`` (when ``native`` is None): native;
-3. on a 2-D (inter, intra) mesh, ``MAGI_ATTENTION_HIERARCHICAL_COMM`` (default true): hierarchical, else a2av;
-4. on a flat group, ``MAGI_GROUP_COLLECTIVE_IMPL`` (when ``native`` is None), else a2av.
-
-The choice is made when the key is built (a key made after dispatch keeps its dispatch key's choice), is
-part of the key (`magi_attention.key.CollectiveChoice`, defined with the key, which sits below the runtime),
-and so is compared across ranks by the key agreement before any plan exists: ranks that chose differently
-would enter different collectives and hang. The plans get it as their ``impl=``, so
-magi_group_collective's own fallback never decides for the runtime.
+The choice is part of the key (`magi_attention.key.CollectiveChoice`, defined with the key, which sits below
+the runtime; a key made after dispatch keeps its dispatch key's choice), and so is compared across ranks by
+the key agreement before any plan exists: ranks that chose differently would enter different collectives
+and hang. The plans get it as their ``impl=``, so nothing is read again later.
 """
 
 from __future__ import annotations
 
-from magi_group_collective import GroupCollectiveImpl
+from magi_group_collective import GroupCollectiveImpl, ImplSettings, decide_impl
 from magi_group_collective import env as grpcoll_env
 
 from ..config import GrpCollConfig
@@ -25,27 +23,24 @@ from ..env import hierarchical_comm, native_grpcoll
 from ..key import CollectiveChoice
 
 
-def choose_collective(config: GrpCollConfig, two_level_mesh: bool) -> CollectiveChoice:
-    """The implementation of a key's plans from its `GrpCollConfig`, the environment and the group's shape
-    (``two_level_mesh``: a 2-D (inter, intra) DeviceMesh), by the precedence of the module docstring."""
+def collective_settings(config: GrpCollConfig) -> ImplSettings:
+    """The settings of a key's implementation, read now (when the key is built)."""
     native = config.native
-    if native:
-        return _native("DistAttnConfig.grpcoll_config.native=True")
-    if native is None and native_grpcoll():
-        return _native("MAGI_ATTENTION_NATIVE_GRPCOLL=1")
-    if two_level_mesh:
-        hierarchical = hierarchical_comm()
-        impl = GroupCollectiveImpl.HIERARCHICAL if hierarchical else GroupCollectiveImpl.A2AV
-        return CollectiveChoice(impl, f"MAGI_ATTENTION_HIERARCHICAL_COMM={int(hierarchical)}")
-    if native is False:
-        return CollectiveChoice(GroupCollectiveImpl.A2AV, "DistAttnConfig.grpcoll_config.native=False")
-    package_impl = grpcoll_env.impl()
-    if package_impl is None:
-        return CollectiveChoice(GroupCollectiveImpl.A2AV, "the flat group's default")
-    if package_impl == GroupCollectiveImpl.NATIVE:
-        return _native(f"MAGI_GROUP_COLLECTIVE_IMPL={package_impl}")
-    return CollectiveChoice(GroupCollectiveImpl(package_impl), f"MAGI_GROUP_COLLECTIVE_IMPL={package_impl}")
+    package_env = grpcoll_env.impl()
+    return ImplSettings(
+        configured=GroupCollectiveImpl.NATIVE if native else None,
+        configured_by="DistAttnConfig.grpcoll_config.native=True",
+        native_forbidden_by="DistAttnConfig.grpcoll_config.native=False" if native is False else None,
+        native_env=native_grpcoll(),
+        hierarchical_env=hierarchical_comm(),
+        package_env=None if package_env is None else GroupCollectiveImpl(package_env),
+    )
 
 
-def _native(setting: str) -> CollectiveChoice:
-    return CollectiveChoice(GroupCollectiveImpl.NATIVE, setting, grpcoll_env.native_buffer_mb())
+def choose_collective(config: GrpCollConfig, two_level_mesh: bool) -> CollectiveChoice:
+    """The implementation of a key's plans from its `GrpCollConfig`, the environment (read now) and the
+    group's shape (``two_level_mesh``: a 2-D (inter, intra) DeviceMesh); ValueError where the chosen
+    implementation cannot fit the group's shape (hierarchical on a flat group)."""
+    choice = decide_impl(collective_settings(config), two_level_mesh)
+    buffer_mb = grpcoll_env.native_buffer_mb() if choice.impl is GroupCollectiveImpl.NATIVE else None
+    return CollectiveChoice(choice.impl, choice.setting, buffer_mb)

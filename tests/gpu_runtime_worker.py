@@ -1,11 +1,13 @@
 """GPU correctness of the distributed runtime in bf16 against dense fp64, per kernel backend.
 
-One process per GPU (``torchrun --standalone --nproc-per-node N benchmarks/gpu_runtime_check.py``; N = 1
-checks cp = 1 and the simulated ranks of larger cp sizes, N >= 2 runs the runtime over NCCL). For every
+The worker of ``tests/test_gpu_checks.py`` (which runs it and grades its JSON verdict): ``python
+tests/gpu_runtime_worker.py`` on one GPU checks cp = 1 and the simulated ranks of larger cp sizes; one process
+per GPU (``torchrun --standalone --nproc-per-node N tests/gpu_runtime_worker.py``, N >= 2) runs the runtime
+over NCCL. For every
 (backend, mask, overlap degree): out, lse, dq, dk, dv of ``calc_attn`` (undispatched, whole sequence) must
 be within twice the error of ONE single-GPU call of the same backend's FFA on the whole mask, plus 1e-4
 (relative Frobenius error against a dense fp64 reference). Prints one line per case and a summary last;
-exits 1 on any failure. ``--out FILE`` writes the rows as JSON (rank 0). ``--uneven-shard`` plans with
+exits 1 on any failure. ``--out FILE`` writes ``{"failed": n, "rows": [...]}`` as JSON (rank 0). ``--uneven-shard`` plans with
 ``DispatchConfig(uneven_shard=True)`` (no padding; pick ``--tokens`` not a multiple of 256 x N to see ranks
 of different token counts). ``--grpcoll native`` (or ``MAGI_ATTENTION_NATIVE_GRPCOLL=1``) runs the runtime's
 group collectives natively; the summary names the implementation the plans used.
@@ -155,6 +157,20 @@ def run_simulated(backend, cp, mask, total, q, k, v, do, chunk, uneven=False):
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
+def single_process_world() -> None:
+    """Without torchrun: a world of one process (rank 0) on a free local port."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="total tokens of the sequence")
@@ -174,6 +190,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.grpcoll != "env":
         os.environ["MAGI_ATTENTION_NATIVE_GRPCOLL"] = "1" if a.grpcoll == "native" else "0"
+    single_process_world()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -222,7 +239,7 @@ def main() -> int:
     if rank == 0:
         if a.out:
             with open(a.out, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({"failed": failures, "rows": rows}, f, indent=1)
         print(
             f"gpu_runtime_check: world {world}{' uneven_shard' if a.uneven_shard else ''}, {len(rows)} cases, "
             f"{failures} failed (err/single-call err per quantity; rule err <= 2x + 1e-4); group collectives "

@@ -1,6 +1,7 @@
 """GroupCast / GroupReduce over NCCL equal the same tables run over gloo (and the plain-torch references).
 
-One process per GPU: ``torchrun --standalone --nproc-per-node N benchmarks/gpu_group_collective_check.py``.
+A worker of ``tests/test_gpu_checks.py`` (which runs it and grades its JSON verdict), one process per GPU:
+``torchrun --standalone --nproc-per-node N tests/gpu_group_collective_worker.py``.
 Every rank builds the same random tables (empty pieces, multicast to every rank, silent and deaf ranks), runs
 each collective once on CUDA tensors over the default NCCL group and once on CPU copies over a gloo group of
 the same ranks, and compares: GroupCast bit-exact, GroupReduce sum / avg / lse to 1e-6 (the summation order
@@ -8,12 +9,14 @@ may differ), both against `magi_group_collective.testing`'s references. ``--devi
 gloo (a smoke test of the script itself). ``--impl native`` runs the native implementation (symmetric memory)
 on the device side and adds: native == a2av on the device (cast bit-exact, reduce to 1e-5), a second native
 run with ``async_op=True`` bitwise equal to the first, and (``--big-seeds N``) tens of MB per rank so the
-native buffer grows. Prints one line per case and a summary last; exits 1 on a mismatch.
+native buffer grows. Prints one line per case and a summary last; exits 1 on a mismatch; ``--out FILE`` writes
+``{"failed": n on every rank, "failures": [...], "worst": {case: max |diff|}}`` as JSON (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -173,6 +176,7 @@ def main() -> int:
         help="also this many table sets with pieces of up to 8192 tokens of [8, 128] (bf16 cast, fp32 reduce; "
         "tens of MB per rank: the native buffer grows)",
     )
+    ap.add_argument("--out", default=None, help="JSON verdict (rank 0)")
     a = ap.parse_args()
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -206,6 +210,18 @@ def main() -> int:
             f"gpu_group_collective_check: world {world}, {len(cases)} table sets, {int(flag.item())} failures "
             f"({a.device} {a.impl} vs gloo)"
         )
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(
+                    {
+                        "failed": int(flag.item()),
+                        "failures": failures,
+                        "worst": worst,
+                        "table_sets": len(cases),
+                    },
+                    f,
+                    indent=1,
+                )
     if a.impl == "native":
         release_native_buffers()  # collective, while every rank is still here
     dist.barrier(group=gloo)

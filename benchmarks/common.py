@@ -1,0 +1,357 @@
+"""Helpers every kernel benchmark shares: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
+area), the runners that build each kernel's call on the same inputs (outside the timing), forward / backward
+timing, and the environment header of a result file.
+
+Masks (total length S): full, causal, varlen_full / varlen_causal (``varlen_docs(S, floor=16)``: log-normal
+lengths around S/16, each in [16, S/4]), swa_causal_w1024 / w4096
+(key k visible from query q iff q - w < k <= q), varlen block-causal (documents, 2048-token blocks: a key is
+visible if it is in the same document and in the same or an earlier block), random (random overlapping slices
+of all four types, disjoint areas).
+
+TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+
+Only torch is imported with the module (the magi packages where they are used), so the tests of one package
+can import a benchmark's helpers without the others installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MASK_NAMES = (
+    "full", "causal", "varlen_full", "varlen_causal", "swa_causal_w1024", "swa_causal_w4096",
+    "varlen_block_causal", "random",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchMask:
+    """One mask: slices (CPU int32 tensors), a Flex ``mask_mod`` (None = no mask), exact visible area."""
+
+    name: str
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type_map: torch.Tensor
+    mask_mod: Callable | None
+    area: int
+    cudnn_causal: bool | None  # SDPA expresses it as (is_causal), or None if SDPA cannot
+
+
+def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
+    """``[start, end)`` of packed documents with long-tailed lengths: log-normal around ``total / 16`` (sigma
+    1), each in [``floor``, ``total / 4``], the last one cut at ``total``; seeded. The default floor is
+    ``magi_solver.long_tailed_cu_seqlens`` (the documents of the runtime benchmarks); the kernel masks (floor
+    16) and ``cp_bench`` (floor ``total / 512``) keep the floor their committed measurements were made with
+    (the shipped kernel table's features are computed from the kernel masks' documents)."""
+    if floor == 128:
+        from magi_solver import long_tailed_cu_seqlens
+
+        return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
+    rng = random.Random(seed)
+    cap, docs = max(1, total // 4), [[0, 0]]
+    while docs[-1][1] < total:
+        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
+        docs.append([docs[-1][1], min(total, docs[-1][1] + n)])
+    return docs[1:]
+
+
+def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> int:
+    """Exact number of visible pairs (slices must have disjoint areas), counted row by row."""
+    total = 0
+    for (qs, qe), (ks, ke), t in zip(q_ranges.tolist(), k_ranges.tolist(), types.tolist()):
+        if qe <= qs or ke <= ks:
+            continue
+        r = torch.arange(qs, qe, dtype=torch.int64)
+        hi = torch.full_like(r, ke)
+        lo = torch.full_like(r, ks)
+        if t in (1, 3):
+            hi = torch.minimum(hi, r + (ke - qe) + 1)
+        if t in (2, 3):
+            lo = torch.maximum(lo, r + (ks - qs))
+        total += int((hi - lo).clamp(min=0).sum())
+    return total
+
+
+def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
+    """Build mask ``name`` for ``total`` tokens (Flex mask_mod tensors live on ``device``)."""
+    S = total
+    docs = varlen_docs(S, floor=16)
+    lens = [b - a for a, b in docs]
+    ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+    cudnn = None
+    if name == "full":
+        rows, mod, cudnn = [[0, S, 0, S, 0]], None, False
+    elif name == "causal":
+        rows, mod, cudnn = [[0, S, 0, S, 1]], (lambda b, h, q, k: q >= k), True
+    elif name == "varlen_full":
+        rows = [[a, b, a, b, 0] for a, b in docs]
+        mod = lambda b, h, q, k: ids[q] == ids[k]  # noqa: E731
+    elif name == "varlen_causal":
+        rows = [[a, b, a, b, 1] for a, b in docs]
+        mod = lambda b, h, q, k: (ids[q] == ids[k]) & (q >= k)  # noqa: E731
+    elif name.startswith("swa_causal_w"):
+        w = int(name.removeprefix("swa_causal_w"))
+        # rows [0, w): causal square; rows [w, S): keys (q - w, q] = a bi-causal band over k [1, S)
+        rows = [[0, min(w, S), 0, min(w, S), 1]] + ([[w, S, 1, S, 3]] if S > w else [])
+        mod = lambda b, h, q, k, w=w: (q >= k) & (q - k < w)  # noqa: E731
+    elif name == "varlen_block_causal":
+        B = 2048
+        rows = []
+        for a, b in docs:
+            for blk in range(a // B, (b - 1) // B + 1):
+                q0, q1 = max(a, blk * B), min(b, (blk + 1) * B)
+                rows.append([q0, q1, a, q1, 0])
+        blk_of = torch.arange(S, device=device) // B
+        mod = lambda b, h, q, k: (ids[q] == ids[k]) & (blk_of[k] <= blk_of[q])  # noqa: E731
+    elif name == "random":
+        rows = _random_rows(S, seed=0)
+        dense = torch.zeros(S, S, dtype=torch.bool, device=device)
+        for qs, qe, ks, ke, t in rows:
+            i = torch.arange(qs, qe, device=device)[:, None]
+            j = torch.arange(ks, ke, device=device)[None, :]
+            m = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=device)
+            if t in (1, 3):
+                m &= j <= i + (ke - qe)
+            if t in (2, 3):
+                m &= j >= i + (ks - qs)
+            dense[qs:qe, ks:ke] |= m
+        mod = lambda b, h, q, k: dense[q, k]  # noqa: E731
+    else:
+        raise ValueError(f"unknown mask {name!r}; choose from {MASK_NAMES}")
+    qr, kr, tm = _t(rows)
+    return BenchMask(name, qr, kr, tm, mod, slice_area(qr, kr, tm), cudnn)
+
+
+def _random_rows(S: int, seed: int) -> list[list[int]]:
+    """Random overlapping slices: q and k cut into 16 bands at 128-token granularity, each (q band, k band)
+    cell holds a slice with probability 0.3 (random type, sub-range); disjoint areas."""
+    rng = random.Random(seed)
+
+    def bands() -> list[tuple[int, int]]:
+        pts = sorted({0, S, *(128 * rng.randrange(1, S // 128) for _ in range(15))})
+        return list(itertools.pairwise(pts))
+
+    rows = []
+    for q0, q1 in bands():
+        for k0, k1 in bands():
+            if rng.random() < 0.3:
+                t = rng.randrange(4)
+                if t == 3 and (q1 - q0) > (k1 - k0):
+                    t = 1
+                rows.append([q0, q1, k0, k1, t])
+    rng.shuffle(rows)
+    return rows
+
+
+def flex_setup():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # one compiled kernel per mask: raise the limits or Flex silently falls back to an eager O(N^2) path
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.recompile_limit = 256
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], flex_tools):
+    """name -> (fn, inputs needing grad); every input tensor is created here, outside the timing."""
+    import magi_ffa
+
+    dev, dt = "cuda", torch.bfloat16
+    out = {}
+    q = torch.randn(S, hq, d, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(S, hk, d, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(S, hk, d, device=dev, dtype=dt, requires_grad=True)
+    if "ffa" in kernels:
+        out["ffa"] = (lambda: magi_ffa.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0],
+                      (q, k, v))  # fmt: skip
+    if "ffa_fa4" in kernels:
+        try:
+            import magi_ffa_fa4
+
+            out["ffa_fa4"] = (
+                lambda: magi_ffa_fa4.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[
+                    0
+                ],
+                (q, k, v),
+            )
+        except Exception as e:  # optional entry
+            print(f"# ffa_fa4 unavailable: {e!r}"[:200])
+    if "ffa_cudnn" in kernels:
+        try:
+            import magi_ffa_cudnn
+
+            magi_ffa_cudnn.get_mask_plan(
+                q, k, m.q_ranges, m.k_ranges, m.attn_type_map
+            )  # plan outside the timing
+            out["ffa_cudnn"] = (
+                lambda: magi_ffa_cudnn.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[
+                    0
+                ],
+                (q, k, v),
+            )
+        except Exception as e:  # optional entry
+            print(f"# ffa_cudnn unavailable: {e!r}"[:200])
+    for name in ("cudnn_flex", "cudnn_varlen"):
+        if name in kernels:
+            try:
+                runner = _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen")
+                if runner is not None:
+                    out[name] = runner
+            except Exception as e:  # optional entry
+                print(f"# {name} unavailable for {m.name}: {e!r}"[:200])
+    qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # [1, h, S, d]
+    gqa = hq != hk
+    if "flex" in kernels:
+        flex, create_block_mask = flex_tools
+        bm = create_block_mask(m.mask_mod, 1, 1, S, S, device=dev) if m.mask_mod is not None else None
+        out["flex"] = (lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=gqa), (qb, kb, vb))
+    if m.cudnn_causal is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        for name, be in (
+            ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ):
+            if name in kernels:
+
+                def f(be=be):
+                    with sdpa_kernel([be]):
+                        return sdpa(qb, kb, vb, is_causal=m.cudnn_causal, enable_gqa=gqa)
+
+                out[name] = (f, (qb, kb, vb))
+    if "fa4" in kernels and m.name != "random":
+        try:
+            out["fa4"] = _fa4_runner(m, q, k, v)
+        except Exception as e:  # optional entry
+            print(f"# fa4 unavailable for {m.name}: {e!r}"[:200])
+    for name, backend in CALC_ATTN_RUNNERS.items():
+        if name in kernels:
+            try:
+                out[name] = calc_attn_runner(m, q, k, v, backend)
+            except Exception as e:  # a backend this machine cannot run is reported, not hidden
+                print(f"# {name} unavailable: {e!r}"[:200])
+    return out
+
+
+CALC_ATTN_RUNNERS = {"auto": "auto", "calc_fa4": "fa4", "calc_cudnn": "cudnn", "calc_triton": "triton"}
+"""Runner name -> ``kernel_backend`` of the runtime's ``calc_attn`` at cp = 1 (the call a user makes)."""
+
+
+def calc_attn_runner(m: BenchMask, q, k, v, backend: str):
+    """The runtime's ``calc_attn`` at cp = 1 with ``kernel_backend=backend`` on the same inputs (its key
+    built outside the timing; the backend it resolved and why printed)."""
+    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key
+
+    S, hq, d = q.shape
+    key = magi_attn_flex_key(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), S, S, hq,
+                             k.shape[1], d, None, DistAttnConfig(kernel_backend=backend))  # fmt: skip
+    resolved, reason = get_kernel_backend(key)
+    print(f"# calc_attn({backend}) on {m.name} {S}: {resolved.value} ({reason})", flush=True)
+    return (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
+
+
+def _slice_mask(m: BenchMask, total: int):
+    """The bench mask as the vendor calls' mask (``magi_attention._runtime.vendor_kernels``, one definition of each
+    vendor call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
+    from magi_attention._runtime.vendor_kernels import SliceMask
+
+    window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
+    return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,
+                        window=window)  # fmt: skip
+
+
+def _fa4_runner(m: BenchMask, q, k, v):
+    """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
+    from magi_attention._runtime.vendor_kernels import fa4_call
+
+    return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
+
+
+def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
+    """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
+    or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
+    from cudnn.flex_attention import create_mask_plan, flex_attn_func
+
+    S = q.shape[0]
+    if not varlen:
+        from magi_attention._runtime.vendor_kernels import cudnn_flex_call
+
+        return cudnn_flex_call(_slice_mask(m, S), q, k, v)
+    if m.name not in ("varlen_full", "varlen_causal"):
+        return None
+    cu = torch.tensor([0, *m.q_ranges[:, 1].tolist()], dtype=torch.int32, device=q.device)
+    mx = int((m.q_ranges[:, 1] - m.q_ranges[:, 0]).max())
+    pos = torch.arange(S, device=q.device) - torch.repeat_interleave(cu[:-1], cu.diff())
+    end = pos + 1 if m.name == "varlen_causal" else torch.repeat_interleave(cu.diff(), cu.diff())
+    func = end.to(torch.int32).reshape(1, 1, S).contiguous()
+    qv, kv, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    plan = create_mask_plan(func, qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
+                            build_backward=True)  # fmt: skip
+    return (lambda: flex_attn_func(qv, kv, vv, mask_plan=plan), (qv, kv, vv))
+
+
+def git_sha() -> str:
+    """The checkout's short commit (``"unknown"`` outside a git checkout): every result file records it."""
+    return os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment() -> dict:
+    """The header of a kernel result file: date, GPU, torch, triton, commit."""
+    import triton
+
+    return dict(
+        date=datetime.date.today().isoformat(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        git=git_sha(),
+    )
+
+
+def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
+    """The launchers ``kernel_backend="auto"`` picks for a plan on this GPU, by the runtime's rule (every
+    backend this process can run is a candidate; the backward's backend may differ): ``(attn_kernel,
+    choice)``. ``rows``: each rank's global query ids; ``kv_layout``: the plan's (None: keys dispatched as the
+    queries are)."""
+    from magi_attention._runtime.kernels import _resolve, attn_kernel, choose_auto, probe_local
+    from magi_attention.config import KernelBackend
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
+    choice = choose_auto(_resolve(KernelBackend.AUTO, head_dim, [probe_local()]), head_dim,
+                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    return attn_kernel(choice.backend, choice.backward), choice
+
+
+def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``fn``: ``triton.testing.do_bench`` medians of the forward and of forward +
+    backward (gradient ``g`` into ``xs``); backward = (forward + backward) - forward."""
+    from triton.testing import do_bench
+
+    tf = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    tfb = do_bench(lambda: torch.autograd.grad(fn(), xs, g), warmup=warmup, rep=rep, return_mode="median")
+    return tf, tfb - tf

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The GPU runs, phase by phase (the device machine, repository root; one or more H200s):
+#   bash benchmarks/device.sh PHASE [PHASE ...]        e.g. bash benchmarks/device.sh install gpu-tests kernels
+# Setup:    park (first call of a fresh machine: the first half of the FA4 wheels, carry .fa4/a)
+#           install (next call: the FA4 wheels, carry .fa4/b, and pytest / hypothesis from .whl/)
+#           install-integrations (the wheels of benchmarks/integration_wheels.sh, carry .intwheels)
+# Checks:   gpu-tests (python -m pytest -m gpu, as docs/development.md says; GPU_TESTS_K=<expr> selects)
+#           info (python -m magi_attention.info --check --bench)
+# Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
+#           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
+#           plans (magi-ffa-cudnn mask plan build times)
+# Runtime:  mask-loop (a new mask every step), first-step (first step against steady step, cold and warm)
+#           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table)
+#           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
+#           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
+#           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
+#           calibrate (the overlap cost model's profile per kernel backend, on every GPU, to $OUT/calibration)
+# Models:   hf | hf-deterministic | fsdp | megatron | torchtitan (benchmarks/integration_runs, bf16, world 1)
+# Results go to $OUT (each phase its files), every command's output to $OUT/device.log; the integration runs'
+# reports close a call that ran one, as a table. Exits 1 if a phase failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/magi_device_out}
+export OUT
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/root/fa4_cache
+# this checkout's sources first (installed integration wheels provide only their metadata)
+PYTHONPATH=$(ls -d "$PWD"/packages/*/src "$PWD"/integrations/*/src 2>/dev/null | tr '\n' ':')${PYTHONPATH:-}
+export PYTHONPATH
+NGPU=$(nvidia-smi -L | wc -l)
+LOG=$OUT/device.log
+FAILED=()
+say() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+run() {  # limit_s command...: logged, the tail shown, a failure remembered
+  local limit=$1; shift
+  say "+ $*"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG" | grep -v '^{' | tail -40
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { FAILED+=("$PHASE (exit $rc)"); say "exit $rc"; }
+}
+
+phase_park() { mkdir -p ~/.cache/fa4 && cp .fa4/a/* ~/.cache/fa4/ && ls -la ~/.cache/fa4; }
+phase_install() {
+  if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
+    local sp
+    sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    cat ~/.cache/fa4/cu13.part.* .fa4/b/cu13.part.* | xz -dc | tar x -C "$sp"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .fa4/b/*.whl
+  fi
+  python3 -c "import pytest, hypothesis" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+  run 60 python3 -c "import flash_attn.cute, cudnn.flex_attention, torch, triton; print('FA4 and cuDNN ready; torch', torch.__version__, 'triton', triton.__version__)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+}
+phase_install-integrations() {
+  run 120 bash benchmarks/integration_wheels.sh install
+  run 60 python3 -c "import torchtitan, magi_attention_torchtitan, torch; print('torchtitan imports on torch', torch.__version__)"
+}
+
+phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest decides by the CUDA device)
+  run "${TEST_S:-590}" env -u TRITON_INTERPRET python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
+    --junitxml "$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
+}
+phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
+
+phase_kernels() {
+  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --seqlens "${SEQLENS:-8192,32768}" --d "${HEAD_DIMS:-128}" \
+    --masks "${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}" --rep "${REP:-25}" \
+    ${KERNELS:+--kernels "$KERNELS"} --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
+}
+phase_kernels-det() {
+  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
+}
+phase_plans() { run 300 python3 -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans; }
+
+phase_mask-loop() { run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"; }
+phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
+phase_sim() {
+  run "${BENCH_S:-560}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
+    --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 \
+    --no-single --no-cp1 --json "$OUT/sim.json"
+}
+phase_scaling() {
+  run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
+    --masks full,causal,varlen_full,varlen_causal,video_block_causal --degree 0 --kernel-backend auto,cudnn \
+    --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json"
+}
+phase_cp() {
+  local extra=()
+  read -r -a extra <<< "${CP_ARGS:-}"
+  run "${BENCH_S:-560}" torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.cp_bench \
+    --tokens-per-gpu 16384 --heads 64:8 --iters 10 --warmup 3 --out "$OUT/cp_bench" "${extra[@]}"
+}
+phase_grpcoll() {
+  [ "$NGPU" -ge 2 ] || { say "grpcoll needs 2+ GPUs; skipped"; return; }
+  run 240 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.group_collective_bench --gpu-bandwidth \
+    --sizes-mb 8,64,512 --json "$OUT/bandwidth.json"
+}
+
+phase_checks-overhead() {
+  local n
+  for n in 2 1; do
+    [ "$NGPU" -ge "$n" ] || continue
+    run 400 torchrun --standalone --nproc-per-node "$n" -m benchmarks.failure_checks_overhead --agreement \
+      --heads 32 --dtype bf16 --iters 20 --rounds 5
+  done
+}
+
+phase_calibrate() {
+  run 300 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.calibrate_overlap --out "$OUT/calibration"
+}
+
+integration() { run "${PHASE_S:-150}" python3 -m "benchmarks.integration_runs.$1"; INTEGRATIONS=1; }
+phase_hf() { integration hf_run; }
+phase_hf-deterministic() { CUBLAS_WORKSPACE_CONFIG=:4096:8 integration hf_deterministic_run; }
+phase_fsdp() { integration fsdp_run; }
+phase_megatron() { integration megatron_run; }
+phase_torchtitan() { integration torchtitan_run; }
+integration_table() {
+  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+
+print(f"\n{'run':<16} {'kernel':<7} {'loss0 |d|':>9} {'max |d|':>9} {'grad rel':>9} {'tok/s magi':>11} {'tok/s ref':>10} {'x':>5}  checks")
+for path in sorted(Path(sys.argv[1]).glob("*.json")):
+    report = json.loads(path.read_text())
+    for r in report.get("runs", []) if isinstance(report, dict) else []:
+        if "checks" not in r:
+            continue
+        verdict = "PASS" if all(v == "PASS" for v in r["checks"].values()) else "MISS"
+        print(f"{r['name']:<16} {r.get('kernel_backend', '?'):<7} {r['loss_abs_diff'][0]:>9.2e} {max(r['loss_abs_diff']):>9.2e} "
+              f"{r['grad_rel_err_step0']:>9.2e} {r['tokens_per_s_magi']:>11,.0f} {r['tokens_per_s_ref']:>10,.0f} "
+              f"{r['tokens_per_s_magi'] / r['tokens_per_s_ref']:>5.2f}  {verdict}")
+PY
+}
+
+[ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
+for PHASE in "$@"; do
+  declare -F "phase_$PHASE" >/dev/null || { echo "unknown phase $PHASE" >&2; exit 2; }
+done
+INTEGRATIONS=0
+for PHASE in "$@"; do
+  say "=== $PHASE (GPUs: $NGPU)"
+  "phase_$PHASE"
+done
+[ "$INTEGRATIONS" -eq 0 ] || integration_table
+say "done${FAILED[*]:+; failed: ${FAILED[*]}}"
+[ ${#FAILED[@]} -eq 0 ]
