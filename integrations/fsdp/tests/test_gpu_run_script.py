@@ -8,11 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "integration_runs" / "fsdp_run.py"
+ROOT = Path(__file__).resolve().parents[3]
+MODULE = "benchmarks.integration_runs.fsdp_run"  # run as `python -m`, from the repository root
 
 
 def test_gpu_run_script_passes_on_cpu() -> None:
     res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", MODULE, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert res.returncode == 0 and "fsdp: PASS" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
