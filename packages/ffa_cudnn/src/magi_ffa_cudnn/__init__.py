@@ -8,36 +8,10 @@ The package provides cuDNN's launchers and its capability (``CAPABILITY``); the 
 """
 
 # first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
-from . import env
-from .interface import (
-    BACKEND,
-    CAPABILITY,
-    INSTALL_HINT,
-    CudnnMaskPlan,
-    clear_plan_cache,
-    cudnn_available,
-    ffa_bwd,
-    ffa_fwd,
-    flex_flash_attn_func,
-    get_mask_plan,
-    head_dim_supported,
-)
+from . import env, interface
+from .interface import *  # noqa: F403  (the entry points: interface.__all__ is their one list)
 from .mask_func import mask_func_from_intervals, visible_from_mask_func
 
 __version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
 
-__all__ = [
-    "BACKEND",
-    "CAPABILITY",
-    "INSTALL_HINT",
-    "CudnnMaskPlan",
-    "clear_plan_cache",
-    "cudnn_available",
-    "ffa_bwd",
-    "ffa_fwd",
-    "flex_flash_attn_func",
-    "get_mask_plan",
-    "head_dim_supported",
-    "mask_func_from_intervals",
-    "visible_from_mask_func",
-]
+__all__ = [*interface.__all__, "mask_func_from_intervals", "visible_from_mask_func"]

@@ -261,6 +261,25 @@ def _reduce_what(stage: int) -> str:
     return f"GroupReduce of stage {stage} (remote dK/dV) in the backward of calc_attn"
 
 
+def _save_outputs(ctx, q, k, v, out, lse, sink, max_logits):
+    """The forward tail of both autograd Functions: save what their backward reads (sink only when given)
+    and return `(out, lse)`, or `(out, lse, max_logits)` with max_logits non-differentiable."""
+    ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
+    if max_logits is None:
+        return out, lse
+    ctx.mark_non_differentiable(max_logits)
+    return out, lse, max_logits
+
+
+def _saved(ctx, grad_out):
+    """The backward head of both autograd Functions: `(q, k, v, out, lse, sink or None, grad_out)`, a
+    missing output gradient (only lse or max logits were used) as zeros."""
+    q, k, v, out, lse, *sink = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    return q, k, v, out, lse, (sink[0] if sink else None), grad_out
+
+
 class DistAttnFunc(torch.autograd.Function):
     """`apply(q, k, v, runtime, scale, softcap, sink=None, return_max_logits=False)` -> `(out, lse)`, or
     `(out, lse, max_logits)`. out, lse (its gradient enters as `Delta = rowsum(dO * O) - dlse`) and sink are
@@ -272,19 +291,12 @@ class DistAttnFunc(torch.autograd.Function):
     ):
         extras = _Extras(sink, bool(ret_max))
         out, lse = dist_attn_fwd(q, k, v, runtime, scale, softcap, extras=extras)
-        ctx.has_sink = sink is not None
-        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
         ctx.runtime, ctx.scale, ctx.softcap = runtime, scale, softcap
-        if ret_max:
-            ctx.mark_non_differentiable(extras.max_logits)
-            return out, lse, extras.max_logits
-        return out, lse
+        return _save_outputs(ctx, q, k, v, out, lse, sink, extras.max_logits if ret_max else None)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, *_grad_max):
-        q, k, v, out, lse, *sink = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
+        q, k, v, out, lse, sink, grad_out = _saved(ctx, grad_out)
         # Every rank runs the backward before any data moves: a rank that skipped it (or is in another
         # call) is named instead of awaited; a rank without the plan's device tensors makes all rebuild.
         runtime = ctx.runtime
@@ -300,8 +312,8 @@ class DistAttnFunc(torch.autograd.Function):
             grad_out, q, k, v, out, lse, ctx.runtime, ctx.scale, ctx.softcap, dlse=grad_lse
         )
         dsink = None
-        if ctx.has_sink and ctx.needs_input_grad[6]:
-            dsink = sink_grad(grad_out, out, lse, sink[0], grad_lse)
+        if sink is not None and ctx.needs_input_grad[6]:
+            dsink = sink_grad(grad_out, out, lse, sink, grad_lse)
         return dq, dk, dv, None, None, None, dsink, None
 
 
@@ -363,26 +375,19 @@ class _SingleCall(torch.autograd.Function):
             q, k, v, host, softmax_scale=scale, softcap=softcap, deterministic=det, return_max_logits=ret_max,
             **kw,
         )  # fmt: skip
-        out, lse = res[0], res[1]
-        ctx.save_for_backward(q, k, v, out, lse, *((sink,) if sink is not None else ()))
         ctx.kernel, ctx.host, ctx.scale, ctx.softcap, ctx.det = kernel, host, scale, softcap, det
         ctx.set_materialize_grads(False)
-        if ret_max:
-            ctx.mark_non_differentiable(res[2])
-            return out, lse, res[2]
-        return out, lse
+        return _save_outputs(ctx, q, k, v, res[0], res[1], sink, res[2] if ret_max else None)
 
     @staticmethod
     def backward(ctx, dout, dlse, *_dmax):
-        q, k, v, out, lse, *sink = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        kw = {"sink": sink[0]} if sink else {}
+        q, k, v, out, lse, sink, dout = _saved(ctx, dout)
+        kw = {} if sink is None else {"sink": sink}
         grads = ctx.kernel.bwd_slices(
             dout.contiguous(), q, k, v, out, lse, ctx.host, softmax_scale=ctx.scale, softcap=ctx.softcap,
             deterministic=ctx.det, dlse=dlse, **kw,
         )  # fmt: skip
-        dsink = grads[3] if sink else None
+        dsink = grads[3] if sink is not None else None
         return grads[0], grads[1], grads[2], None, None, None, None, dsink, None, None
 
 

@@ -11,56 +11,13 @@ A mask over `[total_q] x [total_k]` is the union of slices `(q_range, k_range, t
   `env` module reads the variable and parses it here).
 """
 
-from .dense import dense_mask, region_dense, slice_dense
-from .ranges import TypedSlice, as_int_pairs, check_int, validate_slices
-from .region import (
-    Region,
-    any_shared_pair,
-    band_area,
-    band_area_np,
-    clip_region,
-    decompose_region,
-    disjoint_regions,
-    disjoint_union,
-    intersect_regions,
-    region_bounds_active,
-    region_of,
-    slice_area,
-    subtract_region,
-    tighten_region,
-    total_area,
-)
-from .types import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, AttnMaskType, normalize_types
+# The package exports exactly its modules' public names; each module's ``__all__`` is the one list of them.
+from . import dense, ranges, region, types
+from .dense import *  # noqa: F403
+from .ranges import *  # noqa: F403
+from .region import *  # noqa: F403
+from .types import *  # noqa: F403
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
-__all__ = [
-    "BI_CAUSAL",
-    "CAUSAL",
-    "FULL",
-    "INV_CAUSAL",
-    "AttnMaskType",
-    "Region",
-    "TypedSlice",
-    "any_shared_pair",
-    "as_int_pairs",
-    "band_area",
-    "band_area_np",
-    "check_int",
-    "clip_region",
-    "decompose_region",
-    "dense_mask",
-    "disjoint_regions",
-    "disjoint_union",
-    "intersect_regions",
-    "normalize_types",
-    "region_bounds_active",
-    "region_dense",
-    "region_of",
-    "slice_area",
-    "slice_dense",
-    "subtract_region",
-    "tighten_region",
-    "total_area",
-    "validate_slices",
-]
+__all__ = [*types.__all__, *region.__all__, *ranges.__all__, *dense.__all__]

@@ -142,37 +142,34 @@ class HardwareProfile:
         )
 
 
+_SOURCES = {
+    "h200": "measured on H200 (FA4 backend kernels, NVLink collectives); inter-node 50 GB/s is published",
+    "h100": "estimate: H200 measurements x 0.95 (same chip and peak, slower memory)",
+    "b200": "estimate: H200 measurements x 2.27 (published dense BF16 peak ratio)",
+}
+
+
+def _shipped(
+    name: str, kernel_tflops: dict[MaskFamily, tuple[float, float]], internode_gbps: float, estimate: bool
+) -> HardwareProfile:
+    """A shipped profile: 8 GPUs a node; NVLink and the other constants from the runtime's `<name>/fa4`."""
+    base = PROFILES[f"{name}/fa4"]
+    return HardwareProfile(
+        name=name,
+        kernel_tflops=kernel_tflops,
+        nvlink_gbps=base.comm_gbps,
+        internode_gbps=internode_gbps,
+        gpus_per_node=8,
+        base=base,
+        estimate=estimate,
+        source=_SOURCES[name],
+    )
+
+
 HARDWARE: dict[str, HardwareProfile] = {
-    "h200": HardwareProfile(
-        name="h200",
-        kernel_tflops=_H200_FA4,
-        nvlink_gbps=PROFILES["h200/fa4"].comm_gbps,
-        internode_gbps=50.0,
-        gpus_per_node=8,
-        base=PROFILES["h200/fa4"],
-        estimate=False,
-        source="measured on H200 (FA4 backend kernels, NVLink collectives); inter-node 50 GB/s is published",
-    ),
-    "h100": HardwareProfile(
-        name="h100",
-        kernel_tflops=_scaled(_H200_FA4, 0.95),
-        nvlink_gbps=PROFILES["h100/fa4"].comm_gbps,
-        internode_gbps=50.0,
-        gpus_per_node=8,
-        base=PROFILES["h100/fa4"],
-        estimate=True,
-        source="estimate: H200 measurements x 0.95 (same chip and peak, slower memory)",
-    ),
-    "b200": HardwareProfile(
-        name="b200",
-        kernel_tflops=_scaled(_H200_FA4, 2.27),
-        nvlink_gbps=PROFILES["b200/fa4"].comm_gbps,
-        internode_gbps=100.0,
-        gpus_per_node=8,
-        base=PROFILES["b200/fa4"],
-        estimate=True,
-        source="estimate: H200 measurements x 2.27 (published dense BF16 peak ratio)",
-    ),
+    "h200": _shipped("h200", _H200_FA4, internode_gbps=50.0, estimate=False),
+    "h100": _shipped("h100", _scaled(_H200_FA4, 0.95), internode_gbps=50.0, estimate=True),
+    "b200": _shipped("b200", _scaled(_H200_FA4, 2.27), internode_gbps=100.0, estimate=True),
 }
 """Shipped hardware profiles by name."""
 
