@@ -142,10 +142,15 @@ def torch_too_old(metas: list[dict], version: str) -> str | None:
 
 
 def installed_torch() -> tuple[str, bool] | None:
-    """(version, is_cpu_build) of the torch this interpreter imports, or None."""
+    """(version, is_cpu_build) of the torch this interpreter imports, or None. The version is the installed
+    distribution's (what pip compares a pin with), which an image's own build of torch may give without the
+    local part that ``torch.__version__`` shows (``2.11.0`` against ``2.11.0+cu130``)."""
     if importlib.util.find_spec("torch") is None:
         return None
-    code = "import torch; print(torch.__version__, torch.version.cuda is None and torch.version.hip is None)"
+    code = (
+        "import importlib.metadata as m, torch; "
+        "print(m.version('torch'), torch.version.cuda is None and torch.version.hip is None)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if r.returncode != 0:
         raise InstallError(f"torch is installed but does not import:\n{r.stderr.strip()}")

@@ -1,11 +1,11 @@
-"""A loop that hands the kernels a new mask every step compiles nothing after its warm-up, and no step is slow.
+"""A loop that hands the kernels a new mask every step compiles nothing after its warm-up.
 
 The GPU tests run ``python -m benchmarks.mask_loop_bench --check`` (20 timed steps of 16k tokens, each a new mask of
 one of seven kinds, after a warm-up of other masks and of one mask per FA4 interval-width bucket) for the
 FA4, cuDNN and Triton backends at cp 1: it exits 1 when a compiled-kernel cache (FA4's and cuDNN's JIT
-caches, magi_ffa's Triton kernels) grows during the timed steps or a step stalls (takes more than 1.5x the
-median and more than 1.5x the same mask's warm re-run: the kinds do different amounts of work, a compile
-takes seconds). On the GPU machine, from the repository root:
+caches, magi_ffa's Triton kernels) grows during the timed steps or a step compiles where no cache shows it
+(takes more than ``COMPILE_S`` seconds longer than the same mask's warm re-run). How fast the steps are is
+the benchmark's report, not this test's verdict. On the GPU machine, from the repository root:
 
     python -m pytest -m gpu packages/ffa_fa4/tests/test_mask_loop_gpu.py
 

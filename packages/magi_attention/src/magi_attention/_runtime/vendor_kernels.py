@@ -227,11 +227,12 @@ def flex_attention_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: to
 
     causal, varlen, window = mask.dense_causal(), mask.varlen(), mask.window
     if "fn" not in _FLEX:
-        import torch._dynamo
+        # (imported under its own name: `import torch._dynamo` would make `torch` local to this function)
+        from torch._dynamo import config as dynamo_config
 
         # one compiled kernel per mask and shape: raise the limits or Flex falls back to an eager O(N^2) path
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     if causal is not None:
         mod = None if not causal else (lambda b, h, qi, ki: qi >= ki)
