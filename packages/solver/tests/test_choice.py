@@ -82,8 +82,8 @@ def test_chosen_dispatch_balances_each_family(name: str, cp: int) -> None:
     fixed = plan_attention(q, k, t, total, cp, chunk_size=default_chunk_size(total, cp))
     assert c.imbalance <= max(fixed.dispatch.lower_bound_imbalance, 1.0) + 0.011  # its balance slack
     assert c.remote_kv_tokens_max == max(plan.remote_tokens_per_rank)
-    # the target is 1.25x (benchmarks/plan_targets.py reports it; one heavy-tailed pack at cp 16 needs 1.34x)
-    assert c.remote_kv_tokens_max <= 1.35 * _remote_of_fixed_rule(q, k, t, total, cp)
+    # the target is 1.25x (benchmarks/plan_targets.py reports it)
+    assert c.remote_kv_tokens_max <= 1.25 * _remote_of_fixed_rule(q, k, t, total, cp)
     assert c.reason.endswith(".") and str(c.chunk_size) in c.reason
 
 
@@ -96,6 +96,19 @@ def test_heavy_tailed_pack_beats_the_fixed_rule() -> None:
     chosen = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg=None))
     assert chosen.imbalance <= 1.03 and chosen.dispatch.chunk_size < 1024
     assert "1024 cannot balance" in chosen.choice.reason
+
+
+@pytest.mark.parametrize("per_gpu", [8192, 2048])
+def test_heavy_tailed_pack_moves_little_more_than_the_fixed_rule(per_gpu: int) -> None:
+    # cp 16: chunk 1024 (8k per GPU) cannot balance the CLI's own builder below 1.147; the smaller sizes
+    # that balance it spread its long documents over more ranks. Target 1.25x the fixed rule's remote K/V;
+    # the choice keeps a margin (this row moved 1.26x when the balancing swaps scattered those documents)
+    total, cp = per_gpu * 16, 16
+    q, k, t = FAMILIES["docs_lognormal_causal"](total)
+    clear_dispatch_cache()
+    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg=None, overlap_degree=0))
+    assert plan.choice.imbalance <= (1.03 if per_gpu == 8192 else 1.05)
+    assert plan.choice.remote_kv_tokens_max <= 1.2 * _remote_of_fixed_rule(q, k, t, total, cp)
 
 
 def test_remote_estimate_is_exact() -> None:

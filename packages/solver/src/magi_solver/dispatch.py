@@ -44,8 +44,9 @@ class DispatchAlg(StrEnum):
     ZIGZAG: the head-tail split of ring attention: 2*cp blocks, rank r gets blocks r and 2*cp-1-r.
     AFFINITY: like MIN_HEAP, but a chunk goes to the rank already holding most of the keys its rows need (or
     whose rows need its keys) as long as that rank stays within the balance lower bound (less communication),
-    then MIN_HEAP's swaps restore the balance; falls back to MIN_HEAP's assignment when that one needs no
-    more (estimated) communication.
+    then MIN_HEAP's swaps restore the balance, then swaps that never raise the maximum load lower the remote
+    keys of the rank fetching the most; falls back to MIN_HEAP's assignment when that one needs no more
+    (estimated) communication.
     """
 
     MIN_HEAP = "min_heap"
@@ -471,12 +472,105 @@ def _affinity(
     # above it: swaps of one chunk (the ones min-heap refines with) restore the balance
     if cp_size > 1:
         _refine_swaps(areas, parts)
+        # then swaps that lower the busiest fetcher's remote keys without raising the balanced maximum
+        _comm_swaps(need, areas, parts, max(sum(areas[c] for c in p) for p in parts))
     # The greedy can lose to plain min-heap on both counts (e.g. block-causal video, where every late block
     # needs every earlier one): then min-heap's assignment is strictly better, so return it.
     heap = _min_heap(areas, cp_size)
     if _estimated_comm(need, heap) <= _estimated_comm(need, parts):
         return heap
     return parts
+
+
+_COMM_SWAP_CANDIDATES = 64
+"""Chunks of other ranks a comm swap considers per round (those that add the fewest remote keys)."""
+
+
+def _needs_top2(need: np.ndarray, chunks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per key chunk: the largest and second largest need of `chunks`' rows, and the chunk with the largest."""
+    rows = need[chunks]
+    arg = rows.argmax(axis=0)
+    cols = np.arange(rows.shape[1])
+    top1 = rows[arg, cols]
+    if len(chunks) > 1:
+        rest = rows.copy()
+        rest[arg, cols] = -1.0
+        top2 = rest.max(axis=0)
+    else:
+        top2 = np.zeros_like(top1)
+    return top1, np.maximum(top2, 0.0), np.asarray(chunks, dtype=np.int64)[arg]
+
+
+def _comm_swaps(need: np.ndarray, areas: list[int], parts: list[list[int]], cap: int) -> None:
+    """Swap one chunk of the rank with the most estimated remote keys (`_estimated_comm`'s per-rank term)
+    with one chunk of another rank while the larger estimate of the two ends below the old maximum and both
+    loads stay within `cap` (so the balance never gets worse); at most `2 * cp` swaps. In place.
+
+    The balancing swaps ignore affinity and scatter a long document's chunks over more ranks than the
+    balance needs; these swaps bring the chunks its busiest fetcher needs back to it. Each round scores the
+    other ranks' chunks by the keys they would add to that rank, and prices the `_COMM_SWAP_CANDIDATES`
+    best against each of the rank's chunks exactly (both ranks' estimates after the swap)."""
+    n, cp = need.shape[0], len(parts)
+    area = np.asarray(areas, dtype=np.int64)
+    owner = np.empty(n, dtype=np.int64)
+    for r, p in enumerate(parts):
+        owner[p] = r
+    loads = np.asarray([area[p].sum() for p in parts], dtype=np.int64)
+    tops = [_needs_top2(need, p) for p in parts]
+    nz_r, nz_c = np.nonzero(need)  # the candidates' scores walk the needs that are there (few for documents)
+    nz_v = need[nz_r, nz_c]
+    comms = np.asarray([float(t[0].sum() - t[0][p].sum()) for t, p in zip(tops, parts)])
+    for _ in range(2 * cp):
+        r = int(np.argmax(comms))
+        P = np.asarray(parts[r], dtype=np.int64)
+        top1, top2, arg1 = tops[r]
+        own = owner == r
+        # b's from other ranks that add the fewest keys to r's estimate (b's own column becomes owned)
+        add = np.where(own[nz_c] | (nz_r == nz_c), 0.0, np.maximum(nz_v - top1[nz_c], 0.0))
+        delta = np.bincount(nz_r, add, minlength=n) - top1
+        delta[own] = np.inf
+        k = min(_COMM_SWAP_CANDIDATES, n - P.size)
+        if k <= 0:
+            break
+        B = np.argpartition(delta, k - 1)[:k]
+        S = owner[B]
+        mi, bi = np.arange(P.size)[:, None], np.arange(B.size)[None, :]
+        rows_p, rows_b = need[P], need[B]
+        # max(x, y) = x + max(0, y - x): the second term only where an added chunk needs keys (`cols`)
+        cols = np.flatnonzero((rows_p > 0).any(axis=0) | (rows_b > 0).any(axis=0))
+        # r gives a (rows of P), takes b: its column of a is no longer owned, b's is
+        wo_a = np.where(arg1[None, :] == P[:, None], top2[None, :], top1[None, :])  # [m, n]
+        extra = np.maximum(rows_b[None, :, cols] - wo_a[:, None, cols], 0.0)  # [m, k, J]
+        base = np.where(own, 0.0, wo_a).sum(axis=1)[:, None]
+        comm_r = base + np.where(own[cols], 0.0, extra).sum(axis=2)
+        comm_r += np.maximum(wo_a[mi, P[:, None]], rows_b[bi, P[:, None]])  # a's column
+        comm_r -= np.maximum(wo_a[mi, B[None, :]], rows_b[bi, B[None, :]])  # b's column
+        # s (b's owner) gives b, takes a
+        s1 = np.stack([tops[x][0] for x in S.tolist()])
+        s2 = np.stack([tops[x][1] for x in S.tolist()])
+        sa = np.stack([tops[x][2] for x in S.tolist()])
+        wo_b = np.where(sa == B[:, None], s2, s1)  # [k, n]
+        own_s = owner[None, :] == S[:, None]  # [k, n]
+        extra = np.maximum(rows_p[:, None, cols] - wo_b[None, :, cols], 0.0)  # [m, k, J]
+        base = np.where(own_s, 0.0, wo_b).sum(axis=1)[None, :]
+        comm_s = base + np.where(own_s[None, :, cols], 0.0, extra).sum(axis=2)
+        comm_s += np.maximum(wo_b[bi, B[None, :]], rows_p[mi, B[None, :]])  # b's column
+        comm_s -= np.maximum(wo_b[bi, P[:, None]], rows_p[mi, P[:, None]])  # a's column
+        moved = area[P][:, None] - area[B][None, :]
+        ok = (loads[r] - moved <= cap) & (loads[S][None, :] + moved <= cap)
+        worst = np.where(ok, np.maximum(comm_r, comm_s), np.inf)
+        i, j = np.unravel_index(int(np.argmin(worst)), worst.shape)
+        if not worst[i, j] < comms[r] - 0.5:  # estimates count tokens: at least one fewer, or stop
+            break
+        a, b, s = int(P[i]), int(B[j]), int(S[j])
+        parts[r][parts[r].index(a)] = b
+        parts[s][parts[s].index(b)] = a
+        owner[a], owner[b] = s, r
+        loads[r] -= moved[i, j]
+        loads[s] += moved[i, j]
+        for x in (r, s):
+            tops[x] = _needs_top2(need, parts[x])
+            comms[x] = float(tops[x][0].sum() - tops[x][0][parts[x]].sum())
 
 
 def _estimated_comm(need: np.ndarray, parts: list[list[int]]) -> float:
