@@ -83,3 +83,17 @@ def test_gpu_check_passes_on_every_backend_that_runs(capsys) -> None:
     assert code == 0, [r for r in report["check"]["rows"] if not r["passed"]]
     ran = {r["backend"] for r in report["check"]["rows"]}
     assert {"triton", "torch"} <= ran
+
+
+def test_a_package_imported_from_the_source_tree_shows_its_version(monkeypatch) -> None:
+    """A clone on PYTHONPATH has no distribution metadata: the module's version, marked, not "not installed"."""
+
+    def missing(dist: str) -> str:
+        raise info.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(info.metadata, "version", missing)
+    import magi_solver
+
+    assert info._version("magi-solver") == f"{magi_solver.__version__} (source)"
+    assert info._version("magi-no-such-package") is None
+    assert info._version("numpy") is None

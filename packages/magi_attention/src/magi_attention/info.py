@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import json
 import platform
 import shutil
@@ -63,10 +65,16 @@ BENCH_HEADS = (64, 8, 128)
 
 # -- the report ---------------------------------------------------------------------------------------------
 def _version(dist: str) -> str | None:
+    """The installed distribution's version; for our packages imported from a source tree without being
+    installed (a clone on ``PYTHONPATH``) the module's ``__version__`` marked ``(source)``; else None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
+        pass
+    module = dist.replace("-", "_")
+    if not dist.startswith("magi-") or importlib.util.find_spec(module) is None:
         return None
+    return f"{importlib.import_module(module).__version__} (source)"
 
 
 def _driver() -> str | None:
