@@ -8,7 +8,6 @@
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
-#           plans (magi-ffa-cudnn mask plan build times)
 # Runtime:  mask-loop (a new mask every step), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table, one call)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
@@ -73,7 +72,6 @@ phase_kernels() {
 phase_kernels-det() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
 }
-phase_plans() { run 300 python3 -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans; }
 
 phase_mask-loop() { run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"; }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }

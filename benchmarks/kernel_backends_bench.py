@@ -11,7 +11,6 @@ A cell is the median over the rounds; the spread is (max - min) / median over th
 masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
 
     python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
-    python -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir /tmp/kb
 
 ``--write-table OUT --sources A.json[:mask+mask],B.json[:mask+mask]`` turns measured rows into the table
 ``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
@@ -35,10 +34,6 @@ RUN.json`` then adds the ``*_det`` rows to an existing table as rows marked ``"d
 (features of cp 1 rows as below; a simulated rank's features as the runtime computes them at that cp).
 
     python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
-
-``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
-backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
-the cache is cleared, and a cached lookup.
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -313,33 +307,6 @@ def bench(args) -> list[dict]:
     return rows
 
 
-def plan_times(sizes: list[int], masks: list[str], hq: int, hk: int, d: int) -> list[dict]:
-    import magi_ffa_cudnn
-
-    out = []
-    for S in sizes:
-        q = torch.empty(S, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.empty(S, hk, d, device="cuda", dtype=torch.bfloat16)
-        for name in masks:
-            m = build_mask(name, S)
-            row = dict(S=S, mask=name, hq=hq, hk=hk, d=d, slices=int(m.q_ranges.shape[0]))
-            for label in ("first", "rebuilt"):
-                magi_ffa_cudnn.clear_plan_cache()
-                t0 = time.perf_counter()
-                plan = magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
-                row[f"{label}_s"] = round(time.perf_counter() - t0, 4)
-            t0 = time.perf_counter()
-            for _ in range(100):
-                magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
-            row["cached_us"] = round((time.perf_counter() - t0) / 100 * 1e6, 1)
-            row["nfunc"] = plan.nfunc
-            out.append(row)
-            print(json.dumps(row), flush=True)
-        del q, k
-        torch.cuda.empty_cache()
-    return out
-
-
 def render(data: dict) -> str:
     env, rows = data["env"], data.get("rows", [])
     lines = [
@@ -397,19 +364,6 @@ def render(data: dict) -> str:
                 f"| {S // 1024}k | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(k) for k in kern) + " | "
                 + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {versus} | {spread:.0%} |"
             )  # fmt: skip
-    if data.get("plans"):
-        lines += [
-            "",
-            "Plan builds of magi-ffa-cudnn (row intervals + mask_func + cuDNN's plan with its backward payload):",
-            "",
-            "| tokens | mask | slices | nfunc | first build in the process (s) | rebuilt (s) | cached lookup (us) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for p in data["plans"]:
-            lines.append(
-                f"| {p['S']} | {p['mask']} | {p['slices']} | {p['nfunc']} | {p['first_s']:.3f} | {p['rebuilt_s']:.3f} "
-                f"| {p['cached_us']:.0f} |"
-            )
     return "\n".join(lines) + "\n"
 
 
@@ -568,8 +522,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the cell is their median)")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
-    ap.add_argument("--plan-times", default="", help="comma-separated token counts: time plan builds instead")
-    ap.add_argument("--plan-masks", default="varlen_causal,swa_causal_w1024")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
     ap.add_argument(
         "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
@@ -588,19 +540,9 @@ def main() -> None:
     env = environment()
     env["versions"] = _versions()
     data = dict(env=env)
-    if args.plan_times:
-        hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
-        data["plans"] = plan_times(
-            [int(s) for s in args.plan_times.split(",")],
-            args.plan_masks.split(","),
-            hq,
-            hk,
-            int(args.d.split(",")[0]),
-        )
-    else:
-        data["rows"] = bench(args)
-        if args.deterministic and args.sim_cp:
-            data["rows"] += sim_det_rows(args)
+    data["rows"] = bench(args)
+    if args.deterministic and args.sim_cp:
+        data["rows"] += sim_det_rows(args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
