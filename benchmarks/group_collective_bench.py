@@ -3,26 +3,18 @@ GroupCast / GroupReduce bandwidth on GPUs.
 
     .venv/bin/python -m benchmarks.group_collective_bench                 # the bytes table (docs/benchmarks)
     .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
-
-Comm plans come from magi-solver (`plan_attention`, one merged stage: overlap_degree=0) on three masks:
-varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
-sliding window of 1024 over the same documents. Bytes assume K and V stacked per token, 8 KV heads x
-head_dim 128 in bf16 (4 KiB per token). "Inter-node" counts tokens leaving a node of 8 ranks: flat
-all-to-all-v sends a piece once per remote destination rank, the hierarchical impl once per remote node.
-
-GPU bandwidth (one process per GPU, NCCL; multicast off)::
-
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \\
         --sizes-mb 8,64,512 [--json out.json]
 
-Per size S (MiB each rank sends): every rank's input holds 2 x S in 32 pieces of bf16 tokens (4 KiB each:
-K and V of 8 heads x 128); every other piece goes to another rank (round robin), the rest stays, so the
-all-to-all-v path gathers before and (reduce) reduces after its ``all_to_all_single``, as in the runtime.
-GroupCast with those tables, GroupReduce (sum) with the transposed ones; a2av and native, plus one plain
-``all_to_all_single`` of the same split sizes (no copies) for reference. Effective bandwidth = bytes each
-rank sends / time of one call (CUDA events over ``--iters`` back-to-back calls after ``--warmup``; the
-slowest rank counts), in GB/s (1e9). The native column also checks that the timed calls did no rendezvous
-(no ``all_gather_object``, buffer size unchanged) and that its cast output equals the a2av one bit for bit.
+Bytes: magi-solver's comm plans (one merged stage) of varlen causal (300 documents), block-causal video and a
+causal window of 1024; K and V of 8 heads x 128 in bf16 per token; "inter-node" counts tokens leaving a node
+of 8 ranks (flat all-to-all-v: once per remote rank; hierarchical: once per remote node).
+
+GPU bandwidth per size S (MiB each rank sends): 2 x S per rank in 32 pieces, every other piece to another
+rank; GroupCast and GroupReduce (sum, transposed tables), a2av and native, beside one plain
+``all_to_all_single`` of the same splits. GB/s = bytes sent / time of one call (CUDA events over ``--iters``
+calls after ``--warmup``; the slowest rank). Native also checks that the timed calls did no rendezvous and
+that its cast equals a2av's bit for bit.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
-"""The kernel backends side by side, interleaved: magi-ffa-cudnn, magi-ffa-fa4, magi-ffa (Triton) beside cuDNN's
-own flex_attention, FlashAttention-4's native calls and FlexAttention, on the same inputs in one process;
-``auto`` and ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton`` are the runtime's ``calc_attn`` at cp = 1 with that
-``kernel_backend`` (the table's last column: ``auto`` over the fastest ``calc_*``, per direction).
-
-Each (size, heads, head_dim, mask) builds every runner once (inputs, plans and block masks outside the timing),
-then runs ``--repeats`` rounds; a round times every kernel once, forward and forward + backward
-(``triton.testing.do_bench`` medians over ``--rep`` ms), each round starting one kernel later, so slow drifts
-of the GPU hit every kernel alike and no kernel is always the first of a round.
-A cell is the median over the rounds; the spread is (max - min) / median over the rounds. TFLOP/s from the
-masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+"""The kernel backends side by side, interleaved, on the same inputs in one process: magi-ffa-cudnn,
+magi-ffa-fa4, magi-ffa (Triton), cuDNN's own flex_attention, FA4's native calls, FlexAttention, and the
+runtime's ``calc_attn`` at cp = 1 (``auto``, ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton``; the last column:
+``auto`` over the fastest ``calc_*``). Every runner is built once (outside the timing); each of ``--repeats``
+rounds times every kernel once (``do_bench`` medians over ``--rep`` ms), starting one kernel later each round.
+A cell is the median over the rounds, the spread (max - min) / median; TFLOP/s from the masked area.
 
     python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
-
-``--write-table OUT --sources A.json[:mask+mask],B.json[:mask+mask]`` turns measured rows into the table
-``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
-each runtime backend's forward and backward milliseconds (``ffa_fa4`` -> fa4, ``ffa_cudnn`` -> cudnn,
-``ffa`` -> triton) and the mask's features (``magi_solver.kernel_choice.mask_features``). A later source
-replaces an earlier one's row of the same size, head_dim and mask (a row's backends always come from one
-run); ``:mask+mask`` keeps only those masks of a source. ``--sim-sources fa4=A.json,cudnn=B.json`` adds the
-busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0``, one file per backend) as rows of
-their own ("varlen_causal cp 8"), with the features the runtime computes for that rank. Features are computed
-as the runtime does (``magi_solver.kernel_choice.busiest_rank_features``).
-
-``--deterministic`` times each runtime backend's backward in deterministic mode against its default mode, on
-the same inputs and masks: ``launch_<backend>`` / ``launch_<backend>_det`` are the backend's launchers (the
-contract of ``magi_ffa.ffa_fwd`` / ``ffa_bwd``, which the runtime calls) with ``deterministic`` False / True;
-``auto`` / ``auto_det`` are ``calc_attn`` at cp = 1 with ``DistAttnConfig(deterministic=False / True)``. A
-backend that refuses a mask in deterministic mode (FA4 off its varlen path) shows ``err``. ``--sim-cp 8`` adds
-the busiest rank of a simulated cp 8 plan (``magi_attention_bench.make_plan``, overlap degree 0) per
-``--sim-masks`` and ``--sim-tokens-per-gpu``: that rank's kernel calls, timed the same two ways. The table
-gives deterministic / default ratios per backend and direction; ``--write-table OUT --base TABLE --sources
-RUN.json`` then adds the ``*_det`` rows to an existing table as rows marked ``"deterministic": true``
-(features of cp 1 rows as below; a simulated rank's features as the runtime computes them at that cp).
-
     python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
+
+``--write-table OUT --sources A.json[:mask+mask],...`` writes the table ``kernel_backend="auto"`` reads
+(per size, head_dim and mask each backend's fwd / bwd ms and the mask's features; a later source replaces an
+earlier one's row); ``--sim-sources fa4=A.json,...`` adds the busiest rank of simulated cp runs
+(``magi_attention_bench.py --degree 0``) with the features the runtime computes for that rank.
+``--deterministic`` times each backend's backward deterministic against default (``launch_<backend>[_det]``:
+its launchers; ``auto[_det]``: ``calc_attn``); ``--sim-cp 8`` adds the busiest rank of a simulated cp 8 plan;
+``--write-table OUT --base TABLE --sources RUN.json`` adds the ``*_det`` rows to a table.
 """
 
 from __future__ import annotations
