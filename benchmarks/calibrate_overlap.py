@@ -1,17 +1,9 @@
-"""Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend.
-
-Measures, with the backend's own launchers and `triton.testing.do_bench` medians:
-- kernel throughput and per-call fixed cost, forward and backward: a least-squares line `time = fixed +
-  area * seconds_per_pair` over FULL masks of one query block against key blocks of growing length (the
-  cost model's `calc`);
-- the per-stage cost of merging a partial forward result into the accumulator and of adding a stage's dq
-  into the fp32 accumulator (bytes per element at the measured copy bandwidth);
-- with two or more ranks (torchrun), the all-to-all bandwidth and latency of the process group.
+"""Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend: kernel
+throughput and per-call cost (a least-squares line over FULL masks of growing key length), the per-stage
+merge costs (at the measured copy bandwidth) and, with two or more ranks, the all-to-all bandwidth.
 
 ``torchrun --standalone --nproc-per-node {1,2} -m benchmarks.calibrate_overlap --out DIR`` writes
-``DIR/<gpu>_<backend>.json`` per backend (the format of ``CostProfile.to_dict``; load one with
-``OverlapConfig(cost_profile=path)``) and prints the profiles last. Comm numbers default to the shipped
-profile's when run on one GPU.
+``DIR/<gpu>_<backend>.json`` (``CostProfile.to_dict``; ``OverlapConfig(cost_profile=path)`` loads one).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Helpers every kernel benchmark shares: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
-area), the runners that build each kernel's call on the same inputs (outside the timing), forward / backward
-timing, and the environment header of a result file.
-
-Masks (total length S): full, causal, varlen_full / varlen_causal (``varlen_docs(S, floor=16)``: log-normal
-lengths around S/16, each in [16, S/4]), swa_causal_w1024 / w4096
-(key k visible from query q iff q - w < k <= q), varlen block-causal (documents, 2048-token blocks: a key is
-visible if it is in the same document and in the same or an earlier block), random (random overlapping slices
-of all four types, disjoint areas).
-
+"""Helpers the kernel benchmarks share: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
+area; full, causal, varlen_full / varlen_causal, swa_causal_wN, varlen_block_causal, random), each kernel's
+runner on the same inputs (built outside the timing), forward / backward timing and a result file's header.
 TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
-
-Only torch is imported with the module (the magi packages where they are used), so the tests of one package
-can import a benchmark's helpers without the others installed.
+Only torch is imported with the module (magi packages where used).
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
-"""Distributed context-parallel benchmark: magi-attention against two families of baselines, in one run, on
-the same inputs.
+"""Distributed context-parallel benchmark: magi-attention against the same-kernel baselines
+(baselines/same_kernel.py: Ulysses, zigzag ring, all-gather K/V on magi_ffa) and what a user would pick today
+(baselines/user.py), on the same inputs. A system that cannot run a case gets a "skipped: <reason>" row.
 
-- Same-kernel baselines (benchmarks/baselines/same_kernel.py): Ulysses, zigzag ring attention and all-gather K/V, all
-  computing with magi_ffa like magi, so the comparison isolates the distribution scheme.
-- What a user would pick today (benchmarks/baselines/user.py), each with the best local kernel for the
-  mask: Ulysses + FlashAttention-4 (dense or varlen), Ulysses + cuDNN SDPA, PyTorch's native context_parallel
-  (SDPA ring), Ulysses + magi_ffa_fa4 / magi_ffa_cudnn (any mask). A system that cannot run a case (mask it cannot express,
-  heads not divisible by cp, package or GPU missing) gets a "skipped: <reason>" row.
-
-magi runs once per ``--kernel-backend`` entry and ``--degrees`` entry (a backend of
-``DistAttnConfig.kernel_backend``, e.g. ``auto,fa4,cudnn`` to time ``auto`` beside each explicit backend on the
-same inputs; an int = that many overlap stages, ``dynamic`` = the planner picks; the row records the backend
-the runtime resolved and the degree the plan chose). Its group collectives: ``--grpcoll native`` (symmetric
-memory inside one node), ``a2av``, or by default ``MAGI_ATTENTION_NATIVE_GRPCOLL``; the table's header says
-which.
-
-One process per GPU (NCCL), or per CPU rank over gloo with ``--device cpu`` (toy sizes, for smoke runs)::
+magi runs once per ``--kernel-backend`` and ``--degrees`` entry (an int: overlap stages; ``dynamic``: the
+planner picks); its group collectives: ``--grpcoll native``, ``a2av`` or ``MAGI_ATTENTION_NATIVE_GRPCOLL``.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --tokens-per-gpu 16384 --out /tmp/cp_bench
     torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
-For every (tokens per GPU, mask, system): the global q/k/v/dout are drawn from one seed on every rank,
-sharded the system's way, then one forward + backward whose output (and dq) is compared with the first magi
-row's (rel diff = ||x - x_magi|| / ||x_magi|| over the whole sequence), ``--warmup`` more, then ``--iters``
-timed iterations (CUDA events; the host clock on CPU), each started after a barrier. Per iteration the
-slowest rank's time counts; the table shows the median and the interquartile range (p25-p75). TFLOP/s/GPU =
-FLOPs / (median time x cp), FLOPs(fwd) = 4 x mask area x heads_q x head_dim, FLOPs(bwd) = 2.5 x FLOPs(fwd).
-Peak memory: the largest ``torch.cuda.max_memory_allocated`` over ranks during warm-up + timed iterations.
-magi rows also give the speedup over the fastest non-magi row of the same (tokens, mask), forward and
-backward separately (its median time / magi's). Writes ``<out>.json`` and ``<out>.md`` and prints the
-markdown table last (rank 0).
+Per (tokens per GPU, mask, system): global q/k/v/dout from one seed, sharded the system's way; one checked
+forward + backward (rel diff of out and dq against the first magi row), ``--warmup`` more, ``--iters`` timed
+(CUDA events, host clock on CPU; the slowest rank per iteration; median and p25-p75). TFLOP/s/GPU = FLOPs /
+(median x cp) with FLOPs(fwd) = 4 x area x heads_q x head_dim, bwd 2.5x; peak memory the max over ranks;
+magi rows give the speedup over the fastest other row. Writes ``<out>.json`` and ``<out>.md`` (rank 0).
 """
 
 from __future__ import annotations

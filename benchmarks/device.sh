@@ -8,9 +8,8 @@
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
-#           plans (magi-ffa-cudnn mask plan build times)
 # Runtime:  mask-loop (a new mask every step), first-step (first step against steady step, cold and warm)
-#           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table)
+#           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table, one call)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
@@ -73,19 +72,18 @@ phase_kernels() {
 phase_kernels-det() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
 }
-phase_plans() { run 300 python3 -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir "$OUT" --tag plans; }
 
 phase_mask-loop() { run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"; }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {
   run "${BENCH_S:-560}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
-    --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" --degree 0 \
-    --no-single --no-cp1 --json "$OUT/sim.json"
+    --simulate-explicit --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" \
+    --degree 0 --no-single --no-cp1 --json "$OUT/sim.json"
 }
 phase_scaling() {
   run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
-    --masks full,causal,varlen_full,varlen_causal,video_block_causal --degree 0 --kernel-backend auto,cudnn \
-    --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json"
+    --masks full,causal,varlen_full,varlen_causal,video_block_causal --degree 0 --kernel-backend auto \
+    --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json"
 }
 phase_cp() {
   local extra=()

@@ -1,28 +1,15 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
 
-Every measurement runs in a fresh child process (imports, CUDA start-up, the key and the inputs on the GPU
-come first and are not timed). The clock starts at the first ``calc_attn`` call and stops when its backward
-has finished (``torch.cuda.synchronize``): that is the first step's attention, compiles included. Steps 2-3
-are timed too (steady state). ``kernel_backend="auto"``, a 16k-token packed causal documents mask
-(``magi_attention._runtime.vendor_kernels.standard_masks``), 64 query heads, 8 key/value heads, head_dim 128, bf16.
-
-Runs, in order, all with ``MAGI_ATTENTION_CACHE_DIR`` pointing at one fresh directory (the compiled-kernel
-caches of FA4 and cuDNN; Triton's ``TRITON_CACHE_DIR`` is pointed below it too, so it starts cold as well):
-
-1. ``cp1``, cold cache; 2. ``cp1`` again, warm cache; 3. ``cp1_warmup``: ``magi_attention.warmup(key)`` first
-   (timed on its own), then the first step;
-4. ``sim8`` / ``sim8_warmup``: the simulated cp 8 loop (``magi_attention.simulate``: the 8 ranks' plans of
-   the same mask run one after the other on this GPU, ``auto``'s backend for the busiest rank's features),
-   first step without and with a warm-up step before it, on a second fresh cache directory (cold) and then
-   again warm.
-
-The cache's size on disk is recorded after each run. Results: ``$OUT/first_step.json`` (or ``--out``).
+Each run is a fresh child process; the clock starts at the first ``calc_attn`` call and stops when its
+backward has finished (compiles included); steps 2-3 give the steady state. ``kernel_backend="auto"``, a
+16k-token packed causal documents mask, heads 64:8, head_dim 128, bf16. Runs, all with
+``MAGI_ATTENTION_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` below it) on a fresh directory: ``cp1`` cold, ``cp1``
+warm, ``cp1_warmup`` (``magi_attention.warmup(key)`` first), then ``sim8`` / ``sim8_warmup`` (the simulated
+cp 8 loop) on a second fresh directory. The cache's size is recorded after each run;
+results in ``$OUT/first_step.json`` (or ``--out``).
 
     python -m benchmarks.first_step --out $OUT     # on one GPU, about 2-4 minutes
     python -m benchmarks.first_step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
-
-The GPU needs the vendors (flash-attn-4, nvidia-cudnn-frontend) installed for ``auto`` to pick them; without
-them the runs measure the Triton backend.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
-"""GroupCast benchmark (magi-group-collective, CPU): bytes per rank against ring / all-gather K/V, and the
-time of a cast against one plain all_to_all_single of the same bytes on gloo.
+"""GroupCast benchmark (magi-group-collective): bytes per rank against ring / all-gather K/V (CPU), and the
+GroupCast / GroupReduce bandwidth on GPUs.
 
-    .venv/bin/python -m benchmarks.group_collective_bench                 # both tables (docs/benchmarks)
+    .venv/bin/python -m benchmarks.group_collective_bench                 # the bytes table (docs/benchmarks)
     .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
-
-Comm plans come from magi-solver (`plan_attention`, one merged stage: overlap_degree=0) on three masks:
-varlen causal (300 long-tailed documents), block-causal video (8 clips, 4096-token blocks) and a causal
-sliding window of 1024 over the same documents. Bytes assume K and V stacked per token, 8 KV heads x
-head_dim 128 in bf16 (4 KiB per token). "Inter-node" counts tokens leaving a node of 8 ranks: flat
-all-to-all-v sends a piece once per remote destination rank, the hierarchical impl once per remote node.
-
-Timing (gloo on this CPU, `--time-cp` ranks forked on this machine): the cast of each rank's merged-stage
-tables against `all_to_all_single` with the same per-destination split sizes (no pre-gather or
-post-scatter), and the hierarchical impl on a (2, cp/2) mesh. Per iteration the slowest rank's time
-counts; median (p10-p90) over `--iters` after `--warmup`; inputs are prepared outside the timed region.
-
-GPU bandwidth (one process per GPU, NCCL; multicast off)::
-
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \\
         --sizes-mb 8,64,512 [--json out.json]
 
-Per size S (MiB each rank sends): every rank's input holds 2 x S in 32 pieces of bf16 tokens (4 KiB each:
-K and V of 8 heads x 128); every other piece goes to another rank (round robin), the rest stays, so the
-all-to-all-v path gathers before and (reduce) reduces after its ``all_to_all_single``, as in the runtime.
-GroupCast with those tables, GroupReduce (sum) with the transposed ones; a2av and native, plus one plain
-``all_to_all_single`` of the same split sizes (no copies) for reference. Effective bandwidth = bytes each
-rank sends / time of one call (CUDA events over ``--iters`` back-to-back calls after ``--warmup``; the
-slowest rank counts), in GB/s (1e9). The native column also checks that the timed calls did no rendezvous
-(no ``all_gather_object``, buffer size unchanged) and that its cast output equals the a2av one bit for bit.
+Bytes: magi-solver's comm plans (one merged stage) of varlen causal (300 documents), block-causal video and a
+causal window of 1024; K and V of 8 heads x 128 in bf16 per token; "inter-node" counts tokens leaving a node
+of 8 ranks (flat all-to-all-v: once per remote rank; hierarchical: once per remote node).
+
+GPU bandwidth per size S (MiB each rank sends): 2 x S per rank in 32 pieces, every other piece to another
+rank; GroupCast and GroupReduce (sum, transposed tables), a2av and native, beside one plain
+``all_to_all_single`` of the same splits. GB/s = bytes sent / time of one call (CUDA events over ``--iters``
+calls after ``--warmup``; the slowest rank). Native also checks that the timed calls did no rendezvous and
+that its cast equals a2av's bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -124,76 +110,6 @@ def bytes_table(rows: list[BytesRow]) -> str:
         lines.append(
             f"| {r.mask} | {r.cp} | {_mib(r.sent_max)} ({_mib(r.sent_mean)}) | {_mib(r.recv_max)} | {_mib(r.ring)} | "
             f"{r.sent_max / r.ring:.2f} | {_mib(r.inter_flat_max)} | {_mib(r.inter_hier_max)} |"
-        )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------
-# gloo timing: runs inside each forked rank
-
-
-def time_worker(
-    rank: int, world: int, total: int, chunk: int, warmup: int, iters: int, row: list[int]
-) -> list:
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from magi_group_collective import GroupCastPlan
-
-    mesh = init_device_mesh("cpu", (2, world // 2))
-    results = []
-    for mask in _masks():
-        ins, outs, dsts, src = cast_tables(mask, total, world, chunk)[rank]
-        x = torch.randn(sum(ins), *row).to(torch.bfloat16)
-        out = torch.empty(sum(outs), *row, dtype=torch.bfloat16)
-        flat = GroupCastPlan(ins, outs, dsts, src)
-        hier = GroupCastPlan(ins, outs, dsts, src, group=mesh)
-        send_splits = [sum(n for n, d in zip(ins, dsts) if r in d) for r in range(world)]
-        recv_splits = [sum(n for n, s in zip(outs, src) if s == r) for r in range(world)]
-        a2a_in = torch.empty(sum(send_splits), *row, dtype=torch.bfloat16)
-        a2a_out = torch.empty(sum(recv_splits), *row, dtype=torch.bfloat16)
-
-        def plain(a2a_in=a2a_in, a2a_out=a2a_out, recv_splits=recv_splits, send_splits=send_splits):
-            dist.all_to_all_single(a2a_out, a2a_in, recv_splits, send_splits)
-
-        timings = {}
-        for name, fn in (("a2a", plain), ("cast", lambda p=flat, x=x, out=out: p.cast(x, out)),
-                         ("hier", lambda p=hier, x=x, out=out: p.cast(x, out))):  # fmt: skip
-            ts = []
-            for it in range(warmup + iters):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                if it >= warmup:
-                    ts.append(dt.item() * 1e3)
-            timings[name] = ts
-        mib = max(sum(send_splits), 1) * int(np.prod(row)) * 2 / 2**20
-        all_mib = [0.0] * world
-        dist.all_gather_object(all_mib, mib)
-        results.append((mask, max(all_mib), timings))
-    return results
-
-
-def _stats(ts: list[float]) -> tuple[float, float, float]:
-    return statistics.median(ts), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
-
-
-def time_table(res: list, world: int) -> str:
-    lines = [
-        f"| mask (cp {world}) | sent MiB max | all_to_all_single ms | GroupCast a2av ms | ratio | "
-        "hierarchical (2 x {}) ms |".format(world // 2),
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for mask, mib, t in res:
-        a, c, h = _stats(t["a2a"]), _stats(t["cast"]), _stats(t["hier"])
-        lines.append(
-            f"| {mask} | {mib:.1f} | {a[0]:.2f} ({a[1]:.2f}-{a[2]:.2f}) | {c[0]:.2f} ({c[1]:.2f}-{c[2]:.2f}) | "
-            f"{c[0] / a[0]:.2f} | {h[0]:.2f} ({h[1]:.2f}-{h[2]:.2f}) |"
         )
     return "\n".join(lines)
 
@@ -351,27 +267,15 @@ def main() -> int:
     p.add_argument("--total", type=int, default=1 << 20, help="tokens for the bytes table")
     p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--time-total", type=int, default=1 << 15, help="tokens for the gloo timing")
-    p.add_argument("--time-chunk", type=int, default=512)
-    p.add_argument("--time-cp", type=int, default=8)
-    p.add_argument("--row", type=int, nargs="+", default=[4, 64], help="trailing shape per token (bf16)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="write JSON rows here")
     p.add_argument("--gpu-bandwidth", action="store_true", help="under torchrun on GPUs: native vs a2av GB/s")
     p.add_argument("--sizes-mb", default="8,64,512", help="--gpu-bandwidth: MiB each rank sends")
     args = p.parse_args()
     if args.gpu_bandwidth:
-        if args.iters == 15 and args.warmup == 3:  # the CPU defaults: more calls on GPUs
-            args.iters, args.warmup = 20, 5
         return gpu_bandwidth(args)
-
-    from magi_group_collective.testing import run_ranks
-
     brows = bytes_rows(args.total, args.cp, args.chunk)
-    per_rank = run_ranks(args.time_cp, __file__, "time_worker", args.time_total, args.time_chunk, args.warmup,
-                         args.iters, args.row, timeout=1800)  # fmt: skip
-    timing = per_rank[0]  # every rank holds the same all-reduced maxima
     from benchmarks.common import git_sha
 
     sha = git_sha()
@@ -385,14 +289,10 @@ def main() -> int:
         f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}"
     )
     print(bytes_table(brows))
-    print()
-    print(f"timing: gloo, {args.time_total:,} tokens, chunk {args.time_chunk}, row {args.row} bf16, "
-          f"{args.iters} iters after {args.warmup} warm-up")  # fmt: skip
-    print(time_table(timing, args.time_cp))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
-                       "timing": timing, "args": vars(args)}, f, indent=1)  # fmt: skip
+            json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows], "args": vars(args)},
+                      f, indent=1)  # fmt: skip
     return 0
 
 

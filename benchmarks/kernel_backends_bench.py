@@ -1,44 +1,20 @@
-"""The kernel backends side by side, interleaved: magi-ffa-cudnn, magi-ffa-fa4, magi-ffa (Triton) beside cuDNN's
-own flex_attention, FlashAttention-4's native calls and FlexAttention, on the same inputs in one process;
-``auto`` and ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton`` are the runtime's ``calc_attn`` at cp = 1 with that
-``kernel_backend`` (the table's last column: ``auto`` over the fastest ``calc_*``, per direction).
-
-Each (size, heads, head_dim, mask) builds every runner once (inputs, plans and block masks outside the timing),
-then runs ``--repeats`` rounds; a round times every kernel once, forward and forward + backward
-(``triton.testing.do_bench`` medians over ``--rep`` ms), each round starting one kernel later, so slow drifts
-of the GPU hit every kernel alike and no kernel is always the first of a round.
-A cell is the median over the rounds; the spread is (max - min) / median over the rounds. TFLOP/s from the
-masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+"""The kernel backends side by side, interleaved, on the same inputs in one process: magi-ffa-cudnn,
+magi-ffa-fa4, magi-ffa (Triton), cuDNN's own flex_attention, FA4's native calls, FlexAttention, and the
+runtime's ``calc_attn`` at cp = 1 (``auto``, ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton``; the last column:
+``auto`` over the fastest ``calc_*``). Every runner is built once (outside the timing); each of ``--repeats``
+rounds times every kernel once (``do_bench`` medians over ``--rep`` ms), starting one kernel later each round.
+A cell is the median over the rounds, the spread (max - min) / median; TFLOP/s from the masked area.
 
     python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
-    python -m benchmarks.kernel_backends_bench --plan-times 8192,32768,1048576 --out-dir /tmp/kb
-
-``--write-table OUT --sources A.json[:mask+mask],B.json[:mask+mask]`` turns measured rows into the table
-``kernel_backend="auto"`` reads (``magi_solver/kernel_tables/<gpu kind>.json``): per (size, head_dim, mask)
-each runtime backend's forward and backward milliseconds (``ffa_fa4`` -> fa4, ``ffa_cudnn`` -> cudnn,
-``ffa`` -> triton) and the mask's features (``magi_solver.kernel_choice.mask_features``). A later source
-replaces an earlier one's row of the same size, head_dim and mask (a row's backends always come from one
-run); ``:mask+mask`` keeps only those masks of a source. ``--sim-sources fa4=A.json,cudnn=B.json`` adds the
-busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0``, one file per backend) as rows of
-their own ("varlen_causal cp 8"), with the features the runtime computes for that rank. Features are computed
-as the runtime does (``magi_solver.kernel_choice.busiest_rank_features``).
-
-``--deterministic`` times each runtime backend's backward in deterministic mode against its default mode, on
-the same inputs and masks: ``launch_<backend>`` / ``launch_<backend>_det`` are the backend's launchers (the
-contract of ``magi_ffa.ffa_fwd`` / ``ffa_bwd``, which the runtime calls) with ``deterministic`` False / True;
-``auto`` / ``auto_det`` are ``calc_attn`` at cp = 1 with ``DistAttnConfig(deterministic=False / True)``. A
-backend that refuses a mask in deterministic mode (FA4 off its varlen path) shows ``err``. ``--sim-cp 8`` adds
-the busiest rank of a simulated cp 8 plan (``magi_attention_bench.make_plan``, overlap degree 0) per
-``--sim-masks`` and ``--sim-tokens-per-gpu``: that rank's kernel calls, timed the same two ways. The table
-gives deterministic / default ratios per backend and direction; ``--write-table OUT --base TABLE --sources
-RUN.json`` then adds the ``*_det`` rows to an existing table as rows marked ``"deterministic": true``
-(features of cp 1 rows as below; a simulated rank's features as the runtime computes them at that cp).
-
     python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
 
-``--plan-times`` times magi-ffa-cudnn's mask plan builds (row intervals, mask_func, cuDNN's plan with its
-backward payload): the first build of a fresh process (cuDNN compiles its planner kernels), a rebuild after
-the cache is cleared, and a cached lookup.
+``--write-table OUT --sources A.json[:mask+mask],...`` writes the table ``kernel_backend="auto"`` reads
+(per size, head_dim and mask each backend's fwd / bwd ms and the mask's features; a later source replaces an
+earlier one's row); ``--sim-sources fa4=A.json,...`` adds the busiest rank of simulated cp runs
+(``magi_attention_bench.py --degree 0``) with the features the runtime computes for that rank.
+``--deterministic`` times each backend's backward deterministic against default (``launch_<backend>[_det]``:
+its launchers; ``auto[_det]``: ``calc_attn``); ``--sim-cp 8`` adds the busiest rank of a simulated cp 8 plan;
+``--write-table OUT --base TABLE --sources RUN.json`` adds the ``*_det`` rows to a table.
 """
 
 from __future__ import annotations
@@ -46,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -313,33 +288,6 @@ def bench(args) -> list[dict]:
     return rows
 
 
-def plan_times(sizes: list[int], masks: list[str], hq: int, hk: int, d: int) -> list[dict]:
-    import magi_ffa_cudnn
-
-    out = []
-    for S in sizes:
-        q = torch.empty(S, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.empty(S, hk, d, device="cuda", dtype=torch.bfloat16)
-        for name in masks:
-            m = build_mask(name, S)
-            row = dict(S=S, mask=name, hq=hq, hk=hk, d=d, slices=int(m.q_ranges.shape[0]))
-            for label in ("first", "rebuilt"):
-                magi_ffa_cudnn.clear_plan_cache()
-                t0 = time.perf_counter()
-                plan = magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
-                row[f"{label}_s"] = round(time.perf_counter() - t0, 4)
-            t0 = time.perf_counter()
-            for _ in range(100):
-                magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)
-            row["cached_us"] = round((time.perf_counter() - t0) / 100 * 1e6, 1)
-            row["nfunc"] = plan.nfunc
-            out.append(row)
-            print(json.dumps(row), flush=True)
-        del q, k
-        torch.cuda.empty_cache()
-    return out
-
-
 def render(data: dict) -> str:
     env, rows = data["env"], data.get("rows", [])
     lines = [
@@ -397,19 +345,6 @@ def render(data: dict) -> str:
                 f"| {S // 1024}k | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(k) for k in kern) + " | "
                 + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {versus} | {spread:.0%} |"
             )  # fmt: skip
-    if data.get("plans"):
-        lines += [
-            "",
-            "Plan builds of magi-ffa-cudnn (row intervals + mask_func + cuDNN's plan with its backward payload):",
-            "",
-            "| tokens | mask | slices | nfunc | first build in the process (s) | rebuilt (s) | cached lookup (us) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for p in data["plans"]:
-            lines.append(
-                f"| {p['S']} | {p['mask']} | {p['slices']} | {p['nfunc']} | {p['first_s']:.3f} | {p['rebuilt_s']:.3f} "
-                f"| {p['cached_us']:.0f} |"
-            )
     return "\n".join(lines) + "\n"
 
 
@@ -568,8 +503,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the cell is their median)")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
-    ap.add_argument("--plan-times", default="", help="comma-separated token counts: time plan builds instead")
-    ap.add_argument("--plan-masks", default="varlen_causal,swa_causal_w1024")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
     ap.add_argument(
         "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
@@ -588,19 +521,9 @@ def main() -> None:
     env = environment()
     env["versions"] = _versions()
     data = dict(env=env)
-    if args.plan_times:
-        hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
-        data["plans"] = plan_times(
-            [int(s) for s in args.plan_times.split(",")],
-            args.plan_masks.split(","),
-            hq,
-            hk,
-            int(args.d.split(",")[0]),
-        )
-    else:
-        data["rows"] = bench(args)
-        if args.deterministic and args.sim_cp:
-            data["rows"] += sim_det_rows(args)
+    data["rows"] = bench(args)
+    if args.deterministic and args.sim_cp:
+        data["rows"] += sim_det_rows(args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))

@@ -2,25 +2,30 @@
 
 1. cp=1 overhead: `calc_attn` (cp group of one) against a raw `flex_flash_attn_func` call on the same mask.
 2. Simulated context parallelism: for cp 8/16/32/64, plan the mask, then run every rank's share of the
-   work (FFA on its host slices and on each remote stage's slices, forward and backward) on this GPU in
-   turn. Report the slowest rank's compute time, the compute balance, the TFLOP/s/GPU it implies when
-   communication is hidden, and the time each stage's remote K/V would take on a 450 GB/s NVLink and a
-   50 GB/s inter-node link (the communication overlaps compute when it is shorter than the previous stage).
-   With several ``--kernel-backend`` entries (``auto,fa4,cudnn``) every rank runs on each backend in turn,
-   on the same plan and inputs, and the table gives ``auto`` over the fastest explicit backend.
+   work (FFA on its host slices and on each remote stage's slices, forward and backward) on this GPU: every
+   rank once, then interleaved ``--rounds`` of the few candidates for the slowest rank (`pick_ranks`). Report
+   the slowest rank's compute time, the compute balance, the TFLOP/s/GPU it implies when communication is
+   hidden, and the time each stage's remote K/V would take on a 450 GB/s NVLink and a 50 GB/s inter-node link.
+   Beside ``auto`` an explicit ``--kernel-backend`` entry is the one-GPU yardstick (the whole mask in one call,
+   measured once per mask and size); ``--simulate-explicit`` also runs the ranks on it, and the table then
+   gives ``auto`` over the fastest explicit backend.
 
     python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --cps 8 --degree 0 --no-single --no-cp1
+    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
+        --degree 0 --no-single --no-cp1
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -103,9 +108,6 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds: CUDA events through triton's do_bench, or a host clock on the CPU smoke test."""
     if DEVICE == "cuda":
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    import statistics
-    import time
-
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -164,6 +166,7 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
     }
 
 
+@functools.cache
 def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
     q_ranges, k_ranges, types = make_mask(mask, total)
@@ -185,12 +188,25 @@ def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[fl
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
-def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
-    """Forward and backward time (ms) of one rank's FFA calls (host stage + remote stages) with ``kern``'s
-    launchers (`attn_kernel`)."""
+def _once_ms(fn) -> tuple[float, object]:
+    """(ms, result) of one call of ``fn``: CUDA events, or a host clock on the CPU smoke test."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), out
+
+
+def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
+    """One forward and one backward (ms) of a rank's FFA calls (host stage + remote stages) with ``kern``'s
+    launchers (`attn_kernel`), as the runtime: the first call writes the accumulator, later stages merge."""
 
     def fwd():
-        # as the runtime: the first call writes the accumulator, later stages merge into it
         (qr, kr, tr), kk, vv = calls[0]
         out, lse = kern.fwd(q, kk, vv, qr, kr, tr)
         if len(calls) > 2:
@@ -199,7 +215,7 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
             kern.fwd(q, kk, vv, qr, kr, tr, out=out, lse=lse)
         return out, lse
 
-    out, lse = fwd()
+    t_f, (out, lse) = _once_ms(fwd)
     o16 = out.to(q.dtype)
 
     def bwd():
@@ -208,7 +224,19 @@ def _time_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
             dkv = [torch.zeros(kk.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
             kern.bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq, dk=dkv[0], dv=dkv[1])
 
-    return _events_ms(fwd), _events_ms(bwd)
+    return t_f, _once_ms(bwd)[0]
+
+
+def pick_ranks(quick_fwd: list[float], quick_bwd: list[float], areas: list[int], remote: list[int],
+               top: int = 2) -> list[int]:  # fmt: skip
+    """The ranks timed in full after one quick round of every rank: the ``top`` slowest by the quick forward
+    and by the quick backward, the rank the plan gives the most area and the one with the most remote K/V
+    tokens (ties: the lowest rank)."""
+
+    def first(xs: list, n: int) -> list[int]:
+        return sorted(range(len(xs)), key=lambda i: -xs[i])[:n]
+
+    return sorted({*first(quick_fwd, top), *first(quick_bwd, top), *first(areas, 1), *first(remote, 1)})
 
 
 def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int | None = None):
@@ -289,8 +317,8 @@ def predicted_step(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict
 
 def scaling_rows(sim: list[dict]) -> list[dict]:
     """Scaling efficiency per simulated row: `E = T_one_gpu / (cp x T_slowest_rank)`, i.e. the TFLOP/s per
-    GPU the slowest rank implies over the one-GPU rate on the same mask (an `auto` row takes the fastest
-    explicit backend's one-GPU rate of the same mask and cp: the strictest yardstick)."""
+    GPU the slowest rank implies over the one-GPU rate on the same mask (the fastest explicit backend's rate of
+    the same mask and cp: the strictest yardstick)."""
     out = []
     for r in sim:
         singles = [o for o in sim if (o["mask"], o["cp"]) == (r["mask"], r["cp"]) and "single_fwd" in o]
@@ -299,7 +327,7 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
             "chunk_size": r.get("chunk_size"), "dispatch_alg": r.get("dispatch_alg"),
             "remote_kv_tokens_max": r.get("remote_kv_tokens_max"),
             "remote_kv_tokens_mean": r.get("remote_kv_tokens_mean"),
-            "predicted": r.get("predicted", {}),
+            "predicted": r.get("predicted", {}), "timed_ranks": r.get("timed_ranks"),
         }  # fmt: skip
         if singles:
             one_f = max(o["single_fwd"] for o in singles)
@@ -312,9 +340,11 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
     return out
 
 
-def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend) -> dict:
+def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend, rounds: int = 5,
+                top: int = 2) -> dict:  # fmt: skip
     """Every rank's forward and backward on ``backend`` (``auto``: the launchers the runtime would pick for
-    this plan), one after the other; the slowest rank's times and the throughput they imply."""
+    this plan) timed once, then ``rounds`` interleaved rounds of the candidates for the slowest rank
+    (`pick_ranks`); the slowest rank's times (medians of those rounds) and the throughput they imply."""
     total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
     dev = torch.device(DEVICE)
     shard = plan.dispatch.shard_seqlen  # the chosen chunk may pad the sequence
@@ -330,21 +360,30 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     resolved = kern.backend.value
     if kern.backward_backend != kern.backend:
         resolved += "/" + kern.backward_backend.value
-    rows = []
+    rows, calls = [], []
     for rp in plan.ranks:
-        calls = [(rp.host_slices, k, v)] + [
+        stages = [(rp.host_slices, k, v)] + [
             (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rp.stages
         ]
-        calls = [(kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)]
-        t_f, t_b = _time_rank(q, do, calls, kern)
+        calls.append([(kernel_ranges(sl), kk, vv) for sl, kk, vv in stages if len(sl.types)])
         area = rp.host_area + sum(s.area for s in rp.stages)
         comm_bytes = [s.num_remote_tokens * 2 * HKV * D * 2 for s in rp.stages]
-        rows.append({"rank": rp.rank, "area": area, "fwd_ms": t_f, "bwd_ms": t_b, "stage_bytes": comm_bytes})
+        rows.append({"rank": rp.rank, "area": area, "stage_bytes": comm_bytes})
+    _rank_step(q, do, calls[0], kern)  # warm-up: compiles, workspaces
+    quick = [_rank_step(q, do, c, kern) for c in calls]
+    timed = pick_ranks(*zip(*quick), [r["area"] for r in rows], [sum(r["stage_bytes"]) for r in rows], top)
+    full = {i: [] for i in timed}
+    for _ in range(rounds):  # interleaved: a drift of clock or temperature touches every candidate alike
+        for i in timed:
+            full[i].append(_rank_step(q, do, calls[i], kern))
+    for i, r in enumerate(rows):
+        r["quick_fwd_ms"], r["quick_bwd_ms"] = quick[i]
+        r["fwd_ms"], r["bwd_ms"] = (statistics.median(t) for t in zip(*full[i])) if i in full else quick[i]
+        r["full_timing"] = i in full
     total_area = sum(r["area"] for r in rows)
     flops_f = 4 * total_area * HQ * D
-    worst_f = max(r["fwd_ms"] for r in rows)
-    worst_b = max(r["bwd_ms"] for r in rows)
-    mean_area = total_area / cp
+    worst_f = max(rows[i]["fwd_ms"] for i in timed)
+    worst_b = max(rows[i]["bwd_ms"] for i in timed)
     worst_bytes = max(sum(r["stage_bytes"]) for r in rows)
     return {
         "mask": mask,
@@ -358,7 +397,13 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         "remote_kv_tokens_max": max(plan.remote_tokens_per_rank),
         "remote_kv_tokens_mean": sum(plan.remote_tokens_per_rank) / cp,
         "predicted": predicted_step(mask, cp, tokens_per_gpu, degree),
-        "imbalance": max(r["area"] for r in rows) / mean_area,
+        "imbalance": max(r["area"] for r in rows) * cp / total_area,
+        "timed_ranks": timed,
+        "rounds": rounds,
+        # > 1: a rank left out of the full timing was slower in the quick round than the slowest timed one
+        "quick_max_over_slowest": max(
+            (max(f / worst_f, b / worst_b) for i, (f, b) in enumerate(quick) if i not in full), default=0.0
+        ),
         "slowest_fwd_ms": worst_f,
         "slowest_bwd_ms": worst_b,
         "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
@@ -395,12 +440,18 @@ def main() -> int:
     ap.add_argument(
         "--kernel-backend",
         default="fa4",
-        help=f"comma-separated, from {BACKENDS}: every simulated rank runs on each in turn (auto: what the runtime "
-        "would pick for the plan; cp = 1 and single-GPU rows for the explicit ones)",
+        help=f"comma-separated, from {BACKENDS}: the simulated ranks run on each (auto: what the runtime would "
+        "pick for the plan); beside auto an explicit backend is only the one-GPU yardstick (and cp = 1 rows), "
+        "unless --simulate-explicit",
     )
+    ap.add_argument("--single-backend", default="", help="more one-GPU yardstick backends")
+    ap.add_argument("--simulate-explicit", action="store_true", help="simulate explicit ones beside auto")
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
     ap.add_argument("--no-cp1", action="store_true", help="skip the cp = 1 overhead rows")
     ap.add_argument("--single-max-tokens", type=int, default=131072)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds of the candidate ranks")
+    ap.add_argument("--rounds-dense", type=int, default=1, help="--rounds of full and causal at cp >= 32")
+    ap.add_argument("--candidates", type=int, default=2, help="quick round's slowest ranks, per way")
     ap.add_argument(
         "--scaling",
         action="store_true",
@@ -409,10 +460,13 @@ def main() -> int:
     )
     args = ap.parse_args()
     names = [b.strip() for b in args.kernel_backend.split(",")]
-    if bad := [b for b in names if b not in BACKENDS]:
+    singles = [b.strip() for b in args.single_backend.split(",") if b.strip()]
+    if bad := [b for b in names + singles if b not in BACKENDS]:
         ap.error(f"--kernel-backend: unknown {bad}, choose from {BACKENDS}")
     backends = [KernelBackend(b) for b in names]
-    explicit = [b for b in backends if b != KernelBackend.AUTO]
+    if KernelBackend.AUTO in backends and not args.simulate_explicit:
+        backends = [KernelBackend.AUTO]
+    explicit = [KernelBackend(b) for b in dict.fromkeys(names + singles) if b != "auto"]
     if not explicit and not (args.no_single and args.no_cp1):
         ap.error(
             "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
@@ -446,19 +500,23 @@ def main() -> int:
         )
     for mask in args.masks.split(","):
         for cp in map(int, args.cps.split(",")):
+            rounds = args.rounds_dense if mask in ("full", "causal") and cp >= 32 else args.rounds
             for backend in backends:
-                r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree, backend)
-                if not args.no_single and backend != KernelBackend.AUTO:
+                r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates)
+                if not args.no_single:
                     # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
-                    # family at that size stands in (its throughput has long reached the asymptote)
+                    # family at that size stands in (its throughput has long reached the asymptote); measured
+                    # once per (mask, tokens, backend). An explicit row: its own rate; auto: the fastest one's
                     r["single_tokens"] = min(cp * args.tokens_per_gpu, args.single_max_tokens)
-                    r["single_fwd"], r["single_bwd"] = single_gpu_tflops(mask, r["single_tokens"], backend)
+                    rates = [single_gpu_tflops(mask, r["single_tokens"], b) for b in explicit
+                             if backend in (b, KernelBackend.AUTO)]  # fmt: skip
+                    r["single_fwd"], r["single_bwd"] = (max(x) for x in zip(*rates))
                 results["sim"].append(r)
                 print(
                     f"# {mask} cp{cp} degree {args.degree} {backend.value} ({r['backend']}): slowest rank "
-                    f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms, fwd {r['tflops_fwd']:.0f} bwd "
-                    f"{r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the whole mask: {r.get('single_fwd', 0):.0f} / "
-                    f"{r.get('single_bwd', 0):.0f})",
+                    f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms (ranks {r['timed_ranks']} timed "
+                    f"{rounds}x), fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the "
+                    f"whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})",
                     flush=True,
                 )
     if args.scaling:
@@ -511,7 +569,8 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
     )
     print(
         "\n| mask | cp | kernel backend | chunk | E fwd | E bwd | one-GPU tokens | remote K/V max (mean) | "
-        "predicted fwd / bwd TFLOP/s/GPU | published H100 fwd / bwd |\n|---|---|---|---|---|---|---|---|---|---|"
+        "predicted fwd / bwd TFLOP/s/GPU | published H100 fwd / bwd | ranks timed in full |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         p = r["predicted"]
@@ -526,7 +585,8 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
             f"{num(r.get('E_fwd'), '.2f')} | {num(r.get('E_bwd'), '.2f')} | {num(r.get('single_tokens'), ',')} | "
             f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')}) | "
             f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')} | "
-            f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')} |"
+            f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')} | "
+            f"{','.join(map(str, r['timed_ranks'] or []))} |"
         )
 
 

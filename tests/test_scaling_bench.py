@@ -15,15 +15,33 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_scaling_table_on_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MAGI_BENCH_DEVICE": "cpu"}
     args = ["--tokens-per-gpu", "64", "--cps", "2", "--masks", "video_block_causal", "--degree", "0",
-            "--no-cp1", "--single-max-tokens", "128", "--kernel-backend", "torch,auto", "--scaling",
+            "--no-cp1", "--single-max-tokens", "128", "--kernel-backend", "auto", "--single-backend", "torch",
+            "--scaling",
             "--json", str(tmp_path / "s.json")]  # fmt: skip
     res = subprocess.run([sys.executable, "-m", "benchmarks.magi_attention_bench", *args],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "s.json").read_text())["scaling"]
-    assert [r["kernel_backend"] for r in rows] == ["torch", "auto"]
+    assert [r["kernel_backend"] for r in rows] == ["auto"]  # the explicit backend: the yardstick only
     for r in rows:
         assert r["E_fwd"] > 0 and r["E_bwd"] > 0  # auto takes the explicit backend's one-GPU rate
         assert r["chunk_size"] >= 1 and r["remote_kv_tokens_max"] >= r["remote_kv_tokens_mean"] >= 0
         assert r["predicted"]["fwd_ms"] > 0 and r["predicted"]["bwd_tflops_per_gpu"] > 0
+        assert set(r["timed_ranks"]) <= {0, 1} and r["timed_ranks"]
     assert "| video_block_causal | 2 | auto (torch) |" in res.stdout
+
+
+def test_candidate_ranks_cover_the_slowest_of_each_way_and_the_plan_busiest() -> None:
+    """`pick_ranks`: the quick round's slowest ranks forward and backward (separately), the plan's busiest rank
+    by area and by remote K/V (ties: the lowest rank); a rank fast in the quick round and light in the plan is
+    left out."""
+    from benchmarks.magi_attention_bench import pick_ranks
+
+    fwd = [1.0, 5.0, 2.0, 1.5, 1.1, 1.0, 4.0, 1.0]
+    bwd = [2.0, 3.0, 9.0, 2.5, 2.0, 8.0, 2.0, 2.0]
+    areas = [10, 10, 10, 10, 12, 10, 10, 10]
+    remote = [0, 5, 5, 5, 5, 5, 5, 7]
+    assert pick_ranks(fwd, bwd, areas, remote, top=2) == [1, 2, 4, 5, 6, 7]
+    assert pick_ranks(fwd, bwd, areas, remote, top=1) == [1, 2, 4, 7]
+    # a balanced plan (every rank alike): ties go to the lowest rank, so the area's and the K/V's coincide
+    assert pick_ranks([1.0] * 4, [1.0] * 4, [3] * 4, [2] * 4, top=2) == [0, 1]

@@ -1,32 +1,19 @@
-"""Context-parallel baselines on magi-attention's own local kernel (issue 6), for benchmarks/cp_bench.py.
+"""Context-parallel baselines on magi-attention's own local kernel (``magi_ffa.ffa_fwd`` / ``ffa_bwd``, any
+slice mask), so a comparison with magi-attention isolates the distribution scheme (for benchmarks/cp_bench.py):
 
-Three classic ways to spread one attention over ``cp`` ranks, all computing with ``magi_ffa.ffa_fwd`` /
-``ffa_bwd`` (Triton on CUDA, torch path on CPU) on ANY slice mask, so that a comparison with
-magi-attention isolates the distribution scheme:
+- ``ULYSSES``: contiguous shards; all-to-all to ``[T, heads/cp]``, one FFA call, all-to-all back (heads
+  divisible by ``cp``).
+- ``RING_ZIGZAG``: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``; K/V travel the ring
+  (``batch_isend_irecv``) while the previous block computes, merged into one fp32 (out, lse); backward sends
+  K/V again and each block's partial dK/dV travels back to its owner.
+- ``ALLGATHER_KV``: zigzag shards, one all-gather of K/V, one FFA call; backward gathers again and
+  reduce-scatters dK/dV.
 
-- ``ULYSSES``: contiguous sequence shards; one all-to-all turns ``[T/cp, heads]`` into ``[T, heads/cp]``,
-  one FFA call runs the whole mask on this rank's heads, an all-to-all turns the output back. Needs
-  ``num_heads_q`` and ``num_heads_kv`` divisible by ``cp``.
-- ``RING_ZIGZAG``: the sequence is cut into ``2 cp`` chunks, rank ``r`` holds chunks ``r`` and
-  ``2 cp - 1 - r`` (head-tail balancing). K/V travel around the ring with ``batch_isend_irecv`` while the
-  previous block computes; each of the ``cp`` steps runs local q x the K/V block in hand with the mask
-  clipped to that block pair, merging into one fp32 (out, lse) through FFA's accumulate mode. Backward
-  sends K/V around again, and each block's partial dK/dV travels with it back to its owner.
-- ``ALLGATHER_KV``: PyTorch native context parallelism's approach for arbitrary masks: zigzag shards,
-  one all-gather of K/V, one FFA call local q x all keys; backward gathers K/V again (nothing of the
-  global K/V is kept between passes, as in magi-attention) and reduce-scatters dK/dV.
-
-Masks are slices ``(q_ranges, k_ranges, types)``: FULL=0, CAUSAL=1 (bottom-right aligned), INV_CAUSAL=2
-(top-left aligned), BI_CAUSAL=3; the mask is the union of the slices (slices that share (q, k) pairs are
-rewritten into disjoint ones by ``magi_solver.mask.normalize_mask``, as in magi-attention). Clipping to
-token blocks uses magi_mask's band-region algebra (no dense mask), so every rank's kernel slices stay few
-and exact.
-
-Tensors: q ``[local_seqlen, num_heads_q, head_dim]``, k/v ``[local_seqlen, num_heads_kv, head_dim]``, the
-rows of ``plan.token_ranges`` in that order (``shard_tokens`` cuts them from a global tensor). Outputs: out
-like q (q's dtype), lse ``[local_seqlen, num_heads_q]`` fp32 (fp64 for fp64 inputs, -inf for rows with no
-key; not differentiable, as in ``magi_attention.calc_attn``). Communication of partial dK/dV is in the
-accumulation dtype (fp32), like magi-attention's GroupReduce.
+Slices ``(q_ranges, k_ranges, types)`` (FULL 0, CAUSAL 1, INV_CAUSAL 2, BI_CAUSAL 3) are made disjoint by
+``magi_solver.mask.normalize_mask`` and clipped to token blocks with magi_mask's band regions (no dense
+mask). q ``[local_seqlen, num_heads_q, head_dim]``, k/v ``[local_seqlen, num_heads_kv, head_dim]`` in the
+order of ``plan.token_ranges``; lse ``[local_seqlen, num_heads_q]`` fp32 (-inf for rows with no key);
+partial dK/dV travel in fp32.
 """
 
 from __future__ import annotations

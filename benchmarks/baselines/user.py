@@ -1,23 +1,13 @@
-"""Context-parallel baselines a user would pick today, each with the best local kernel for the mask, for
-benchmarks/cp_bench.py (next to the same-kernel baselines of baselines/same_kernel.py):
+"""Context-parallel baselines a user would pick today, each with the best local kernel for the mask (for
+benchmarks/cp_bench.py): ``ulysses_fa4`` (FA4 dense or varlen; full, causal, packed documents),
+``ulysses_cudnn`` (SDPA on cuDNN; full, causal), ``torch_cp`` (PyTorch's native ``context_parallel``, an SDPA
+ring; full, causal, CUDA + NCCL), ``ulysses_ffa_cudnn`` / ``ulysses_ffa_fa4`` (FFA slices on cuDNN / FA4; any
+mask).
 
-- ``ulysses_fa4``: Ulysses (all-to-all from sequence shards to head shards and back) with FlashAttention-4:
-  ``flash_attn.cute.flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` (cu_seqlens) for packed
-  documents (varlen full / varlen causal). Other masks: not expressible, skipped.
-- ``ulysses_cudnn``: Ulysses with ``F.scaled_dot_product_attention`` under the cuDNN backend; full / causal.
-- ``torch_cp``: PyTorch's native ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA,
-  head-tail load balancing for causal); full / causal, CUDA + NCCL only.
-- ``ulysses_ffa_cudnn``: the same with ``magi_ffa_cudnn.flex_flash_attn_func`` (FFA slices on cuDNN's
-  flex_attention), any mask.
-- ``ulysses_ffa_fa4``: Ulysses with ``magi_ffa_fa4.flex_flash_attn_func`` (FFA slices on FlashAttention-4), any
-  mask: the baseline for masks neither FA4 varlen nor cuDNN express (for example varlen block-causal).
-
-Each ``build_*`` function takes the global q/k/v/dout (identical on every rank), shards them the system's way
-and returns a :class:`UserCase` (a forward step callable, its leaf inputs, the local dout, the global token id
-of each local output row, the kernel's name). A system that cannot run a case here raises
-:class:`Unavailable` with the reason (a missing package, no GPU, a mask it cannot express, heads not divisible
-by cp); the checks depend only on arguments and installed packages, so every rank raises alike. Kernel
-packages are imported on first use, so this module imports on any machine.
+Each ``build_*`` takes the global q/k/v/dout (identical on every rank), shards them the system's way and
+returns a :class:`UserCase`. A system that cannot run a case raises :class:`Unavailable` with the reason; the
+checks depend only on arguments and installed packages, so every rank raises alike. Kernel packages are
+imported on first use.
 """
 
 from __future__ import annotations
