@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from benchmarks import common
 from benchmarks.baselines import user
-from benchmarks.baselines.same_kernel import CPBaseline, baseline_attn, plan_baseline, shard_tokens
+from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention._runtime import cache as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
@@ -301,17 +301,10 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
 
 def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
     cp, rank, total = dist.get_world_size(), dist.get_rank(), q.shape[0]
+    # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
     plan = plan_baseline(
-        CPBaseline(system.value),
-        qr,
-        kr,
-        tm,
-        total,
-        cp,
-        rank,
-        num_heads_q=cfg.heads_q,
-        num_heads_kv=cfg.heads_kv,
-    )  # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
+        system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv
+    )
     inputs = [shard_tokens(t, plan).requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
@@ -320,13 +313,8 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
     forced = os.environ.get("MAGI_FFA_BACKEND", "").strip().lower()
     fast = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     kernel = f"magi_ffa {forced or ('Triton' if fast else 'torch path')}"
-    return _Case(
-        step=step,
-        inputs=inputs,
-        dout=shard_tokens(do, plan),
-        token_index=plan.token_index(device),
-        kernel=kernel,
-    )
+    index = plan.token_index(device)
+    return _Case(step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel)
 
 
 def _user_case(system: System, q, k, v, do, qr, kr, tm) -> _Case:
@@ -413,10 +401,7 @@ def run_case(
         if failure := _agree(failure, device):
             return {**row, "skipped": failure}
         if system == System.MAGI:
-            out_g, dq_g = (
-                undispatch(out.detach().contiguous(), case.key),
-                undispatch(dq.contiguous(), case.key),
-            )
+            out_g, dq_g = (undispatch(x.detach().contiguous(), case.key) for x in (out, dq))
             if not ref:
                 ref.update(out=out_g, dq=dq_g)
                 row.update(rel_out=0.0, rel_dq=0.0)
@@ -427,9 +412,8 @@ def run_case(
                     rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
                 )
             del out_g, dq_g
-            row["degree_used"] = getattr(
-                getattr(_magi_runtime(case.key), "plan", None), "overlap_degree", None
-            )
+            plan = getattr(_magi_runtime(case.key), "plan", None)
+            row["degree_used"] = getattr(plan, "overlap_degree", None)
         elif ref:
             idx = case.token_index
             if (
@@ -491,12 +475,8 @@ def _global_data(total: int, cfg: BenchConfig, device) -> dict:
     def randn(h: int) -> torch.Tensor:
         return torch.randn(total, h, cfg.head_dim, generator=gen, device=device, dtype=torch.float32).to(dt)
 
-    return {
-        "q": randn(cfg.heads_q),
-        "k": randn(cfg.heads_kv),
-        "v": randn(cfg.heads_kv),
-        "do": randn(cfg.heads_q),
-    }
+    heads = {"q": cfg.heads_q, "k": cfg.heads_kv, "v": cfg.heads_kv, "do": cfg.heads_q}
+    return {name: randn(h) for name, h in heads.items()}
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -697,19 +677,14 @@ def _profile_path(cfg: BenchConfig, mask: str, tpg: int) -> Path | None:
 
 def run(cfg: BenchConfig, out: str | None) -> list[dict]:
     """The whole benchmark on an initialised process group; returns the rows (every rank)."""
+    device = torch.device("cpu")
     if cfg.device == "cuda":
-        device = torch.device(
-            "cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
-        )
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     # magi first (once per kernel backend and degree): the cross-check reference is the first magi row
-    runs = (
-        [(System.MAGI, d, b) for b in cfg.kernel_backends for d in cfg.degrees]
-        if System.MAGI in cfg.systems
-        else []
-    )
+    magi = System.MAGI in cfg.systems
+    runs = [(System.MAGI, d, b) for b in cfg.kernel_backends for d in cfg.degrees] if magi else []
     runs += [(s, None, None) for s in cfg.systems if s != System.MAGI]
     rows = []
     for tpg in cfg.tokens_per_gpu:

@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,11 @@ TOTAL = 32768
 DOCS = [0, 4096, 12288, 16384, 24576, TOTAL]
 
 
-def _median_us(fn, n):
+def _median_us(fn, n, setup=lambda: None):
+    """Median host microseconds of ``fn()`` over ``n`` calls, ``setup()`` (untimed) before each."""
     times = []
     for _ in range(n):
+        setup()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -78,27 +80,21 @@ def _worker(rank: int, world: int) -> dict:
     out["fingerprint_exchange_us"] = _median_us(lambda: fp.agree_on_key(key, False), 50)
     # table check at plan construction: device meta built with it (default) ...
     runtime = RUNTIME_CACHE.get(key)
-    times = []
-    for _ in range(10):
+
+    def fresh_meta():
         runtime._device_meta.clear()
         dist.barrier()
-        t0 = time.perf_counter()
-        runtime.device_meta(torch.device("cpu"))
-        times.append((time.perf_counter() - t0) * 1e3)
-    out["device_meta_with_table_check_ms"] = statistics.median(times)
+
+    def meta_ms():
+        return _median_us(lambda: runtime.device_meta(torch.device("cpu")), 10, fresh_meta) / 1e3
+
+    out["device_meta_with_table_check_ms"] = meta_ms()
     import magi_group_collective._plan as gplan
 
     real_gather = gplan._gather_tables
     gplan._gather_tables = lambda *a, **k: None
-    times = []
-    for _ in range(10):
-        runtime._device_meta.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        runtime.device_meta(torch.device("cpu"))
-        times.append((time.perf_counter() - t0) * 1e3)
+    out["device_meta_without_table_check_ms"] = meta_ms()
     gplan._gather_tables = real_gather
-    out["device_meta_without_table_check_ms"] = statistics.median(times)
     # calc_attn's extra local checks
     shard = runtime.layout.shard_seqlen
     q = api.dispatch(torch.zeros(TOTAL, 32, 128, dtype=torch.bfloat16), key)
@@ -156,9 +152,9 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     dtype = _DTYPES[args.dtype]
     total, h, d = args.tokens, args.heads, args.head_dim
     cu = [0, *DOCS[1:-1], TOTAL] if total == TOTAL else [0, total]
-    conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512))
-    if not cuda:
-        conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512), kernel_backend="torch")
+    conf = cfg.DistAttnConfig(
+        dispatch_config=cfg.DispatchConfig(chunk_size=512), kernel_backend="auto" if cuda else "torch"
+    )
     key = api.magi_attn_varlen_key(cu, cu, h, h, d, dist.group.WORLD, causal=True, dist_attn_config=conf)
     gen = torch.Generator().manual_seed(rank)
     q, k, v, do = (
@@ -216,14 +212,13 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     row["step_ms_with"], row["step_ms_without"] = statistics.median(on), statistics.median(off)
     # paired (with - without) of each round: drift between rounds cancels
     row["step_ms_paired_diff"] = statistics.median(a - b for a, b in zip(on, off))
-    if cuda:
-        row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
-    if cuda:  # device synchronisations of one step, with and without the agreement
+    if cuda:  # and the device synchronisations of one step, with and without the agreement
         from torch.profiler import ProfilerActivity, profile
 
-        for label, ctx in (("with", None), ("without", _agreement_off)):
+        row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
+        for label, ctx in (("with", nullcontext), ("without", _agreement_off)):
             with (
-                ctx() if ctx else _nothing(),
+                ctx(),
                 profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
             ):
                 step()
@@ -231,11 +226,6 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             names = [e.name for e in prof.events()]
             row[f"syncs_{label}"] = sum(1 for n in names if n in _SYNC_EVENTS)
     return row
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _print_agreement(rows: list[dict]) -> None:

@@ -66,6 +66,7 @@ class _LauncherAttn(torch.autograd.Function):
 def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict:
     """``--deterministic``'s runners (see the module docstring): name -> (fn, inputs needing grad)."""
     import os
+    from unittest import mock
 
     from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
@@ -92,17 +93,12 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     for name, det in (("auto", False), ("auto_det", True)):
         if name not in kernels:
             continue
-        saved = os.environ.get("MAGI_ATTENTION_DETERMINISTIC_MODE")
-        os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = "1" if det else "0"  # read when the config is built
-        try:
-            out[name] = calc_attn_runner(m, q, k, v, "auto")
-        except Exception as e:
-            print(f"# {name} unavailable: {e!r}"[:200])
-        finally:
-            if saved is None:
-                del os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"]
-            else:
-                os.environ["MAGI_ATTENTION_DETERMINISTIC_MODE"] = saved
+        # the mode is read when the config is built
+        with mock.patch.dict(os.environ, {"MAGI_ATTENTION_DETERMINISTIC_MODE": "1" if det else "0"}):
+            try:
+                out[name] = calc_attn_runner(m, q, k, v, "auto")
+            except Exception as e:
+                print(f"# {name} unavailable: {e!r}"[:200])
     return out
 
 

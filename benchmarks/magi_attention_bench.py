@@ -144,9 +144,8 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
     do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
     config = DistAttnConfig(kernel_backend=backend)
     key = magi_attn_flex_key(q_ranges, k_ranges, types, total, tk, HQ, HKV, D, None, config)
-    qr = torch.tensor(q_ranges, dtype=torch.int32)  # host ranges: no device->host sync per call
-    kr = torch.tensor(k_ranges, dtype=torch.int32)
-    tr = torch.tensor(types, dtype=torch.int32)
+    # host ranges: no device->host sync per call
+    qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
     raw_fn = raw_attn_func(backend)
     with torch.no_grad():
         raw = _bench(lambda: raw_fn(q, k, v, qr, kr, tr), warmup=20, rep=100)

@@ -60,18 +60,8 @@ class CPBaseline(StrEnum):
 def clip_slices(
     slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_pieces: Sequence[Piece]
 ) -> SliceList:
-    """The mask restricted to the q pieces x the k pieces, in local coordinates.
-
-    Args:
-        slices: global typed slices ``(qs, qe, ks, ke, type)`` whose areas are disjoint.
-        q_pieces: ``(global_start, global_end, local_start)`` runs of query rows held in a local buffer.
-        k_pieces: the same for keys.
-
-    Returns:
-        Disjoint typed slices in (local q, local k) coordinates, each clipped region re-expressed in the four
-        types by ``magi_solver.mask.decompose_region`` (at most three per piece pair), FULL pieces that touch
-        in the local layout fused.
-    """
+    """Disjoint global typed slices restricted to the q pieces x the k pieces, as disjoint typed slices in
+    local (q, k) coordinates (touching FULL pieces fused)."""
     out: list[TypedSlice] = []
     for s in slices:
         qs, qe, ks, ke, lo, hi = region_of(*s)
@@ -191,22 +181,9 @@ def plan_baseline(
     num_heads_q: int,
     num_heads_kv: int,
 ) -> BaselinePlan:
-    """Plan one rank's share of a baseline (pure; raises before any collective could start).
-
-    Args:
-        system: a ``CPBaseline`` or its name.
-        q_ranges, k_ranges: ``[num_slices, 2]`` half-open global ranges (lists of pairs, int tensors or
-            ``magi_solver.AttnRanges``); empty slices are ignored.
-        attn_type_map: per-slice type (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL, or names), one type for
-            all, or None (all FULL).
-        total_seqlen: tokens of the (self-attention) sequence; a multiple of ``cp_size`` (Ulysses) or of
-            ``2 * cp_size`` (ring, all-gather).
-        cp_size, rank: the context-parallel group size and this rank's index in it.
-        num_heads_q, num_heads_kv: heads (``num_heads_q % num_heads_kv == 0``; Ulysses: both divisible by cp).
-
-    Raises:
-        ValueError: a bad argument (named), or a shape the scheme cannot split.
-    """
+    """Plan one rank's share of a baseline (pure; a ``ValueError`` before any collective could start).
+    ``q_ranges`` / ``k_ranges``: ``[num_slices, 2]`` global ranges; ``attn_type_map``: per-slice types, one
+    type for all, or None (all FULL); ``total_seqlen``: a multiple of cp (Ulysses) or 2 cp (ring, all-gather)."""
     try:
         system = CPBaseline(system)
     except ValueError:
@@ -535,19 +512,8 @@ def baseline_attn(
     group: dist.ProcessGroup | None = None,
     softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distributed attention by ``plan.system`` (autograd: forward and backward).
-
-    Args:
-        q: ``[local_seqlen, num_heads_q, head_dim]``, this rank's rows (``shard_tokens(x, plan)``).
-        k, v: ``[local_seqlen, num_heads_kv, head_dim]``, the same rows; q's dtype and device.
-        plan: from ``plan_baseline`` for this rank of ``group``.
-        group: the cp process group (None: the default group).
-        softmax_scale: default ``head_dim ** -0.5``.
-
-    Returns:
-        ``(out, lse)``: out like q in q's dtype, lse ``[local_seqlen, num_heads_q]`` fp32 (fp64 for fp64
-        inputs; -inf where a row sees no key), not differentiable.
-    """
+    """Differentiable ``(out, lse)`` of this rank's rows (``shard_tokens``) by ``plan.system`` over ``group``
+    (None: the default group); shapes and dtypes as in the module docstring (lse fp64 for fp64 inputs)."""
     _validate(q, k, v, plan, group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     # cp 1: every scheme is one local call on the same coordinates; the ring path does no communication

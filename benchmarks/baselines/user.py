@@ -309,13 +309,9 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     balance = "head-tail balanced" if causal and q.shape[0] % (2 * cp) == 0 else "contiguous shards"
     kernel = f"SDPA ring, {name.split('_')[0].lower()} ({'causal' if causal else 'full'}, {balance}"
     kernel += ", K/V heads repeated)" if g > 1 else ")"
+    dout = do4[0].transpose(0, 1)
     return UserCase(
-        step=step,
-        inputs=inputs,
-        dout=do4[0].transpose(0, 1),
-        token_index=pos.clone(),
-        kernel=kernel,
-        close=stack.close,
+        step=step, inputs=inputs, dout=dout, token_index=pos.clone(), kernel=kernel, close=stack.close
     )
 
 
@@ -375,18 +371,8 @@ def build_case(
     mask: Mask,
     group: dist.ProcessGroup | None = None,
 ) -> UserCase:
-    """Set up ``system`` on this rank.
-
-    Args:
-        system: a key of ``BUILDERS``.
-        q, do: global ``[total, num_heads_q, head_dim]``, identical on every rank.
-        k, v: global ``[total, num_heads_kv, head_dim]``.
-        mask: the case's mask.
-        group: the cp group (None: the default group).
-
-    Raises:
-        Unavailable: the system cannot run this case here (the reason is the message).
-    """
+    """Set up ``system`` (a key of ``BUILDERS``) on this rank from the global ``[total, heads, head_dim]``
+    q/k/v/dout; raises ``Unavailable`` (the reason) where it cannot run here."""
     if system not in BUILDERS:
         raise ValueError(f"`system` must be one of {sorted(BUILDERS)}, got {system!r}")
     return BUILDERS[system](q, k, v, do, mask, group)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import sync
+
 IGNORE_INDEX = -100
 
 # bf16 tolerances (GPU). The two sides differ only in the attention kernel, so at step 0 the losses differ by
@@ -185,11 +187,6 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class SideResult:
     """One side's training: the loss of every step, the step-0 gradients, the timed steps."""
@@ -219,7 +216,7 @@ def train(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = step()
         if i == 0:
@@ -230,7 +227,7 @@ def train(
             ]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         result.step_seconds.append(time.perf_counter() - t0)
         result.losses.append(float(loss.detach()))
     if device.type == "cuda":
@@ -323,18 +320,14 @@ def compare(
     }
 
 
+VERSIONED = ("transformers", "megatron-core", "torchtitan", "triton", "flash-attn-4", "nvidia-cudnn-frontend")
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for dist_name in (
-        "transformers",
-        "megatron-core",
-        "torchtitan",
-        "triton",
-        "flash-attn-4",
-        "nvidia-cudnn-frontend",
-    ):
+    for dist_name in VERSIONED:
         try:
             out[dist_name] = version(dist_name)
         except PackageNotFoundError:
