@@ -12,6 +12,8 @@ import itertools
 import math
 import os
 import random
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,6 +310,44 @@ def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
+                  device: torch.device | None = None) -> list[float]:  # fmt: skip
+    """Host-clock milliseconds of ``n`` calls of ``fn``, ``setup()`` (untimed) before each; with ``device``, its
+    queued work is waited for before the clock starts and before it stops."""
+    times = []
+    for _ in range(n):
+        setup()
+        if device is not None:
+            sync(device)
+        t0 = time.perf_counter()
+        fn()
+        if device is not None:
+            sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
+                   device: torch.device | None = None) -> float:  # fmt: skip
+    """The median of `host_times_ms`."""
+    return statistics.median(host_times_ms(fn, n, setup, device))
+
+
+def events_median_ms(fn: Callable[[], object], n: int, warmup: int = 0) -> float:
+    """Median milliseconds of ``n`` calls of ``fn`` by CUDA events, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def environment() -> dict:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import magi_attention._runtime.checks._key_agreement as fp
 import magi_attention.api as api
+from benchmarks.common import host_median_ms, sync
 from magi_attention import config as cfg
 from magi_attention._runtime.cache import RUNTIME_CACHE
 from magi_attention._runtime.checks import check_dispatch_tags, check_dtype, check_scalars
@@ -37,17 +38,6 @@ from magi_attention.testing import run_distributed
 
 TOTAL = 32768
 DOCS = [0, 4096, 12288, 16384, 24576, TOTAL]
-
-
-def _median_us(fn, n, setup=lambda: None):
-    """Median host microseconds of ``fn()`` over ``n`` calls, ``setup()`` (untimed) before each."""
-    times = []
-    for _ in range(n):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -63,21 +53,17 @@ def _worker(rank: int, world: int) -> dict:
         real = fp.agree_on_key
         if patch:
             api.agree_on_key = lambda *a, **k: None
-        times = []
-        for i in range(20):
-            dist.barrier()
-            api.clear_cache()
-            t0 = time.perf_counter()
-            build(i + 1)
-            times.append((time.perf_counter() - t0) * 1e3)
+        shifts = iter(range(1, 21))  # a new key each call
+        out[label + "_ms"] = host_median_ms(
+            lambda shifts=shifts: build(next(shifts)), 20, lambda: (dist.barrier(), api.clear_cache())
+        )
         api.agree_on_key = real
-        out[label + "_ms"] = statistics.median(times)
     key = build(1)
     dist.barrier()
-    out["hit_us"] = _median_us(lambda: build(1), 200)
+    out["hit_us"] = 1e3 * host_median_ms(lambda: build(1), 200)
     dist.barrier()
     # the fingerprint exchange alone (one all-gather of 8 int64)
-    out["fingerprint_exchange_us"] = _median_us(lambda: fp.agree_on_key(key, False), 50)
+    out["fingerprint_exchange_us"] = 1e3 * host_median_ms(lambda: fp.agree_on_key(key, False), 50)
     # table check at plan construction: device meta built with it (default) ...
     runtime = RUNTIME_CACHE.get(key)
 
@@ -86,7 +72,7 @@ def _worker(rank: int, world: int) -> dict:
         dist.barrier()
 
     def meta_ms():
-        return _median_us(lambda: runtime.device_meta(torch.device("cpu")), 10, fresh_meta) / 1e3
+        return host_median_ms(lambda: runtime.device_meta(torch.device("cpu")), 10, fresh_meta)
 
     out["device_meta_with_table_check_ms"] = meta_ms()
     import magi_group_collective._plan as gplan
@@ -105,7 +91,7 @@ def _worker(rank: int, world: int) -> dict:
         check_scalars(None, 0.0, 128)
         check_dispatch_tags(runtime, q=q, k=k, v=v)
 
-    out["calc_attn_extra_checks_us"] = _median_us(checks, 2000)
+    out["calc_attn_extra_checks_us"] = 1e3 * host_median_ms(checks, 2000)
     out["shard"] = shard
     return out
 
@@ -148,7 +134,6 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     dtype = _DTYPES[args.dtype]
     total, h, d = args.tokens, args.heads, args.head_dim
     cu = [0, *DOCS[1:-1], TOTAL] if total == TOTAL else [0, total]
@@ -165,7 +150,7 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     # 1. the agreement alone, as calc_attn's forward runs it (check, values, device-meta flag)
     same = {"q.dtype": q.dtype, "softmax_scale": d**-0.5, "softcap": 0.0, "return_max_logits": False}
     dist.barrier()
-    row["agreement_us"] = _median_us(
+    row["agreement_us"] = 1e3 * host_median_ms(
         lambda: agree_on_call(
             key.cp_group, "calc_attn (forward)", lambda: None, same=lambda: same, extra=lambda: [0]
         ),
@@ -178,23 +163,15 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         out.backward(do)
 
     def timed_steps(n):
-        times = []
-        for _ in range(n):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return host_median_ms(step, n, dist.barrier, device)
 
     def back_to_back(n):  # the training regime: the host runs ahead, one device sync per n steps
         dist.barrier()
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(n):
             step()
-        sync()
+        sync(device)
         return (time.perf_counter() - t0) * 1e3 / n
 
     step()  # plan, device tensors, kernels compiled
@@ -222,7 +199,7 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                 profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
             ):
                 step()
-                sync()
+                sync(device)
             names = [e.name for e in prof.events()]
             row[f"syncs_{label}"] = sum(1 for n in names if n in _SYNC_EVENTS)
     return row

@@ -108,29 +108,12 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds: CUDA events through triton's do_bench, or a host clock on the CPU smoke test."""
     if DEVICE == "cuda":
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return common.host_median_ms(fn, 3)
 
 
 def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median ms of `fn` by CUDA events (per-rank timing in the simulation: cheap enough for 64 ranks)."""
-    if DEVICE != "cuda":
-        return _bench(fn)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return common.events_median_ms(fn, iters, warmup) if DEVICE == "cuda" else _bench(fn)
 
 
 def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
