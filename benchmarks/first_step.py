@@ -21,7 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from benchmarks import common
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
@@ -51,11 +54,17 @@ def _start():
         torch.ones(1, device="cuda").sum().item()
 
 
-def _sync():
+def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], object] | None) -> dict:
+    """``out`` with ``warmup_s`` (``warm``'s seconds, if given), ``first_step_s`` (the first of three calls of
+    ``step``) and ``steady_step_s`` (the fastest of the other two); device work waited for."""
     import torch
 
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    device = torch.device(DEVICE)
+    if warm is not None:
+        out["warmup_s"] = common.host_times_ms(warm, 1, device=device)[0] / 1e3
+    steps = [t / 1e3 for t in common.host_times_ms(step, 3, device=device)]
+    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
+    return out
 
 
 def child_cp1(warm: bool) -> dict:
@@ -72,22 +81,10 @@ def child_cp1(warm: bool) -> dict:
     q, k, v = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()).requires_grad_()
                for h in (hq, hk, hk))  # fmt: skip
     do = torch.randn(TOKENS, hq, d, device=DEVICE, generator=gen, dtype=_dtype())
-    _sync()
     resolved, reason = get_kernel_backend(key)
     out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
-    if warm:
-        t0 = time.perf_counter()
-        warmup(key, _dtype(), device=DEVICE)
-        out["warmup_s"] = time.perf_counter() - t0
-    steps = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        o, _meta = calc_attn(q, k, v, key)
-        o.backward(do)
-        _sync()
-        steps.append(time.perf_counter() - t0)
-    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
-    return out
+    return _timed_steps(out, lambda: calc_attn(q, k, v, key)[0].backward(do),
+                        (lambda: warmup(key, _dtype(), device=DEVICE)) if warm else None)  # fmt: skip
 
 
 def child_sim8(warm: bool) -> dict:
@@ -115,21 +112,11 @@ def child_sim8(warm: bool) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
                    for h in (hq, hk, hk, hq))  # fmt: skip
-    _sync()
     out = {"backend": choice.backend.value, "reason": choice.reason}
-    if warm:  # one step on other inputs: what magi_attention.warmup does on a real cp 8 key
-        t0 = time.perf_counter()
-        simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend)
-        _sync()
-        out["warmup_s"] = time.perf_counter() - t0
-    steps = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend)
-        _sync()
-        steps.append(time.perf_counter() - t0)
-    out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
-    return out
+    # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
+    return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend),
+                        (lambda: simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend))
+                        if warm else None)  # fmt: skip
 
 
 def _dir_size(path: str) -> int:
@@ -144,8 +131,8 @@ def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
                  "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
         env.pop(name, None)  # ours decide: the point is the default
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, *shape], env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.first_step", "--child", kind, *shape], env=env,
+                          cwd=common.ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
