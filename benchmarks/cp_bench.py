@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 
@@ -644,26 +644,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         ap.error(f"--kernel-backend: unknown {bad}, choose from {KERNEL_BACKENDS}")
     if a.block_size <= 0:
         ap.error(f"--block-size must be a positive int, got {a.block_size}")
+    parsed = dict(tokens_per_gpu=tuple(int(x) for x in a.tokens_per_gpu.split(",")), masks=masks, systems=systems,
+                  heads_q=hq, heads_kv=hkv, degrees=degrees, kernel_backends=backends)  # fmt: skip
+    # every other field is the option of the same name
     cfg = BenchConfig(
-        device=a.device,
-        tokens_per_gpu=tuple(int(x) for x in a.tokens_per_gpu.split(",")),
-        masks=masks,
-        systems=systems,
-        heads_q=hq,
-        heads_kv=hkv,
-        head_dim=a.head_dim,
-        dtype=a.dtype,
-        warmup=a.warmup,
-        iters=a.iters,
-        chunk_size=a.chunk_size,
-        degrees=degrees,
-        min_chunk_size=a.min_chunk_size,
-        kernel_backends=backends,
-        grad_reduce=a.grad_reduce,
-        grpcoll=a.grpcoll,
-        block_size=a.block_size,
-        seed=a.seed,
-        profile=a.profile,
+        **{f.name: parsed[f.name] if f.name in parsed else getattr(a, f.name) for f in fields(BenchConfig)}
     )
     return cfg, a.out
 
