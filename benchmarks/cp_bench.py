@@ -1,19 +1,13 @@
-"""Distributed context-parallel benchmark: magi-attention against the same-kernel baselines
-(baselines/same_kernel.py: Ulysses, zigzag ring, all-gather K/V on magi_ffa) and what a user would pick today
-(baselines/user.py), on the same inputs. A system that cannot run a case gets a "skipped: <reason>" row.
-
-magi runs once per ``--kernel-backend`` and ``--degrees`` entry (an int: overlap stages; ``dynamic``: the
-planner picks); its group collectives: ``--grpcoll native``, ``a2av`` or ``MAGI_ATTENTION_NATIVE_GRPCOLL``.
+"""Distributed context-parallel benchmark: magi-attention (once per ``--kernel-backend`` and ``--degrees``
+entry) against the same-kernel baselines (baselines/same_kernel.py) and what a user would pick today
+(baselines/user.py), on the same inputs; a system that cannot run a case gets a "skipped: <reason>" row.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --tokens-per-gpu 16384 --out /tmp/cp_bench
     torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
-Per (tokens per GPU, mask, system): global q/k/v/dout from one seed, sharded the system's way; one checked
-forward + backward (rel diff of out and dq against the first magi row), ``--warmup`` more, ``--iters`` timed
-(CUDA events, host clock on CPU; the slowest rank per iteration; median and p25-p75). TFLOP/s/GPU = FLOPs /
-(median x cp) with FLOPs(fwd) = 4 x area x heads_q x head_dim, bwd 2.5x; peak memory the max over ranks;
-magi rows give the speedup over the fastest other row. Writes ``<out>.json`` and ``<out>.md`` (rank 0).
+Per case: one checked step (rel diff against the first magi row), ``--warmup`` more, ``--iters`` timed (the
+slowest rank per iteration; median and p25-p75). Writes ``<out>.json`` and ``<out>.md`` (rank 0).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Cost of the always-on failure checks (docs/failure_modes.md), CPU gloo, world 2.
+"""Cost of the always-on failure checks (docs/failure_modes.md): key creation with and without the
+fingerprint all-gather, the table check at plan construction, calc_attn's extra local checks, and
+(``--agreement``) the status agreement of every collective call, alone and in a calc_attn step.
 
-- key creation on a cache miss, with and without the key-fingerprint all-gather (the plan is built in
-  both), and on a cache hit (collective-free);
-- the GroupCast/GroupReduce table check at plan construction (once per key and device);
-- calc_attn's extra local checks (scalars, dtype, dispatch tags) in microseconds per call;
-- the status agreement of every public collective call (`--agreement`): its host time per call alone,
-  and a `calc_attn` forward + backward with and without it (same process, alternating), plus the device
-  synchronisations a step makes with and without it (torch.profiler; CUDA only), and on CUDA the same
-  steps back to back (the host running ahead, as in training).
+    OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead                  # CPU, gloo, world 2
+    OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead --agreement
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.failure_checks_overhead --agreement \
+        --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
 
-Run: OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead
-     OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead --agreement     # CPU, gloo, cp 2
-     torchrun --standalone --nproc-per-node 2 -m benchmarks.failure_checks_overhead --agreement \
-         --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
-(`--nproc-per-node 1` runs cp 1, where no agreement is exchanged at all.) Prints one table on rank 0.
+Prints one table on rank 0.
 """
 
 from __future__ import annotations

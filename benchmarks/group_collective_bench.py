@@ -1,20 +1,11 @@
-"""GroupCast benchmark (magi-group-collective): bytes per rank against ring / all-gather K/V (CPU), and the
-GroupCast / GroupReduce bandwidth on GPUs.
+"""GroupCast benchmark (magi-group-collective): bytes per rank of magi-solver's comm plans against ring /
+all-gather K/V (CPU), and the GroupCast / GroupReduce bandwidth on GPUs (a2av and native beside
+``all_to_all_single``; GB/s = bytes each rank sends / time of one call, the slowest rank).
 
     .venv/bin/python -m benchmarks.group_collective_bench                 # the bytes table (docs/benchmarks)
     .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
     torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \\
         --sizes-mb 8,64,512 [--json out.json]
-
-Bytes: magi-solver's comm plans (one merged stage) of varlen causal (300 documents), block-causal video and a
-causal window of 1024; K and V of 8 heads x 128 in bf16 per token; "inter-node" counts tokens leaving a node
-of 8 ranks (flat all-to-all-v: once per remote rank; hierarchical: once per remote node).
-
-GPU bandwidth per size S (MiB each rank sends): 2 x S per rank in 32 pieces, every other piece to another
-rank; GroupCast and GroupReduce (sum, transposed tables), a2av and native, beside one plain
-``all_to_all_single`` of the same splits. GB/s = bytes sent / time of one call (CUDA events over ``--iters``
-calls after ``--warmup``; the slowest rank). Native also checks that the timed calls did no rendezvous and
-that its cast equals a2av's bit for bit.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""The kernel backends side by side, interleaved, on the same inputs in one process: magi-ffa-cudnn,
-magi-ffa-fa4, magi-ffa (Triton), cuDNN's own flex_attention, FA4's native calls, FlexAttention, and the
-runtime's ``calc_attn`` at cp = 1 (``auto``, ``calc_cudnn`` / ``calc_fa4`` / ``calc_triton``; the last column:
-``auto`` over the fastest ``calc_*``). Every runner is built once (outside the timing); each of ``--repeats``
-rounds times every kernel once (``do_bench`` medians over ``--rep`` ms), starting one kernel later each round.
-A cell is the median over the rounds, the spread (max - min) / median; TFLOP/s from the masked area.
+"""The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds (``do_bench``
+medians): magi-ffa-cudnn / -fa4 / Triton, cuDNN's flex_attention, FA4's native calls, FlexAttention and
+``calc_attn`` at cp = 1 (``auto``, ``calc_*``). A cell is the median over the rounds; TFLOP/s from the area.
 
     python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
     python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
 
-``--write-table OUT --sources A.json[:mask+mask],...`` writes the table ``kernel_backend="auto"`` reads
-(per size, head_dim and mask each backend's fwd / bwd ms and the mask's features; a later source replaces an
-earlier one's row); ``--sim-sources fa4=A.json,...`` adds the busiest rank of simulated cp runs
-(``magi_attention_bench.py --degree 0``) with the features the runtime computes for that rank.
-``--deterministic`` times each backend's backward deterministic against default (``launch_<backend>[_det]``:
-its launchers; ``auto[_det]``: ``calc_attn``); ``--sim-cp 8`` adds the busiest rank of a simulated cp 8 plan;
-``--write-table OUT --base TABLE --sources RUN.json`` adds the ``*_det`` rows to a table.
+``--write-table OUT --sources A.json[:mask+mask],... [--sim-sources fa4=A.json,...] [--base TABLE]`` writes
+the table ``kernel_backend="auto"`` reads from such runs.
 """
 
 from __future__ import annotations

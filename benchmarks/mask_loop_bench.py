@@ -1,22 +1,10 @@
 """A training loop's view of the kernels: a new mask every step, forward + backward timed per step, per kernel
-backend, at cp 1 (the whole mask in one call) and in the simulated cp 8 loop (every rank's calls of the
-runtime's plan, one after the other on one GPU), with the compiled-kernel caches of FA4 (CuTe DSL), cuDNN's
-flex_attention and magi_ffa's Triton kernels counted after every step.
-
-A warm-up runs first: a stream of masks of other seeds and the same kinds, then
-``magi_ffa_fa4._launch_meta.warmup_masks`` (masks of 1, 2, 4, 8 and 16 intervals per row, FA4's width
-buckets, and the varlen window kinds; ``--warmup-widths``): it pays the compiles of the kernel variants such
-masks need, as a training job's warm-up would. Then ``--steps`` new masks run; each is new, so each step also builds its launch
-metadata, as a training step does; then it runs again (metadata cached, kernels compiled) for the work's
-own time. ``--check`` exits 1 when a run compiles during the timed steps: a compiled-kernel cache grows,
-or a step takes more than ``COMPILE_S`` longer than its own re-run (a compile costs seconds; what a new
-mask costs without one, its launch metadata, is reported as ``new-mask ms``, the worst ``step - re-run``).
-The timing target, every step after the first within 1.5x the median, is reported (``<=1.5x med``), not
-checked: masks of different kinds do different work, so it is fair only on masks of equal work
-(``--kinds random``), and ``--literal`` makes ``--check`` hold it too. For FA4 the script
-also predicts each call's compile keys (``magi_ffa_fa4._launch_meta.compile_key``) and lists the steps that
-bring a key the warm-up did not have: a cache that grows exactly there is a warm-up gap, anywhere else a key
-the prediction misses.
+backend, at cp 1 and in the simulated cp 8 loop, with the compiled-kernel caches (FA4, cuDNN flex_attention,
+magi_ffa's Triton) counted after every step. A warm-up (masks of other seeds, then
+``magi_ffa_fa4._launch_meta.warmup_masks``; ``--warmup-widths``) runs first. ``--check`` exits 1 when a timed
+step compiles (a cache grows, or a step takes more than ``COMPILE_S`` longer than its re-run); ``--literal``
+also holds every step within 1.5x the median. For FA4 it lists the steps that bring a compile key the warm-up
+did not have.
 
     python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
     python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
