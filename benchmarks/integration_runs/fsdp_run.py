@@ -84,67 +84,55 @@ class DecoderLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
     from magi_attention_fsdp import dispatch_pack, fully_shard_dp_cp, init_dp_cp_mesh, pack_loss
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from magi_attention.api import get_kernel_backend
-    from magi_attention.config import DistAttnConfig
+    s = cfg.shapes
+    mesh = init_dp_cp_mesh(dp=1, cp=1, device_type=cfg.device.type)
+    if cfg.device.type == "cuda":  # fp32 master weights, bf16 compute (FSDP2's mixed precision)
+        master_dtype = torch.float32
+        shard_kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)}
+    else:
+        master_dtype, shard_kwargs = cfg.dtype, {}
 
-    cfg = harness.parse_args(NAME, __doc__, argv)
-    harness.init_world_1(cfg.device)
-    try:
-        if cfg.tiny:
-            vocab, dim, layers, heads_q, heads_kv = 97, 32, 2, 4, 2
-        else:  # head_dim 128, GQA 8:2
-            vocab, dim, layers, heads_q, heads_kv = 8192, 1024, 4, 8, 2
-        mesh = init_dp_cp_mesh(dp=1, cp=1, device_type=cfg.device.type)
-        if cfg.device.type == "cuda":  # fp32 master weights, bf16 compute (FSDP2's mixed precision)
-            master_dtype = torch.float32
-            shard_kwargs = {
-                "mp_policy": MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
-            }
-        else:
-            master_dtype, shard_kwargs = cfg.dtype, {}
+    def build() -> nn.Module:
+        torch.manual_seed(cfg.seed)  # the same initial weights on both sides
+        model = DecoderLM(s["vocab"], s["hidden"], s["layers"], s["heads_q"], s["heads_kv"])
+        return fully_shard_dp_cp(model.to(device=cfg.device, dtype=master_dtype), mesh, **shard_kwargs)
 
-        def build() -> nn.Module:
-            torch.manual_seed(cfg.seed)  # the same initial weights on both sides
-            model = DecoderLM(vocab, dim, layers, heads_q, heads_kv).to(device=cfg.device, dtype=master_dtype)
-            return fully_shard_dp_cp(model, mesh, **shard_kwargs)
+    model, ref = build(), build()
+    batch = harness.packed_batch(cfg.tokens, s["vocab"], seed=cfg.seed + 1, device=cfg.device)
+    dist_attn_config = cfg.dist_attn_config()
+    keys = []
 
-        model, ref = build(), build()
-        batch = harness.packed_batch(cfg.tokens, vocab, seed=cfg.seed + 1, device=cfg.device)
-        dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
-        keys = []
-
-        def magi_step() -> torch.Tensor:
-            shard = dispatch_pack(
-                batch.input_ids, mesh, cu_seqlens=batch.cu_seqlens, num_heads_q=heads_q,
-                num_heads_kv=heads_kv, head_dim=dim // heads_q, dist_attn_config=dist_attn_config,
-            )  # fmt: skip
-            keys.append(shard.key)
-            loss = pack_loss(model(shard.input_ids, shard.position_ids, shard.key), shard)
-            loss.backward()
-            return loss
-
-        def ref_step() -> torch.Tensor:
-            logits = ref(batch.input_ids[0], batch.position_ids[0], cu_seqlens=batch.cu_seqlens)
-            loss = harness.token_mean_loss(logits, batch.labels)
-            loss.backward()
-            return loss
-
-        magi, reference = harness.train_pair(
-            model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor
-        )
-        backend, reason = get_kernel_backend(keys[0], cfg.dtype)
-        result = harness.compare(
-            NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document",
-            extra={"kernel_backend": backend.value, "kernel_reason": reason,
-                   "mixed_precision": "bf16 params, fp32 reduce" if shard_kwargs else "none"},
+    def magi_step() -> torch.Tensor:
+        shard = dispatch_pack(
+            batch.input_ids, mesh, cu_seqlens=batch.cu_seqlens, num_heads_q=s["heads_q"],
+            num_heads_kv=s["heads_kv"], head_dim=s["hidden"] // s["heads_q"], dist_attn_config=dist_attn_config,
         )  # fmt: skip
-    finally:
-        harness.close_world()
-    return harness.finish(NAME, cfg, [result])
+        keys.append(shard.key)
+        loss = pack_loss(model(shard.input_ids, shard.position_ids, shard.key), shard)
+        loss.backward()
+        return loss
+
+    def ref_step() -> torch.Tensor:
+        logits = ref(batch.input_ids[0], batch.position_ids[0], cu_seqlens=batch.cu_seqlens)
+        loss = harness.token_mean_loss(logits, batch.labels)
+        loss.backward()
+        return loss
+
+    magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor)
+    mixed_precision = "bf16 params, fp32 reduce" if shard_kwargs else "none"
+    result = harness.compare(
+        NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document", key=keys[0],
+        extra={"mixed_precision": mixed_precision},
+    )  # fmt: skip
+    return [result]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return harness.main(NAME, __doc__, argv, run_comparison)
 
 
 if __name__ == "__main__":

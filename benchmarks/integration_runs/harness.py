@@ -58,6 +58,19 @@ class RunConfig:
             return {"step0_loss_abs": FP64_LOSS_ABS, "loss_abs": FP64_LOSS_ABS, "grad_rel": FP64_GRAD_REL}
         return {"step0_loss_abs": BF16_STEP0_LOSS_ABS, "loss_abs": BF16_LOSS_ABS, "grad_rel": BF16_GRAD_REL}
 
+    @property
+    def shapes(self) -> dict[str, int]:
+        """The decoder's sizes: a toy model, or head_dim 128 with GQA 8:2 (the shapes FA4 and cuDNN run)."""
+        if self.tiny:
+            return dict(vocab=97, hidden=32, ffn=64, layers=2, heads_q=4, heads_kv=2)
+        return dict(vocab=8192, hidden=1024, ffn=2816, layers=4, heads_q=8, heads_kv=2)
+
+    def dist_attn_config(self):
+        """magi's DistAttnConfig with the asked kernel backend (deterministic: None -> torch's switch)."""
+        from magi_attention.config import DistAttnConfig
+
+        return DistAttnConfig(kernel_backend=self.kernel_backend)
+
 
 def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
     parser = argparse.ArgumentParser(
@@ -122,6 +135,20 @@ def close_world() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def main(
+    name: str, doc: str, argv: list[str] | None, body: Callable[[RunConfig, dist.ProcessGroup], list[dict]]
+) -> dict:
+    """A run's `main`: parse the command line, set up the world-1 group, `body(cfg, group)` (its comparisons),
+    close the group, then :func:`finish`."""
+    cfg = parse_args(name, doc, argv)
+    group = init_world_1(cfg.device)
+    try:
+        results = body(cfg, group)
+    finally:
+        close_world()
+    return finish(name, cfg, results)
 
 
 @dataclass(frozen=True)
@@ -269,9 +296,14 @@ def compare(
     ref: SideResult,
     *,
     ref_label: str,
+    key: object,
     extra: dict | None = None,
 ) -> dict:
-    """The numbers of one comparison and its checks (PASS/MISS against the tolerances of the dtype)."""
+    """The numbers of one comparison and its checks (PASS/MISS against the tolerances of the dtype); `key`:
+    magi's runtime key, whose kernel backend (and the reason for it) the report names."""
+    from magi_attention.api import get_kernel_backend
+
+    backend, reason = get_kernel_backend(key, cfg.dtype)
     tol = cfg.tolerances
     loss_diff = [abs(a - b) for a, b in zip(magi.losses, ref.losses)]
     grad_rel = grad_rel_err(magi.grads0, ref.grads0)
@@ -316,6 +348,8 @@ def compare(
         "tolerances": tol,
         "checks": {k: "PASS" if ok else "MISS" for k, ok in checks.items()},
         "versions": versions(),
+        "kernel_backend": backend.value,
+        "kernel_reason": reason,
         **(extra or {}),
     }
 

@@ -29,39 +29,29 @@ NAME = "hf_deterministic"
 
 def train_once(family: str, cfg: harness.RunConfig, group) -> tuple[list[float], list[torch.Tensor], str]:
     """One training from the seed: per-step losses, the parameters afterwards, and the kernel `auto` chose."""
-    from magi_attention_transformers import (
-        all_reduce_gradients,
-        apply_magi_attention,
-        causal_lm_loss,
-        dispatch_batch,
-    )
+    from magi_attention_transformers import apply_magi_attention
 
     from magi_attention.api import clear_cache, get_kernel_backend
-    from magi_attention.config import DistAttnConfig
 
     clear_cache()  # the second training plans again, as a fresh process would
     model, _ = hf_run.build_model(family, cfg)
     batch = harness.packed_batch(cfg.tokens, model.config.vocab_size, seed=cfg.seed + 1, device=cfg.device)
-    config = DistAttnConfig(kernel_backend=cfg.kernel_backend)  # deterministic: None -> torch's switch
+    config = cfg.dist_attn_config()
     if not config.deterministic:
         raise SystemExit("DistAttnConfig() did not resolve deterministic=True under torch's switch")
     apply_magi_attention(model, group, dist_attn_config=config)
+    keys = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses, backend = [], ""
-    for _ in range(cfg.steps):
-        local = dispatch_batch(batch.input_ids, group, cu_seqlens=batch.cu_seqlens)
-        logits = model(input_ids=local.input_ids, position_ids=local.position_ids).logits
-        loss = causal_lm_loss(logits, local)
-        loss.backward()
-        all_reduce_gradients(model, group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if not backend:
-            chosen, reason = get_kernel_backend(local.key, cfg.dtype)
-            backend = f"{chosen.value} ({reason})"
+    side = harness.train(
+        lambda: list(model.parameters()),
+        hf_run.magi_step(model, batch, group, keys),
+        optimizer,
+        cfg.steps,
+        cfg.device,
+    )
+    chosen, reason = get_kernel_backend(keys[0], cfg.dtype)
     params = [p.detach().clone() for p in model.parameters()]
-    return [float(x) for x in losses], params, backend
+    return side.losses, params, f"{chosen.value} ({reason})"
 
 
 def run_family(family: str, cfg: harness.RunConfig, group) -> dict:

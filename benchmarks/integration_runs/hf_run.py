@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -28,15 +29,11 @@ def build_model(family: str, cfg: harness.RunConfig) -> tuple[torch.nn.Module, i
     """The random-initialised model (same seed: same weights) on the run's device and dtype, and its window."""
     import transformers as tf
 
-    if cfg.tiny:
-        shapes = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-        window = 16
-    else:  # head_dim 128, GQA 8:2: the shapes FA4 and cuDNN run
-        shapes = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
-        window = 1024
-    shapes.update(max_position_embeddings=32768, initializer_range=0.02)
+    s = cfg.shapes
+    shapes = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                  num_hidden_layers=s["layers"], num_attention_heads=s["heads_q"], num_key_value_heads=s["heads_kv"],
+                  max_position_embeddings=32768, initializer_range=0.02)  # fmt: skip
+    window = 16 if cfg.tiny else 1024
     if family == "llama":
         config = tf.LlamaConfig(**shapes)
         cls = tf.LlamaForCausalLM
@@ -53,26 +50,14 @@ def build_model(family: str, cfg: harness.RunConfig) -> tuple[torch.nn.Module, i
     return model, window
 
 
-def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
-    from magi_attention_transformers import (
-        all_reduce_gradients,
-        apply_magi_attention,
-        causal_lm_loss,
-        dispatch_batch,
-    )
+def magi_step(
+    model: torch.nn.Module, batch: harness.PackedBatch, group, keys: list
+) -> Callable[[], torch.Tensor]:
+    """One training step of `model` (magi attention applied) as the integration's docs show: `dispatch_batch`,
+    forward, `causal_lm_loss`, backward, `all_reduce_gradients`; each step's runtime key goes to `keys`."""
+    from magi_attention_transformers import all_reduce_gradients, causal_lm_loss, dispatch_batch
 
-    from magi_attention.api import get_kernel_backend
-    from magi_attention.config import DistAttnConfig
-
-    model, window = build_model(family, cfg)
-    ref = copy.deepcopy(model)  # the same initial weights, Transformers' own SDPA attention
-    batch = harness.packed_batch(cfg.tokens, model.config.vocab_size, seed=cfg.seed + 1, device=cfg.device)
-    dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
-    apply_magi_attention(model, group, dist_attn_config=dist_attn_config)
-
-    keys = []
-
-    def magi_step() -> torch.Tensor:
+    def step() -> torch.Tensor:
         local = dispatch_batch(batch.input_ids, group, cu_seqlens=batch.cu_seqlens)
         keys.append(local.key)
         logits = model(input_ids=local.input_ids, position_ids=local.position_ids).logits
@@ -81,31 +66,42 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
         all_reduce_gradients(model, group)
         return loss
 
+    return step
+
+
+def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
+    from magi_attention_transformers import apply_magi_attention
+
+    model, window = build_model(family, cfg)
+    ref = copy.deepcopy(model)  # the same initial weights, Transformers' own SDPA attention
+    batch = harness.packed_batch(cfg.tokens, model.config.vocab_size, seed=cfg.seed + 1, device=cfg.device)
+    apply_magi_attention(model, group, dist_attn_config=cfg.dist_attn_config())
+    keys = []
+
     def ref_step() -> torch.Tensor:
         logits = ref(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         loss = harness.token_mean_loss(logits, batch.labels)
         loss.backward()
         return loss
 
-    magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg)
-    backend, reason = get_kernel_backend(keys[0], cfg.dtype)
+    magi, reference = harness.train_pair(model, magi_step(model, batch, group, keys), ref, ref_step, cfg)
     label = "SDPA, per-document position_ids" + (
         f", window {window} on layer 1" if family == "qwen2_swa" else ""
     )
     return harness.compare(
-        f"{NAME}/{family}", cfg, batch, magi, reference, ref_label=label,
-        extra={"kernel_backend": backend.value, "kernel_reason": reason, "window": window},
-    )  # fmt: skip
+        f"{NAME}/{family}",
+        cfg,
+        batch,
+        magi,
+        reference,
+        ref_label=label,
+        key=keys[0],
+        extra={"window": window},
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = harness.parse_args(NAME, __doc__, argv)
-    group = harness.init_world_1(cfg.device)
-    try:
-        results = [run_family(family, cfg, group) for family in FAMILIES]
-    finally:
-        harness.close_world()
-    return harness.finish(NAME, cfg, results)
+    return harness.main(NAME, __doc__, argv, lambda cfg, group: [run_family(f, cfg, group) for f in FAMILIES])
 
 
 if __name__ == "__main__":

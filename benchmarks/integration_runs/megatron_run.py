@@ -64,8 +64,7 @@ def _cpu_shims(device: torch.device) -> contextlib.AbstractContextManager:
     return stack
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = harness.parse_args(NAME, __doc__, argv)
+def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
     with warnings.catch_warnings():  # megatron-core warns at import about optional packages it lacks
         warnings.simplefilter("ignore")
         from magi_attention_megatron import (
@@ -78,20 +77,13 @@ def main(argv: list[str] | None = None) -> dict:
         from megatron.core import parallel_state
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from magi_attention.api import get_kernel_backend
-    from magi_attention.config import DistAttnConfig
-
-    group = harness.init_world_1(cfg.device)
     parallel_state.initialize_model_parallel(1, 1)
     if cfg.device.type == "cuda":  # the RNG states Megatron's layers fork (as its training scripts set them)
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     try:
-        if cfg.tiny:
-            shapes = dict(vocab=97, hidden=32, ffn=64, layers=2, heads_q=4, heads_kv=2)
-        else:  # head_dim 128, GQA 8:2
-            shapes = dict(vocab=8192, hidden=1024, ffn=2816, layers=4, heads_q=8, heads_kv=2)
+        shapes = cfg.shapes
         model = build_model(magi_gpt_layer_spec(), cfg, shapes)
         use_magi_rotary(model)
         ref = build_model(get_gpt_layer_local_spec(), cfg, shapes)
@@ -105,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Megatron's convention: labels are the shifted tokens, a float loss_mask drops document ends
         loss_mask = (batch.labels != harness.IGNORE_INDEX).to(torch.float32)
         labels = batch.labels.clamp_min(0)
-        dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
+        dist_attn_config = cfg.dist_attn_config()
         head_dim = shapes["hidden"] // shapes["heads_q"]
         keys = []
 
@@ -137,16 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
             return loss
 
         magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg)
-        backend, reason = get_kernel_backend(keys[0], cfg.dtype)
         result = harness.compare(
-            NAME, cfg, batch, magi, reference,
-            ref_label="Megatron's local DotProductAttention on each document",
-            extra={"kernel_backend": backend.value, "kernel_reason": reason, "layer_spec": "local (no TE)"},
+            NAME, cfg, batch, magi, reference, ref_label="Megatron's local DotProductAttention on each document",
+            key=keys[0], extra={"layer_spec": "local (no TE)"},
         )  # fmt: skip
     finally:
         parallel_state.destroy_model_parallel()
-        harness.close_world()
-    return harness.finish(NAME, cfg, [result])
+    return [result]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return harness.main(NAME, __doc__, argv, run_comparison)
 
 
 if __name__ == "__main__":

@@ -53,17 +53,12 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = harness.parse_args(NAME, __doc__, argv)
+def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
     import_torchtitan()
     from magi_attention_torchtitan import apply_magi_fsdp, attention_shapes, dispatch_batch, magi_model_spec
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.loss import CrossEntropyLoss
 
-    from magi_attention.api import get_kernel_backend
-    from magi_attention.config import DistAttnConfig
-
-    harness.init_world_1(cfg.device)
     default_dtype = torch.get_default_dtype()
     try:
         flavor = "tiny" if cfg.tiny else "debugmodel"
@@ -86,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch = harness.packed_batch(cfg.tokens, spec.model.vocab_size, seed=cfg.seed + 1, device=cfg.device)
         valid_tokens = (batch.labels != harness.IGNORE_INDEX).sum()
         num_heads_q, num_heads_kv, head_dim = attention_shapes(spec.model)
-        dist_attn_config = DistAttnConfig(kernel_backend=cfg.kernel_backend)
+        dist_attn_config = cfg.dist_attn_config()
         keys = []
 
         def magi_step() -> torch.Tensor:
@@ -114,17 +109,18 @@ def main(argv: list[str] | None = None) -> dict:
         magi, reference = harness.train_pair(
             model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor
         )
-        backend, reason = get_kernel_backend(keys[0], cfg.dtype)
         result = harness.compare(
-            NAME, cfg, batch, magi, reference,
-            ref_label=f"torchtitan's SDPA on each document (llama3 {flavor})",
-            extra={"kernel_backend": backend.value, "kernel_reason": reason, "flavor": flavor,
-                   "shapes": {"heads_q": num_heads_q, "heads_kv": num_heads_kv, "head_dim": head_dim}},
+            NAME, cfg, batch, magi, reference, ref_label=f"torchtitan's SDPA on each document (llama3 {flavor})",
+            key=keys[0], extra={"flavor": flavor,
+                                "shapes": {"heads_q": num_heads_q, "heads_kv": num_heads_kv, "head_dim": head_dim}},
         )  # fmt: skip
     finally:
         torch.set_default_dtype(default_dtype)
-        harness.close_world()
-    return harness.finish(NAME, cfg, [result])
+    return [result]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return harness.main(NAME, __doc__, argv, run_comparison)
 
 
 if __name__ == "__main__":
