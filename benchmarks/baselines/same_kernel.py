@@ -408,23 +408,6 @@ def _ring_bwd(do, q, k, v, out, lse, plan: BaselinePlan, group, scale: float):
     return dq.to(q.dtype), dkv_in[:, :hkv].to(k.dtype), dkv_in[:, hkv:].to(v.dtype)
 
 
-class _RingFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: BaselinePlan, group, scale: float):
-        out, lse = _ring_fwd(q, k, v, plan, group, scale)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_bwd(grad_out.contiguous(), q, k, v, out, lse, ctx.plan, ctx.group, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 # -- all-gather K/V -----------------------------------------------------------------------------------------
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -437,39 +420,50 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, cp: int, group) -> torch.Tensor
     return kv_all
 
 
-class _AllGatherFn(torch.autograd.Function):
+def _allgather_fwd(q, k, v, plan: BaselinePlan, group, scale: float):
+    hkv = k.shape[1]
+    kv_all = _gather_kv(k, v, plan.cp_size, group)
+    out, lse = _new_out_lse(q)
+    _fwd(q, kv_all[:, :hkv], kv_all[:, hkv:], plan.steps[0], out, lse, scale)
+    return out, lse
+
+
+def _allgather_bwd(do, q, k, v, out, lse, plan: BaselinePlan, group, scale: float):
+    hkv, acc = k.shape[1], _acc(q.dtype)
+    kv_all = _gather_kv(k, v, plan.cp_size, group)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
+    _bwd(do, q, kv_all[:, :hkv], kv_all[:, hkv:], out, lse, plan.steps[0], dq,
+         dkv_all[:, :hkv], dkv_all[:, hkv:], scale)  # fmt: skip
+    dkv = _empty_like(dkv_all, (k.shape[0], *dkv_all.shape[1:]))
+    _reduce_scatter(dkv, dkv_all, group=group)
+    return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype)
+
+
+class _KVSchemeFn(torch.autograd.Function):
+    """Ring or all-gather (K/V travel, q stays): ``scheme`` is its ``(fwd, bwd)`` pair; saves the local
+    q, k, v and the output for the backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plan: BaselinePlan, group, scale: float):
-        hkv = k.shape[1]
-        kv_all = _gather_kv(k, v, plan.cp_size, group)
-        out, lse = _new_out_lse(q)
-        _fwd(q, kv_all[:, :hkv], kv_all[:, hkv:], plan.steps[0], out, lse, scale)
+    def forward(ctx, q, k, v, plan: BaselinePlan, group, scale: float, scheme):
+        out, lse = scheme[0](q, k, v, plan, group, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        ctx.plan, ctx.group, ctx.scale, ctx.bwd = plan, group, scale, scheme[1]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        hkv, acc = k.shape[1], _acc(q.dtype)
-        kv_all = _gather_kv(k, v, ctx.plan.cp_size, ctx.group)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
-        do = grad_out.contiguous()
-        _bwd(do, q, kv_all[:, :hkv], kv_all[:, hkv:], out, lse, ctx.plan.steps[0], dq,
-             dkv_all[:, :hkv], dkv_all[:, hkv:], ctx.scale)  # fmt: skip
-        dkv = _empty_like(dkv_all, (k.shape[0], *dkv_all.shape[1:]))
-        _reduce_scatter(dkv, dkv_all, group=ctx.group)
-        return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None
+        dq, dk, dv = ctx.bwd(grad_out.contiguous(), q, k, v, out, lse, ctx.plan, ctx.group, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 # -- public entry -------------------------------------------------------------------------------------------
-_FUNCS = {
-    CPBaseline.ULYSSES: _UlyssesFn,
-    CPBaseline.RING_ZIGZAG: _RingFn,
-    CPBaseline.ALLGATHER_KV: _AllGatherFn,
+_KV_SCHEMES = {
+    CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd),
+    CPBaseline.ALLGATHER_KV: (_allgather_fwd, _allgather_bwd),
 }
 
 
@@ -517,5 +511,7 @@ def baseline_attn(
     _validate(q, k, v, plan, group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     # cp 1: every scheme is one local call on the same coordinates; the ring path does no communication
-    fn = _RingFn if plan.cp_size == 1 else _FUNCS[plan.system]
-    return fn.apply(q, k, v, plan, group, scale)
+    if plan.system == CPBaseline.ULYSSES and plan.cp_size > 1:
+        return _UlyssesFn.apply(q, k, v, plan, group, scale)
+    scheme = _KV_SCHEMES[CPBaseline.RING_ZIGZAG if plan.cp_size == 1 else plan.system]
+    return _KVSchemeFn.apply(q, k, v, plan, group, scale, scheme)
