@@ -216,18 +216,11 @@ def _agree(reason: str | None, device) -> str | None:
 
 # -- the systems ------------------------------------------------------------------------------------------
 @dataclass(slots=True, kw_only=True)
-class _Case:
-    """One system set up on one case, on this rank."""
+class _Case(user.UserCase):
+    """One system set up on one case, on this rank (a user baseline's own ``UserCase`` is one as it is)."""
 
-    step: Callable[[], torch.Tensor]
-    inputs: Sequence[torch.Tensor]
-    dout: torch.Tensor
-    token_index: torch.Tensor | None
-    """Global token of each output row; None for magi (compared through undispatch)."""
-    kernel: str
-    close: Callable[[], None] = lambda: None
     key: object = None
-    """magi: the runtime key."""
+    """magi: the runtime key (its rows are compared through undispatch: ``token_index`` None)."""
 
 
 MAGI_KERNELS = {
@@ -311,15 +304,11 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
     return _Case(step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel)
 
 
-def _user_case(system: System, q, k, v, do, qr, kr, tm) -> _Case:
-    mask = user.Mask.of(qr, kr, tm, q.shape[0])
-    c = user.build_case(system.value, q, k, v, do, mask)
-    return _Case(
-        step=c.step, inputs=c.inputs, dout=c.dout, token_index=c.token_index, kernel=c.kernel, close=c.close
-    )
+def _user_case(system: System, q, k, v, do, qr, kr, tm) -> user.UserCase:
+    return user.build_case(system.value, q, k, v, do, user.Mask.of(qr, kr, tm, q.shape[0]))
 
 
-def _profile_once(case: _Case, path: Path, device) -> None:
+def _profile_once(case: user.UserCase, path: Path, device) -> None:
     """One forward + backward, under torch.profiler on rank 0 (the others run it plain, for the collectives);
     rank 0 writes the top 25 ops by self device time (self CPU time on a CPU run)."""
     from torch.profiler import ProfilerActivity, profile

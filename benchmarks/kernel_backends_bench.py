@@ -122,17 +122,35 @@ def _time_rank_calls(lq, ldo, calls, kern, det: bool, args) -> tuple[float, floa
     return round(statistics.median(fw), 4), round(statistics.median(bw), 4)
 
 
+def _planned(mask: str, cp: int, tokens_per_gpu: int, chunk: int | None = None):
+    """``(total, plan, features)``: the runtime's plan of a ``magi_attention_bench.py`` mask (overlap degree 0)
+    and its busiest rank's features as the runtime computes them at that cp (its keys, then the remote keys)."""
+    import numpy as np
+
+    from benchmarks.magi_attention_bench import make_mask, make_plan
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    total, plan = make_plan(mask, cp, tokens_per_gpu, 0, chunk)
+    ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
+    keys = kernel_key_ids(ids, plan.kv_layout)
+    return total, plan, busiest_rank_features(*make_mask(mask, total), ids, rank_keys=keys)
+
+
+def _by_case(rows: list[dict], order) -> list[tuple[tuple, dict]]:
+    """The rows grouped by case ``(S, hq, hk, d, mask)``, sorted by ``order(case)``: ``[(case, {kernel: row})]``."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        groups.setdefault((r["S"], r["hq"], r["hk"], r["d"], r["mask"]), {})[r["kernel"]] = r
+    return sorted(groups.items(), key=lambda item: order(item[0]))
+
+
 def sim_det_rows(args) -> list[dict]:
     """The busiest rank of a simulated cp ``--sim-cp`` plan (overlap degree 0: its host call and one remote
     call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
     ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
-    import numpy as np
-
-    from benchmarks.magi_attention_bench import make_mask, make_plan
     from magi_attention._runtime.kernels import attn_kernel
     from magi_attention.config import KernelBackend
     from magi_attention.simulate import rank_calls, token_index
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     cp = args.sim_cp
     hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
@@ -140,17 +158,12 @@ def sim_det_rows(args) -> list[dict]:
     rows = []
     for mask in filter(None, args.sim_masks.split(",")):
         for tpg in (int(x) for x in args.sim_tokens_per_gpu.split(",")):
-            total, plan = make_plan(mask, cp, tpg, 0)
-            q_ranges, k_ranges, types = make_mask(mask, total)
+            total, plan, f = _planned(mask, cp, tpg)
 
             def area(rp) -> int:
                 return rp.host_slices.area() + sum(st.remote_slices.area() for st in rp.stages)
 
             rank_plan = max(plan.ranks, key=lambda rp: (area(rp), -rp.rank))  # the runtime's busiest rank
-            ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-            f = busiest_rank_features(
-                q_ranges, k_ranges, types, ids, rank_keys=kernel_key_ids(ids, plan.kv_layout)
-            )
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                        for h in (hq, hk, hk))  # fmt: skip
@@ -185,9 +198,6 @@ def sim_det_rows(args) -> list[dict]:
 def render_det(rows: list[dict]) -> list[str]:
     """Deterministic / default per backend and direction (ms ratios; the forward should stay at ~1)."""
     pairs = [(f"launch_{b}", f"launch_{b}_det", b) for b in DET_BACKENDS] + [("auto", "auto_det", "auto")]
-    keys = sorted(
-        {(r["S"], r["hq"], r["hk"], r["d"], r["mask"]) for r in rows}, key=lambda x: (x[3], x[4], x[0])
-    )
     lines = [
         "",
         "Deterministic mode against the default, per backend: bwd ms default -> deterministic (ratio); fwd ratio.",
@@ -195,12 +205,7 @@ def render_det(rows: list[dict]) -> list[str]:
         "| S | heads | d | mask | " + " | ".join(label for *_, label in pairs) + " |",
         "|---|---|---|---|" + "---|" * len(pairs),
     ]
-    for S, hq, hk, d, mask in keys:
-        by = {
-            r["kernel"]: r
-            for r in rows
-            if (r["S"], r["hq"], r["hk"], r["d"], r["mask"]) == (S, hq, hk, d, mask)
-        }
+    for (S, hq, hk, d, mask), by in _by_case(rows, lambda x: (x[3], x[4], x[0])):
 
         def cell(a, b, by=by):
             ra, rb = by.get(a), by.get(b)
@@ -295,15 +300,7 @@ def render(data: dict) -> str:
             + " | auto / fastest calc_* | max spread |",
             "|---|---|---|---|" + "---|" * (len(kern) + len(PAIRS) + 2),
         ]  # fmt: skip
-        keys = sorted(
-            {(r["S"], r["hq"], r["hk"], r["d"], r["mask"]) for r in rows}, key=lambda x: (x[3], x[0], x[4])
-        )
-        for S, hq, hk, d, mask in keys:
-            by = {
-                r["kernel"]: r
-                for r in rows
-                if (r["S"], r["hq"], r["hk"], r["d"], r["mask"]) == (S, hq, hk, d, mask)
-            }
+        for (S, hq, hk, d, mask), by in _by_case(rows, lambda x: (x[3], x[0], x[4])):
 
             def cell(k, by=by):
                 r = by.get(k)
@@ -361,11 +358,6 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     left out."""
     import re
 
-    import numpy as np
-
-    from benchmarks.magi_attention_bench import make_mask, make_plan
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
     found: dict[tuple, dict] = {}
     for spec in filter(None, sim_sources.split(",")):
         backend, _, path = spec.partition("=")
@@ -390,10 +382,7 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         # the plan that run measured: its recorded chunk, else the fixed chunk magi_attention_bench used
         # before it planned with the runtime's choice (min(2048, tokens per GPU / 4))
         chunk = entry.get("chunk_size", min(2048, S // 4))
-        total, plan = make_plan(entry["mask"], entry["cp"], S, 0, chunk)
-        q, k, t = make_mask(entry["mask"], total)
-        ids = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-        f = busiest_rank_features(q, k, t, ids, rank_keys=kernel_key_ids(ids, plan.kv_layout))
+        _, _, f = _planned(entry["mask"], entry["cp"], S, chunk)
         busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
         if f.area != busiest["area"]:
             raise ValueError(

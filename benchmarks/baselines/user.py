@@ -48,8 +48,9 @@ class UserCase:
     """The leaf q, k, v shards the step reads (requires_grad)."""
     dout: torch.Tensor
     """The output gradient for the step's output, same layout."""
-    token_index: torch.Tensor
-    """``[local_tokens]`` int64: the global token of each output row (for the cross-check)."""
+    token_index: torch.Tensor | None
+    """``[local_tokens]`` int64: the global token of each output row (for the cross-check; None: compared
+    another way)."""
     kernel: str
     """The local attention kernel, for the report."""
     close: Callable[[], None] = field(default=lambda: None)
