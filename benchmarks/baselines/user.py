@@ -316,41 +316,32 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     )
 
 
-# -- ulysses_ffa_fa4 ------------------------------------------------------------------------------------------------
-def build_ulysses_ffa_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
-    """Ulysses + ``magi_ffa_fa4.flex_flash_attn_func`` on the whole mask's slices (any mask)."""
-    mod = _import("ffa_fa4", "magi_ffa_fa4")
-    if not mod.fa4_available():
-        raise Unavailable("flash-attn-4 not importable: magi_ffa_fa4 needs FlashAttention-4 (CuTe DSL)")
+# -- ulysses_ffa_fa4, ulysses_ffa_cudnn ---------------------------------------------------------------------------
+# per magi_ffa vendor package: its availability check, the distribution it needs and what that provides
+FFA_VENDORS = {
+    "ffa_fa4": ("fa4_available", "flash-attn-4", "FlashAttention-4 (CuTe DSL)"),
+    "ffa_cudnn": ("cudnn_available", "nvidia-cudnn-frontend", "cuDNN's flex_attention"),
+}
+
+
+def build_ulysses_ffa(vendor: str, q, k, v, do, mask: Mask, group=None) -> UserCase:
+    """Ulysses + ``magi_ffa_fa4`` / ``magi_ffa_cudnn`` (``vendor`` "ffa_fa4" / "ffa_cudnn")
+    ``flex_flash_attn_func`` on the whole mask's slices (any mask)."""
+    package = f"magi_{vendor}"
+    mod = _import(vendor, package)
+    available, dependency, provides = FFA_VENDORS[vendor]
+    if not getattr(mod, available)():
+        raise Unavailable(f"{dependency} not importable: {package} needs {provides}")
     dev = q.device
     qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
     kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
     tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
 
-    def local(qh, kh, vh):  # the same tensors every call: magi_ffa_fa4 caches its plan by their identity
+    def local(qh, kh, vh):  # the same tensors every call: the package caches its plan by their identity
         return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
 
     return _ulysses_case(
-        q, k, v, do, group, local, f"magi_ffa_fa4 flex_flash_attn_func ({len(mask.types)} slices)"
-    )
-
-
-# -- ulysses_ffa_cudnn ----------------------------------------------------------------------------------------------
-def build_ulysses_ffa_cudnn(q, k, v, do, mask: Mask, group=None) -> UserCase:
-    """Ulysses + ``magi_ffa_cudnn.flex_flash_attn_func`` on the whole mask's slices (any mask)."""
-    mod = _import("ffa_cudnn", "magi_ffa_cudnn")
-    if not mod.cudnn_available():
-        raise Unavailable("nvidia-cudnn-frontend not importable: magi_ffa_cudnn needs cuDNN's flex_attention")
-    dev = q.device
-    qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
-
-    def local(qh, kh, vh):  # the same tensors every call: magi_ffa_cudnn caches its plan by their identity
-        return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
-
-    return _ulysses_case(
-        q, k, v, do, group, local, f"magi_ffa_cudnn flex_flash_attn_func ({len(mask.types)} slices)"
+        q, k, v, do, group, local, f"{package} flex_flash_attn_func ({len(mask.types)} slices)"
     )
 
 
@@ -358,8 +349,8 @@ BUILDERS: dict[str, Callable[..., UserCase]] = {
     "ulysses_fa4": build_ulysses_fa4,
     "ulysses_cudnn": build_ulysses_cudnn,
     "torch_cp": build_torch_cp,
-    "ulysses_ffa_fa4": build_ulysses_ffa_fa4,
-    "ulysses_ffa_cudnn": build_ulysses_ffa_cudnn,
+    "ulysses_ffa_fa4": functools.partial(build_ulysses_ffa, "ffa_fa4"),
+    "ulysses_ffa_cudnn": functools.partial(build_ulysses_ffa, "ffa_cudnn"),
 }
 
 
