@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import auto_kernel, sync
+from benchmarks.common import auto_kernel, host_times_ms
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -213,18 +213,11 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
             ranks, rows, plan_s = _calls_sim(mask, q, k, v, rk, rv, cp)
         kern = _kernel(backend, mask, rows, args.head_dim)
         used = {kern.backend.value, kern.backward_backend.value}
-        sync(dev)
-        t0 = time.perf_counter()
-        for calls in ranks:
-            _run_rank(kern, q, do, calls)
-        sync(dev)
-        seconds = time.perf_counter() - t0
-        # the same mask again: its metadata cached, its kernels compiled (what the step's work costs alone)
-        t0 = time.perf_counter()
-        for calls in ranks:
-            _run_rank(kern, q, do, calls)
-        sync(dev)
-        rerun = time.perf_counter() - t0
+        # twice: then the same mask again, its metadata cached, its kernels compiled (the step's work alone)
+        seconds, rerun = (
+            ms / 1e3
+            for ms in host_times_ms(lambda: [_run_rank(kern, q, do, c) for c in ranks], 2, device=dev)
+        )
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
             keys = fa4_keys([c[:4] for r in ranks for c in r], q, dtype)
