@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -160,13 +159,7 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         return host_median_ms(step, n, dist.barrier, device)
 
     def back_to_back(n):  # the training regime: the host runs ahead, one device sync per n steps
-        dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        sync(device)
-        return (time.perf_counter() - t0) * 1e3 / n
+        return host_median_ms(lambda: [step() for _ in range(n)], 1, dist.barrier, device) / n
 
     step()  # plan, device tensors, kernels compiled
     with _agreement_off():
