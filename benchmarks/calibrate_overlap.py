@@ -20,16 +20,12 @@ import torch
 import torch.distributed as dist
 import triton.testing
 
+from benchmarks.common import events_loop_ms, no_multicast
 from magi_attention._runtime.kernels import attn_kernel
 from magi_attention.config import KernelBackend
 from magi_solver import CostProfile, get_profile, gpu_kind
 
-for _name, _value in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
-    os.environ.setdefault(_name, _value)
+no_multicast()
 
 
 def bench_ms(fn) -> float:
@@ -104,18 +100,8 @@ def comm_fit(dev, hkv: int, d: int) -> tuple[float, float] | None:
     for t in (512, 2048, 8192, 32768):
         x = torch.randn(t * world, 2 * hkv, d, device=dev, dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        for _ in range(3):
-            dist.all_to_all_single(y, x)
-        torch.cuda.synchronize(dev)
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            dist.all_to_all_single(y, x)
-        end.record()
-        end.synchronize()
         sizes.append(x.numel() * 2 * (world - 1) / world)
-        times.append(start.elapsed_time(end) / 10 * 1e-3)
+        times.append(events_loop_ms(lambda x=x, y=y: dist.all_to_all_single(y, x), 10, 3) * 1e-3)
     t_all = torch.tensor(times, device=dev, dtype=torch.float64)
     dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
     lat, s_per_byte = fit_line(sizes, t_all.tolist())

@@ -306,6 +306,31 @@ def git_sha() -> str:
     return os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
 
 
+def no_multicast() -> None:
+    """NVLink multicast (NVLS) stays off in every multi-GPU run of this project: call before NCCL initialises
+    (a variable already set is kept)."""
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+
+
+def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:
+    """Milliseconds per call of ``n`` calls of ``fn`` back to back (CUDA events), after ``warmup`` calls, a
+    device sync and a barrier of the default process group (every rank starts the loop together)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / n
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
     if device.type == "cuda":

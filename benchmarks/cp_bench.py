@@ -37,9 +37,6 @@ from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_
 from magi_attention.env import native_grpcoll
 from magi_solver import SliceList
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast (NVLS) stays off in every multi-GPU run of this project; set before NCCL initialises."""
-
 
 class System(StrEnum):
     MAGI = "magi"
@@ -688,8 +685,7 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, out = parse_args(argv)
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
+    common.no_multicast()
     own_group = not dist.is_initialized()
     if own_group:  # torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
         backend = "nccl" if cfg.device == "cuda" else "gloo"

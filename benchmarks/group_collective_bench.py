@@ -185,11 +185,10 @@ def gpu_bandwidth(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.common import events_loop_ms, no_multicast
     from magi_group_collective import release_native_buffers
 
-    for name, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                        "NVSHMEM_DISABLE_NVLS": "1"}.items():  # fmt: skip
-        os.environ.setdefault(name, value)
+    no_multicast()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -199,17 +198,7 @@ def gpu_bandwidth(args) -> int:
     results = []
 
     def timed(fn) -> float:
-        for _ in range(args.warmup):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(stop) / args.iters], device=dev)
+        t = torch.tensor([events_loop_ms(fn, args.iters, args.warmup)], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() / 1e3  # seconds per call, slowest rank
 
