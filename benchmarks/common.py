@@ -8,6 +8,7 @@ Only torch is imported with the module (magi packages where used).
 from __future__ import annotations
 
 import datetime
+import importlib
 import itertools
 import math
 import os
@@ -171,44 +172,37 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
     q = torch.randn(S, hq, d, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(S, hk, d, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(S, hk, d, device=dev, dtype=dt, requires_grad=True)
+
+    def add(name: str, make: Callable[[], tuple | None]) -> None:
+        """An optional entry, if asked for: one this machine cannot run is reported, not hidden."""
+        if name not in kernels:
+            return
+        try:
+            runner = make()
+        except Exception as e:
+            print(f"# {name} unavailable for {m.name}: {e!r}"[:200])
+            return
+        if runner is not None:
+            out[name] = runner
+
+    def ffa(mod):  # a magi_ffa package's own autograd entry on the whole mask
+        return (
+            lambda: mod.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0],
+            (q, k, v),
+        )
+
+    def ffa_cudnn():
+        import magi_ffa_cudnn
+
+        magi_ffa_cudnn.get_mask_plan(q, k, m.q_ranges, m.k_ranges, m.attn_type_map)  # plan outside the timing
+        return ffa(magi_ffa_cudnn)
+
     if "ffa" in kernels:
-        out["ffa"] = (lambda: magi_ffa.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0],
-                      (q, k, v))  # fmt: skip
-    if "ffa_fa4" in kernels:
-        try:
-            import magi_ffa_fa4
-
-            out["ffa_fa4"] = (
-                lambda: magi_ffa_fa4.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[
-                    0
-                ],
-                (q, k, v),
-            )
-        except Exception as e:  # optional entry
-            print(f"# ffa_fa4 unavailable: {e!r}"[:200])
-    if "ffa_cudnn" in kernels:
-        try:
-            import magi_ffa_cudnn
-
-            magi_ffa_cudnn.get_mask_plan(
-                q, k, m.q_ranges, m.k_ranges, m.attn_type_map
-            )  # plan outside the timing
-            out["ffa_cudnn"] = (
-                lambda: magi_ffa_cudnn.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[
-                    0
-                ],
-                (q, k, v),
-            )
-        except Exception as e:  # optional entry
-            print(f"# ffa_cudnn unavailable: {e!r}"[:200])
+        out["ffa"] = ffa(magi_ffa)
+    add("ffa_fa4", lambda: ffa(importlib.import_module("magi_ffa_fa4")))
+    add("ffa_cudnn", ffa_cudnn)
     for name in ("cudnn_flex", "cudnn_varlen"):
-        if name in kernels:
-            try:
-                runner = _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen")
-                if runner is not None:
-                    out[name] = runner
-            except Exception as e:  # optional entry
-                print(f"# {name} unavailable for {m.name}: {e!r}"[:200])
+        add(name, lambda name=name: _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen"))
     qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # [1, h, S, d]
     gqa = hq != hk
     if "flex" in kernels:
@@ -230,17 +224,10 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
                         return sdpa(qb, kb, vb, is_causal=m.cudnn_causal, enable_gqa=gqa)
 
                 out[name] = (f, (qb, kb, vb))
-    if "fa4" in kernels and m.name != "random":
-        try:
-            out["fa4"] = _fa4_runner(m, q, k, v)
-        except Exception as e:  # optional entry
-            print(f"# fa4 unavailable for {m.name}: {e!r}"[:200])
+    if m.name != "random":
+        add("fa4", lambda: _fa4_runner(m, q, k, v))
     for name, backend in CALC_ATTN_RUNNERS.items():
-        if name in kernels:
-            try:
-                out[name] = calc_attn_runner(m, q, k, v, backend)
-            except Exception as e:  # a backend this machine cannot run is reported, not hidden
-                print(f"# {name} unavailable: {e!r}"[:200])
+        add(name, lambda backend=backend: calc_attn_runner(m, q, k, v, backend))
     return out
 
 
