@@ -65,6 +65,13 @@ def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
 
 
+def mask_area(q_ranges, k_ranges, types) -> int:
+    """The area of a mask given as ``[start, end)`` range lists and per-slice types."""
+    from magi_solver import SliceList
+
+    return SliceList.from_typed([(*q, *k, t) for q, k, t in zip(q_ranges, k_ranges, types)]).area()
+
+
 def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> int:
     """Exact number of visible pairs (slices must have disjoint areas), counted row by row."""
     total = 0

@@ -31,11 +31,11 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
+from benchmarks.common import mask_area
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention._runtime import cache as magi_runtime
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.env import native_grpcoll
-from magi_solver import SliceList
 
 
 class System(StrEnum):
@@ -124,10 +124,6 @@ def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple
                 k_ranges.append([start, min(b + block_size, end)])
         return q_ranges, k_ranges, [0] * len(q_ranges)
     raise ValueError(f"mask must be one of {MASKS}, got {name!r}")
-
-
-def mask_area(q_ranges, k_ranges, types) -> int:
-    return SliceList.from_typed([(*q, *k, t) for q, k, t in zip(q_ranges, k_ranges, types)]).area()
 
 
 # -- timing -------------------------------------------------------------------------------------------------

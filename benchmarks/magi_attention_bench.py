@@ -116,19 +116,22 @@ def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     return common.events_median_ms(fn, iters, warmup) if DEVICE == "cuda" else _bench(fn)
 
 
-def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
-    q_ranges, k_ranges, types = make_mask(mask, total)
-    dev = torch.device(DEVICE)
-    tk = kv_total(mask, total)
+def _whole_mask(mask: str, total: int, requires_grad: bool = False):
+    """Random bf16 ``(q, k, v, dout)`` of ``mask`` over ``total`` tokens, and its ranges and types as host int32
+    tensors (no device -> host sync per call)."""
+    dev, tk = torch.device(DEVICE), kv_total(mask, total)
     q, k, v = (
-        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16, requires_grad=requires_grad)
         for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
     )
     do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
+    return (q, k, v, do), [torch.tensor(x, dtype=torch.int32) for x in make_mask(mask, total)]
+
+
+def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
+    (q, k, v, do), (qr, kr, tr) = _whole_mask(mask, total, requires_grad=True)
     config = DistAttnConfig(kernel_backend=backend)
-    key = magi_attn_flex_key(q_ranges, k_ranges, types, total, tk, HQ, HKV, D, None, config)
-    # host ranges: no device->host sync per call
-    qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
+    key = magi_attn_flex_key(*make_mask(mask, total), total, k.shape[0], HQ, HKV, D, None, config)
     raw_fn = raw_attn_func(backend)
     with torch.no_grad():
         raw = _bench(lambda: raw_fn(q, k, v, qr, kr, tr), warmup=20, rep=100)
@@ -151,22 +154,12 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
 @functools.cache
 def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
-    q_ranges, k_ranges, types = make_mask(mask, total)
-    dev = torch.device(DEVICE)
-    tk = kv_total(mask, total)
-    q, k, v = (
-        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16) for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
-    )
-    do = torch.randn_like(q)
-    qr, kr, tr = (torch.tensor(x, dtype=torch.int32) for x in (q_ranges, k_ranges, types))
+    (q, k, v, do), (qr, kr, tr) = _whole_mask(mask, total)
     kern = attn_kernel(backend)
     out, lse = kern.fwd(q, k, v, qr, kr, tr)
     t_f = _events_ms(lambda: kern.fwd(q, k, v, qr, kr, tr), warmup=1, iters=3)
     t_b = _events_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tr), warmup=1, iters=3)
-    from magi_solver import SliceList
-
-    area = SliceList.from_typed([(*a, *b, t) for a, b, t in zip(q_ranges, k_ranges, types)]).area()
-    flops = 4 * area * HQ * D
+    flops = 4 * common.mask_area(*make_mask(mask, total)) * HQ * D
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
