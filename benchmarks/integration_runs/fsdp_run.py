@@ -112,15 +112,11 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
             num_heads_kv=s["heads_kv"], head_dim=s["hidden"] // s["heads_q"], dist_attn_config=dist_attn_config,
         )  # fmt: skip
         keys.append(shard.key)
-        loss = pack_loss(model(shard.input_ids, shard.position_ids, shard.key), shard)
-        loss.backward()
-        return loss
+        return pack_loss(model(shard.input_ids, shard.position_ids, shard.key), shard)
 
     def ref_step() -> torch.Tensor:
         logits = ref(batch.input_ids[0], batch.position_ids[0], cu_seqlens=batch.cu_seqlens)
-        loss = harness.token_mean_loss(logits, batch.labels)
-        loss.backward()
-        return loss
+        return harness.token_mean_loss(logits, batch.labels)
 
     magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor)
     mixed_precision = "bf16 params, fp32 reduce" if shard_kwargs else "none"

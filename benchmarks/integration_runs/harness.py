@@ -230,15 +230,17 @@ def full_tensor(grad: torch.Tensor) -> torch.Tensor:
 
 
 def train(
-    params: Callable[[], list[torch.Tensor]],
+    model: torch.nn.Module,
     step: Callable[[], torch.Tensor],
     optimizer: torch.optim.Optimizer,
     steps: int,
     device: torch.device,
     grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+    sync_grads: Callable[[], None] = lambda: None,
 ) -> SideResult:
-    """`steps` optimizer steps of `step()` (forward + backward, returns the loss), each timed between
-    synchronizations; the step-0 gradients are kept (through `grad_of`, e.g. a DTensor's full tensor)."""
+    """`steps` optimizer steps of `model`: `step()` (the forward, returns the loss), its backward and
+    `sync_grads()` (the integration's gradient all-reduce), each timed between synchronizations; the step-0
+    gradients are kept (through `grad_of`, e.g. a DTensor's full tensor)."""
     result = SideResult()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -246,11 +248,13 @@ def train(
         sync(device)
         t0 = time.perf_counter()
         loss = step()
+        loss.backward()
+        sync_grads()
         if i == 0:
             # kept in fp32 at least (bf16 gradients would round the comparison), fp64 as they are
             result.grads0 = [
                 grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
-                for p in params()
+                for p in model.parameters()
             ]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -269,13 +273,14 @@ def train_pair(
     ref_step: Callable[[], torch.Tensor],
     cfg: RunConfig,
     grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+    sync_grads: Callable[[], None] = lambda: None,
 ) -> tuple[SideResult, SideResult]:
-    """Both sides of a run, magi's first: `cfg.steps` AdamW steps (learning rate `cfg.lr`) of each model
-    from its own (equal) initial weights, through :func:`train`."""
+    """Both sides of a run, magi's first (`sync_grads` after its backward): `cfg.steps` AdamW steps (learning
+    rate `cfg.lr`) of each model from its own (equal) initial weights, through :func:`train`."""
     sides = []
-    for m, step in ((model, magi_step), (ref, ref_step)):
+    for m, step, sync_m in ((model, magi_step, sync_grads), (ref, ref_step, lambda: None)):
         optimizer = torch.optim.AdamW(m.parameters(), lr=cfg.lr)
-        sides.append(train(lambda m=m: list(m.parameters()), step, optimizer, cfg.steps, cfg.device, grad_of))
+        sides.append(train(m, step, optimizer, cfg.steps, cfg.device, grad_of, sync_m))
     return sides[0], sides[1]
 
 

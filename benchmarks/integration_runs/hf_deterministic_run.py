@@ -42,13 +42,8 @@ def train_once(family: str, cfg: harness.RunConfig, group) -> tuple[list[float],
     apply_magi_attention(model, group, dist_attn_config=config)
     keys = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    side = harness.train(
-        lambda: list(model.parameters()),
-        hf_run.magi_step(model, batch, group, keys),
-        optimizer,
-        cfg.steps,
-        cfg.device,
-    )
+    step, sync_grads = hf_run.magi_step(model, batch, group, keys)
+    side = harness.train(model, step, optimizer, cfg.steps, cfg.device, sync_grads=sync_grads)
     chosen, reason = get_kernel_backend(keys[0], cfg.dtype)
     params = [p.detach().clone() for p in model.parameters()]
     return side.losses, params, f"{chosen.value} ({reason})"

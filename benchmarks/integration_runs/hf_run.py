@@ -52,21 +52,19 @@ def build_model(family: str, cfg: harness.RunConfig) -> tuple[torch.nn.Module, i
 
 def magi_step(
     model: torch.nn.Module, batch: harness.PackedBatch, group, keys: list
-) -> Callable[[], torch.Tensor]:
-    """One training step of `model` (magi attention applied) as the integration's docs show: `dispatch_batch`,
-    forward, `causal_lm_loss`, backward, `all_reduce_gradients`; each step's runtime key goes to `keys`."""
+) -> tuple[Callable, Callable]:
+    """A training step of `model` (magi attention applied) as the integration's docs show: the forward
+    (`dispatch_batch`, the model, `causal_lm_loss`; each step's runtime key goes to `keys`) and the gradient
+    sync after its backward (`all_reduce_gradients`)."""
     from magi_attention_transformers import all_reduce_gradients, causal_lm_loss, dispatch_batch
 
     def step() -> torch.Tensor:
         local = dispatch_batch(batch.input_ids, group, cu_seqlens=batch.cu_seqlens)
         keys.append(local.key)
         logits = model(input_ids=local.input_ids, position_ids=local.position_ids).logits
-        loss = causal_lm_loss(logits, local)
-        loss.backward()
-        all_reduce_gradients(model, group)
-        return loss
+        return causal_lm_loss(logits, local)
 
-    return step
+    return step, lambda: all_reduce_gradients(model, group)
 
 
 def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
@@ -80,24 +78,16 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
 
     def ref_step() -> torch.Tensor:
         logits = ref(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        loss = harness.token_mean_loss(logits, batch.labels)
-        loss.backward()
-        return loss
+        return harness.token_mean_loss(logits, batch.labels)
 
-    magi, reference = harness.train_pair(model, magi_step(model, batch, group, keys), ref, ref_step, cfg)
+    step, sync_grads = magi_step(model, batch, group, keys)
+    magi, reference = harness.train_pair(model, step, ref, ref_step, cfg, sync_grads=sync_grads)
     label = "SDPA, per-document position_ids" + (
         f", window {window} on layer 1" if family == "qwen2_swa" else ""
     )
     return harness.compare(
-        f"{NAME}/{family}",
-        cfg,
-        batch,
-        magi,
-        reference,
-        ref_label=label,
-        key=keys[0],
-        extra={"window": window},
-    )
+        f"{NAME}/{family}", cfg, batch, magi, reference, ref_label=label, key=keys[0], extra={"window": window},
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

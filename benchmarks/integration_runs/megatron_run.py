@@ -110,10 +110,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
             keys.append(local["magi_key"])
             per_token = model(input_ids=local["tokens"], position_ids=local["position_ids"],
                               attention_mask=None, labels=local["labels"])  # fmt: skip
-            loss = magi_loss(per_token, local)
-            loss.backward()
-            all_reduce_gradients(model, group)
-            return loss
+            return magi_loss(per_token, local)
 
         def ref_step() -> torch.Tensor:
             total = 0.0
@@ -124,11 +121,11 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
                     per_token = ref(input_ids=batch.input_ids[:, s:e], position_ids=batch.position_ids[:, s:e],
                                     attention_mask=causal, labels=labels[:, s:e])  # fmt: skip
                     total = total + (per_token * loss_mask[:, s:e].to(per_token.dtype)).sum()
-            loss = total / loss_mask.sum()
-            loss.backward()
-            return loss
+            return total / loss_mask.sum()
 
-        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg)
+        magi, reference = harness.train_pair(
+            model, magi_step, ref, ref_step, cfg, sync_grads=lambda: all_reduce_gradients(model, group)
+        )
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label="Megatron's local DotProductAttention on each document",
             key=keys[0], extra={"layer_spec": "local (no TE)"},

@@ -92,9 +92,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
             )  # fmt: skip
             keys.append(local.attention_masks.key)
             pred = model(local.input_ids, positions=local.positions, attention_masks=local.attention_masks)
-            loss, _ = loss_fn(pred, local.labels, valid_tokens)
-            loss.backward()
-            return loss
+            return loss_fn(pred, local.labels, valid_tokens)[0]
 
         def ref_step() -> torch.Tensor:
             ids, pos = batch.input_ids[0], batch.position_ids[0]
@@ -102,9 +100,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
                 ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None)
                 for s, e in pairwise(batch.cu_seqlens)
             ]
-            loss, _ = loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)
-            loss.backward()
-            return loss
+            return loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)[0]
 
         magi, reference = harness.train_pair(
             model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor
