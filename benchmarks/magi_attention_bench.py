@@ -520,8 +520,7 @@ def main() -> int:
             if "single_fwd" in r
             else "n/a"
         )
-        asked = r["kernel_backend"]
-        name = asked if asked == r["backend"] else f"{asked} ({r['backend']})"
+        name = _backend_cell(r)
         print(
             f"| {r['mask']} | {r['cp']} | {name} | {r['imbalance']:.3f} | {r['slowest_fwd_ms']:.2f} | "
             f"{r['slowest_bwd_ms']:.2f} | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | "
@@ -530,6 +529,12 @@ def main() -> int:
     if args.scaling:
         print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0
+
+
+def _backend_cell(r: dict) -> str:
+    """The kernel backend asked for, and what it resolved to where that differs."""
+    asked = r["kernel_backend"]
+    return asked if asked == r["backend"] else f"{asked} ({r['backend']})"
 
 
 def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
@@ -549,11 +554,7 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
     )
     for r in rows:
         p = r["predicted"]
-        name = (
-            r["kernel_backend"]
-            if r["kernel_backend"] == r["backend"]
-            else f"{r['kernel_backend']} ({r['backend']})"
-        )
+        name = _backend_cell(r)
         mean = r["remote_kv_tokens_mean"]
         print(
             f"| {r['mask']} | {r['cp']} | {name} | {r['chunk_size']} ({r['dispatch_alg']}) | "
