@@ -119,13 +119,9 @@ def child_sim8(warm: bool) -> dict:
                         if warm else None)  # fmt: skip
 
 
-def _dir_size(path: str) -> int:
+def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
     from magi_ffa.compile_cache import dir_size
 
-    return dir_size(path)
-
-
-def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
     env = dict(os.environ, MAGI_ATTENTION_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLEX_ATTENTION_CUTE_DSL_CACHE_DIR",
                  "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
@@ -137,7 +133,7 @@ def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
     if proc.returncode != 0:
         return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result.update(kind=kind, process_s=round(wall, 2), cache_bytes=_dir_size(cache))
+    result.update(kind=kind, process_s=round(wall, 2), cache_bytes=dir_size(cache))
     return result
 
 
