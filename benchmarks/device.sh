@@ -9,7 +9,8 @@
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
 # Runtime:  mask-loop (a new mask every step), first-step (first step against steady step, cold and warm)
-#           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table, one call)
+#           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
+#           TOKENS, SCALING_MASKS, SINGLE override)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
@@ -82,7 +83,7 @@ phase_sim() {
 }
 phase_scaling() {
   run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
-    --masks full,causal,varlen_full,varlen_causal,video_block_causal --degree 0 --kernel-backend auto \
+    --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend auto \
     --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json"
 }
 phase_cp() {

@@ -487,6 +487,7 @@ def main() -> int:
                              if backend in (b, KernelBackend.AUTO)]  # fmt: skip
                     r["single_fwd"], r["single_bwd"] = (max(x) for x in zip(*rates))
                 results["sim"].append(r)
+                _save(args.json, results)  # row by row: a run cut short keeps what it measured
                 print(
                     f"# {mask} cp{cp} degree {args.degree} {backend.value} ({r['backend']}): slowest rank "
                     f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms (ranks {r['timed_ranks']} timed "
@@ -496,9 +497,7 @@ def main() -> int:
                 )
     if args.scaling:
         results["scaling"] = scaling_rows(results["sim"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _save(args.json, results)
     print(header)
     print(
         "\n| mask | backend | raw fwd ms | calc_attn fwd ms | overhead | raw fwd+bwd ms | calc_attn fwd+bwd ms "
@@ -529,6 +528,12 @@ def main() -> int:
     if args.scaling:
         print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0
+
+
+def _save(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def _backend_cell(r: dict) -> str:
