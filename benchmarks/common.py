@@ -397,6 +397,24 @@ def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
     return attn_kernel(choice.backend, choice.backward), choice
 
 
+def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
+    """One rank's kernel calls as the runtime makes them (``magi_attention.dist_attn``): at overlap degree 0
+    one call on ``merged_slices`` over the rank's K / V followed by every stage's received K / V, else the host
+    call and one call per remote stage. ``k`` / ``v``: the rank's shard; ``rk`` / ``rv``: buffers whose leading
+    rows stand in for the received keys. Each call ``((q_ranges, k_ranges, types), k, v)``; calls without
+    slices left out."""
+    from magi_attention.simulate import kernel_ranges
+
+    if overlap_degree == 0:
+        n = rank_plan.num_remote_tokens
+        calls = [(rank_plan.merged_slices, torch.cat([k, rk[:n]]), torch.cat([v, rv[:n]]))]
+    else:
+        calls = [(rank_plan.host_slices, k, v)] + [
+            (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages
+        ]
+    return [(kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)]
+
+
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:
     """(forward ms, backward ms) of ``fn``: ``triton.testing.do_bench`` medians of the forward and of forward +
     backward (gradient ``g`` into ``xs``); backward = (forward + backward) - forward."""

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import auto_kernel, host_times_ms
+from benchmarks.common import auto_kernel, host_times_ms, rank_kernel_calls
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -146,13 +146,12 @@ def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
 def _calls_cp1(mask, q, k, v):
     _, qr, kr, tm = mask
     t = [torch.tensor(x, dtype=torch.int32) for x in (qr, kr, tm)]
-    return [(*t, k, v)], [np.arange(q.shape[0])], 0.0
+    return [(tuple(t), k, v)], [np.arange(q.shape[0])], 0.0
 
 
 def _calls_sim(mask, q, k, v, rk, rv, cp: int):
-    """Every rank's calls of the runtime's plan (host stage, then remote stages): q / k / v a rank's shard,
-    the remote stages' keys leading rows of ``rk`` / ``rv`` (one buffer of every token)."""
-    from magi_attention.simulate import kernel_ranges
+    """Every rank's calls of the runtime's plan (`common.rank_kernel_calls`): q / k / v a rank's shard, the
+    received keys leading rows of ``rk`` / ``rv`` (one buffer of every token)."""
     from magi_solver import PlanOptions, dispatch_choice, plan_attention
 
     _, qr, kr, tm = mask
@@ -164,29 +163,27 @@ def _calls_sim(mask, q, k, v, rk, rv, cp: int):
     options = PlanOptions(min_chunk_size=min(512, chunk))
     plan = plan_attention(qr, kr, tm, total, cp, chunk_size=chunk, options=options, dispatch=dispatch)
     plan_s = time.perf_counter() - t0
-    ranks = []
-    for rp in plan.ranks:
-        calls = [(rp.host_slices, k, v)] + [
-            (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rp.stages
-        ]
-        ranks.append([(*kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)])
+    ranks = [rank_kernel_calls(rp, plan.overlap_degree, k, v, rk, rv) for rp in plan.ranks]
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     return ranks, rows, plan_s
 
 
 def _run_rank(kern, q, do, calls) -> None:
-    """One rank's forward (first call writes, later stages merge into an fp32 accumulator) and backward."""
+    """One rank's forward and backward as the runtime: one call (the merged stage) writes its own results;
+    with more, the first call writes, later stages merge into an fp32 accumulator, gradients accumulate."""
     if not calls:
         return
-    (qr, kr, tm, kk, vv), rest = calls[0], calls[1:]
+    ((qr, kr, tm), kk, vv), rest = calls[0], calls[1:]
     out, lse = kern.fwd(q, kk, vv, qr, kr, tm)
-    if rest:
-        out = out.float()
-    for qr, kr, tm, kk, vv in rest:
+    if not rest:
+        kern.bwd(do, q, kk, vv, out, lse, qr, kr, tm)
+        return
+    out = out.float()
+    for (qr, kr, tm), kk, vv in rest:
         kern.fwd(q, kk, vv, qr, kr, tm, out=out, lse=lse)
     o = out.to(q.dtype)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    for qr, kr, tm, kk, vv in calls:
+    for (qr, kr, tm), kk, vv in calls:
         dk = torch.zeros(kk.shape, device=q.device, dtype=torch.float32)
         dv = torch.zeros(vv.shape, device=q.device, dtype=torch.float32)
         kern.bwd(do, q, kk, vv, o, lse, qr, kr, tm, dq=dq, dk=dk, dv=dv)
@@ -220,7 +217,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         )
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
-            keys = fa4_keys([c[:4] for r in ranks for c in r], q, dtype)
+            keys = fa4_keys([(*c[0], c[1]) for r in ranks for c in r], q, dtype)
             new_keys = len(keys - fa4_seen)
             fa4_seen.update(keys)
         return {
