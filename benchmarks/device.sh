@@ -52,6 +52,8 @@ phase_install() {
   python3 -c "import pytest, hypothesis" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
   run 60 python3 -c "import flash_attn.cute, cudnn.flex_attention, torch, triton; print('FA4 and cuDNN ready; torch', torch.__version__, 'triton', triton.__version__)"
+  # our packages as docs/development.md installs them (no index here: the vendors above are already in place)
+  run 180 python3 scripts/install.py --editable fa4 cudnn transformers -- --no-index --no-deps --find-links .whl
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 }
 phase_install-integrations() {
@@ -59,8 +61,11 @@ phase_install-integrations() {
   run 60 python3 -c "import torchtitan, magi_attention_torchtitan, torch; print('torchtitan imports on torch', torch.__version__)"
 }
 
-phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest decides by the CUDA device)
-  run "${TEST_S:-590}" env -u TRITON_INTERPRET python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
+phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest decides by the CUDA device), and
+  # the installed packages rather than PYTHONPATH when the install phase installed them
+  local unset=(-u TRITON_INTERPRET)
+  env -u PYTHONPATH python3 -c "import magi_attention, magi_ffa_fa4, magi_ffa_cudnn" 2>/dev/null && unset+=(-u PYTHONPATH)
+  run "${TEST_S:-590}" env "${unset[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
     --junitxml "$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
 }
 phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
