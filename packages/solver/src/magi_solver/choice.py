@@ -32,6 +32,7 @@ so the runtime's layout and its plan share one solve.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections import OrderedDict
@@ -156,6 +157,22 @@ def remote_kv_tokens(
     if chunk.size == 0:
         return out
     span = int(owner.size) * chunk_size + 1  # ranks' coordinates never overlap after this shift
+    starts, lens, covered = _union_runs(owner, chunk, kl, kr, span)
+    np.add.at(out, starts // span, lens)  # union per rank
+    # minus the rank's own tokens inside its union
+    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
+    ok = members < cp_size
+    holder = members[ok]
+    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
+    a = c * chunk_size + holder * span
+    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
+    return out
+
+
+def _union_runs(owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, span: int):
+    """Per rank, the union of the key ranges its chunks' rows need, as sorted disjoint runs in one shifted
+    coordinate (rank r's keys at `r * span` onwards): `(starts, lens, covered)`, where `covered(x)` counts
+    the union's tokens below each shifted position in `x` (any shape)."""
     rank = owner[chunk]
     s = kl + rank * span
     e = kr + rank * span
@@ -165,10 +182,7 @@ def remote_kv_tokens(
     new = np.ones(s.size, dtype=bool)
     new[1:] = s[1:] > run_end[:-1]  # a gap before this interval: a new merged run starts
     starts = s[new]
-    ends = np.maximum.reduceat(e, np.flatnonzero(new))
-    lens = ends - starts
-    np.add.at(out, starts // span, lens)  # union per rank
-    # minus the rank's own tokens inside its union
+    lens = np.maximum.reduceat(e, np.flatnonzero(new)) - starts
     cum = np.concatenate([[0], np.cumsum(lens)])
 
     def covered(x: np.ndarray) -> np.ndarray:
@@ -177,13 +191,88 @@ def remote_kv_tokens(
         inside = np.clip(x - starts[safe], 0, lens[safe])
         return np.where(i >= 0, cum[safe] + inside, 0)
 
-    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
-    ok = members < cp_size
-    holder = members[ok]
-    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
-    a = c * chunk_size + holder * span
-    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
+    return starts, lens, covered
+
+
+def rank_traffic(
+    owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, chunk_size: int, cp_size: int
+) -> np.ndarray:
+    """int64 `[cp, cp]`: entry `[r, s]` is the K/V tokens rank r fetches from rank s (the tokens of s's chunks
+    inside the union of the key ranges r's rows need); the diagonal is 0. Row sums are `remote_kv_tokens`."""
+    out = np.zeros((cp_size, cp_size), dtype=np.int64)
+    if chunk.size == 0:
+        return out
+    n = int(owner.size)
+    span = n * chunk_size + 1
+    _, _, covered = _union_runs(owner, chunk, kl, kr, span)
+    a = (
+        np.arange(n, dtype=np.int64)[None, :] * chunk_size
+        + np.arange(cp_size, dtype=np.int64)[:, None] * span
+    )
+    per_chunk = covered(a + chunk_size) - covered(a)  # [cp, n]: tokens of chunk c in rank r's union
+    onehot = np.zeros((n, cp_size), dtype=np.int64)
+    onehot[np.arange(n), owner] = 1
+    out = per_chunk @ onehot
+    np.fill_diagonal(out, 0)
     return out
+
+
+def group_by_node(plan: DispatchPlan, traffic: np.ndarray, node_size: int = _NODE) -> DispatchPlan:
+    """The same assignment with its ranks renumbered so that ranks exchanging the most keys share a node
+    (ranks `node_size * k` to `node_size * (k + 1) - 1`): every rank keeps its chunks, its area and its
+    remote K/V; fewer of those keys cross nodes. `traffic`: `rank_traffic` of `plan`. A deterministic
+    function of its inputs (the same numbering on every rank); unchanged at cp <= node_size."""
+    cp = plan.cp_size
+    if cp <= node_size:
+        return plan
+    w = (traffic + traffic.T).astype(np.float64)
+    free = np.ones(cp, dtype=bool)
+    nodes: list[list[int]] = []
+    while free.any():
+        ids = np.flatnonzero(free)
+        seed = int(ids[np.argmax(w[np.ix_(ids, ids)].sum(axis=1))])  # the rank most tied to the others
+        node = [seed]
+        free[seed] = False
+        while len(node) < node_size and free.any():
+            ids = np.flatnonzero(free)
+            pick = int(ids[np.argmax(w[np.ix_(ids, node)].sum(axis=1))])  # ties: the lowest rank
+            node.append(pick)
+            free[pick] = False
+        nodes.append(node)
+    # pairwise swaps between nodes while one keeps more traffic inside nodes (a few passes suffice)
+    where = np.empty(cp, dtype=np.int64)
+    for k, node in enumerate(nodes):
+        where[node] = k
+    for _ in range(8):
+        inside = np.stack([w[:, node].sum(axis=1) for node in nodes], axis=1)  # [cp, nodes]
+        ka, kb = where[:, None], where[None, :]
+        gain = (inside[np.arange(cp)[:, None], kb] - inside[np.arange(cp)[:, None], ka]
+                + inside[np.arange(cp)[None, :], ka] - inside[np.arange(cp)[None, :], kb] - 2 * w)  # fmt: skip
+        gain[ka == kb] = 0.0
+        a, b = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        if gain[a, b] <= 0.5:  # traffic counts tokens: at least one more inside, or stop
+            break
+        na, nb = nodes[where[a]], nodes[where[b]]
+        na[na.index(a)], nb[nb.index(b)] = int(b), int(a)
+        where[a], where[b] = where[b], where[a]
+    order = [r for node in nodes for r in sorted(node)]
+
+    def crossing(numbering: list[int]) -> tuple[int, int]:
+        """(busiest rank's, all ranks') keys from other nodes with rank `numbering[i]` at position i."""
+        node_of = np.empty(cp, dtype=np.int64)
+        node_of[numbering] = np.arange(cp) // node_size
+        out = np.where(node_of[:, None] != node_of[None, :], traffic, 0).sum(axis=1)
+        return int(out.max()), int(out.sum())
+
+    # the grouping maximises the keys kept inside nodes; the price pays for the busiest rank's crossing
+    # keys, so the old numbering stays where it crosses less there
+    if order == list(range(cp)) or crossing(order) >= crossing(list(range(cp))):
+        return plan
+    return dataclasses.replace(
+        plan,
+        partitions=tuple(plan.partitions[r] for r in order),
+        rank_areas=tuple(plan.rank_areas[r] for r in order),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +438,8 @@ def _choose(
         tolerances = _TOLERANCES if a is DispatchAlg.AFFINITY and n <= _TOLERANCE_CHUNKS else (0.0,)
         for tol in tolerances:
             plan = _assign(slices, geometry(c), cp, c, a, uneven, tol)
+            if not cross and cp > _NODE:  # past one node: ranks that exchange most keys share one
+                plan = group_by_node(plan, rank_traffic(np.asarray(plan.chunk_owner), chunk, kl, kr, c, cp))
             remote = remote_of(plan)
             inter = None if cross or cp <= _NODE else remote_of(plan, _NODE)
             cands.append(_Candidate(c, plan, remote, _price(plan, waste, remote, inter)))
