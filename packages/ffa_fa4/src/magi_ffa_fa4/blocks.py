@@ -11,7 +11,9 @@ The classification never builds a dense mask. Per block row it sweeps the interv
 interval adds +1 on the n-blocks it touches and +1 on the n-blocks it covers completely (the intervals of a
 row are disjoint and non-touching, so a block is fully covered by one row iff one interval covers it). A
 block is Full when the covered count equals the number of valid rows of the tile and Empty when the
-touched count is 0. Work is O(E log E) for E interval endpoints plus O(number of non-empty tiles) output.
+touched count is 0. Work is O(E log E) for E interval endpoints plus O(number of non-empty tiles) output;
+when the tile grid is no larger than a small multiple of the interval table, the same counts are summed on
+the dense grid instead (a bincount and a cumsum, no sort).
 """
 
 from __future__ import annotations
@@ -103,6 +105,49 @@ class BlockSparseMeta:
     has_empty_rows: bool
 
 
+_DENSE_CELLS_PER_SLOT = 16
+""":func:`tiles` sweeps a dense ``num_m x (num_n + 1)`` grid when it has at most this many cells per slot of
+the interval table (``total_q x width``): the grid is then about as large as the table it is built from,
+and elementwise work, a bincount and a cumsum over it cost a fraction of masking out the padding and sorting
+the interval endpoints (16k tokens of 128 x 128 tiles: 16.5k cells). Larger grids over few rows keep the
+sort, whose work follows the endpoints."""
+
+
+def _tiles_dense(
+    iv: RowIntervals, valid: torch.Tensor, block_m: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tiles` on the dense grid: the same +1 / -1 endpoint counts, summed per cell by a bincount and
+    swept by a cumsum along each block row; row-major ``nonzero`` lists the tiles in (m, n) order, as the
+    sort does. The whole table is swept, padding included: a slot that adds nothing puts its +1 and its -1
+    on one cell, which is cheaper than selecting the valid slots first."""
+    total_q, total_k = iv.total_q, iv.total_k
+    dev = iv.starts.device
+    num_m, num_n = _cdiv(total_q, block_m), _cdiv(total_k, block_n)
+    stride = num_n + 1
+    cells = num_m * stride
+    # every key stays below `cells` (and every token index below total_k), so int32 holds them all
+    dt = torch.int32 if max(cells, total_k + block_n) < 2**31 else torch.int64
+    a, b = iv.starts.to(dt), iv.ends.to(dt)
+    base = (torch.arange(total_q, device=dev, dtype=dt) // block_m * stride)[:, None]
+    # n-blocks touched: [a // bn, (b - 1) // bn]; fully covered: n*bn >= a and min((n+1)*bn, total_k) <= b
+    t_lo = a // block_n
+    t_hi = torch.where(valid, (b - 1) // block_n + 1, t_lo)
+    f_lo = (a + block_n - 1) // block_n
+    f_hi = torch.where(b >= total_k, num_n, b // block_n)
+    f_hi = torch.where(valid & (f_hi > f_lo), f_hi, f_lo)
+
+    def sweep(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        d = torch.bincount((base + lo).flatten(), minlength=cells)
+        d -= torch.bincount((base + hi).flatten(), minlength=cells)
+        return torch.cumsum(d.view(num_m, stride), 1)[:, :num_n]
+
+    touched, covered = sweep(t_lo, t_hi), sweep(f_lo, f_hi)
+    um, un = (touched > 0).nonzero(as_tuple=True)
+    rows_in_m = (total_q - torch.arange(num_m, device=dev) * block_m).clamp(max=block_m)
+    cls = torch.where(covered[um, un] == rows_in_m[um], FULL, PARTIAL)
+    return um, un, cls.to(torch.int8)
+
+
 def tiles(iv: RowIntervals, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Non-empty tiles as COO sorted by (m, n).
 
@@ -116,6 +161,8 @@ def tiles(iv: RowIntervals, block_m: int, block_n: int) -> tuple[torch.Tensor, t
     valid = iv.ends > iv.starts
     if total_q == 0 or total_k == 0 or not bool(valid.any()):
         return empty, empty.clone(), torch.zeros(0, dtype=torch.int8, device=dev)
+    if _cdiv(total_q, block_m) * (num_n + 1) <= _DENSE_CELLS_PER_SLOT * valid.numel():
+        return _tiles_dense(iv, valid, block_m, block_n)
     r, _ = valid.nonzero(as_tuple=True)
     a = iv.starts[valid].long()
     b = iv.ends[valid].long()

@@ -128,18 +128,43 @@ def _window_entry(run: Sequence[Slice]) -> _Entry | None:
     return None if left is None or right is None else _Entry(qa, qb, ka, kb, left, right)
 
 
-def _entries(slices: Sequence[Slice]) -> list[_Entry]:
-    """The slices as entries, those on consecutive rows joined while their union stays one window."""
+def _row_keys(s: Slice, r: int) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` of slice ``s`` at global row ``r`` (empty when ``lo >= hi``)."""
+    lo = max(s.k_start, r + s.dk_inv) if s.is_inv_causal else s.k_start
+    hi = min(s.k_end, r + s.dk + 1) if s.is_causal else s.k_end
+    return lo, hi
+
+
+def _may_join(last: Slice, s: Slice) -> bool:
+    """A necessary condition for :func:`_window_entry` to join ``s`` to a run ending with ``last``, read from
+    the two rows at the seam alone (``s`` starts on the row after ``last``, and each row of a run belongs
+    to one of its slices): a window clipped to its bounding box has ``lo = max(ka, r + corner - left)`` and
+    ``hi = min(kb, r + corner + right + 1)``, so from one row to the next each bound stays or grows by 1.
+    Packed documents fail it at every seam (the keys jump to the next document), which spares the per-row
+    numpy pass of :func:`_window_entry` for each of their slices."""
+    lo0, hi0 = _row_keys(last, s.q_start - 1)
+    lo1, hi1 = _row_keys(s, s.q_start)
+    return 0 <= lo1 - lo0 <= 1 and 0 <= hi1 - hi0 <= 1
+
+
+def _entries(slices: Sequence[Slice], max_entries: int | None = None) -> list[_Entry] | None:
+    """The slices as entries, those on consecutive rows joined while their union stays one window; None as
+    soon as there are more than ``max_entries`` (joins only replace the last entry, so the count never
+    falls)."""
     out: list[_Entry] = []
     run: list[Slice] = []
     for s in sorted(slices, key=lambda x: (x.q_start, x.k_start)):
-        joined = _window_entry([*run, s]) if run and s.q_start == run[-1].q_end else None
+        joined = (
+            _window_entry([*run, s]) if run and s.q_start == run[-1].q_end and _may_join(run[-1], s) else None
+        )
         if joined is not None:
             run.append(s)
             out[-1] = joined
         else:
             run = [s]
             out.append(_slice_entry(s))
+            if max_entries is not None and len(out) > max_entries:
+                return None
     return out
 
 
@@ -257,8 +282,11 @@ def _tensors(
 def _open_groups(slices: Sequence[Slice], max_groups: int, min_mean_rows: int) -> list[_Open] | None:
     if not slices:
         return None
-    entries = _entries(slices)
-    if sum(e.q_end - e.q_start for e in entries) < min_mean_rows * len(entries):
+    # an entry's rows are those of its slices (a join takes slices on consecutive rows), so the entries hold
+    # as many rows as the slices and the mean-length rule caps how many entries may be built
+    rows = sum(s.q_end - s.q_start for s in slices)
+    entries = _entries(slices, rows // min_mean_rows if min_mean_rows > 0 else None)
+    if entries is None or rows < min_mean_rows * len(entries):
         return None
     return _group(entries, max_groups)
 
