@@ -79,7 +79,11 @@ phase_kernels-det() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
 }
 
-phase_mask-loop() { run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"; }
+phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)
+  run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"
+  run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --kinds docs_causal,random --same-area --literal \
+    --out "$OUT/same_area"
+}
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {
   run "${BENCH_S:-560}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \

@@ -8,6 +8,7 @@ did not have.
 
     python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
     python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
+    python -m benchmarks.mask_loop_bench --kinds docs_causal --same-area --literal --check  # a training loop
     python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
 Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
@@ -33,6 +34,7 @@ from benchmarks.common import auto_kernel, host_times_ms, rank_kernel_calls
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
 COMPILE_S = 0.25  # a step this much slower than its own re-run compiled something
+SAME_AREA = 0.1  # --same-area: a step's mask area within this fraction of its kind's first mask
 
 
 # ------------------------------------------------------------------------------------------------ masks
@@ -71,6 +73,30 @@ def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list,
     p = rng.randint(total // 32, total // 8)  # documents that also see a shared prefix
     docs = [[a + p, b + p] for a, b in _docs(total - p, rng, rng.randint(2, 8))]
     return kind, docs + docs, docs + [[0, p]] * len(docs), [1] * len(docs) + [0] * len(docs)
+
+
+def loop_masks(steps: int, total: int, seed: int, kinds=KINDS, same_area: bool = False) -> list[tuple]:
+    """The masks of ``steps`` timed steps. ``same_area``: every mask of a kind redrawn (other seeds) until its
+    area is within ``SAME_AREA`` of that kind's first mask: new values and counts every step, the same work,
+    as a training loop's packs of a fixed token count (so the 1.5x-median target measures the new-mask cost
+    and not how much work each mask holds)."""
+    from benchmarks.common import mask_area
+
+    out, ref = [], {}
+    for i in range(steps):
+        mask = make_mask(i, total, seed, kinds)
+        if same_area:
+            kind, area = mask[0], mask_area(*mask[1:])
+            ref.setdefault(kind, area)
+            best = (abs(area / ref[kind] - 1), mask)
+            for j in range(1, 400):
+                if best[0] <= SAME_AREA:
+                    break
+                cand = make_mask(i + j * 1000 * len(kinds), total, seed, kinds)  # the same kind, other draws
+                best = min(best, (abs(mask_area(*cand[1:]) / ref[kind] - 1), cand), key=lambda x: x[0])
+            mask = best[1]
+        out.append(mask)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- caches
@@ -242,7 +268,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
     warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
-    steps = [step(make_mask(i, args.tokens, seed=cp, kinds=args.kinds)) for i in range(args.steps)]
+    steps = [step(m) for m in loop_masks(args.steps, args.tokens, cp, args.kinds, args.same_area)]
     times = [s["seconds"] for s in steps]
     med = statistics.median(times)
     worst = max(times[1:], default=times[0]) / med if med > 0 else math.inf
@@ -304,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated mask kinds, in turn (from {','.join(KINDS)})",
     )
     p.add_argument("--warmup", type=int, default=len(KINDS), help="warm-up masks (other seeds) before them")
+    p.add_argument(
+        "--same-area",
+        action="store_true",
+        help="every mask of a kind within 10%% of that kind's first mask's area (a training loop's packs)",
+    )
     p.add_argument(
         "--warmup-widths",
         type=lambda x: tuple(int(w) for w in x.split(",") if w) if x != "none" else None,

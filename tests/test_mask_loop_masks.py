@@ -1,0 +1,27 @@
+"""The new-mask loop's masks (`benchmarks.mask_loop_bench.loop_masks`): a new mask every step, and with
+`--same-area` the same work per kind, so the 1.5x-median target measures the new-mask cost only."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import mask_area
+from benchmarks.mask_loop_bench import KINDS, SAME_AREA, loop_masks
+
+
+@pytest.mark.parametrize("kinds", [("docs_causal",), KINDS])
+def test_same_area_masks_are_new_every_step_and_of_equal_work(kinds: tuple) -> None:
+    masks = loop_masks(20, 16384, seed=1, kinds=kinds, same_area=True)
+    assert [m[0] for m in masks] == [kinds[i % len(kinds)] for i in range(20)]  # the kinds in turn
+    assert len({(m[0], str(m[1]), str(m[2]), str(m[3])) for m in masks}) == 20  # a new mask every step
+    first: dict[str, int] = {}
+    for kind, *mask in masks:
+        area = mask_area(*mask)
+        first.setdefault(kind, area)
+        assert abs(area / first[kind] - 1) <= SAME_AREA
+
+
+def test_without_same_area_the_work_varies() -> None:
+    """The default loop (what the table's worst / median reports) mixes masks of very different work."""
+    areas = [mask_area(*m[1:]) for m in loop_masks(14, 16384, seed=1)]
+    assert max(areas) > 3 * min(areas)
