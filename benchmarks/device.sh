@@ -81,8 +81,11 @@ phase_kernels-det() {
 
 phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)
   run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"
-  run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --kinds docs_causal,random --same-area --literal \
-    --out "$OUT/same_area"
+  local kind
+  for kind in docs_causal random; do
+    run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --kinds "$kind" --same-area --literal \
+      --out "$OUT/same_area_$kind"
+  done
 }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {

@@ -8,7 +8,7 @@ did not have.
 
     python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
     python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
-    python -m benchmarks.mask_loop_bench --kinds docs_causal --same-area --literal --check  # a training loop
+    python -m benchmarks.mask_loop_bench --kinds docs_causal --same-area --literal --check  # training packs
     python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
 Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
