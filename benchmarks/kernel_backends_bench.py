@@ -168,7 +168,8 @@ def sim_det_rows(args) -> list[dict]:
             q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                        for h in (hq, hk, hk))  # fmt: skip
             kv = plan.kv_layout
-            rc = rank_calls(rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank))
+            rc = rank_calls(rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank),
+                            merged=plan.overlap_degree == 0)  # fmt: skip
             q_index = token_index(rank_plan.host_token_ranges, q.device)
             lq = q[q_index].contiguous()
             ldo = torch.randn_like(lq)

@@ -35,23 +35,35 @@ def kernel_ranges(slices: SliceList) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 @dataclass
 class RankCalls:
-    """One rank's kernel calls: (range tensors, K, V) for the host stage, then each remote stage."""
+    """One rank's kernel calls as the runtime makes them: `calls` holds (range tensors, K, V) of each call and
+    `key_index` the global ids of each call's keys (where its dK / dV go). Merged (overlap degree 0): one
+    call over the rank's keys followed by every stage's; else the host call, then one per remote stage."""
 
     local_index: torch.Tensor
     remote_index: list[torch.Tensor]
     calls: list[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]]
+    key_index: list[torch.Tensor]
 
 
 def rank_calls(
-    rank_plan: RankPlan, k: torch.Tensor, v: torch.Tensor, kv_ranges: AttnRanges | None = None
+    rank_plan: RankPlan,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_ranges: AttnRanges | None = None,
+    *,
+    merged: bool = False,
 ) -> RankCalls:
-    """`kv_ranges`: the rank's own key ranges when they differ from its query ranges (cross-attention)."""
+    """`kv_ranges`: the rank's own key ranges when they differ from its query ranges (cross-attention);
+    `merged`: the plan's overlap degree is 0 (`DistAttnPlan.overlap_degree`), as `dist_attn` then runs."""
     dev = k.device
     local = token_index(rank_plan.host_token_ranges if kv_ranges is None else kv_ranges, dev)
     remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
+    if merged:
+        keys = torch.cat([local, *remote])
+        return RankCalls(local, remote, [(kernel_ranges(rank_plan.merged_slices), k[keys], v[keys])], [keys])
     calls = [(kernel_ranges(rank_plan.host_slices), k[local], v[local])]
     calls += [(kernel_ranges(s.remote_slices), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)]
-    return RankCalls(local, remote, calls)
+    return RankCalls(local, remote, calls, [local, *remote])
 
 
 def simulate_dist_attn(
@@ -65,7 +77,8 @@ def simulate_dist_attn(
     *,
     kernel_backend: KernelBackend | str | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward and backward of `plan`, rank by rank.
+    """Forward and backward of `plan`, rank by rank, each rank's kernel calls as the runtime makes them
+    (`rank_calls`: one merged call at overlap degree 0).
 
     Args:
         q, do: `[padded_total, heads_q, d]` global tensors; k, v: `[padded_total_k, heads_kv, d]` (the
@@ -92,7 +105,10 @@ def simulate_dist_attn(
     ffa_fwd, ffa_bwd = kernel.fwd, kernel.bwd
     kv = plan.kv_layout
     for rank_plan in plan.ranks:
-        rc = rank_calls(rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank))
+        rc = rank_calls(
+            rank_plan, k, v, None if kv is None else kv.host_token_ranges(rank_plan.rank),
+            merged=plan.overlap_degree == 0,
+        )  # fmt: skip
         q_index = token_index(rank_plan.host_token_ranges, q.device)
         lq, ldo = q[q_index], do[q_index]
         out = torch.zeros(lq.shape, dtype=acc, device=q.device)
@@ -102,12 +118,11 @@ def simulate_dist_attn(
                 ffa_fwd(lq, kk, vv, qr, kr, tr, out=out, lse=lse, **kw)
         out_q = out.to(q.dtype)
         dq = torch.zeros(lq.shape, dtype=acc, device=q.device)
-        for i, ((qr, kr, tr), kk, vv) in enumerate(rc.calls):
+        for ((qr, kr, tr), kk, vv), index in zip(rc.calls, rc.key_index, strict=True):
             dk = torch.zeros(kk.shape, dtype=acc, device=k.device)
             dv = torch.zeros(vv.shape, dtype=acc, device=v.device)
             if qr.shape[0]:
                 ffa_bwd(ldo, lq, kk, vv, out_q, lse, qr, kr, tr, dq=dq, dk=dk, dv=dv, **kw)
-            index = rc.local_index if i == 0 else rc.remote_index[i - 1]
             dk_g.index_add_(0, index, dk)
             dv_g.index_add_(0, index, dv)
         out_g[q_index] = out_q
