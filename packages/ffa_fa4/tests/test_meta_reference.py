@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.mask_loop_bench import KINDS, make_mask
 from magi_ffa import intervals
 from magi_ffa._slice import Slice
 from magi_ffa.intervals import RowIntervals
@@ -208,11 +207,48 @@ def _windowed_docs(rng: random.Random, total: int):
     return [[a, b] for a, b, *_ in rows], [[c, d] for _, _, c, d, _ in rows], [t for *_, t in rows]
 
 
+KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
+
+
+def _docs(total: int, rng: random.Random, n: int) -> list[list[int]]:
+    """``n`` documents of log-normal lengths (at least one token each) covering ``[0, total)``."""
+    w = np.random.default_rng(rng.randrange(1 << 30)).lognormal(0.0, 1.0, n)
+    cut = np.minimum(np.round(np.cumsum(w) / w.sum() * total).astype(int), total)
+    cu = sorted({0, total, *cut.tolist()})
+    return [list(d) for d in itertools.pairwise(cu)]
+
+
+def _kind_mask(kind: str, total: int, rng: random.Random) -> tuple[list, list, list]:
+    """The kinds of the new-mask loop benchmark (``benchmarks.mask_loop_bench``), drawn here so that this
+    package's tests need nothing outside it."""
+    if kind == "random":
+        qr, kr, tm = random_overlapping_slices(rng, total, total, rng.randint(4, 40))
+        keep = [i for i in range(len(qr)) if qr[i][1] > qr[i][0] and kr[i][1] > kr[i][0]]
+        return [qr[i] for i in keep], [kr[i] for i in keep], [tm[i] for i in keep]
+    if kind in ("docs_causal", "docs_full", "short_docs"):
+        docs = _docs(
+            total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200)
+        )
+        return docs, docs, [0 if kind == "docs_full" else 1] * len(docs)
+    if kind == "stripes":  # overlapping row bands over narrow key bands: several intervals per row
+        n = rng.randint(3, 9)
+        qr = [[rng.randint(0, total // 8), total - rng.randint(0, total // 8)] for _ in range(n)]
+        kr = [[s * total // n, s * total // n + rng.randint(16, max(17, total // (4 * n)))] for s in range(n)]
+        return qr, kr, [0] * (n - 1) + [rng.choice([1, 2, 3])]
+    if kind == "window":  # a sliding window: its causal head and its band
+        w = rng.randint(64, total // 4)
+        return [[0, w], [w, total]], [[0, w], [1, total]], [1, 3]
+    p = rng.randint(total // 32, total // 8)  # documents that also see a shared prefix
+    docs = [[a + p, b + p] for a, b in _docs(total - p, rng, rng.randint(2, 8))]
+    return docs + docs, docs + [[0, p]] * len(docs), [1] * len(docs) + [0] * len(docs)
+
+
 def _masks():
     out = []
-    for step in range(2 * len(KINDS)):  # every benchmark kind at 16k and at 4k tokens
+    for step in range(2 * len(KINDS)):  # every kind at 16k and at 4k tokens
         total = 16384 if step < len(KINDS) else 4096
-        kind, qr, kr, tm = make_mask(step, total, 7 + step)
+        kind = KINDS[step % len(KINDS)]
+        qr, kr, tm = _kind_mask(kind, total, random.Random(7 + step))
         out.append((f"{kind}-{total}", qr, kr, tm, total, total))
     for seed in range(10):  # random overlapping slices of all types, q and k of different lengths
         rng = random.Random(seed)
