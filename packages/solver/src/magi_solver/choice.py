@@ -17,7 +17,7 @@ its halvings down to `_MIN_CHUNK`, never with more padding than the default) is 
    kernel time on `area + waste` (the tile-fill term: every (slice, chunk) piece leaves on average half a
    128-token tile unfilled along its query and its key edge, `64 * (q length + k length)` pairs; the H200
    kernel tables' tile-fill rows show the rate falling with the filled fraction), plus in the backward a
-   fixed cost per key the rank holds or fetches (the profile's `bwd_pairs_per_key`, fitted to measured ranks), against the fetch of its
+   fixed cost per key the rank holds or fetches (`_BWD_PAIRS_PER_KEY`, fitted to measured ranks), against the fetch of its
    remote K/V (exact: the union of the key ranges its rows need, less its own tokens; past 8 ranks the
    part from other nodes at 50 GB/s per GPU, the rest over NVLink); with overlap the slower of the two
    bounds the rank. The two largest sizes kept are priced (up to four while none keeps the busiest rank's
@@ -86,6 +86,16 @@ _NODE = 8
 _INTERNODE_GBPS = 50.0
 """Per-GPU bandwidth between nodes (GB/s) the price assumes."""
 _TILE = 128
+_BWD_PAIRS_PER_KEY = 558
+"""The backward's fixed work per key a rank holds or fetches, in (q, k) pairs of attention work: measured on
+an H200 (2026-12-02, cuDNN, 64:8 heads, d 128, 8k tokens per GPU, 600 simulated ranks of five masks at cp
+8-32, `benchmarks/results/2026-12-02_h200_scaling_8k.json`), a rank's backward time fits
+`2.14 us x tiles + 9.33 us x key tiles` (R^2 0.999, median error 2.6 %): each 128-key column of the kernel
+costs 4.36 tiles beyond its tiles (loading K / V, writing dK / dV), 4.36 x 128 x 128 / 128 pairs per key.
+Only the choice's price carries it, to rank candidates of equal balance by the keys they read: the overlap
+cost model's rates were fitted on full masks of 8k-query columns, which already hold the part of this cost
+such columns pay, and adding the term there over-predicted the measured cp 2 backward of packed documents
+by 20-40 % (`docs/benchmarks/cost_model.md`)."""
 _CHOICE_CACHE_SIZE = 256
 # the shape the choice prices with: the benchmarks' 64:8 heads, head dim 128, bf16 (only ratios of compute
 # to communication matter for the choice, and those scale together with the heads)
@@ -298,7 +308,7 @@ def _price(
         area = plan.rank_areas[r] + float(waste_per_chunk[list(part)].sum())
         # every key the rank holds or fetches is a column of its backward kernel: remote keys cost compute too
         keys = plan.shard_seqlens[r] + int(remote[r])
-        comp = m.calc(area) + m.calc(area, backward=True, keys=keys)
+        comp = m.calc(area) + m.calc(area + _BWD_PAIRS_PER_KEY * keys, backward=True)
         comm = m.fetch(remote[r]) + m.reduce(remote[r]) if remote[r] else 0.0
         if inter is not None and inter[r]:
             comm = max(comm, float(inter[r]) * wire / (_INTERNODE_GBPS * 1e9))

@@ -88,14 +88,6 @@ class CostProfile:
     """Seconds of fixed cost per collective call."""
     estimate: bool = False
     """True when the numbers are estimated rather than measured on that hardware."""
-    bwd_pairs_per_key: float = 0.0
-    """The backward kernel's fixed work per key of its call, in (q, k) pairs of attention work. The backward
-    runs one 128-key column per CTA (loading its K / V, writing its dK / dV) over the query tiles that see
-    it, so short columns (a rank's chunks against other ranks' keys) cost more than their area. h200/fa4:
-    fitted on an H200 (2026-12-02, cuDNN backward, 64:8 heads, d 128, 600 simulated ranks of five masks at cp
-    8-32 with 8k tokens per GPU, `benchmarks/results/2026-12-02_h200_scaling_8k.json`): a rank's backward
-    time is `2.14 us x tiles + 9.33 us x key columns` (R^2 0.999, median error 2.6 %), i.e. 4.36 tiles per
-    column, 4.36 x 128 x 128 / 128 = 558 pairs per key. The forward walks rows and has no such term."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -121,25 +113,23 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostProfile:
-        """Inverse of `to_dict`. Unknown or missing keys raise `ValueError` (`estimate` defaults to False,
-        `bwd_pairs_per_key` to 0)."""
+        """Inverse of `to_dict`. Unknown or missing keys raise `ValueError` (`estimate` defaults to False)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a CostProfile needs a mapping, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"unknown CostProfile keys {unknown}; valid keys: {names}")
-        missing = [n for n in names if n not in data and n not in _OPTIONAL]
+        missing = [n for n in names if n not in data and n != "estimate"]
         if missing:
             raise ValueError(f"CostProfile keys missing: {missing}")
         return cls(**dict(data))
 
 
 _RATES = frozenset({"fwd_tflops", "bwd_tflops", "mem_gbps", "comm_gbps"})
-_OPTIONAL = frozenset({"estimate", "bwd_pairs_per_key"})
 
 # THE profile table. Columns: key, fwd TFLOP/s, bwd TFLOP/s, kernel fixed s, memory GB/s,
-# fwd merge bytes/elem, bwd dQ-accumulate bytes/elem, comm GB/s, comm latency s, estimate, bwd pairs per key.
+# fwd merge bytes/elem, bwd dQ-accumulate bytes/elem, comm GB/s, comm latency s, estimate.
 # h200: calibrated on 2 H200s (NVLink, NCCL) by benchmarks/calibrate_overlap.py (64:8 heads, d 128, bf16):
 # kernel lines fitted over FULL masks of 8k queries x 1k-16k keys, copy bandwidth, all_to_all_single of
 # 0.5k-32k tokens. The per-stage bytes (40 / 80) are effective values fitted to the end-to-end cp = 2 degree
@@ -147,18 +137,14 @@ _OPTIONAL = frozenset({"estimate", "bwd_pairs_per_key"})
 # alone (7.4 / 19.8 bytes per element on FA4), a stage pays its accumulator buffers and a collective that
 # competes with the kernel for SMs. The Triton rows assume the same per-stage cost.
 # h100 = h200 kernels x 0.95 (same SMs, slower HBM); b200, generic and cpu are guesses (estimate=True).
-# Pairs per key: measured for the CuTe DSL backwards on the H200 (`CostProfile.bwd_pairs_per_key`), taken
-# for the H100 (same architecture); unmeasured elsewhere (0).
-_PROFILE_TABLE: tuple[
-    tuple[str, float, float, float, float, float, float, float, float, bool, float], ...
-] = (
-    ("h200/fa4", 761.0, 591.0, 166e-6, 4246.0, 40.0, 80.0, 304.0, 37e-6, False, 558.0),
-    ("h200/triton", 478.0, 221.0, 1.2e-3, 4246.0, 40.0, 80.0, 304.0, 37e-6, False, 0.0),
-    ("h100/fa4", 722.95, 561.45, 166e-6, 3350.0, 40.0, 80.0, 250.0, 37e-6, True, 558.0),
-    ("h100/triton", 454.1, 209.95, 1.2e-3, 3350.0, 40.0, 80.0, 250.0, 37e-6, True, 0.0),
-    ("b200/fa4", 1200.0, 900.0, 100e-6, 6000.0, 40.0, 80.0, 400.0, 30e-6, True, 0.0),
-    ("generic/triton", 200.0, 100.0, 20e-6, 1500.0, 10.0, 10.0, 100.0, 50e-6, True, 0.0),
-    ("cpu/torch", 0.05, 0.05, 1e-4, 20.0, 10.0, 10.0, 2.0, 1e-4, True, 0.0),
+_PROFILE_TABLE: tuple[tuple[str, float, float, float, float, float, float, float, float, bool], ...] = (
+    ("h200/fa4", 761.0, 591.0, 166e-6, 4246.0, 40.0, 80.0, 304.0, 37e-6, False),
+    ("h200/triton", 478.0, 221.0, 1.2e-3, 4246.0, 40.0, 80.0, 304.0, 37e-6, False),
+    ("h100/fa4", 722.95, 561.45, 166e-6, 3350.0, 40.0, 80.0, 250.0, 37e-6, True),
+    ("h100/triton", 454.1, 209.95, 1.2e-3, 3350.0, 40.0, 80.0, 250.0, 37e-6, True),
+    ("b200/fa4", 1200.0, 900.0, 100e-6, 6000.0, 40.0, 80.0, 400.0, 30e-6, True),
+    ("generic/triton", 200.0, 100.0, 20e-6, 1500.0, 10.0, 10.0, 100.0, 50e-6, True),
+    ("cpu/torch", 0.05, 0.05, 1e-4, 20.0, 10.0, 10.0, 2.0, 1e-4, True),
 )
 
 PROFILES: dict[str, CostProfile] = {row[0]: CostProfile(*row) for row in _PROFILE_TABLE}
@@ -255,18 +241,16 @@ class OverlapCostModel:
         """Bytes of one token's dK and dV in the backward reduce."""
         return 2 * self.num_heads_kv * self.head_dim * self.grad_reduce_bytes_per_elem
 
-    def calc(self, area: float, backward: bool = False, keys: float = 0.0) -> float:
-        """Seconds of kernel throughput for `area` (q, k) pairs over `keys` keys, without the per-call fixed
-        cost (the backward also pays the profile's `bwd_pairs_per_key` for every key)."""
+    def calc(self, area: float, backward: bool = False) -> float:
+        """Seconds of kernel throughput for `area` (q, k) pairs, without the per-call fixed cost."""
+        flops = 4.0 * area * self.num_heads_q * self.head_dim
         if backward:
-            flops = 4.0 * (area + self.profile.bwd_pairs_per_key * keys) * self.num_heads_q * self.head_dim
             return BWD_FLOP_RATIO * flops / (self.profile.bwd_tflops * 1e12)
-        return 4.0 * area * self.num_heads_q * self.head_dim / (self.profile.fwd_tflops * 1e12)
+        return flops / (self.profile.fwd_tflops * 1e12)
 
-    def kernel(self, area: float, backward: bool = False, keys: float = 0.0) -> float:
-        """Seconds of one kernel call over `area` pairs and `keys` keys (0 for no area: the runtime skips
-        the call)."""
-        return self.profile.kernel_fixed_s + self.calc(area, backward, keys) if area > 0 else 0.0
+    def kernel(self, area: float, backward: bool = False) -> float:
+        """Seconds of one kernel call over `area` pairs (0 for no area: the runtime skips the call)."""
+        return self.profile.kernel_fixed_s + self.calc(area, backward) if area > 0 else 0.0
 
     def fetch(self, tokens: float) -> float:
         """Seconds of one K/V fetch collective moving `tokens` tokens to this rank."""
@@ -321,13 +305,11 @@ class OverlapCostModel:
         if degree == 0:
             remote = stage_tokens[0]
             t = self.fetch(remote) + self.copy(local_q_tokens + remote)
-            t += self.kernel(host_area + stage_areas[0], backward, local_q_tokens + remote)
+            t += self.kernel(host_area + stage_areas[0], backward)
             return t + (self.reduce(remote) if backward else 0.0)
-        host = self.kernel(host_area, backward, local_q_tokens)
+        host = self.kernel(host_area, backward)
         over = self.stage_overhead(local_q_tokens, backward)
-        kernels = [
-            self.calc(a, backward, t) + over if a > 0 else 0.0 for a, t in zip(stage_areas, stage_tokens)
-        ]
+        kernels = [self.calc(a, backward) + over if a > 0 else 0.0 for a in stage_areas]
         fetches = [self.fetch(t) for t in stage_tokens]
         reduces = [self.reduce(t) for t in stage_tokens] if backward else None
         return _pipeline(host, kernels, fetches, reduces)

@@ -332,7 +332,7 @@ def _baselines(
 
     hq, hkv = w.num_heads_q, w.num_heads_kv
     fwd = a2a(hq + 2 * hkv) + um.kernel(area, False) + a2a(hq)
-    bwd = a2a(hq) + um.kernel(area, True, padded) + a2a(hq + 2 * hkv)  # one call over every key
+    bwd = a2a(hq) + um.kernel(area, True) + a2a(hq + 2 * hkv)
     sent_fwd = per_peer * (peers_intra + peers_inter) * (2 * hq + 2 * hkv)
     schemes["ulysses"] = _scheme(
         fwd, bwd, flop_fwd, cp, imbalance=1.0, comm_tokens_per_rank=None, comm_bytes_per_rank=int(sent_fwd)
