@@ -307,3 +307,11 @@ def test_auto_kernel_pick_per_cp_size(capsys: pytest.CaptureFixture[str]) -> Non
     assert all(r["kernel_auto"] is None and "capability rule" in r["kernel_auto_reason"] for r in recs)
     assert main([*docs, "--quiet"]) == 0
     assert "kernel_backend='auto' on h200, head_dim 128: cp 1: fa4, cp 8:" in capsys.readouterr().out
+
+
+def test_json_records_the_keys_that_cross_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Past one node (8 GPUs) the busiest rank's keys from other nodes: part of its remote K/V; none inside."""
+    recs = _run_json(capsys, *SMALL, "--cp", "8,16")
+    one_node, two_nodes = recs
+    assert one_node["remote_kv_internode_tokens_max"] == 0
+    assert 0 < two_nodes["remote_kv_internode_tokens_max"] <= two_nodes["remote_kv_tokens_max"]

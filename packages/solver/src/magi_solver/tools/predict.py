@@ -254,6 +254,8 @@ def predict_cp(
         "lower_bound_imbalance": plan.dispatch.lower_bound_imbalance,
         "rank_areas": list(plan.rank_areas),
         "remote_kv_tokens_max": max(remote),
+        # the part of each rank's remote K/V from other nodes (0 inside one node), the busiest such rank
+        "remote_kv_internode_tokens_max": max(b for _, b in split),
         "remote_kv_tokens_mean": sum(remote) / cp,
         "remote_kv_bytes_max": max(remote) * kv_tok,
         # the baselines' geometry: the padded sequence in equal shards, every other shard moves
