@@ -398,21 +398,20 @@ def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
 
 
 def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
-    """One rank's kernel calls as the runtime makes them (``magi_attention.dist_attn``): at overlap degree 0
-    one call on ``merged_slices`` over the rank's K / V followed by every stage's received K / V, else the host
-    call and one call per remote stage. ``k`` / ``v``: the rank's shard; ``rk`` / ``rv``: buffers whose leading
-    rows stand in for the received keys. Each call ``((q_ranges, k_ranges, types), k, v)``; calls without
-    slices left out."""
-    from magi_attention.simulate import kernel_ranges
+    """One rank's kernel calls as the runtime makes them (``magi_attention.simulate.call_slices``: at overlap
+    degree 0 one merged call, else the host call and one per remote stage) on stand-in keys: ``k`` / ``v`` the
+    rank's shard, ``rk`` / ``rv`` one buffer shared by every rank whose leading rows stand in for the received
+    keys, and at degree 0 for the merged call's own and received keys (at least shard + received rows: no
+    copy per rank). Each call ``((q_ranges, k_ranges, types), k, v)``; calls without slices left out."""
+    from magi_attention.simulate import call_slices, kernel_ranges
 
     if overlap_degree == 0:
-        n = rank_plan.num_remote_tokens
-        calls = [(rank_plan.merged_slices, torch.cat([k, rk[:n]]), torch.cat([v, rv[:n]]))]
+        n = k.shape[0] + rank_plan.num_remote_tokens
+        keys = [(rk[:n], rv[:n])]
     else:
-        calls = [(rank_plan.host_slices, k, v)] + [
-            (s.remote_slices, rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages
-        ]
-    return [(kernel_ranges(sl), kk, vv) for sl, kk, vv in calls if len(sl.types)]
+        keys = [(k, v)] + [(rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages]
+    slices = call_slices(rank_plan, merged=overlap_degree == 0)
+    return [(kernel_ranges(sl), kk, vv) for sl, (kk, vv) in zip(slices, keys, strict=True) if len(sl.types)]
 
 
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:

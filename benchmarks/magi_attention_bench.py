@@ -361,7 +361,8 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     v = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
     do = torch.randn_like(q)
     max_remote = max(r.num_remote_tokens for r in plan.ranks)
-    rk = torch.randn(max(1, max_remote), HKV, D, device=dev, dtype=torch.bfloat16)
+    # one buffer of stand-in keys for every rank (at degree 0 the merged call's own and received keys)
+    rk = torch.randn(kv_shard + max_remote, HKV, D, device=dev, dtype=torch.bfloat16)
     rv = torch.randn_like(rk)
     kern = auto_kernel(mask, total, plan) if backend == KernelBackend.AUTO else attn_kernel(backend)
     resolved = kern.backend.value

@@ -45,6 +45,15 @@ class RankCalls:
     key_index: list[torch.Tensor]
 
 
+def call_slices(rank_plan: RankPlan, *, merged: bool) -> list[SliceList]:
+    """The slices of each kernel call `dist_attn` makes on this rank: with `merged` (overlap degree 0) one
+    call on `merged_slices`, whose keys are the rank's own followed by every stage's received ones; else the
+    host call on the rank's own keys, then one call per remote stage on that stage's received keys."""
+    if merged:
+        return [rank_plan.merged_slices]
+    return [rank_plan.host_slices, *(s.remote_slices for s in rank_plan.stages)]
+
+
 def rank_calls(
     rank_plan: RankPlan,
     k: torch.Tensor,
@@ -58,12 +67,10 @@ def rank_calls(
     dev = k.device
     local = token_index(rank_plan.host_token_ranges if kv_ranges is None else kv_ranges, dev)
     remote = [token_index(s.remote_k_ranges, dev) for s in rank_plan.stages]
-    if merged:
-        keys = torch.cat([local, *remote])
-        return RankCalls(local, remote, [(kernel_ranges(rank_plan.merged_slices), k[keys], v[keys])], [keys])
-    calls = [(kernel_ranges(rank_plan.host_slices), k[local], v[local])]
-    calls += [(kernel_ranges(s.remote_slices), k[idx], v[idx]) for s, idx in zip(rank_plan.stages, remote)]
-    return RankCalls(local, remote, calls, [local, *remote])
+    keys = [torch.cat([local, *remote])] if merged else [local, *remote]
+    slices = call_slices(rank_plan, merged=merged)
+    calls = [(kernel_ranges(sl), k[idx], v[idx]) for sl, idx in zip(slices, keys, strict=True)]
+    return RankCalls(local, remote, calls, keys)
 
 
 def simulate_dist_attn(
