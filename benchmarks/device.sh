@@ -97,7 +97,7 @@ phase_scaling() {
   run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
     --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend auto \
     --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json" \
-    --profile "$OUT/profile_${TOKENS:-8192}"
+    --profile "$OUT/profile_${TOKENS:-8192}.txt"
 }
 phase_cp() {
   local extra=()

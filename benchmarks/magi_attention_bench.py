@@ -218,9 +218,11 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
     return t_f, _once_ms(bwd)[0]
 
 
-def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel, path: str) -> None:
+def _profile_rank(
+    q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel, path: str, title: str
+) -> None:
     """torch.profiler over three forward + backward steps of one rank: its kernels and host ops by device
-    time, written to ``path``."""
+    time, appended to ``path`` under ``title`` (one file for every row: the device runner returns few files)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = DEVICE == "cuda"
@@ -230,8 +232,8 @@ def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKern
     by = "cuda_time_total" if cuda else "cpu_time_total"
     table = prof.key_averages().table(sort_by=by, row_limit=25, max_name_column_width=70)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(table)
+    with open(path, "a") as f:
+        f.write(f"== {title}\n{table}\n\n")
 
 
 def pick_ranks(quick_fwd: list[float], quick_bwd: list[float], areas: list[int], remote: list[int],
@@ -348,7 +350,7 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
 
 
 def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend, rounds: int = 5,
-                top: int = 2, profile_dir: str | None = None) -> dict:  # fmt: skip
+                top: int = 2, profile_path: str | None = None) -> dict:  # fmt: skip
     """Every rank's forward and backward on ``backend`` (``auto``: the launchers the runtime would pick for
     this plan) timed once, then ``rounds`` interleaved rounds of the candidates for the slowest rank
     (`pick_ranks`); the slowest rank's times (medians of those rounds) and the throughput they imply."""
@@ -387,10 +389,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         r["quick_fwd_ms"], r["quick_bwd_ms"] = quick[i]
         r["fwd_ms"], r["bwd_ms"] = (statistics.median(t) for t in zip(*full[i])) if i in full else quick[i]
         r["full_timing"] = i in full
-    if profile_dir:
+    if profile_path:
         slowest = max(timed, key=lambda i: rows[i]["bwd_ms"])
         _profile_rank(
-            q, do, calls[slowest], kern, f"{profile_dir}/{mask}_cp{cp}_{backend.value}_rank{slowest}.txt"
+            q, do, calls[slowest], kern, profile_path, f"{mask} cp {cp} {backend.value} rank {slowest}"
         )
     total_area = sum(r["area"] for r in rows)
     flops_f = 4 * total_area * HQ * D
@@ -464,7 +466,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds of the candidate ranks")
     ap.add_argument("--rounds-dense", type=int, default=1, help="--rounds of full and causal at cp >= 32")
     ap.add_argument("--candidates", type=int, default=2, help="quick round's slowest ranks, per way")
-    ap.add_argument("--profile", default=None, help="folder: torch.profiler table of each row's slowest rank")
+    ap.add_argument(
+        "--profile", default=None, help="file: torch.profiler table of each row's slowest rank, appended"
+    )
     ap.add_argument(
         "--scaling",
         action="store_true",
