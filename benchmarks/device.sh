@@ -8,7 +8,8 @@
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
-# Runtime:  mask-loop (a new mask every step), first-step (first step against steady step, cold and warm)
+# Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
+#           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
 #           TOKENS, SCALING_MASKS, SINGLE override)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
@@ -86,6 +87,10 @@ phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (on
     run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --kinds "$kind" --same-area --literal \
       --out "$OUT/same_area_$kind"
   done
+}
+phase_mask-loop-profile() {  # the steps that miss 1.5x the median, profiled (FA4 at simulated cp 8 by default)
+  run "${BENCH_S:-400}" python3 -m benchmarks.mask_loop_bench --backends "${LOOP_BACKENDS:-fa4}" --cps "${LOOP_CPS:-8}" \
+    --kinds docs_causal --same-area --literal --profile "$OUT/mask_loop_profile.txt" --out "$OUT/mask_loop_profile"
 }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {

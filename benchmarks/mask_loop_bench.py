@@ -9,6 +9,7 @@ did not have.
     python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
     python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
     python -m benchmarks.mask_loop_bench --kinds docs_causal --same-area --literal --check  # training packs
+    python -m benchmarks.mask_loop_bench --backends fa4 --cps 8 --kinds docs_causal --same-area --profile slow.txt
     python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
 Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
@@ -228,6 +229,11 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         torch.randn(args.tokens, args.heads_kv, args.head_dim, generator=g).to(dev, dtype) for _ in range(2)
     )
     fa4_seen: set = set()
+    profiled: list[str] | None = None  # --profile: each timed step's first run, profiled
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda")
 
     def step(mask) -> dict:
         if cp == 1:
@@ -236,11 +242,21 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
             ranks, rows, plan_s = _calls_sim(mask, q, k, v, rk, rv, cp)
         kern = _kernel(backend, mask, rows, args.head_dim)
         used = {kern.backend.value, kern.backward_backend.value}
+
         # twice: then the same mask again, its metadata cached, its kernels compiled (the step's work alone)
-        seconds, rerun = (
-            ms / 1e3
-            for ms in host_times_ms(lambda: [_run_rank(kern, q, do, c) for c in ranks], 2, device=dev)
-        )
+        def run() -> None:
+            for c in ranks:
+                _run_rank(kern, q, do, c)
+
+        if profiled is None:
+            seconds, rerun = (ms / 1e3 for ms in host_times_ms(run, 2, device=dev))
+        else:  # the first run under torch.profiler: what a slow new mask spends its time on, host and device
+            with profile(activities=activities) as prof:
+                seconds = host_times_ms(run, 1, device=dev)[0] / 1e3
+            rerun = host_times_ms(run, 1, device=dev)[0] / 1e3
+            profiled.append(
+                prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
+            )
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
             keys = fa4_keys([(*c[0], c[1]) for r in ranks for c in r], q, dtype)
@@ -268,6 +284,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
     warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
+    profiled = [] if args.profile else None
     steps = [step(m) for m in loop_masks(args.steps, args.tokens, cp, args.kinds, args.same_area)]
     times = [s["seconds"] for s in steps]
     med = statistics.median(times)
@@ -277,6 +294,13 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
     per_rank = [(s["seconds"] - s["rerun_seconds"]) / cp for s in steps]
     stalls = [i for i in range(1, len(steps)) if per_rank[i] > COMPILE_S]
     new_mask_ms = max(per_rank[1:]) * 1e3 if len(steps) > 1 else 0.0
+    if profiled is not None:  # the steps that missed: over 1.5x the median, or a stall
+        slow = sorted(set(stalls) | {i for i in range(1, len(steps)) if times[i] > SLOW_RATIO * med})
+        with open(args.profile, "a") as f:
+            for i in slow:
+                f.write(f"== {backend} cp {cp} step {i} ({steps[i]['kind']}): {times[i] * 1e3:.1f} ms, ")
+                f.write(f"its re-run {steps[i]['rerun_seconds'] * 1e3:.1f} ms, median {med * 1e3:.1f} ms\n")
+                f.write(profiled[i] + "\n\n")
     growth = {n: steps[-1]["cache"][n] - cache0[n] for n in cache0}
     grew_at = [i for i in range(len(steps)) if steps[i]["cache"] != (steps[i - 1]["cache"] if i else cache0)]
     return {
@@ -349,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of mask_loop.json")
     p.add_argument("--check", action="store_true", help="exit 1 when a run misses a target")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="file: profile each timed step's first run (slower) and append the tables of the steps that miss",
+    )
     p.add_argument(
         "--literal",
         action="store_true",

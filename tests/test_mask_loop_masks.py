@@ -25,3 +25,25 @@ def test_without_same_area_the_work_varies() -> None:
     """The default loop (what the table's worst / median reports) mixes masks of very different work."""
     areas = [mask_area(*m[1:]) for m in loop_masks(14, 16384, seed=1)]
     assert max(areas) > 3 * min(areas)
+
+
+def test_profile_appends_the_tables_of_the_steps_that_miss(tmp_path, monkeypatch) -> None:
+    """`--profile FILE`: each timed step's first run under torch.profiler; the tables of the steps over 1.5x
+    the median (here every later step: the ratio set to 0) are appended under a header naming the step."""
+    import json
+
+    from benchmarks import mask_loop_bench
+
+    monkeypatch.setattr(mask_loop_bench, "SLOW_RATIO", 0.0)
+    prof = tmp_path / "prof.txt"
+    argv = ["--device", "cpu", "--backends", "torch", "--cps", "1,2", "--tokens", "256", "--steps", "3",
+            "--warmup", "1", "--warmup-widths", "none", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "16",
+            "--out", str(tmp_path), "--profile", str(prof)]  # fmt: skip
+    assert mask_loop_bench.main(argv) == 0
+    text = prof.read_text()
+    for cp in (1, 2):
+        for i in (1, 2):
+            assert f"== torch cp {cp} step {i} (" in text
+    assert "step 0 (" not in text and "aten::" in text
+    rows = json.loads((tmp_path / "mask_loop.json").read_text())["rows"]
+    assert [r["cp"] for r in rows] == [1, 2] and all("new_mask_ms_per_rank" in r for r in rows)
