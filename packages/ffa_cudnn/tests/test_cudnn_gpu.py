@@ -88,15 +88,17 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize(("name", "total", "hq", "hk", "d"), CASES)
-def test_matches_reference(name, total, hq, hk, d) -> None:
+def test_matches_reference(name, total, hq, hk, d, det) -> None:
+    """Both backwards; the deterministic one adds dQ in the order ``magi_ffa_cudnn._dq_order`` rewrites."""
     seed = zlib.crc32(f"{name}-{total}-{hk}-{d}".encode()) % 1000
     torch.manual_seed(seed)
     dev = torch.device("cuda")
     qr, kr, tm = _mask_case(name, total, seed)
     leaves = [torch.randn(total, h, d, device=dev, dtype=DT, requires_grad=True) for h in (hq, hk, hk)]
     do = torch.randn(total, hq, d, device=dev, dtype=DT)
-    out, lse = magi_ffa_cudnn.flex_flash_attn_func(*leaves, qr, kr, tm)
+    out, lse = magi_ffa_cudnn.flex_flash_attn_func(*leaves, qr, kr, tm, deterministic=det)
     grads = torch.autograd.grad(out, leaves, do)
     mask = make_attn_mask(qr, kr, tm, total, total).to(dev)
     _check(name, (out, lse, *grads), _refs(leaves, mask, do))

@@ -7,7 +7,9 @@ classes (``cudnn.flex_attention.execution``, what ``flex_attn_func`` runs beneat
 that the backward can start from a FINAL out / lse merged over several calls), each plan keeping its launches
 (:mod:`magi_ffa_cudnn._launch`: cuDNN's per-call host work once). The packed problem is one fixed-length
 sample (BSHD with batch 1), so cuDNN's sample-local key intervals are our global ones. ``deterministic=True``
-selects cuDNN's deterministic backward (bitwise repeatable on every mask).
+selects cuDNN's deterministic backward (bitwise repeatable on every mask), with its dQ write order rewritten
+on sm90 so that bands and fragmented masks do not run their key blocks one after another
+(:mod:`magi_ffa_cudnn._dq_order`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from magi_ffa.mask_cache import MaskValueCache
 from magi_ffa.validation import CheckedSlices, RangesLike, TypeMapLike
 
 from . import env
+from ._dq_order import reorder_deterministic_dq
 from ._launch import BackwardLaunch, ForwardLaunch, layout_key
 from .mask_func import mask_func_from_intervals
 
@@ -92,7 +95,8 @@ class CudnnMaskPlan:
             touches those rows only, not the whole output).
         build_seconds: host wall time of the build (intervals, mask_func and cuDNN's plan, synchronized).
         launches: the plan's launchers by layout and options (:mod:`magi_ffa_cudnn._launch`), built on first
-            use: cuDNN's per-call host work done once.
+            use: cuDNN's per-call host work done once; under ``"dq_order"``, whether the deterministic
+            backward's dQ write order was rewritten (:mod:`magi_ffa_cudnn._dq_order`, before its first use).
     """
 
     mask_plan: object
@@ -200,6 +204,8 @@ def _backward(
     }  # fmt: skip
     key = ("bwd", layout_key(*tensors.values()), scale, bool(deterministic))
     launch = plan.launches.get(key)
+    if deterministic and "dq_order" not in plan.launches:  # once per plan, before its first ordered backward
+        plan.launches["dq_order"] = reorder_deterministic_dq(plan.mask_plan)
     if launch is None:
         sample = {**tensors, "dq": torch.empty_like(tensors["q"]), "dk": torch.empty_like(tensors["k"]),
                   "dv": torch.empty_like(tensors["v"])}  # fmt: skip
