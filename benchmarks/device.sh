@@ -8,6 +8,7 @@
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
+#           dq-order (cuDNN's deterministic backward: its dQ write order against the one magi_ffa_cudnn writes)
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
@@ -78,6 +79,11 @@ phase_kernels() {
 }
 phase_kernels-det() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
+}
+
+phase_dq-order() {
+  run "${BENCH_S:-400}" python3 -m benchmarks.cudnn_dq_order_bench --seqlens "${SEQLENS:-32768}" --sim-cp 8 \
+    --json "$OUT/dq_order.json"
 }
 
 phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)
