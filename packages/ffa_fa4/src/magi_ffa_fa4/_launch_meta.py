@@ -23,6 +23,37 @@ from .varlen import VarlenPlan, plan_varlen, varlen_possible
 
 CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
+HOST_BUILD_MAX_PAIRS = 1 << 25
+"""Masks of at most this many (query row, key) pairs (``total_q * total_k``: 2k x 16k, 4k x 8k, 5.8k x
+5.8k) have their block-sparse metadata built on the host for a CUDA target (:func:`metadata_device`).
+
+On the device the build is a few hundred small kernels and about a hundred stream synchronizations
+(``nonzero``, ``bincount``, ``unique``, ``.item()``), each of which waits for the attention kernels already
+queued, so a new mask per step stalls the host behind the GPU. On the host the same torch code takes a few
+milliseconds at these sizes: :func:`build_mask_meta` with ``on_host=True`` (the copy included, to the CPU),
+block-sparse path, one thread, measured on a 2-core CPU, median over 3 masks of each kind (1 at 64k):
+
+===========  ========  ========  ===========  ==========  =======  ===========  ======
+total_q x k  rand. 16  rand. 40  prefix docs  short docs  stripes  causal docs  window
+===========  ========  ========  ===========  ==========  =======  ===========  ======
+2k x 2k      1.6 ms    2.4 ms    1.5 ms       1.7 ms      2.4 ms   1.3 ms       1.7 ms
+4k x 4k      3.1 ms    5.3 ms    2.2 ms       1.4 ms      4.6 ms   1.5 ms       1.9 ms
+2k x 16k     1.9 ms    2.7 ms
+5.8k x 5.8k  2.6 ms    5.0 ms    2.8 ms       2.0 ms      6.2 ms   2.2 ms       1.7 ms
+8k x 8k      5.8 ms    11 ms     4.4 ms       1.6 ms      8.1 ms   1.5 ms       1.6 ms
+16k x 16k    8.7 ms    15 ms     5.8 ms       2.1 ms      16 ms    2.5 ms       3.7 ms
+64k x 64k    42 ms     59 ms     15 ms        7.5 ms      45 ms    9.8 ms       11 ms
+===========  ========  ========  ===========  ==========  =======  ===========  ======
+
+(rand. n: n random overlapping slices of all four types; prefix docs: causal documents that also see a
+shared prefix; short docs: causal documents of 64-200 tokens; stripes: row bands over narrow key bands;
+window: a causal sliding window. Masks that take the varlen path, such as packed documents or a sliding
+window by default, take 0.1-0.3 ms at every size here.) Up to this size typical masks stay within 2-3 ms;
+past it the host time grows with the tile grid (a 1M-token mask has 67M tiles of 128 x 128), which the
+device sweeps in parallel."""
+_STAGE_ALIGN = 256
+"""Byte alignment of each tensor in the staging buffer of the host -> device copy (that of ``cudaMalloc``:
+every tensor starts as aligned as if it had been allocated alone)."""
 WIDTH_FLOOR = 1
 """Smallest interval-width bucket (see :func:`width_bucket`)."""
 
@@ -66,17 +97,31 @@ def tile_sizes(device: torch.device) -> tuple[tuple[int, int], tuple[int, int]]:
     return (128, 128), (128, 128)
 
 
-def _to_bst(lists: BlockLists, block: tuple[int, int]):
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+def _bst_tables(lists: BlockLists) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA4's four block-sparse tensors of ``lists``, int32 on the lists' device: Partial counts
+    ``[1, 1, rows]``, Partial index table ``[1, 1, rows, width]``, Full counts, Full index table
+    (:meth:`BlockLists.padded`)."""
 
     def four(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(1, 1, *t.shape).contiguous()
 
+    return (
+        four(lists.mask_cnt),
+        four(lists.padded(full=False)),
+        four(lists.full_cnt),
+        four(lists.padded(full=True)),
+    )
+
+
+def _to_bst(tables: tuple[torch.Tensor, ...], block: tuple[int, int]):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    mask_cnt, mask_idx, full_cnt, full_idx = tables
     return BlockSparseTensorsTorch(
-        mask_block_cnt=four(lists.mask_cnt),
-        mask_block_idx=four(lists.padded(full=False)),
-        full_block_cnt=four(lists.full_cnt),
-        full_block_idx=four(lists.padded(full=True)),
+        mask_block_cnt=mask_cnt,
+        mask_block_idx=mask_idx,
+        full_block_cnt=full_cnt,
+        full_block_idx=full_idx,
         block_size=block,
     )
 
@@ -122,32 +167,106 @@ def interval_bounds(iv: RowIntervals, device: torch.device) -> torch.Tensor:
     return bounds
 
 
-def build_mask_meta(
+def metadata_device(total_q: int, total_k: int, device: torch.device) -> torch.device:
+    """Where the block-sparse launch metadata of a ``total_q x total_k`` mask meant for ``device`` is built:
+    the CPU for a CUDA target when ``total_q * total_k <= HOST_BUILD_MAX_PAIRS`` (the finished tensors then
+    travel in one copy, :func:`build_mask_meta`), else ``device`` itself (see :data:`HOST_BUILD_MAX_PAIRS`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and total_q * total_k <= HOST_BUILD_MAX_PAIRS:
+        return torch.device("cpu")
+    return device
+
+
+def _map_tensors(obj, fn, memo: dict[int, object]):
+    """``obj`` with every tensor reachable through dataclass fields and plain tuples replaced by
+    ``fn(tensor)``. Objects and tensors reached twice (``meta_bwd is meta_fwd``, a varlen group's
+    ``seqused_q is lengths_q``) map to one result, so that sharing survives."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out = fn(obj)
+    elif type(obj) is tuple:
+        out = tuple(_map_tensors(x, fn, memo) for x in obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        out = dataclasses.replace(obj, **{k: _map_tensors(v, fn, memo) for k, v in fields.items()})
+    else:
+        return obj
+    memo[id(obj)] = out
+    return out
+
+
+def _staged_to(obj, device: torch.device):
+    """``obj`` (see :func:`_map_tensors`) with its tensors on ``device``, moved in one copy: their bytes are
+    packed into one staging buffer (pinned for a CUDA target, so that the copy is asynchronous; it is ordered
+    on the current stream, as a build on the device would be) and each tensor comes back as a contiguous
+    view of one device buffer, with its dtype, shape and values."""
+    tensors: dict[int, torch.Tensor] = {}
+    _map_tensors(obj, lambda t: tensors.setdefault(id(t), t), {})
+    if not tensors:
+        return obj
+    pad = torch.zeros(_STAGE_ALIGN, dtype=torch.uint8)
+    parts: list[torch.Tensor] = []
+    starts: dict[int, int] = {}
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        gap = -nbytes % _STAGE_ALIGN
+        starts[key] = size
+        parts.append(t.reshape(-1).view(torch.uint8))
+        if gap:
+            parts.append(pad[:gap])
+        size += nbytes + gap
+    staging = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    torch.cat(parts, out=staging)  # one op packs them all
+    # the caching host allocator keeps the pinned buffer until the copy has run, so it may be dropped here
+    moved = staging.to(device, non_blocking=True)
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the whole buffer as each dtype (its size is aligned)
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype not in typed:
+            typed[t.dtype] = moved.view(t.dtype)
+        first = starts[id(t)] // t.element_size()
+        flat = typed[t.dtype][first : first + t.numel()]
+        return flat if t.dim() == 1 else flat.view(t.shape)
+
+    return _map_tensors(obj, view, {})
+
+
+def _build_unmoved(
     q_ranges: torch.Tensor,
     k_ranges: torch.Tensor,
     type_map: torch.Tensor,
     total_q: int,
     total_k: int,
     device: torch.device,
-) -> LaunchMeta:
-    """The mask's part of the launch metadata, without FA4 objects (``fwd_bst``, ``bwd_bst`` and
-    ``mask_mod`` are None): FA4 varlen groups when the mask's slices form few of them (and
-    ``MAGI_FFA_FA4_VARLEN`` allows), else the interval bounds and block lists. Needs only torch (and
-    Triton for the intervals on CUDA); :func:`compile_key` reads it."""
+    on_host: bool | None,
+) -> tuple[LaunchMeta, bool]:
+    """:func:`build_mask_meta` before the transfer: the metadata and whether its tensors are on the host
+    and still to be moved to ``device`` (:func:`_staged_to`)."""
+    if on_host is None:
+        on_host = metadata_device(total_q, total_k, device).type == "cpu" and device.type != "cpu"
+    host = None
+    if env.varlen() or on_host:
+        host = (q_ranges.cpu(), k_ranges.cpu(), type_map.cpu())  # one device -> host read of each table
     if env.varlen():
-        slices = host_slices(q_ranges.cpu(), k_ranges.cpu(), type_map.cpu(), total_q, total_k)
-        plan = plan_varlen(slices, total_q, total_k, device)
+        slices = host_slices(*host, total_q, total_k)
+        # the groups are Python lists turned into tensors: built on the host, they travel in the one copy
+        plan = plan_varlen(slices, total_q, total_k, torch.device("cpu"))
         if plan is not None:
-            return LaunchMeta(
+            meta = LaunchMeta(
                 total_q=total_q, total_k=total_k, width=0, bounds=None, meta_fwd=None, meta_bwd=None,
                 fwd_bst=None, bwd_bst=None, mask_mod=None, has_empty_rows=not plan.q_covered, varlen=plan,
             )  # fmt: skip
+            return meta, on_host or device.type != "cpu"
+    # the intervals and lists are built where the tables are
+    q_ranges, k_ranges, type_map = host if on_host else (t.to(device) for t in (q_ranges, k_ranges, type_map))
     iv = row_intervals(q_ranges, k_ranges, type_map, total_q, total_k)
-    fwd_block, bwd_block = tile_sizes(device)
+    fwd_block, bwd_block = tile_sizes(device)  # the target's tiles, wherever the lists are built
     meta_fwd = build_block_meta(iv, *fwd_block)
     meta_bwd = meta_fwd if bwd_block == fwd_block else build_block_meta(iv, *bwd_block)
-    bounds = interval_bounds(iv, device)
-    return LaunchMeta(
+    bounds = interval_bounds(iv, iv.starts.device)
+    meta = LaunchMeta(
         total_q=total_q,
         total_k=total_k,
         width=bounds.shape[1] // 2,
@@ -160,6 +279,36 @@ def build_mask_meta(
         has_empty_rows=meta_fwd.has_empty_rows,
         empty_rows=(iv.counts == 0).nonzero().flatten() if meta_fwd.has_empty_rows else None,
     )
+    return meta, on_host
+
+
+def build_mask_meta(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    type_map: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    device: torch.device,
+    *,
+    on_host: bool | None = None,
+) -> LaunchMeta:
+    """The mask's part of the launch metadata, without FA4 objects (``fwd_bst``, ``bwd_bst`` and
+    ``mask_mod`` are None): FA4 varlen groups when the mask's slices form few of them (and
+    ``MAGI_FFA_FA4_VARLEN`` allows), else the interval bounds and block lists. Needs only torch (and
+    Triton for the intervals on CUDA); :func:`compile_key` reads it.
+
+    Args:
+        q_ranges, k_ranges: int32 ``[num_slices, 2]`` slice ranges; type_map: int32 ``[num_slices]``
+            slice types (any device).
+        total_q, total_k: query rows and keys.
+        device: where the returned tensors live.
+        on_host: True builds on the host and moves the finished tensors to ``device`` in one copy (even
+            when ``device`` is the CPU), False builds on ``device``; None lets :func:`metadata_device`
+            decide. Varlen groups are built on the host either way. The fields are the same either way.
+    """
+    device = torch.device(device)
+    meta, move = _build_unmoved(q_ranges, k_ranges, type_map, total_q, total_k, device, on_host)
+    return _staged_to(meta, device) if move else meta
 
 
 def build_launch_meta(
@@ -170,18 +319,24 @@ def build_launch_meta(
     total_k: int,
     device: torch.device,
 ) -> LaunchMeta:
-    """Build the launch metadata on ``device``: :func:`build_mask_meta` plus, on the block-sparse path,
+    """Build the launch metadata for ``device``: :func:`build_mask_meta` plus, on the block-sparse path,
     FA4's block-sparse tensors and the interval mask_mod of the bucketed width (imports FA4)."""
-    meta = build_mask_meta(q_ranges, k_ranges, type_map, total_q, total_k, device)
+    device = torch.device(device)
+    meta, move = _build_unmoved(q_ranges, k_ranges, type_map, total_q, total_k, device, None)
     if meta.varlen is not None:
-        return meta
+        return _staged_to(meta, device) if move else meta
     from ._fa4_mask import install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p  # imports cutlass
 
     fwd_block, bwd_block = tile_sizes(device)
+    # FA4's index tables are built where the lists are (on the host their width, the longest list, is read
+    # without a device round trip) and travel in the same copy
+    tables = (_bst_tables(meta.meta_fwd.q2k), _bst_tables(meta.meta_bwd.k2q))
+    if move:
+        meta, tables = _staged_to((meta, tables), device)
     return dataclasses.replace(
         meta,
-        fwd_bst=_to_bst(meta.meta_fwd.q2k, fwd_block),
-        bwd_bst=_to_bst(meta.meta_bwd.k2q, bwd_block),
+        fwd_bst=_to_bst(tables[0], fwd_block),
+        bwd_bst=_to_bst(tables[1], bwd_block),
         mask_mod=_mask_mod(meta.width, install_r2p_patch, interval_mask_mod, interval_mask_mod_r2p),
     )
 

@@ -78,7 +78,10 @@ class BlockLists:
         width = max(int(cnt.max()) if cnt.numel() else 0, 1)
         table = torch.zeros(self.num_rows, width, dtype=torch.int32, device=cnt.device)
         if idx.numel():
-            row = torch.repeat_interleave(torch.arange(self.num_rows, device=cnt.device), cnt.long())
+            # the output size is known: without it the device would be read for the sum of the counts
+            row = torch.repeat_interleave(
+                torch.arange(self.num_rows, device=cnt.device), cnt.long(), output_size=idx.numel()
+            )
             pos = torch.arange(idx.numel(), device=cnt.device) - off[row]
             table[row, pos] = idx
         return table
@@ -136,9 +139,17 @@ def _tiles_dense(
     f_hi = torch.where(b >= total_k, num_n, b // block_n)
     f_hi = torch.where(valid & (f_hi > f_lo), f_hi, f_lo)
 
+    def count(keys: torch.Tensor) -> torch.Tensor:
+        if dev.type == "cpu":
+            return torch.bincount(keys, minlength=cells)
+        # every key is below `cells`: a scatter into that many counters gives bincount's counts without
+        # bincount's device read of the largest key (on the CPU bincount is the faster of the two)
+        keys = keys.long()
+        return torch.zeros(cells, dtype=torch.int64, device=dev).scatter_add_(0, keys, torch.ones_like(keys))
+
     def sweep(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        d = torch.bincount((base + lo).flatten(), minlength=cells)
-        d -= torch.bincount((base + hi).flatten(), minlength=cells)
+        d = count((base + lo).flatten())
+        d -= count((base + hi).flatten())
         return torch.cumsum(d.view(num_m, stride), 1)[:, :num_n]
 
     touched, covered = sweep(t_lo, t_hi), sweep(f_lo, f_hi)
@@ -163,22 +174,22 @@ def tiles(iv: RowIntervals, block_m: int, block_n: int) -> tuple[torch.Tensor, t
         return empty, empty.clone(), torch.zeros(0, dtype=torch.int8, device=dev)
     if _cdiv(total_q, block_m) * (num_n + 1) <= _DENSE_CELLS_PER_SLOT * valid.numel():
         return _tiles_dense(iv, valid, block_m, block_n)
-    r, _ = valid.nonzero(as_tuple=True)
-    a = iv.starts[valid].long()
-    b = iv.ends[valid].long()
+    # one nonzero for the valid slots (boolean indexing would run one per indexed tensor)
+    r, c = valid.nonzero(as_tuple=True)
+    a = iv.starts[r, c].long()
+    b = iv.ends[r, c].long()
     m = r // block_m
     # n-blocks touched: [a // bn, (b - 1) // bn]; fully covered: n*bn >= a and min((n+1)*bn, total_k) <= b
     t_lo, t_hi = a // block_n, (b - 1) // block_n + 1
     f_lo = (a + block_n - 1) // block_n
     f_hi = torch.where(b >= total_k, num_n, b // block_n)
-    has_f = f_hi > f_lo
+    f = (f_hi > f_lo).nonzero().flatten()  # the intervals that cover some n-block completely
     stride = num_n + 1
-    keys = torch.cat(
-        [m * stride + t_lo, m * stride + t_hi, (m * stride + f_lo)[has_f], (m * stride + f_hi)[has_f]]
-    )
-    one = torch.ones_like(a)
-    d_t = torch.cat([one, -one, torch.zeros_like(a[has_f]), torch.zeros_like(a[has_f])])
-    d_f = torch.cat([torch.zeros_like(a), torch.zeros_like(a), one[has_f], -one[has_f]])
+    keys = torch.cat([m * stride + t_lo, m * stride + t_hi, (m * stride + f_lo)[f], (m * stride + f_hi)[f]])
+    one, zero = torch.ones_like(a), torch.zeros_like(a)
+    one_f, zero_f = one[: f.shape[0]], zero[: f.shape[0]]
+    d_t = torch.cat([one, -one, zero_f, zero_f])
+    d_f = torch.cat([zero, zero, one_f, -one_f])
     ukeys, inv = torch.unique(keys, sorted=True, return_inverse=True)
     st = torch.zeros(ukeys.shape[0], dtype=torch.int64, device=dev).index_add_(0, inv, d_t)
     sf = torch.zeros(ukeys.shape[0], dtype=torch.int64, device=dev).index_add_(0, inv, d_f)
@@ -201,14 +212,15 @@ def tiles(iv: RowIntervals, block_m: int, block_n: int) -> tuple[torch.Tensor, t
 def _lists(
     row: torch.Tensor, col: torch.Tensor, cls: torch.Tensor, num_rows: int, num_cols: int
 ) -> BlockLists:
-    """CSR lists from COO sorted by (row, col)."""
+    """CSR lists from COO sorted by (row, col), rows in ``[0, num_rows)``."""
     out = []
+    bounds = torch.arange(num_rows + 1, device=row.device)
     for kind in (FULL, PARTIAL):
-        sel = cls == kind
-        cnt = torch.bincount(row[sel], minlength=num_rows)[:num_rows]
-        off = torch.zeros(num_rows + 1, dtype=torch.int64, device=row.device)
-        off[1:] = torch.cumsum(cnt, 0)
-        out += [cnt.to(torch.int32), off, col[sel].to(torch.int32)]
+        sel = (cls == kind).nonzero().flatten()
+        # the rows ascend, so the offsets are where each row starts: no bincount (which reads the largest
+        # row back from the device) and no cumsum
+        off = torch.searchsorted(row[sel], bounds)
+        out += [torch.diff(off).to(torch.int32), off, col[sel].to(torch.int32)]
     return BlockLists(*out, num_cols=num_cols)
 
 
