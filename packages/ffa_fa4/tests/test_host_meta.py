@@ -237,6 +237,7 @@ def test_launch_meta_touches_the_target_once(name: str, monkeypatch) -> None:
 
 # ------------------------------------------------------------------------------------------- on a CUDA GPU
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("varlen_env", ["1", "0"])
 def test_host_build_on_cuda_matches_device_build_without_sync(varlen_env: str, monkeypatch) -> None:
