@@ -14,7 +14,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 H200_SOURCES = [
     "2026-12-02_h200_auto_d128.json",
     "2026-12-02_h200_kernel_backends_d256.json",
-    "2026-12-02_h200_deterministic_d128.json",  # kernel_backends_bench.py --deterministic --sim-cp 8
+    "2026-12-03_h200_deterministic_d128_dq_order.json",  # kernel_backends_bench.py --deterministic --sim-cp 8
 ]
 H200_SIM_SOURCES = {"fa4": "2026-12-02_h200_sim_fa4.json", "cudnn": "2026-12-02_h200_sim_cudnn.json"}
 
