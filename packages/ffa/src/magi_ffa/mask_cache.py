@@ -55,9 +55,14 @@ class MaskValueCache(Generic[T]):
         device: torch.device,
         build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T],
         extra: Hashable = (),
+        host_tables: bool = False,
     ) -> T:
         """The cached entry of the mask ``tables`` = ``(q_ranges, k_ranges, attn_type_map)``, or
-        ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on ``device``, validated) stored and returned."""
+        ``build(q_ranges, k_ranges, type_map)`` (int32 tensors on ``device``, validated) stored and returned.
+
+        ``host_tables=True`` hands ``build`` the tables on the CPU instead (the copy the value key reads), for
+        a backend that builds its launch data on the host: copying them to the device and back would cost two
+        round trips, each waiting for the kernels already queued on the stream."""
         raw = tuple(tables)
         q_ranges, k_ranges, attn_type_map = raw
         ikey = self._identity_key(raw, total_q, total_k, device, extra)
@@ -78,7 +83,7 @@ class MaskValueCache(Generic[T]):
         entry = self._by_value.get(vkey)
         if entry is None:
             check_slice_values(qr, kr, tm, total_q, total_k)
-            entry = build(*(t.to(device) for t in (qr, kr, tm)))
+            entry = build(qr, kr, tm) if host_tables else build(*(t.to(device) for t in (qr, kr, tm)))
             self._by_value[vkey] = entry
             while len(self._by_value) > self.capacity:
                 self._by_value.popitem(last=False)

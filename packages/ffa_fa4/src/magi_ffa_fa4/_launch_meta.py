@@ -489,7 +489,8 @@ def get_launch_meta(
         return build_launch_meta(qr, kr, tm, total_q, total_k, device)
 
     tables = (q_ranges, k_ranges, attn_type_map)
-    return _CACHE.get(tables, total_q=total_q, total_k=total_k, device=device, build=build)
+    # the build reads the tables on the host (varlen planning, small masks' metadata) or moves them itself
+    return _CACHE.get(tables, total_q=total_q, total_k=total_k, device=device, build=build, host_tables=True)
 
 
 def clear_launch_cache() -> None:
