@@ -9,7 +9,6 @@ only with one copy and views of it (the ``meta`` device stands in for CUDA on a 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import sys
@@ -22,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from magi_ffa.testing import random_overlapping_slices
 from magi_ffa_fa4 import _launch_meta as L
+from magi_ffa_fa4.testing import assert_same_meta, slice_tensors
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -87,31 +87,6 @@ def _masks():
 MASKS = _masks()
 
 
-def _tensors(qr, kr, tm):
-    return (
-        torch.tensor(qr, dtype=torch.int32).reshape(-1, 2),
-        torch.tensor(kr, dtype=torch.int32).reshape(-1, 2),
-        torch.tensor(tm, dtype=torch.int32),
-    )
-
-
-def _assert_same(a, b, path: str = "meta") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device), path
-        assert torch.equal(a, b), path
-    elif dataclasses.is_dataclass(a):
-        assert type(a) is type(b), path
-        for f in dataclasses.fields(a):
-            _assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-    elif isinstance(a, tuple | list):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, (path, a, b)
-
-
 def _tensor_leaves(obj) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     L._map_tensors(obj, out.append, {})
@@ -127,11 +102,13 @@ def test_host_build_matches_direct_build(case, varlen_env: str, sm100: bool, mon
     monkeypatch.setenv("MAGI_FFA_FA4_VARLEN", varlen_env)
     if sm100:  # a forward block other than the backward's: two block-list sets
         monkeypatch.setattr(L, "tile_sizes", lambda device: ((256, 128), (128, 128)))
-    args = (*_tensors(qr, kr, tm), tq, tk, CPU)
+    args = (*slice_tensors(qr, kr, tm), tq, tk, CPU)
     direct = L.build_mask_meta(*args, on_host=False)
     host = L.build_mask_meta(*args, on_host=True)
-    _assert_same(host, direct)
-    _assert_same(L.build_mask_meta(*args), direct)  # the default for a CPU target: the direct build
+    assert_same_meta(host, direct, layout=True)
+    assert_same_meta(
+        L.build_mask_meta(*args), direct, layout=True
+    )  # the default for a CPU target: the direct build
     leaves = _tensor_leaves(host)
     # one copy: every tensor is a view of one buffer
     assert len({t.untyped_storage().data_ptr() for t in leaves}) <= 1
@@ -144,7 +121,7 @@ def test_host_build_matches_direct_build(case, varlen_env: str, sm100: bool, mon
     else:
         # FA4's index tables, built before the copy and moved with the metadata
         tables = (L._bst_tables(direct.meta_fwd.q2k), L._bst_tables(direct.meta_bwd.k2q))
-        _assert_same(L._staged_to(tables, CPU), tables, "tables")
+        assert_same_meta(L._staged_to(tables, CPU), tables, layout=True, path="tables")
 
 
 # --------------------------------------------------------------------------------- no device-side op on host
@@ -184,7 +161,7 @@ def test_host_build_touches_the_target_once(name: str, varlen_env: str, monkeypa
     target = torch.device("meta")
     log = _OpLog()
     with log:
-        meta = L.build_mask_meta(*_tensors(qr, kr, tm), tq, tk, target, on_host=True)
+        meta = L.build_mask_meta(*slice_tensors(qr, kr, tm), tq, tk, target, on_host=True)
     assert all(t.device == target for t in _tensor_leaves(meta))
     on_target = [op for op, devices in log.ops if "meta" in devices]
     copies = [op for op in on_target if op not in _VIEWS]
@@ -218,11 +195,11 @@ def test_launch_meta_touches_the_target_once(name: str, monkeypatch) -> None:
     _, qr, kr, tm, tq, tk = next(c for c in MASKS if c[0] == name)
     log = _OpLog()
     with log:
-        meta = L.build_launch_meta(*_tensors(qr, kr, tm), tq, tk, torch.device("meta"))
+        meta = L.build_launch_meta(*slice_tensors(qr, kr, tm), tq, tk, torch.device("meta"))
     on_target = [op for op, devices in log.ops if "meta" in devices]
     assert [op for op in on_target if op not in _VIEWS] == ["aten::_to_copy"]
     assert all(devices <= {"cpu", "meta"} for _, devices in log.ops)
-    direct = L.build_launch_meta(*_tensors(qr, kr, tm), tq, tk, CPU)
+    direct = L.build_launch_meta(*slice_tensors(qr, kr, tm), tq, tk, CPU)
     for got, want in ((meta.fwd_bst, direct.fwd_bst), (meta.bwd_bst, direct.bwd_bst)):
         assert got.block_size == want.block_size
         for key in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
@@ -245,7 +222,7 @@ def test_host_build_on_cuda_matches_device_build_without_sync(varlen_env: str, m
     tables it synchronizes with the device nowhere (the copy is from pinned memory)."""
     monkeypatch.setenv("MAGI_FFA_FA4_VARLEN", varlen_env)
     for _, qr, kr, tm, tq, tk in MASKS:
-        args = (*_tensors(qr, kr, tm), tq, tk, CUDA)
+        args = (*slice_tensors(qr, kr, tm), tq, tk, CUDA)
         direct = L.build_mask_meta(*args, on_host=False)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -253,4 +230,4 @@ def test_host_build_on_cuda_matches_device_build_without_sync(varlen_env: str, m
             host = L.build_mask_meta(*args, on_host=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        _assert_same(host, direct)
+        assert_same_meta(host, direct, layout=True)

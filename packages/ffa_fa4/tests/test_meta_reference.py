@@ -9,7 +9,6 @@ random overlapping slices and windowed documents.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from magi_ffa.testing import random_overlapping_slices
 from magi_ffa.validation import host_slices
 from magi_ffa_fa4 import blocks, varlen
 from magi_ffa_fa4._launch_meta import build_mask_meta
+from magi_ffa_fa4.testing import assert_same_meta, slice_tensors
 from magi_ffa_fa4.varlen import _Entry, _group, _meet
 
 CPU = torch.device("cpu")
@@ -266,33 +266,10 @@ def _masks():
 MASKS = _masks()
 
 
-def _tensors(qr, kr, tm):
-    return (
-        torch.tensor(qr, dtype=torch.int32).reshape(-1, 2),
-        torch.tensor(kr, dtype=torch.int32).reshape(-1, 2),
-        torch.tensor(tm, dtype=torch.int32),
-    )
-
-
-def _assert_same(a, b, path: str = "meta") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif dataclasses.is_dataclass(a):
-        assert type(a) is type(b), path
-        for f in dataclasses.fields(a):
-            _assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-    elif isinstance(a, tuple | list):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, (path, a, b)
-
-
 @pytest.mark.parametrize("case", MASKS, ids=[c[0] for c in MASKS])
 def test_entries_and_groups_match_reference(case) -> None:
     _, qr, kr, tm, tq, tk = case
-    slices = host_slices(*_tensors(qr, kr, tm), tq, tk)
+    slices = host_slices(*slice_tensors(qr, kr, tm), tq, tk)
     assert varlen._entries(slices) == _ref_entries(slices)
     for max_groups, min_mean_rows in itertools.product((1, 2, 8, 10**6), (0, 64, 256)):
         got = varlen._open_groups(slices, max_groups, min_mean_rows)
@@ -303,15 +280,15 @@ def test_entries_and_groups_match_reference(case) -> None:
 @pytest.mark.parametrize("case", MASKS, ids=[c[0] for c in MASKS])
 def test_tiles_and_row_intervals_match_reference(case, monkeypatch) -> None:
     _, qr, kr, tm, tq, tk = case
-    q, k, t = _tensors(qr, kr, tm)
+    q, k, t = slice_tensors(qr, kr, tm)
     got = intervals.row_intervals_reference(q, k, t, tq, tk)
     want = _REF_MERGE(*_ref_slice_row_pairs(q, k, t), tq, tk)
-    _assert_same(got, want, "row_intervals")
+    assert_same_meta(got, want, path="row_intervals")
     for bm, bn in ((128, 128), (256, 128), (64, 32), (16, 16), (100, 300)):
         want_tiles = _ref_tiles(want, bm, bn)
         for dense in (0, 16, 10**9):  # the sort, the default choice, the dense sweep
             monkeypatch.setattr(blocks, "_DENSE_CELLS_PER_SLOT", dense)
-            _assert_same(blocks.tiles(got, bm, bn), want_tiles, f"tiles {bm}x{bn} dense {dense}")
+            assert_same_meta(blocks.tiles(got, bm, bn), want_tiles, path=f"tiles {bm}x{bn} dense {dense}")
 
 
 @pytest.mark.parametrize("varlen_env", ["1", "0"])
@@ -319,13 +296,13 @@ def test_tiles_and_row_intervals_match_reference(case, monkeypatch) -> None:
 def test_launch_meta_matches_reference(case, varlen_env, monkeypatch) -> None:
     _, qr, kr, tm, tq, tk = case
     monkeypatch.setenv("MAGI_FFA_FA4_VARLEN", varlen_env)
-    args = (*_tensors(qr, kr, tm), tq, tk, CPU)
+    args = (*slice_tensors(qr, kr, tm), tq, tk, CPU)
     got = build_mask_meta(*args)
     monkeypatch.setattr(varlen, "_open_groups", _ref_open_groups)
     monkeypatch.setattr(blocks, "tiles", _ref_tiles)
     monkeypatch.setattr(intervals, "slice_row_pairs", _ref_slice_row_pairs)
     monkeypatch.setattr(intervals, "_merge_sorted_pairs", _REF_MERGE)
-    _assert_same(got, build_mask_meta(*args))
+    assert_same_meta(got, build_mask_meta(*args))
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -342,7 +319,7 @@ def test_small_masks_match_reference(seed: int, monkeypatch) -> None:
         if seed % 3 == 1:  # stack the slices on consecutive rows so that many of them are join candidates
             cuts = sorted(rng.randrange(tq + 1) for _ in range(len(qr) + 1))
             qr = [[a, b] for a, b in itertools.pairwise(cuts)]
-    q, k, t = _tensors(qr, kr, tm)
+    q, k, t = slice_tensors(qr, kr, tm)
     slices = host_slices(q, k, t, tq, tk)
     assert varlen._entries(slices) == _ref_entries(slices)
     for max_groups, min_mean_rows in itertools.product((1, 3, 10**6), (0, 4, 16)):
@@ -351,9 +328,9 @@ def test_small_masks_match_reference(seed: int, monkeypatch) -> None:
         )
     got = intervals.row_intervals_reference(q, k, t, tq, tk)
     want = _REF_MERGE(*_ref_slice_row_pairs(q, k, t), tq, tk)
-    _assert_same(got, want, "row_intervals")
+    assert_same_meta(got, want, path="row_intervals")
     for bm, bn in ((4, 4), (16, 8), (64, 64)):
         want_tiles = _ref_tiles(want, bm, bn)
         for dense in (0, 10**9):
             monkeypatch.setattr(blocks, "_DENSE_CELLS_PER_SLOT", dense)
-            _assert_same(blocks.tiles(got, bm, bn), want_tiles, f"tiles {bm}x{bn} dense {dense}")
+            assert_same_meta(blocks.tiles(got, bm, bn), want_tiles, path=f"tiles {bm}x{bn} dense {dense}")

@@ -4,6 +4,7 @@ mask generators and the tolerance rule. Independent of the interval and block co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -15,9 +16,11 @@ from magi_ffa.validation import RangesLike, TypeMapLike
 
 __all__ = [
     "assert_close_to_ref",
+    "assert_same_meta",
     "dense_mask",
     "random_slices",
     "ref_attention",
+    "slice_tensors",
 ]
 
 
@@ -79,3 +82,34 @@ def assert_close_to_ref(
         raise AssertionError(f"{name}: mismatch ratio {frac:.3e} > allowed {allowed:.3e}")
     if not math.isfinite(err):
         raise AssertionError(f"{name}: non-finite error")
+
+
+def slice_tensors(q_ranges, k_ranges, attn_type_map) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Python slice lists as the int32 CPU tables the launch-metadata builders take: ``[n, 2]``, ``[n, 2]``,
+    ``[n]`` (an empty mask gives ``[0, 2]`` tables)."""
+    return (
+        torch.tensor(q_ranges, dtype=torch.int32).reshape(-1, 2),
+        torch.tensor(k_ranges, dtype=torch.int32).reshape(-1, 2),
+        torch.tensor(attn_type_map, dtype=torch.int32),
+    )
+
+
+def assert_same_meta(a, b, *, layout: bool = False, path: str = "meta") -> None:
+    """Assert two launch metadata (dataclasses, tuples, lists, tensors, plain values) are equal, field by
+    field; tensors by dtype and values, and with ``layout`` also by shape, strides and device. The message
+    names the first differing field."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, path
+        if layout:
+            assert (a.shape, a.stride(), a.device) == (b.shape, b.stride(), b.device), path
+        assert torch.equal(a, b), path
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), path
+        for f in dataclasses.fields(a):
+            assert_same_meta(getattr(a, f.name), getattr(b, f.name), layout=layout, path=f"{path}.{f.name}")
+    elif isinstance(a, tuple | list):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_meta(x, y, layout=layout, path=f"{path}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
