@@ -188,3 +188,23 @@ def test_head_swizzle_follows_cudnns_l2_rule():
     assert head_swizzle(8192, 128, 128, 2) == 4  # 8 MiB per head: 5 fit, a power of two
     assert head_swizzle(2048, 128, 128, 2) == 16
     assert head_swizzle(1 << 20, 128, 128, 2) == 1
+
+
+def test_ranks_read_nothing_back_to_the_host():
+    """The rewrite runs when a new mask's first deterministic backward starts: no op that would wait for the
+    GPU (a scalar read, a data-dependent shape) may be in it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    lists, _ = _block_lists(_window(2048, 700))
+    with Record() as rec:
+        dq_write_ranks(*lists, group=8)
+    assert not rec.ops & {"_local_scalar_dense", "item", "nonzero", "unique", "masked_select"}, rec.ops

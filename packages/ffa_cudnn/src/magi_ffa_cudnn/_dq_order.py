@@ -48,17 +48,21 @@ def head_swizzle(seqlen_q: int, head_dim: int, head_dim_v: int, element_size: in
 
 
 def _entries(count: torch.Tensor, offset: torch.Tensor, index: torch.Tensor):
-    """Every (row, place in row, slot in ``index``, query block) of a compact block list, as int64 tensors.
+    """For every slot of a compact block list: its row, place in the row, query block (int64) and whether
+    a row uses it (bool), computed without reading anything back to the host.
 
     ``count``: int32 ``[hmask, n_blocks]``, the row's entries; ``offset``: int32 ``[hmask * n_blocks + 1]``,
     where each row starts in ``index``; ``index``: int32 query-block indices."""
     cnt = count.reshape(-1).long()
-    total = int(cnt.sum())
-    row = torch.repeat_interleave(torch.arange(cnt.numel(), device=cnt.device), cnt, output_size=total)
-    first = torch.cumsum(cnt, 0) - cnt  # the row's first entry among all entries
-    place = torch.arange(total, device=cnt.device) - first[row]
-    slot = offset.long()[row] + place
-    return row, place, slot, index.long()[slot]
+    starts = offset.long()[:-1]
+    slot = torch.arange(index.numel(), device=index.device)
+    row = (torch.searchsorted(starts, slot, right=True) - 1).clamp_(0, max(cnt.numel() - 1, 0))
+    place = slot - starts[row]
+    used = (place >= 0) & (place < cnt[row])
+    return row, place, index.long(), used
+
+
+_UNUSED = 1 << 62  # the sort key of slots no row uses: after every (mask head, query block)
 
 
 def dq_write_ranks(
@@ -76,41 +80,41 @@ def dq_write_ranks(
 
     The lists are a backward plan's compact key-to-query block lists (row ``h * n_blocks + n`` holds key
     block ``n``'s partial, then full, query blocks, each ascending; the kernel visits them in that order).
-    Returns int32 ranks parallel to ``partial_index`` and ``full_index`` (slots no row uses keep 0): for
+    Returns int32 ranks parallel to ``partial_index`` and ``full_index`` (slots no row uses get 0): for
     each (mask head, query block), its writers numbered 0, 1, ... by (launch group, place in the writer's
     visiting order, launch rank), where the launch rank of key block ``n`` is ``n_blocks - 1 - n`` when
     CTAs launch in descending key-block order and ``n`` otherwise, and its group is ``launch rank // group``.
-    A pure function of the lists (no host state); runs on their device.
+    A pure function of the lists, run on their device with no read back to the host (it runs when a new
+    mask's first deterministic backward starts, behind the kernels already queued).
     """
     if group < 1:
         raise ValueError(f"`group` must be at least 1, got {group!r}")
     n_blocks = partial_count.shape[-1]
-    prow, pplace, pslot, pm = _entries(partial_count, partial_offset, partial_index)
-    frow, fplace, fslot, fm = _entries(full_count, full_offset, full_index)
+    prow, pplace, pm, pused = _entries(partial_count, partial_offset, partial_index)
+    frow, fplace, fm, fused = _entries(full_count, full_offset, full_index)
     fplace = fplace + partial_count.reshape(-1).long()[frow]  # full blocks come after the row's partial ones
-    row, place, m = torch.cat([prow, frow]), torch.cat([pplace, fplace]), torch.cat([pm, fm])
-    ranks = torch.zeros_like(m)
-    if m.numel():
-        head, n = row // n_blocks, row % n_blocks
-        launch = n_blocks - 1 - n if launch_descending else n
-        places = int(place.max()) + 1
-        within = (
-            (launch // group) * places + place
-        ) * n_blocks + launch  # the order among one block's writers
-        by_block = head * (int(m.max()) + 1) + m
-        order = torch.sort(within, stable=True).indices
-        order = order[torch.sort(by_block[order], stable=True).indices]
-        sorted_block = by_block[order]
-        pos = torch.arange(order.numel(), device=m.device)
-        starts = torch.ones_like(sorted_block, dtype=torch.bool)
-        starts[1:] = sorted_block[1:] != sorted_block[:-1]
-        first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), 0).values
-        ranks[order] = pos - first
-    out_p = torch.zeros(partial_index.shape, dtype=torch.int32, device=partial_index.device)
-    out_f = torch.zeros(full_index.shape, dtype=torch.int32, device=full_index.device)
-    out_p[pslot] = ranks[: pslot.numel()].to(torch.int32)
-    out_f[fslot] = ranks[pslot.numel() :].to(torch.int32)
-    return out_p, out_f
+    row, place = torch.cat([prow, frow]), torch.cat([pplace, fplace])
+    m, used = torch.cat([pm, fm]), torch.cat([pused, fused])
+    if m.numel() == 0:
+        return torch.zeros_like(partial_index), torch.zeros_like(full_index)
+    head, n = row // n_blocks, row % n_blocks
+    launch = n_blocks - 1 - n if launch_descending else n
+    places = m.numel() + 1  # more than any row's length: no read of the longest row needed
+    within = (
+        (launch // group) * places + place.clamp(min=0)
+    ) * n_blocks + launch  # order among a block's writers
+    by_block = torch.where(used, head * (1 << 31) + m, _UNUSED)  # query blocks are int32
+    order = torch.sort(within, stable=True).indices
+    order = order[torch.sort(by_block[order], stable=True).indices]
+    sorted_block = by_block[order]
+    pos = torch.arange(order.numel(), device=m.device)
+    starts = torch.ones_like(sorted_block, dtype=torch.bool)
+    starts[1:] = sorted_block[1:] != sorted_block[:-1]
+    first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), 0).values
+    ranks = torch.empty_like(pos)
+    ranks[order] = pos - first
+    ranks = torch.where(used, ranks, 0).to(torch.int32)
+    return ranks[: partial_index.numel()], ranks[partial_index.numel() :]
 
 
 def reorder_deterministic_dq(mask_plan: Any, resident_ctas: int = RESIDENT_CTAS) -> bool:
