@@ -397,12 +397,22 @@ def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
     return attn_kernel(choice.backend, choice.backward), choice
 
 
+def kernel_slices(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor):
+    """One kernel call's slices as the runtime hands them to the launchers (``KernelSlices``: int32 host
+    tables, checked on first use and never again), for ``AttnKernel.fwd_slices`` / ``bwd_slices``."""
+    from magi_attention._runtime.cache import KernelSlices
+
+    return KernelSlices(q_ranges, k_ranges, types, int(types.shape[0]))
+
+
 def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
     """One rank's kernel calls as the runtime makes them (``magi_attention.simulate.call_slices``: at overlap
     degree 0 one merged call, else the host call and one per remote stage) on stand-in keys: ``k`` / ``v`` the
     rank's shard, ``rk`` / ``rv`` one buffer shared by every rank whose leading rows stand in for the received
     keys, and at degree 0 for the merged call's own and received keys (at least shard + received rows: no
-    copy per rank). Each call ``((q_ranges, k_ranges, types), k, v)``; calls without slices left out."""
+    copy per rank). Each call ``(slices, k, v)``, ``slices`` a ``KernelSlices`` (`kernel_slices`) for the
+    launchers' runtime entry (``AttnKernel.fwd_slices``: slice values checked once, as the runtime does, not
+    per call); calls without slices left out."""
     from magi_attention.simulate import call_slices, kernel_ranges
 
     if overlap_degree == 0:
@@ -411,7 +421,11 @@ def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
     else:
         keys = [(k, v)] + [(rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages]
     slices = call_slices(rank_plan, merged=overlap_degree == 0)
-    return [(kernel_ranges(sl), kk, vv) for sl, (kk, vv) in zip(slices, keys, strict=True) if len(sl.types)]
+    return [
+        (kernel_slices(*kernel_ranges(sl)), kk, vv)
+        for sl, (kk, vv) in zip(slices, keys, strict=True)
+        if len(sl.types)
+    ]
 
 
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:

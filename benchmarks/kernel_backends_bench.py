@@ -24,6 +24,7 @@ from benchmarks.common import (
     environment,
     flex_setup,
     kernel_runners,
+    kernel_slices,
     time_fwd_bwd,
 )
 
@@ -102,18 +103,18 @@ def _time_rank_calls(lq, ldo, calls, kern, det: bool, args) -> tuple[float, floa
     def fwd():
         out = torch.zeros(lq.shape, dtype=torch.float32, device="cuda")
         lse = torch.full(lq.shape[:2], float("-inf"), dtype=torch.float32, device="cuda")
-        for (qr, kr, tr), kk, vv in calls:
-            kern.fwd(lq, kk, vv, qr, kr, tr, out=out, lse=lse, deterministic=det)
+        for sl, kk, vv in calls:
+            kern.fwd_slices(lq, kk, vv, sl, out=out, lse=lse, deterministic=det)
         return out.to(lq.dtype), lse
 
     o16, lse = fwd()
 
     def bwd():
         dq = torch.zeros(lq.shape, dtype=torch.float32, device="cuda")
-        for (qr, kr, tr), kk, vv in calls:
+        for sl, kk, vv in calls:
             dk = torch.zeros(kk.shape, dtype=torch.float32, device="cuda")
             dv = torch.zeros(vv.shape, dtype=torch.float32, device="cuda")
-            kern.bwd(ldo, lq, kk, vv, o16, lse, qr, kr, tr, dq=dq, dk=dk, dv=dv, deterministic=det)
+            kern.bwd_slices(ldo, lq, kk, vv, o16, lse, sl, dq=dq, dk=dk, dv=dv, deterministic=det)
 
     fw, bw = [], []
     for _ in range(args.repeats):
@@ -173,7 +174,7 @@ def sim_det_rows(args) -> list[dict]:
             q_index = token_index(rank_plan.host_token_ranges, q.device)
             lq = q[q_index].contiguous()
             ldo = torch.randn_like(lq)
-            calls = [c for c in rc.calls if c[0][0].shape[0]]
+            calls = [(kernel_slices(*t), kk, vv) for t, kk, vv in rc.calls if t[0].shape[0]]
             for b in DET_BACKENDS:
                 try:
                     kern = attn_kernel(KernelBackend(b))

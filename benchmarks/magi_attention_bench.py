@@ -153,11 +153,11 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
 @functools.cache
 def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
-    (q, k, v, do), (qr, kr, tr) = _whole_mask(mask, total)
-    kern = attn_kernel(backend)
-    out, lse = kern.fwd(q, k, v, qr, kr, tr)
-    t_f = _events_ms(lambda: kern.fwd(q, k, v, qr, kr, tr), warmup=1, iters=3)
-    t_b = _events_ms(lambda: kern.bwd(do, q, k, v, out, lse, qr, kr, tr), warmup=1, iters=3)
+    (q, k, v, do), tables = _whole_mask(mask, total)
+    kern, sl = attn_kernel(backend), common.kernel_slices(*tables)  # the runtime's entry, as the ranks'
+    out, lse = kern.fwd_slices(q, k, v, sl)
+    t_f = _events_ms(lambda: kern.fwd_slices(q, k, v, sl), warmup=1, iters=3)
+    t_b = _events_ms(lambda: kern.bwd_slices(do, q, k, v, out, lse, sl), warmup=1, iters=3)
     flops = 4 * common.mask_area(*make_mask(mask, total)) * HQ * D
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
@@ -178,32 +178,32 @@ def _once_ms(fn) -> tuple[float, object]:
 
 def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
     """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
-    launchers (`attn_kernel`), as the runtime: one call (the merged stage at degree 0) writes out / lse and the
+    launchers (`attn_kernel`) through their runtime entry (slices checked once), as the runtime: one call (the merged stage at degree 0) writes out / lse and the
     gradients itself, with the runtime's K/V concatenation before it and the fp32 dK/dV it sends after; more
     calls: the first writes the accumulator, later stages merge, the gradients accumulate in fp32."""
     if len(calls) == 1:
-        (qr, kr, tr), kk, vv = calls[0]
+        sl, kk, vv = calls[0]
 
         def fwd():
             torch.cat([kk, vv], dim=1)  # dist_attn joins the local and received K/V: the same bytes
-            return kern.fwd(q, kk, vv, qr, kr, tr)
+            return kern.fwd_slices(q, kk, vv, sl)
 
         t_f, (out, lse) = _once_ms(fwd)
 
         def bwd():
             torch.cat([kk, vv], dim=1)
-            _, dk, dv = kern.bwd(do, q, kk, vv, out, lse, qr, kr, tr)
+            _, dk, dv = kern.bwd_slices(do, q, kk, vv, out, lse, sl)
             torch.cat([dk, dv], dim=1).float()  # the partial dK/dV reduced to their owners (fp32)
 
         return t_f, _once_ms(bwd)[0]
 
     def fwd():
-        (qr, kr, tr), kk, vv = calls[0]
-        out, lse = kern.fwd(q, kk, vv, qr, kr, tr)
+        sl, kk, vv = calls[0]
+        out, lse = kern.fwd_slices(q, kk, vv, sl)
         if len(calls) > 2:
             out = out.float()
-        for (qr, kr, tr), kk, vv in calls[1:]:
-            kern.fwd(q, kk, vv, qr, kr, tr, out=out, lse=lse)
+        for sl, kk, vv in calls[1:]:
+            kern.fwd_slices(q, kk, vv, sl, out=out, lse=lse)
         return out, lse
 
     t_f, (out, lse) = _once_ms(fwd)
@@ -211,9 +211,9 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
 
     def bwd():
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        for (qr, kr, tr), kk, vv in calls:
+        for sl, kk, vv in calls:
             dkv = [torch.zeros(kk.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
-            kern.bwd(do, q, kk, vv, o16, lse, qr, kr, tr, dq=dq, dk=dkv[0], dv=dkv[1])
+            kern.bwd_slices(do, q, kk, vv, o16, lse, sl, dq=dq, dk=dkv[0], dv=dkv[1])
 
     return t_f, _once_ms(bwd)[0]
 

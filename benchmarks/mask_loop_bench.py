@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import auto_kernel, host_times_ms, rank_kernel_calls
+from benchmarks.common import auto_kernel, host_times_ms, kernel_slices, rank_kernel_calls
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -173,7 +173,7 @@ def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
 def _calls_cp1(mask, q, k, v):
     _, qr, kr, tm = mask
     t = [torch.tensor(x, dtype=torch.int32) for x in (qr, kr, tm)]
-    return [(tuple(t), k, v)], [np.arange(q.shape[0])], 0.0
+    return [(kernel_slices(*t), k, v)], [np.arange(q.shape[0])], 0.0
 
 
 def _calls_sim(mask, q, k, v, rk, rv, cp: int):
@@ -200,20 +200,20 @@ def _run_rank(kern, q, do, calls) -> None:
     with more, the first call writes, later stages merge into an fp32 accumulator, gradients accumulate."""
     if not calls:
         return
-    ((qr, kr, tm), kk, vv), rest = calls[0], calls[1:]
-    out, lse = kern.fwd(q, kk, vv, qr, kr, tm)
+    (sl, kk, vv), rest = calls[0], calls[1:]
+    out, lse = kern.fwd_slices(q, kk, vv, sl)
     if not rest:
-        kern.bwd(do, q, kk, vv, out, lse, qr, kr, tm)
+        kern.bwd_slices(do, q, kk, vv, out, lse, sl)
         return
     out = out.float()
-    for (qr, kr, tm), kk, vv in rest:
-        kern.fwd(q, kk, vv, qr, kr, tm, out=out, lse=lse)
+    for sl, kk, vv in rest:
+        kern.fwd_slices(q, kk, vv, sl, out=out, lse=lse)
     o = out.to(q.dtype)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    for (qr, kr, tm), kk, vv in calls:
+    for sl, kk, vv in calls:
         dk = torch.zeros(kk.shape, device=q.device, dtype=torch.float32)
         dv = torch.zeros(vv.shape, device=q.device, dtype=torch.float32)
-        kern.bwd(do, q, kk, vv, o, lse, qr, kr, tm, dq=dq, dk=dk, dv=dv)
+        kern.bwd_slices(do, q, kk, vv, o, lse, sl, dq=dq, dk=dk, dv=dv)
 
 
 def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:

@@ -61,3 +61,17 @@ def test_dlse_must_match_lse() -> None:
     for bad in (torch.ones(2, 4), "x", torch.ones(4, 2, 1)):
         with pytest.raises(ValueError, match="`dlse`"):
             validate_dlse(bad, lse)
+
+
+def test_host_tables_stay_on_the_host() -> None:
+    """A CPU range or type table is never moved to q's device: every entry reads the slices on the host, and
+    a move there and back would make each call wait for the kernels queued before it. (``meta`` stands in
+    for a GPU on a machine without one.)"""
+    from magi_ffa._common import as_ranges, as_type_map
+
+    meta = torch.device("meta")
+    for x in (torch.tensor([1, 0]), torch.tensor([1, 0], dtype=torch.int32), [1, 0], None):
+        t = as_type_map(x, 2, meta)
+        assert t.device.type == "cpu" and t.dtype == torch.int32, x
+    r = as_ranges(torch.tensor([[0, 8]]), "q_ranges", meta)
+    assert r.device.type == "cpu" and r.dtype == torch.int32

@@ -81,7 +81,9 @@ def as_ranges(x: RangesLike, name: str, device: torch.device) -> torch.Tensor:
 
 
 def as_type_map(x: TypeMapLike, n: int, device: torch.device) -> torch.Tensor:
-    """Return ``attn_type_map`` as an int32 ``[n]`` tensor (``None`` means all FULL).
+    """Return ``attn_type_map`` as an int32 ``[n]`` tensor (``None`` means all FULL); a tensor keeps its
+    device, as in :func:`as_ranges` (the slices are read on the host: a CPU table moved to the GPU and back
+    would make every call wait for the kernels queued before it).
 
     Besides int tensors it takes what every magi boundary takes (``magi_mask.normalize_types``): one type
     for all slices or one per slice, each an ``AttnMaskType``, a name ("causal") or an int code.
@@ -97,7 +99,7 @@ def as_type_map(x: TypeMapLike, n: int, device: torch.device) -> torch.Tensor:
     if x.device != device and x.device.type != "cpu":
         _fail(f"`attn_type_map` must be on q's device {device} (or the CPU), got {x.device}")
     _check_fits_int32(x, "attn_type_map")
-    return x.to(device=device, dtype=torch.int32)
+    return x.to(torch.int32)
 
 
 def _check_fits_int32(x: torch.Tensor, name: str) -> None:
