@@ -1,0 +1,298 @@
+"""Probes of a simulated rank's kernel problem against the same mask in one call (what the scaling table's E
+compares), each a change that could close the gap, timed on the GPU against the rank's call as the runtime
+makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads, d 128, bf16):
+
+- ``fold``: the query heads of each GQA group folded into the query sequence (row ``g * S + s`` holds head
+  ``h * G + g`` of row ``s``, the mask repeated per ``g``): an MHA problem whose backward key columns are
+  ``G`` times longer and whose dK / dV need no fp32 accumulation across heads. Copies included.
+- ``aligned``: the merged call's keys in global order, each run at a buffer offset congruent to its global
+  start mod 128 (touching runs stay touching): the whole mask's tiles and one key interval per row.
+- ``host``: one forward / backward timed alone (CUDA events around one call) against calls queued behind a
+  busy GPU, and the host time per call while the GPU is busy (a call that synchronizes waits for the queue).
+
+    python -m benchmarks.rank_problem_probes fold --backends cudnn --json fold.json
+    python -m benchmarks.rank_problem_probes aligned --backends cudnn --json aligned.json
+    python -m benchmarks.rank_problem_probes host --tokens 8192 --json host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks import common
+from benchmarks.magi_attention_bench import HKV, HQ, D, _whole_mask, attn_kernel, auto_kernel, make_plan
+
+TILE = 128
+
+
+def _tables(sl) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sl.q_ranges, sl.k_ranges, sl.types
+
+
+def _rank_problem(mask: str, cp: int, tokens: int, rank_plan, plan, dev) -> tuple:
+    """(q, do, k, v, tables) of one rank's merged call, random bf16 values."""
+    shard = plan.dispatch.shard_seqlen
+    q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(shard + rank_plan.num_remote_tokens, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ((sl, kk, vv),) = common.rank_kernel_calls(rank_plan, 0, k[:shard], v[:shard], k, v)
+    return q, torch.randn_like(q), kk, vv, _tables(sl)
+
+
+def _median_rounds(fns: dict, rounds: int) -> dict:
+    """Interleaved rounds of each function (CUDA events, 3 calls a round, median of medians)."""
+    t = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t[name].append(common.events_median_ms(fn, 3, 1))
+    return {name: statistics.median(x) for name, x in t.items()}
+
+
+# ----------------------------------------------------------------------------------------------- fold
+def fold(t: torch.Tensor, hk: int) -> torch.Tensor:
+    """``[S, hk * G, ...]`` -> ``[G * S, hk, ...]``: head ``h * G + g`` of row ``s`` to row ``g * S + s``."""
+    s, g, rest = t.shape[0], t.shape[1] // hk, t.shape[2:]
+    return t.reshape(s, hk, g, *rest).permute(2, 0, 1, *range(3, 3 + len(rest))).reshape(g * s, hk, *rest)
+
+
+def unfold(t: torch.Tensor, g: int) -> torch.Tensor:
+    """The inverse of :func:`fold`."""
+    s, hk, rest = t.shape[0] // g, t.shape[1], t.shape[2:]
+    return t.reshape(g, s, hk, *rest).permute(1, 2, 0, *range(3, 3 + len(rest))).reshape(s, hk * g, *rest)
+
+
+def fold_tables(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor, s: int, g: int) -> tuple:
+    """The slices repeated per folded head ``g``, their queries shifted by ``g * s``."""
+    off = (torch.arange(g, dtype=qr.dtype) * s).repeat_interleave(qr.shape[0])[:, None]
+    return qr.repeat(g, 1) + off, kr.repeat(g, 1), tm.repeat(g)
+
+
+def _fold_case(name, mod, q, do, k, v, tables, det: bool, rounds: int) -> dict:
+    g = q.shape[1] // k.shape[1]
+    out, lse = mod.ffa_fwd(q, k, v, *tables)[:2]
+    folded_tables = fold_tables(*tables, q.shape[0], g)
+
+    def plain():
+        return mod.ffa_bwd(do, q, k, v, out, lse, *tables, deterministic=det)[:3]
+
+    def folded():
+        qf, of, dof = (fold(t, k.shape[1]) for t in (q, out, do))
+        lsef = fold(lse[..., None], k.shape[1])[..., 0]
+        dq, dk, dv = mod.ffa_bwd(dof, qf, k, v, of, lsef, *folded_tables, deterministic=det)[:3]
+        return unfold(dq, g), dk, dv
+
+    err = max(
+        ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-6)).item()
+        for a, b in zip(plain(), folded(), strict=True)
+    )
+    t = _median_rounds({"plain": plain, "folded": folded}, rounds)
+    return {"case": name, "deterministic": det, "plain_ms": t["plain"], "folded_ms": t["folded"],
+            "speedup": t["plain"] / t["folded"], "rel_err": err, "keys": k.shape[0], "queries": q.shape[0]}  # fmt: skip
+
+
+def fold_main(a) -> list[dict]:
+    dev, rows = torch.device("cuda"), []
+    for backend in a.backends.split(","):
+        mod = __import__(f"magi_ffa_{backend}")
+        for mask in a.masks.split(","):
+            total, plan = make_plan(mask, a.cp, a.tokens, 0)
+            rp = max(plan.ranks, key=lambda r: r.num_remote_tokens)
+            q, do, k, v, tables = _rank_problem(mask, a.cp, a.tokens, rp, plan, dev)
+            for det in (bool(int(x)) for x in a.det.split(",")):
+                if backend == "fa4" and det:
+                    continue  # FA4's deterministic backward is not what this probe asks about
+                rows.append(_fold_case(f"{backend} {mask} cp{a.cp} rank{rp.rank}", mod, q, do, k, v, tables, det,
+                                       a.rounds))  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+            tw = min(total, 65536)  # the whole mask, as the yardstick runs it
+            (qw, kw, vw, dw), wt = _whole_mask(mask, tw)
+            rows.append(_fold_case(f"{backend} {mask} whole {tw}", mod, qw, dw, kw, vw, wt, False, a.rounds))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"{'case':<44} {'det':>3} {'plain ms':>9} {'folded ms':>9} {'x':>6} {'err':>8}")
+    for r in rows:
+        print(f"{r['case']:<44} {int(r['deterministic']):>3} {r['plain_ms']:>9.3f} {r['folded_ms']:>9.3f} "
+              f"{r['speedup']:>6.2f} {r['rel_err']:>8.1e}")  # fmt: skip
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- aligned
+def aligned_layout(clipped, host_map, runs, kv_shard) -> tuple[list, np.ndarray]:
+    """The merged call's slices with its keys in global order, each run at a buffer offset congruent to its
+    global start mod TILE, and the gather index of that buffer into ``cat([own] + recv buffers)`` (-1: pad).
+    Arguments: what ``magi_solver.plan._rank_plan`` receives."""
+    from magi_solver._slicing import merge_full, slice_over
+
+    kmap, bufs = list(host_map), []
+    for si, stage_runs in enumerate(runs):
+        base = 0
+        for s, e, _, _ in stage_runs:
+            kmap.append((s, e, si, base))
+            base += e - s
+        bufs.append(base)
+    kmap.sort()
+    stage_off = np.cumsum([kv_shard, *bufs])
+    layout, sources, pos, prev = [], [], 0, None
+    for s, e, dest, base in kmap:
+        start = pos if prev == s else pos + (s - pos) % TILE
+        layout.append((s, e, 0, start))
+        sources.append((base if dest < 0 else int(stage_off[dest]) + base, start, e - s))
+        pos, prev = start + e - s, e
+    out: list[list] = [[], []]
+    slice_over(clipped, layout, out)
+    index = np.full(pos, -1, dtype=np.int64)
+    for src, dst, n in sources:
+        index[dst : dst + n] = np.arange(src, src + n)
+    return merge_full(out[0]), index
+
+
+def capture_plan(mask: str, cp: int, tokens: int):
+    """The runtime's plan, with each rank's ``_rank_plan`` arguments kept (for :func:`aligned_layout`)."""
+    import magi_solver.plan as planner
+
+    captured, original = {}, planner._rank_plan
+
+    def keep(dispatch, rank, clipped, host_map, host_area, runs, casts, kv_shard):
+        captured[rank] = (clipped, host_map, runs, kv_shard)
+        return original(dispatch, rank, clipped, host_map, host_area, runs, casts, kv_shard)
+
+    planner._rank_plan = keep
+    try:
+        total, plan = make_plan(mask, cp, tokens, 0)
+    finally:
+        planner._rank_plan = original
+    return total, plan, captured
+
+
+def aligned_main(a) -> list[dict]:
+    dev, rows = torch.device("cuda"), []
+    for backend in a.backends.split(","):
+        mod = __import__(f"magi_ffa_{backend}")
+        for mask in a.masks.split(","):
+            _, plan, captured = capture_plan(mask, a.cp, a.tokens)
+            for rp in sorted(plan.ranks, key=lambda r: -r.num_remote_tokens)[:2]:
+                q, do, k, v, tables = _rank_problem(mask, a.cp, a.tokens, rp, plan, dev)
+                sl, index = aligned_layout(*captured[rp.rank])
+                idx = torch.as_tensor(index, device=dev).clamp_min(0)  # pads read key 0: no slice sees them
+                at = (torch.tensor([s[0:2] for s in sl], dtype=torch.int32).reshape(-1, 2),
+                      torch.tensor([s[2:4] for s in sl], dtype=torch.int32).reshape(-1, 2),
+                      torch.tensor([s[4] for s in sl], dtype=torch.int32))  # fmt: skip
+                fns, outs = {}, {}
+                for name, (kk, vv, tt) in {"merged": (k, v, tables), "aligned": (k[idx], v[idx], at)}.items():
+                    out, lse = outs[name] = mod.ffa_fwd(q, kk, vv, *tt)[:2]
+                    fns[f"{name}_fwd"] = functools.partial(mod.ffa_fwd, q, kk, vv, *tt)
+                    fns[f"{name}_bwd"] = functools.partial(mod.ffa_bwd, do, q, kk, vv, out, lse, *tt)
+                rows.append({
+                    "case": f"{backend} {mask} cp{a.cp} rank{rp.rank}", "keys_merged": k.shape[0],
+                    "keys_aligned": len(index), "slices_merged": len(tables[2]), "slices_aligned": len(sl),
+                    "out_diff": (outs["merged"][0].float() - outs["aligned"][0].float()).abs().max().item(),
+                    **_median_rounds(fns, a.rounds),
+                })  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"{'case':<40} {'fwd merged':>10} {'aligned':>8} {'bwd merged':>10} {'aligned':>8} {'slices':>11}")
+    for r in rows:
+        print(f"{r['case']:<40} {r['merged_fwd']:>10.3f} {r['aligned_fwd']:>8.3f} {r['merged_bwd']:>10.3f} "
+              f"{r['aligned_bwd']:>8.3f} {r['slices_merged']:>5}/{r['slices_aligned']:<5}")  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- host
+def _queued_ms(fn, reps: int = 10) -> float:
+    """GPU ms per call of ``reps`` calls queued behind a busy GPU (the host runs ahead unless a call waits)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def _host_ms(fn, reps: int = 10) -> float:
+    """Host ms per call while the GPU is busy for ~0.1 s: a call that synchronizes absorbs that wait."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def host_main(a) -> list[dict]:
+    from benchmarks.magi_attention_bench import _rank_step
+    from magi_attention.config import KernelBackend
+
+    dev, rows = torch.device("cuda"), []
+    for mask in a.masks.split(","):
+        total, plan = make_plan(mask, a.cp, a.tokens, 0)
+        auto = a.backends == "auto"
+        kern = auto_kernel(mask, total, plan) if auto else attn_kernel(KernelBackend(a.backends))
+        rp = max(plan.ranks, key=lambda r: r.num_remote_tokens)
+        shard = plan.dispatch.shard_seqlen
+        q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(shard + rp.num_remote_tokens, HKV, D, device=dev, dtype=torch.bfloat16)
+        v, do = torch.randn_like(k), torch.randn_like(q)
+        calls = common.rank_kernel_calls(rp, 0, k[:shard], v[:shard], k, v)
+        (sl, kk, vv), tables = calls[0], _tables(calls[0][0])
+        out, lse = kern.fwd_slices(q, kk, vv, sl)
+        p = functools.partial
+        entries = {  # the runtime's entry (slices checked once) and the functional one on host tables
+            "slices": (p(kern.fwd_slices, q, kk, vv, sl), p(kern.bwd_slices, do, q, kk, vv, out, lse, sl)),
+            "tables": (p(kern.fwd, q, kk, vv, *tables), p(kern.bwd, do, q, kk, vv, out, lse, *tables)),
+        }
+        for _ in range(3):
+            _rank_step(q, do, calls, kern)
+        once = [_rank_step(q, do, calls, kern) for _ in range(5)]
+        row = {"mask": mask, "cp": a.cp, "tokens_per_gpu": a.tokens, "rank": rp.rank,
+               "once_fwd_ms": statistics.median(x[0] for x in once),
+               "once_bwd_ms": statistics.median(x[1] for x in once)}  # fmt: skip
+        for name, (fwd, bwd) in entries.items():
+            row[f"{name}_queued_fwd_ms"] = statistics.median(_queued_ms(fwd) for _ in range(3))
+            row[f"{name}_queued_bwd_ms"] = statistics.median(_queued_ms(bwd) for _ in range(3))
+            row[f"{name}_host_fwd_ms"] = statistics.median(_host_ms(fwd) for _ in range(3))
+            row[f"{name}_host_bwd_ms"] = statistics.median(_host_ms(bwd) for _ in range(3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"{'mask':<20} {'tokens':>6} {'once f/b':>14} {'queued f/b':>14} {'host f/b (slices)':>18} "
+          f"{'host f/b (tables)':>18}")  # fmt: skip
+    for r in rows:
+        print(f"{r['mask']:<20} {r['tokens_per_gpu']:>6} {r['once_fwd_ms']:>6.2f}/{r['once_bwd_ms']:<7.2f} "
+              f"{r['slices_queued_fwd_ms']:>6.2f}/{r['slices_queued_bwd_ms']:<7.2f} "
+              f"{r['slices_host_fwd_ms']:>8.2f}/{r['slices_host_bwd_ms']:<9.2f} "
+              f"{r['tables_host_fwd_ms']:>8.2f}/{r['tables_host_bwd_ms']:<9.2f}")  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("probe", choices=("fold", "aligned", "host"))
+    ap.add_argument("--masks", default="varlen_causal,video_block_causal,varlen_full,causal")
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU")
+    ap.add_argument(
+        "--backends", default="cudnn", help="fold, aligned: kernel packages; host: a backend or auto"
+    )
+    ap.add_argument("--det", default="0,1", help="fold: deterministic backward off / on")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = {"fold": fold_main, "aligned": aligned_main, "host": host_main}[a.probe](a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": common.environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
