@@ -50,3 +50,13 @@ def test_candidate_ranks_cover_the_slowest_of_each_way_and_the_plan_busiest() ->
     assert pick_ranks(fwd, bwd, areas, remote, top=1) == [1, 2, 4, 7]
     # a balanced plan (every rank alike): ties go to the lowest rank, so the area's and the K/V's coincide
     assert pick_ranks([1.0] * 4, [1.0] * 4, [3] * 4, [2] * 4, top=2) == [0, 1]
+
+
+def test_quick_round_times_a_short_rank_twice() -> None:
+    """A short step's first call builds its launch data: the quick round times a second call instead."""
+    from benchmarks.magi_attention_bench import QUICK_REPEAT_MS, quick_step
+
+    first_short = iter([(5.0, 40.0), (1.0, 3.0)])
+    assert quick_step(lambda: next(first_short)) == (1.0, 3.0)
+    long = iter([(QUICK_REPEAT_MS, 1.0), (1.0, 1.0)])
+    assert quick_step(lambda: next(long)) == (QUICK_REPEAT_MS, 1.0)
