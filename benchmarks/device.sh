@@ -12,7 +12,8 @@
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
-#           TOKENS, SCALING_MASKS, SINGLE override)
+#           TOKENS, SCALING_MASKS, SINGLE override), rank-ncu (Nsight Compute of the busiest cp 8 rank's
+#           backward against the whole mask's; NCU_MASKS, NCU_BACKEND)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
@@ -97,6 +98,15 @@ phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (on
 phase_mask-loop-profile() {  # the steps that miss 1.5x the median, profiled (FA4 at simulated cp 8 by default)
   run "${BENCH_S:-400}" python3 -m benchmarks.mask_loop_bench --backends "${LOOP_BACKENDS:-fa4}" --cps "${LOOP_CPS:-8}" \
     --kinds docs_causal --same-area --literal --profile "$OUT/mask_loop_profile.txt" --out "$OUT/mask_loop_profile"
+}
+phase_rank-ncu() {  # Nsight Compute of the busiest cp 8 rank's backward against the whole mask's (NCU_MASKS)
+  run "${BENCH_S:-400}" ncu --clock-control none --profile-from-start off --nvtx --target-processes all \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats -f -o "$OUT/rank_ncu" \
+    python3 -m benchmarks.rank_problem_probes ncu-target --backends "${NCU_BACKEND:-cudnn}" \
+    --masks "${NCU_MASKS:-varlen_causal}"
+  ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page details > "$OUT/rank_ncu.csv" 2>>"$LOG"
+  ncu --import "$OUT/rank_ncu.ncu-rep" --print-summary per-kernel 2>>"$LOG" | tail -60 | tee -a "$LOG"
 }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {

@@ -13,6 +13,9 @@ makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads
     python -m benchmarks.rank_problem_probes fold --backends cudnn --json fold.json
     python -m benchmarks.rank_problem_probes aligned --backends cudnn --json aligned.json
     python -m benchmarks.rank_problem_probes host --tokens 8192 --json host.json
+
+``ncu-target`` runs the busiest rank's backward and the whole mask's once each for Nsight Compute (``bash
+benchmarks/device.sh rank-ncu``).
 """
 
 from __future__ import annotations
@@ -274,9 +277,45 @@ def host_main(a) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------- ncu target
+def ncu_target_main(a) -> list[dict]:
+    """The busiest rank's backward and the whole mask's (``min(cp x tokens, 64k)`` tokens), each once
+    between ``cudaProfilerStart`` / ``Stop`` in NVTX ranges ``rank`` and ``whole``, after two warm-up runs:
+    what ``ncu --profile-from-start off --nvtx`` profiles (``bash benchmarks/device.sh rank-ncu``)."""
+    from magi_attention.config import KernelBackend
+
+    dev, rows = torch.device("cuda"), []
+    for mask in a.masks.split(","):
+        total, plan = make_plan(mask, a.cp, a.tokens, 0)
+        auto = a.backends == "auto"
+        kern = auto_kernel(mask, total, plan) if auto else attn_kernel(KernelBackend(a.backends))
+        rp = max(plan.ranks, key=lambda r: r.num_remote_tokens)
+        q, do, k, v, tables = _rank_problem(mask, a.cp, a.tokens, rp, plan, dev)
+        (qw, kw, vw, dw), wt = _whole_mask(mask, min(total, 65536))
+        problems = {"rank": (q, do, k, v, common.kernel_slices(*tables)),
+                    "whole": (qw, dw, kw, vw, common.kernel_slices(*wt))}  # fmt: skip
+        steps = {}
+        for name, (qq, dd, kk, vv, sl) in problems.items():
+            out, lse = kern.fwd_slices(qq, kk, vv, sl)
+            steps[name] = functools.partial(kern.bwd_slices, dd, qq, kk, vv, out, lse, sl)
+        for step in (*steps.values(), *steps.values()):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for name, step in steps.items():
+            with torch.cuda.nvtx.range(f"{mask} {name}"):
+                step()
+            torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        rows.append({"mask": mask, "cp": a.cp, "tokens_per_gpu": a.tokens, "rank": rp.rank,
+                     "rank_keys": k.shape[0], "whole_tokens": qw.shape[0]})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probe", choices=("fold", "aligned", "host"))
+    ap.add_argument("probe", choices=("fold", "aligned", "host", "ncu-target"))
     ap.add_argument("--masks", default="varlen_causal,video_block_causal,varlen_full,causal")
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU")
@@ -287,7 +326,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    rows = {"fold": fold_main, "aligned": aligned_main, "host": host_main}[a.probe](a)
+    probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "ncu-target": ncu_target_main}
+    rows = probes[a.probe](a)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": common.environment(), "rows": rows}, f, indent=1)
