@@ -179,9 +179,10 @@ def _once_ms(fn) -> tuple[float, object]:
 
 def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
     """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
-    launchers (`attn_kernel`) through their runtime entry (slices checked once), as the runtime: one call (the merged stage at degree 0) writes out / lse and the
-    gradients itself, with the runtime's K/V concatenation before it and the fp32 dK/dV it sends after; more
-    calls: the first writes the accumulator, later stages merge, the gradients accumulate in fp32."""
+    launchers (`attn_kernel`) through their runtime entry (slices checked once), as the runtime: one call
+    (the merged stage at degree 0) writes out / lse and the gradients itself, with the runtime's K/V
+    concatenation before it and the fp32 dK/dV it sends after; more calls: the first writes the accumulator,
+    later stages merge, the gradients accumulate in fp32."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
 
