@@ -131,15 +131,9 @@ def aligned_layout(clipped, host_map, runs, kv_shard) -> tuple[list, np.ndarray]
     global start mod TILE, and the gather index of that buffer into ``cat([own] + recv buffers)`` (-1: pad).
     Arguments: what ``magi_solver.plan._rank_plan`` receives."""
     from magi_solver._slicing import merge_full, slice_over
+    from magi_solver.plan import _key_map
 
-    kmap, bufs = list(host_map), []
-    for si, stage_runs in enumerate(runs):
-        base = 0
-        for s, e, _, _ in stage_runs:
-            kmap.append((s, e, si, base))
-            base += e - s
-        bufs.append(base)
-    kmap.sort()
+    kmap, bufs = _key_map(host_map, runs)
     stage_off = np.cumsum([kv_shard, *bufs])
     layout, sources, pos, prev = [], [], 0, None
     for s, e, dest, base in kmap:

@@ -694,6 +694,22 @@ def _cast_args(
     return build_cast_args(wants, shards)
 
 
+def _key_map(
+    host_map: list[tuple[int, int, int, int]], runs: list[list[tuple[int, int, int, int]]]
+) -> tuple[list[tuple[int, int, int, int]], list[int]]:
+    """Where a rank's keys live: entries (global start, global end, stage or -1 for its own, base in that
+    buffer) sorted by global start, and the tokens of each stage's recv buffer."""
+    kmap, bufs = list(host_map), []
+    for si, stage_runs in enumerate(runs):
+        base = 0
+        for s, e, _, _ in stage_runs:
+            kmap.append((s, e, si, base))
+            base += e - s
+        bufs.append(base)
+    kmap.sort()
+    return kmap, bufs
+
+
 def _rank_plan(
     dispatch: DispatchPlan,
     rank: int,
@@ -706,15 +722,7 @@ def _rank_plan(
 ) -> RankPlan:
     """Cut the rank's clipped slices by host keys and every stage's recv buffer; assemble its RankPlan."""
     num_stages = len(runs)
-    kmap = list(host_map)
-    bufs = []
-    for si, stage_runs in enumerate(runs):
-        base = 0
-        for s, e, _, _ in stage_runs:
-            kmap.append((s, e, si, base))
-            base += e - s
-        bufs.append(base)
-    kmap.sort()
+    kmap, bufs = _key_map(host_map, runs)
     out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(num_stages + 1)]
     slice_over(clipped, kmap, out)
     host_sl = merge_full(out[num_stages])
