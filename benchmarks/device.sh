@@ -102,11 +102,13 @@ phase_mask-loop-profile() {  # the steps that miss 1.5x the median, profiled (FA
 phase_rank-ncu() {  # Nsight Compute of the busiest cp 8 rank's backward against the whole mask's (NCU_MASKS)
   run "${BENCH_S:-400}" ncu --clock-control none --profile-from-start off --nvtx --target-processes all \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats --section SchedulerStats -f -o "$OUT/rank_ncu" \
+    --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis -f -o "$OUT/rank_ncu" \
     python3 -m benchmarks.rank_problem_probes ncu-target --backends "${NCU_BACKEND:-cudnn}" \
     --masks "${NCU_MASKS:-varlen_causal}"
   ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page details > "$OUT/rank_ncu.csv" 2>>"$LOG"
-  ncu --import "$OUT/rank_ncu.ncu-rep" --print-summary per-kernel 2>>"$LOG" | tail -60 | tee -a "$LOG"
+  ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page raw > "$OUT/rank_ncu_raw.csv" 2>>"$LOG"
+  run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/rank_ncu_raw.csv" \
+    --json "$OUT/rank_ncu_summary.json"
 }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {

@@ -15,14 +15,18 @@ makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads
     python -m benchmarks.rank_problem_probes host --tokens 8192 --json host.json
 
 ``ncu-target`` runs the busiest rank's backward and the whole mask's once each for Nsight Compute (``bash
-benchmarks/device.sh rank-ncu``).
+benchmarks/device.sh rank-ncu``); ``ncu-summary --csv FILE`` prints, per profiled kernel, the metrics that tell
+a short-column problem from the whole mask's (time, SM activity against elapsed cycles, occupancy, waves,
+memory and cache rates, the top warp stall reasons) from ``ncu --import REPORT --csv --page raw``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -307,9 +311,63 @@ def ncu_target_main(a) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------- ncu summary
+NCU_COLUMNS = {  # raw metric -> short name, in print order
+    "gpu__time_duration.sum": "time",
+    "launch__grid_size": "grid",
+    "launch__waves_per_multiprocessor": "waves",
+    "launch__registers_per_thread": "regs",
+    "sm__cycles_active.avg": "sm_active",
+    "sm__cycles_elapsed.avg": "sm_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_%",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "mem_%",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_%",
+    "lts__t_sector_hit_rate.pct": "l2_hit_%",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy_%",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_%",
+}
+_STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def ncu_summary(rows: list[dict[str, str]], top_stalls: int = 5) -> list[dict]:
+    """One dict per profiled kernel of an ``ncu --csv --page raw`` export (its rows as dicts, the units row
+    left out): the kernel's id and name, the ``NCU_COLUMNS`` metrics present (as numbers), ``sm_busy`` (SM
+    active cycles over elapsed: below 1 the SMs idled, e.g. in a tail) and the ``top_stalls`` largest warp
+    stall reasons (warps stalled per issued instruction)."""
+    out = []
+    for row in rows:
+        kernel = {"id": row.get("ID"), "kernel": (row.get("Kernel Name") or "")[:60]}
+        for metric, short in NCU_COLUMNS.items():
+            if metric in row and (x := _number(row[metric])) is not None:
+                kernel[short] = x
+        if kernel.get("sm_elapsed"):
+            kernel["sm_busy"] = round(kernel.get("sm_active", 0.0) / kernel["sm_elapsed"], 3)
+        stalls = [(m.group(1), _number(v)) for k, v in row.items() if (m := _STALL.match(k))]
+        stalls = sorted(((n, x) for n, x in stalls if x is not None), key=lambda t: -t[1])
+        kernel["stalls"] = {n: round(x, 3) for n, x in stalls[:top_stalls]}
+        out.append(kernel)
+    return out
+
+
+def ncu_summary_main(a) -> list[dict]:
+    with open(a.csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kernels = ncu_summary(rows[1:] if rows and not (rows[0].get("ID") or "").strip().isdigit() else rows)
+    for k in kernels:
+        print(json.dumps(k), flush=True)
+    return kernels
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probe", choices=("fold", "aligned", "host", "ncu-target"))
+    ap.add_argument("probe", choices=("fold", "aligned", "host", "ncu-target", "ncu-summary"))
     ap.add_argument("--masks", default="varlen_causal,video_block_causal,varlen_full,causal")
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU")
@@ -319,8 +377,10 @@ def main() -> int:
     ap.add_argument("--det", default="0,1", help="fold: deterministic backward off / on")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--csv", default=None, help="ncu-summary: an `ncu --import R --csv --page raw` export")
     a = ap.parse_args()
-    probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "ncu-target": ncu_target_main}
+    probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "ncu-target": ncu_target_main,
+              "ncu-summary": ncu_summary_main}  # fmt: skip
     rows = probes[a.probe](a)
     if a.json:
         with open(a.json, "w") as f:

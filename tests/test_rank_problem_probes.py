@@ -53,3 +53,24 @@ def test_aligned_key_layout_gives_the_same_output() -> None:
         torch.testing.assert_close(o1, o2)
         torch.testing.assert_close(l1, l2)
         assert len(index) - n < TILE * (len(slices) + 1)
+
+
+def test_ncu_summary_reads_a_raw_export(tmp_path) -> None:
+    import csv
+
+    from benchmarks.rank_problem_probes import ncu_summary
+
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "sm__cycles_active.avg", "sm__cycles_elapsed.avg",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"]  # fmt: skip
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerow(["", "", "ns", "cycle", "cycle", "", ""])
+        w.writerow(["0", "bwd_kernel", "1,500", "800", "1000", "0.5", "2.25"])
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))[1:]
+    (k,) = ncu_summary(rows)
+    assert k["time"] == 1500.0 and k["sm_busy"] == 0.8
+    assert list(k["stalls"]) == ["long_scoreboard", "barrier"]
