@@ -7,12 +7,16 @@ makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads
   ``G`` times longer and whose dK / dV need no fp32 accumulation across heads. Copies included.
 - ``aligned``: the merged call's keys in global order, each run at a buffer offset congruent to its global
   start mod 128 (touching runs stay touching): the whole mask's tiles and one key interval per row.
+- ``heads``: the rank's problem and the whole mask's at other head counts (``--heads 64:8,64:64,8:8,8:1``):
+  their rate ratio at each, to tell a cost of GQA's dK/dV accumulation across a group's heads (gone at
+  ``64:64``) from a cost per CTA (``8:8``: the same columns, 8 times fewer CTAs) or the grid's shape.
 - ``host``: one forward / backward timed alone (CUDA events around one call) against calls queued behind a
   busy GPU, and the host time per call while the GPU is busy (a call that synchronizes waits for the queue).
 
     python -m benchmarks.rank_problem_probes fold --backends cudnn --json fold.json
     python -m benchmarks.rank_problem_probes aligned --backends cudnn --json aligned.json
     python -m benchmarks.rank_problem_probes host --tokens 8192 --json host.json
+    python -m benchmarks.rank_problem_probes heads --backends cudnn --json heads.json
 
 ``ncu-target`` runs the busiest rank's backward and the whole mask's once each for Nsight Compute (``bash
 benchmarks/device.sh rank-ncu``); ``ncu-summary --csv FILE`` prints, per profiled kernel, the metrics that tell
@@ -275,6 +279,61 @@ def host_main(a) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- heads
+def _with_heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``t`` ``[S, H, D]`` with ``h`` heads of random values (same tokens, dtype, device)."""
+    return torch.randn(t.shape[0], h, *t.shape[2:], device=t.device, dtype=t.dtype)
+
+
+def heads_main(a) -> list[dict]:
+    """Backward (and forward) rate of the busiest rank's merged call against the whole mask's (at most 64k
+    tokens) at each ``--heads`` shape; rates in TFLOP/s (the slices' area), interleaved rounds."""
+    dev, rows = torch.device("cuda"), []
+    for backend in a.backends.split(","):
+        mod = __import__(f"magi_ffa_{backend}")
+        for mask in a.masks.split(","):
+            total, plan = make_plan(mask, a.cp, a.tokens, 0)
+            rp = max(plan.ranks, key=lambda r: r.num_remote_tokens)
+            q0, _, k0, _, tables = _rank_problem(mask, a.cp, a.tokens, rp, plan, dev)
+            (qw0, kw0, _, _), wt = _whole_mask(mask, min(total, 65536))
+            problems = {"rank": (q0, k0, tables), "whole": (qw0, kw0, wt)}
+            for shape in a.heads.split(","):
+                hq, hk = (int(x) for x in shape.split(":"))
+                fns, area = {}, {}
+                for name, (qq, kk, tt) in problems.items():
+                    q, do, k, v = (
+                        _with_heads(qq, hq),
+                        _with_heads(qq, hq),
+                        _with_heads(kk, hk),
+                        _with_heads(kk, hk),
+                    )
+                    out, lse = mod.ffa_fwd(q, k, v, *tt)[:2]
+                    fns[f"{name}_fwd"] = functools.partial(mod.ffa_fwd, q, k, v, *tt)
+                    fns[f"{name}_bwd"] = functools.partial(mod.ffa_bwd, do, q, k, v, out, lse, *tt)
+                    area[name] = common.mask_area(*(x.tolist() for x in tt))
+                for fn in fns.values():  # launch data built before the rounds
+                    fn()
+                t = _median_rounds(fns, a.rounds)
+                row = {"backend": backend, "mask": mask, "cp": a.cp, "rank": rp.rank, "heads": shape,
+                       "rank_keys": k0.shape[0], "whole_tokens": qw0.shape[0], **{f"{n}_ms": x for n, x in t.items()}}  # fmt: skip
+                for name in problems:
+                    for step, factor in (("fwd", 1.0), ("bwd", 2.5)):
+                        flops = factor * 4.0 * area[name] * hq * q0.shape[2]
+                        row[f"{name}_{step}_tflops"] = flops / (t[f"{name}_{step}"] * 1e9)
+                for step in ("fwd", "bwd"):
+                    row[f"rate_ratio_{step}"] = row[f"rank_{step}_tflops"] / row[f"whole_{step}_tflops"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(
+        f"{'case':<36} {'heads':>6} {'rank fwd/bwd TF/s':>18} {'whole fwd/bwd TF/s':>19} {'ratio fwd/bwd':>14}"
+    )
+    for r in rows:
+        print(f"{r['backend'] + ' ' + r['mask']:<36} {r['heads']:>6} "
+              f"{r['rank_fwd_tflops']:>8.0f}/{r['rank_bwd_tflops']:<9.0f} {r['whole_fwd_tflops']:>9.0f}/"
+              f"{r['whole_bwd_tflops']:<9.0f} {r['rate_ratio_fwd']:>6.2f}/{r['rate_ratio_bwd']:<7.2f}")  # fmt: skip
+    return rows
+
+
 # ------------------------------------------------------------------------------------------- ncu target
 def ncu_target_main(a) -> list[dict]:
     """The busiest rank's backward and the whole mask's (``min(cp x tokens, 64k)`` tokens), each once
@@ -367,7 +426,7 @@ def ncu_summary_main(a) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probe", choices=("fold", "aligned", "host", "ncu-target", "ncu-summary"))
+    ap.add_argument("probe", choices=("fold", "aligned", "host", "heads", "ncu-target", "ncu-summary"))
     ap.add_argument("--masks", default="varlen_causal,video_block_causal,varlen_full,causal")
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU")
@@ -376,10 +435,11 @@ def main() -> int:
     )
     ap.add_argument("--det", default="0,1", help="fold: deterministic backward off / on")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", default="64:8,64:64,8:8,8:1", help="heads: query:key head counts to compare")
     ap.add_argument("--json", default=None)
     ap.add_argument("--csv", default=None, help="ncu-summary: an `ncu --import R --csv --page raw` export")
     a = ap.parse_args()
-    probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "ncu-target": ncu_target_main,
+    probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "heads": heads_main, "ncu-target": ncu_target_main,
               "ncu-summary": ncu_summary_main}  # fmt: skip
     rows = probes[a.probe](a)
     if a.json:
