@@ -11,6 +11,8 @@ import pytest
 from magi_group_collective.testing import run_ranks
 
 CASES_PER_WORLD = 6
+NARROW_PAIRS = (("bfloat16", "float32"), ("float16", "float64"), ("float32", "float64"))
+"""(input, output) dtypes of the narrower-input GroupReduce checks (names: the ranks import torch late)."""
 
 
 def _payload(rank: int, n: int, trailing: tuple[int, ...], dtype):
@@ -129,6 +131,66 @@ def _reduce_checks(rank, W, tabs, t, mod, torch, impl=None, group=None):
     return results
 
 
+def _narrow_input_checks(rank, t, mod, torch, pairs, impl=None, group=None):
+    """A narrower floating ``input`` (sum / avg) gives the bits of its widened copy on every path, and the
+    a2av / hierarchical implementations send it in its own dtype (fewer bytes). ``pairs``: (input, output)
+    dtypes to check."""
+    import magi_group_collective._a2av as a2av_mod
+    import magi_group_collective._hierarchical as hier_mod
+
+    gen = torch.Generator().manual_seed(4321 + rank)
+    in_sizes, out_sizes, dst_index, src_indices = t.transpose_args()
+    n_in, n_out = sum(in_sizes), sum(out_sizes)
+    plan = mod.GroupReducePlan(in_sizes, out_sizes, dst_index, src_indices, group=group, impl=impl)
+    sent: list = []  # dtype of every buffer the runner hands to all_to_all_single
+    module = hier_mod if plan.impl == mod.GroupCollectiveImpl.HIERARCHICAL else a2av_mod
+    real_a2a = module.a2a
+
+    def recording_a2a(recv, send, *args):
+        sent.append((send.dtype, recv.dtype))
+        return real_a2a(recv, send, *args)
+
+    for narrow, wide in ((getattr(torch, a), getattr(torch, b)) for a, b in pairs):
+        # values that round when narrowed, so a wrong widening or a product taken in the narrow dtype shows
+        x = (torch.randn((n_in, 5), generator=gen, dtype=torch.float64) * 3).to(narrow)
+        out0 = (torch.randn((n_out, 5), generator=gen, dtype=torch.float64) * 3).to(wide)
+        for op in ("sum", "avg"):
+            for det in (False, True):
+                want = out0.clone()
+                plan.reduce(x.to(wide), want, reduce_op=op, deterministic=det)
+                module.a2a = recording_a2a
+                try:
+                    sent.clear()
+                    got = out0.clone()
+                    plan.reduce(x, got, reduce_op=op, deterministic=det)
+                    assert sent and sent[0] == (narrow, narrow), f"{narrow} input sent as {sent}"
+                    got_async = out0.clone()
+                    plan.reduce(x, got_async, reduce_op=op, async_op=True, deterministic=det).wait()
+                finally:
+                    module.a2a = real_a2a
+                where = f"{plan.impl} {op} {narrow}->{wide} deterministic={det}"
+                assert torch.equal(got, want), f"narrow input {where}: not the bits of the widened input"
+                assert torch.equal(got_async, want), f"narrow input {where} async"
+                if impl is None and group is None:
+                    got = out0.clone()
+                    mod.group_reduce(x, got, *t.transpose_args(), reduce_op=op, deterministic=det)
+                    assert torch.equal(got, want), f"functional narrow input {where}"
+    if impl is None:
+        # a runner that moves only output's dtype (native's) gets the input widened by the plan first
+        plan._runner.narrow_input = False
+        module.a2a = recording_a2a
+        try:
+            sent.clear()
+            got = out0.clone()
+            plan.reduce(x, got)
+        finally:
+            module.a2a = real_a2a
+            del plan._runner.narrow_input
+        want = out0.clone()
+        plan.reduce(x.to(wide), want)
+        assert sent[0] == (wide, wide) and torch.equal(got, want), f"widened by the plan: sent {sent}"
+
+
 def _adjoint_and_autograd(rank, W, tabs, t, mod, torch):
     import torch.distributed as dist
 
@@ -168,6 +230,19 @@ def _adjoint_and_autograd(rank, W, tabs, t, mod, torch):
                 off += size
         ref = mod.testing.reference_cast(tabs, _all(w * scale[:, None]), rank)
         assert torch.allclose(yg.grad, ref, atol=1e-12), f"reduce {op} backward != transposed cast"
+
+    # autograd with a narrower input: forward as the widened input, input's gradient back in its own dtype
+    y32 = y.float().requires_grad_(True)
+    acc = torch.zeros_like(x).requires_grad_(True) * 1.0
+    mod.group_reduce(y32, acc, *t.transpose_args())
+    want = torch.zeros_like(x)
+    mod.group_reduce(y32.detach().double(), want, *t.transpose_args())
+    assert torch.equal(acc.detach(), want), "narrow input under autograd: forward"
+    w = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    (acc * w).sum().backward()
+    assert y32.grad.dtype == torch.float32, y32.grad.dtype
+    ref = mod.testing.reference_cast(tabs, _all(w), rank).float()
+    assert torch.equal(y32.grad, ref), "narrow input under autograd: backward != transposed cast"
 
 
 def _bad_inputs(rank, W, mod, torch):
@@ -212,6 +287,20 @@ def _bad_inputs(rank, W, mod, torch):
         rplan.reduce(y, acc, reduce_op="sum", input_lse=lse_y)
     with pytest.raises(TypeError, match="floating"):
         rplan.reduce(y.long(), acc.long(), reduce_op="avg")
+    # a narrower floating input is allowed for sum / avg only; any other dtype mismatch still raises
+    for a, b, op in (
+        (y.double(), acc, "sum"),  # wider input
+        (y.int(), acc.long(), "sum"),  # integers
+        (y.int(), acc, "sum"),
+        (y.half(), acc.bfloat16(), "avg"),  # same width, other format (not exact)
+        (y.to(torch.complex64), acc.to(torch.complex128), "sum"),
+    ):
+        with pytest.raises(TypeError, match=r"`input` dtype .* `output` dtype"):
+            rplan.reduce(a, b, reduce_op=op)
+    with pytest.raises(TypeError, match=r"`input` dtype .* `output` dtype"):
+        rplan.reduce(y.bfloat16(), acc, reduce_op="lse", input_lse=lse_y, output_lse=lse_acc)
+    with pytest.raises(TypeError, match=r"`input` dtype .* `output` dtype"):
+        mod.group_reduce(y.double(), acc, good[1], good[0], good[3], good[2])  # the transposed tables
     with pytest.raises(NotImplementedError, match="lse"):
         mod.group_reduce(y.clone().requires_grad_(True), acc, [1], [3], [0], [[0]], reduce_op="lse",
                          input_lse=lse_y, output_lse=lse_acc)  # fmt: skip
@@ -247,6 +336,8 @@ def _hier_checks(rank, W, mesh_shape, seed, mod, torch):
         a2av_on_mesh = mod.GroupCastPlan(*t.args(), group=mesh, impl="a2av")  # flat impl over the mesh
         a2av_on_mesh.cast(x, hier)
         assert a2av_on_mesh.impl == "a2av" and torch.equal(flat, hier), "a2av over a 2-D mesh"
+        if case == 0:
+            _narrow_input_checks(rank, t, mod, torch, NARROW_PAIRS, impl="hierarchical", group=mesh)
         hier_res = _reduce_checks(rank, W, tabs, t, mod, torch, impl="hierarchical", group=mesh)
         flat_res = _reduce_checks(rank, W, tabs, t, mod, torch)
         for key, (out, _lse) in flat_res.items():  # bf16: both already match the fp64 reference
@@ -322,6 +413,8 @@ def battery(rank: int, W: int, seed: int) -> int:
         _cast_checks(rank, W, tabs, t, mod, torch)
         _reduce_checks(rank, W, tabs, t, mod, torch)
         _adjoint_and_autograd(rank, W, tabs, t, mod, torch)
+        if case == 0:
+            _narrow_input_checks(rank, t, mod, torch, NARROW_PAIRS)
         checks += 1
     _bad_inputs(rank, W, mod, torch)
     _debug_checks(rank, W, mod, torch)
@@ -354,6 +447,7 @@ def triton_battery(rank: int, W: int, seed: int) -> int:
         tabs = mod.testing.random_cast_tables(W, seed * 100 + case)
         _cast_checks(rank, W, tabs, tabs[rank], mod, torch)
         _reduce_checks(rank, W, tabs, tabs[rank], mod, torch)
+    _narrow_input_checks(rank, tabs[rank], mod, torch, NARROW_PAIRS[::2])  # the hierarchical checks: all
     _hier_checks(rank, W, (2, W // 2), seed, mod, torch)
     kernels = sys.modules.get("magi_group_collective._triton_kernels")
     assert kernels is not None, "the Triton kernels never ran"
@@ -389,6 +483,12 @@ def _mismatch_worker(rank, W, mod, torch):
     out = torch.zeros(sum(good[1]), trailing)
     with pytest.raises(ValueError, match="different"):
         plan.cast(x, out)
+    # a narrower input is fine, but every rank must pass the same output dtype as well as input dtype
+    rtables = (good[1], good[0], good[3], good[2])
+    y = torch.zeros(sum(good[1]), 2, dtype=torch.bfloat16)
+    acc = torch.zeros(3, 2, dtype=torch.float64 if rank == 1 else torch.float32)
+    with pytest.raises(ValueError, match="output dtype"):
+        mod.group_reduce(y, acc, *rtables)
     return True
 
 

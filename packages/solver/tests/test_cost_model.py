@@ -190,8 +190,12 @@ def test_building_blocks_in_seconds() -> None:
     assert m.kernel(area) == pytest.approx(30e-6 + m.calc(area)) and m.kernel(0) == 0.0
     assert m.fetch(4096) == pytest.approx(30e-6 + 4096 * 4096 / 200e9)
     assert m.reduce(4096) == pytest.approx(30e-6 + 4096 * 8192 / 200e9)
+    # degree 0 sends the merged kernel's bf16 dK/dV: the bytes of K and V
+    assert m.merged_grad_kv_bytes_per_token == m.kv_bytes_per_token
+    assert m.reduce(4096, merged=True) == pytest.approx(30e-6 + 4096 * 4096 / 200e9)
     assert m.comm(4096) == m.fetch(4096)
     assert m.comm(4096, backward=True) == pytest.approx(m.fetch(4096) + m.reduce(4096))
+    assert m.comm(4096, backward=True, merged=True) == pytest.approx(2 * m.fetch(4096))
     assert m.stage_overhead(8192) == pytest.approx(30e-6 + 10 * 8192 * 64 * 128 / 3000e9)
     assert m.copy(1000) == pytest.approx(2 * 1000 * 4096 / 3000e9)
     # the factor estimate agrees with the model's throughput terms
@@ -220,7 +224,8 @@ def test_degree_zero_schedule_by_hand() -> None:
     fwd = m.schedule_time(0, 10, [6], [3], 4)
     assert fwd == pytest.approx((0.25 + 3) + (4 + 3) + (0.5 + 16))  # fetch + copy + one kernel
     bwd = m.schedule_time(0, 10, [6], [3], 4, backward=True)
-    assert bwd == pytest.approx((0.25 + 3) + 7 + (0.5 + 16) + (0.25 + 6))  # ... + blocking dK/dV reduce
+    # ... + the blocking dK/dV reduce, which sends the kernel's dtype (K/V's bytes, not the fp32 of d >= 1)
+    assert bwd == pytest.approx((0.25 + 3) + 7 + (0.5 + 16) + (0.25 + 3))
     assert m.total_time(0, 10, [6], [3], 4) == pytest.approx(fwd + bwd)
 
 
@@ -287,9 +292,9 @@ def test_degree_zero_wins_when_stage_costs_outweigh_the_hidden_fetch() -> None:
     assert plan.degree_costs[0] < plan.degree_costs[1] < plan.degree_costs[2]
     assert max(plan.predicted_times) == plan.degree_costs[0]
     # per rank: fetch 16k tokens, copy 32k tokens of K/V, one kernel over 16k x 32k pairs; backward the same
-    # plus the dK/dV reduce
+    # plus the dK/dV reduce, which at degree 0 sends the kernel's bf16 dK/dV: as many bytes as the fetch
     flops = 4 * 16384 * 32768 * 64 * 128
-    fetch, reduce = 30e-6 + 16384 * 4096 / 200e9, 30e-6 + 16384 * 8192 / 200e9
+    fetch = reduce = 30e-6 + 16384 * 4096 / 200e9
     copy = 2 * 32768 * 4096 / 3000e9
     fwd = fetch + copy + 30e-6 + flops / 600e12
     bwd = fetch + copy + 30e-6 + 2.5 * flops / 450e12 + reduce

@@ -58,6 +58,9 @@ class _A2AVCast(CastRunner):
 
 
 class _A2AVReduce(ReduceRunner):
+    # the all-to-all moves input's dtype; reduce_rows widens each received row into the accumulator
+    narrow_input = True
+
     def __init__(self, tables: ReduceTables, comm: Comm, device: torch.device):
         self.group = comm.group
         starts, sizes, self.send_splits = _peer_major_rows(tables.sends(), tables.input_split_sizes)
@@ -73,7 +76,7 @@ class _A2AVReduce(ReduceRunner):
 
     def run(self, input, output, reduce_op, input_lse, output_lse, async_op, deterministic=False):
         send = input if self.send_identity and input.is_contiguous() else gather_rows(input, self.send_idx)
-        recv = output.new_empty((self.red.recv_to_out.numel(), *output.shape[1:]))
+        recv = input.new_empty((self.red.recv_to_out.numel(), *output.shape[1:]))  # input's dtype
         works = [a2a(recv, send, self.recv_splits, self.send_splits, self.group, async_op)]
         recv_lse = None
         if reduce_op is ReduceOp.LSE:

@@ -251,8 +251,12 @@ def group_reduce(
     """Transpose of :func:`group_cast`: send each input piece to one rank, reduce into ``output``.
 
     Args:
-        input: ``[sum(input_split_sizes), ...]``; cut along dim 0 into ``input_split_sizes``.
-        output: ``[sum(output_split_sizes), ...]`` same dtype and trailing shape; accumulated into.
+        input: ``[sum(input_split_sizes), ...]``; cut along dim 0 into ``input_split_sizes``. For
+            ``"sum"`` / ``"avg"`` it may be a narrower floating dtype than ``output`` (float16 / bfloat16
+            into float32 / float64, float32 into float64): the same bits as ``input.to(output.dtype)``, fewer
+            bytes sent (see :meth:`GroupReducePlan.reduce`).
+        output: ``[sum(output_split_sizes), ...]`` same trailing shape, and ``input``'s dtype unless that
+            is narrower as above; accumulated into.
         input_split_sizes: ``n_in`` token counts of the input pieces.
         output_split_sizes: ``n_out`` token counts of the output pieces.
         dst_index: per input piece, the single rank it goes to.
@@ -282,16 +286,22 @@ def group_reduce(
             raise NotImplementedError(
                 "autograd through group_reduce(reduce_op='lse') is not supported; call it under torch.no_grad()"
             )
-        check_tensor_pair(input, output, sum(built.input_split_sizes), sum(built.output_split_sizes))
+        n_in, n_out = sum(built.input_split_sizes), sum(built.output_split_sizes)
+        check_tensor_pair(input, output, n_in, n_out, narrower_input=ops[0] is not ReduceOp.LSE)
         _validate_reduce_extras(ops[0], input, output, input_lse, output_lse)
 
-    _agree_on_call(
-        "group_reduce", comm, ReduceTables, tables, check, lambda: {**_same(input), "reduce_op": str(ops[0])}
-    )
+    def same() -> dict:
+        # output's dtype too: it may differ from input's (a narrower input), and ranks must agree on both
+        return {**_same(input), "output dtype": output.dtype, "reduce_op": str(ops[0])}
+
+    _agree_on_call("group_reduce", comm, ReduceTables, tables, check, same)
     op = ops[0]
     plan = _get_plan(GroupReducePlan, tables, group, input.device)
     if _needs_grad(input, output, input_lse, output_lse):
-        delta = _ReduceFn.apply(input, plan, op, tuple(output.shape), bool(deterministic))
+        # widened before autograd records the reduce: its backward (a cast) then runs in output's dtype,
+        # and the backward of `.to` hands input's gradient back in input's dtype
+        wide = input.to(output.dtype)
+        delta = _ReduceFn.apply(wide, plan, op, tuple(output.shape), bool(deterministic))
         output.add_(delta)  # accumulate onto output, recorded by autograd
         return Work.completed()
     return plan.reduce(

@@ -169,6 +169,10 @@ class _HierCast(CastRunner):
 
 
 class _HierReduce(ReduceRunner):
+    # stage 1 moves input's dtype and the pre-reduction widens it exactly into the partial sums P; stage 2
+    # moves P, in output's dtype (it holds sums)
+    narrow_input = True
+
     def __init__(self, tables: ReduceTables, comm: Comm, device: torch.device, all_t: Sequence[ReduceTables]):
         _check(all_t)
         N, L = comm.mesh_shape
@@ -243,7 +247,7 @@ class _HierReduce(ReduceRunner):
         trailing = output.shape[1:]
         lse = reduce_op is ReduceOp.LSE
         send1 = gather_rows(input, self.send1_idx)
-        b1 = output.new_empty((self.pre.recv_to_out.numel(), *trailing))
+        b1 = input.new_empty((self.pre.recv_to_out.numel(), *trailing))
         works = [a2a(b1, send1, self.r1_splits, self.s1_splits, self.intra, True)]
         if lse:
             send1_lse = gather_rows(input_lse, self.send1_idx)

@@ -27,6 +27,11 @@ class CastRunner(ABC):
 class ReduceRunner(ABC):
     """Runs one rank's GroupReduce for fixed tables; all metadata precomputed."""
 
+    #: True when :meth:`run` takes (sum / avg) an ``input`` of a narrower floating dtype than ``output``, sends
+    #: it in its own dtype and widens it exactly in the reduction (the same bits as widening it first, fewer
+    #: bytes); False: the plan widens ``input`` to ``output``'s dtype before calling :meth:`run`.
+    narrow_input: ClassVar[bool] = False
+
     @abstractmethod
     def run(
         self,
@@ -38,8 +43,9 @@ class ReduceRunner(ABC):
         async_op: bool,
         deterministic: bool = False,
     ) -> Work:
-        """Send ``input`` pieces, reduce into ``output`` (validated by the caller); ``deterministic``: every
-        reduction adds in a fixed order (the same bits on every run)."""
+        """Send ``input`` pieces, reduce into ``output`` (validated by the caller; ``input``'s dtype is
+        ``output``'s, or narrower only when :attr:`narrow_input`); ``deterministic``: every reduction adds in a
+        fixed order (the same bits on every run)."""
 
 
 class CollectiveImpl(ABC):

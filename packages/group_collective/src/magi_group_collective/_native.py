@@ -186,7 +186,12 @@ class NativeCast(CastRunner):
 
 
 class NativeReduce(ReduceRunner):
-    """One rank's native GroupReduce."""
+    """One rank's native GroupReduce.
+
+    ``narrow_input`` stays False (the plan widens a narrower input first): the pull kernels address every
+    rank's staged rows through one view of the symmetric buffer in ``output``'s dtype, so reading narrow rows
+    would need the kernels and the slot layout to carry a second element size.
+    """
 
     def __init__(self, layout: NativeReduceLayout, rank: int, device: torch.device, buffer=None):
         self.layout, self.rank, self.buffer = layout, rank, buffer

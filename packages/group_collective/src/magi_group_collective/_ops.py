@@ -95,7 +95,8 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
 
 
 def _fixed_order_add(acc: torch.Tensor, red: ReduceIndex, src: torch.Tensor) -> None:
-    """``acc[recv_to_touched[k]] += src[k]`` (``acc`` ``[T, ...]``, one row per touched output row), each
+    """``acc[recv_to_touched[k]] += src[k]`` (``acc`` ``[T, ...]``, one row per touched output row; ``src``
+    ``[R, ...]`` in ``acc``'s dtype, so each addition rounds once, in that dtype), each
     row's contributions added one at a time in received order (``red.levels``): no atomics, so the same bits
     on every run and device. ``index_add_`` on CUDA adds with atomics, in whatever order they land."""
     for positions, rows in red.levels:
@@ -112,7 +113,9 @@ def reduce_rows(
     """``out[recv_to_out[k]] += weight[k] * recv[k]`` over all k, accumulated in fp32 for fp16/bf16.
 
     ``weight`` is ``[R]`` fp32 (``avg``: 1 / number of sources of the piece) or None (plain sum).
-    ``out`` ``[N_out, ...]`` and ``recv`` ``[R, ...]`` share dtype and trailing shape. The Triton kernel
+    ``out`` ``[N_out, ...]`` and ``recv`` ``[R, ...]`` share the trailing shape; ``recv`` has ``out``'s dtype
+    or a narrower floating one, widened exactly before any arithmetic, so the bits are those of
+    ``recv.to(out.dtype)`` on every path. The Triton kernel
     (one program per output row) adds in a fixed source order always; the torch fallback (no Triton, or
     ``out`` not contiguous) uses ``index_add_`` (atomics on CUDA) unless ``deterministic``, which adds each
     row's sources in received order (bitwise repeatable, and the same bits as CPU ``index_add_``).
@@ -126,7 +129,9 @@ def reduce_rows(
         return
     src = recv
     if weight is not None:
-        src = src.to(torch.float32 if src.dtype in _HALF else src.dtype)
+        # weighted in out's accumulation dtype, not recv's: a narrower recv (fp32 into fp64 out) must get
+        # the product a recv of out's dtype gets
+        src = src.to(acc_dtype(out.dtype))
         src = src * weight.to(src.dtype).view(-1, *([1] * (src.dim() - 1)))
     if out.dtype in _HALF:
         # One rounding per output element: gather the touched rows, accumulate in fp32, write back.

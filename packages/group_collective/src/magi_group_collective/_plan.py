@@ -36,9 +36,31 @@ def _gather_tables(tables, comm: Comm, check: bool) -> list:
     return gathered
 
 
-def check_tensor_pair(input, output, n_in: int, n_out: int, device: torch.device | None = None) -> None:
+#: Bits of the floating dtypes a GroupReduce (sum / avg) takes as a narrower ``input`` than its ``output``:
+#: each converts exactly to every wider one here, so sending a narrow input as it is and widening it at the
+#: receiver gives the same bits as widening it before sending, with fewer bytes on the wire.
+_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+
+def is_narrower_float(input_dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
+    """True when ``input_dtype`` widens exactly into ``output_dtype``: fp16 / bf16 into fp32 / fp64, fp32 into
+    fp64 (not fp16 <-> bf16, whose ranges differ, nor integer or complex dtypes)."""
+    bits_in, bits_out = _FLOAT_BITS.get(input_dtype), _FLOAT_BITS.get(output_dtype)
+    return bits_in is not None and bits_out is not None and bits_in < bits_out
+
+
+def check_tensor_pair(
+    input,
+    output,
+    n_in: int,
+    n_out: int,
+    device: torch.device | None = None,
+    *,
+    narrower_input: bool = False,
+) -> None:
     """`input` / `output` of a call against the tables' token counts (and the plan's device, if given):
-    ValueError / TypeError naming the argument; communicates nothing."""
+    ValueError / TypeError naming the argument; communicates nothing. ``narrower_input``: ``input`` may
+    also be a narrower floating dtype than ``output`` (:func:`is_narrower_float`; GroupReduce sum / avg)."""
     for name, t in (("input", input), ("output", output)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
@@ -53,8 +75,15 @@ def check_tensor_pair(input, output, n_in: int, n_out: int, device: torch.device
         raise ValueError(f"`input` has {input.shape[0]} tokens but sum(input_split_sizes) = {n_in}")
     if output.shape[0] != n_out:
         raise ValueError(f"`output` has {output.shape[0]} tokens but sum(output_split_sizes) = {n_out}")
-    if input.dtype != output.dtype:
-        raise TypeError(f"`input` dtype {input.dtype} != `output` dtype {output.dtype}; they must match")
+    if input.dtype != output.dtype and not (narrower_input and is_narrower_float(input.dtype, output.dtype)):
+        rule = (
+            " (or `input` a narrower floating dtype: float16/bfloat16 into float32/float64, float32 into float64)"
+            if narrower_input
+            else ""
+        )
+        raise TypeError(
+            f"`input` dtype {input.dtype} != `output` dtype {output.dtype}; they must match{rule}"
+        )
     if input.shape[1:] != output.shape[1:]:
         raise ValueError(
             f"`input` trailing shape {tuple(input.shape[1:])} != `output` trailing shape "
@@ -101,15 +130,20 @@ class _PlanBase:
         """The flat process group whose ranks the tables use."""
         return self._comm.group
 
-    def _check_tensor_pair(self, input, output, n_in: int, n_out: int) -> None:
-        check_tensor_pair(input, output, n_in, n_out, self.device)
+    def _check_tensor_pair(
+        self, input, output, n_in: int, n_out: int, *, narrower_input: bool = False
+    ) -> None:
+        check_tensor_pair(input, output, n_in, n_out, self.device, narrower_input=narrower_input)
 
-    def _debug_check_call(self, input: torch.Tensor) -> None:
-        """Debug mode: every rank must pass the same dtype and trailing shape (collective)."""
+    def _debug_check_call(self, input: torch.Tensor, output: torch.Tensor) -> None:
+        """Debug mode: every rank must pass the same dtypes and trailing shape (collective)."""
         meta: list = [None] * self._comm.world_size
-        dist.all_gather_object(meta, (str(input.dtype), tuple(input.shape[1:])), group=self._comm.group)
+        mine = (str(input.dtype), str(output.dtype), tuple(input.shape[1:]))
+        dist.all_gather_object(meta, mine, group=self._comm.group)
         if len(set(meta)) != 1:
-            raise ValueError(f"ranks passed different (dtype, trailing shape): {dict(enumerate(meta))}")
+            raise ValueError(
+                f"ranks passed different (input dtype, output dtype, trailing shape): {dict(enumerate(meta))}"
+            )
 
 
 class GroupCastPlan(_PlanBase):
@@ -175,7 +209,7 @@ class GroupCastPlan(_PlanBase):
         """
         self._check_tensor_pair(input, output, self._n_in, self._n_out)
         if self._debug:
-            self._debug_check_call(input)
+            self._debug_check_call(input, output)
         with torch.no_grad():
             return self._runner.run(input, output, bool(async_op))
 
@@ -241,9 +275,13 @@ class GroupReducePlan(_PlanBase):
         """Send ``input`` pieces to one rank each; reduce received pieces into ``output``.
 
         Args:
-            input: ``[n_in_tokens, ...]``; for ``"lse"`` ``[n_in_tokens, heads, ...]`` floating.
-            output: ``[n_out_tokens, ...]`` same dtype and trailing shape; the result accumulates onto
-                what it holds (see :class:`ReduceOp` for sum/avg/lse).
+            input: ``[n_in_tokens, ...]``; for ``"lse"`` ``[n_in_tokens, heads, ...]`` floating. For
+                ``"sum"`` / ``"avg"`` it may be a narrower floating dtype than ``output`` (float16 / bfloat16
+                into float32 / float64, float32 into float64): the result has the same bits as with
+                ``input.to(output.dtype)``, and the a2av and hierarchical implementations send the narrow
+                values (fewer bytes).
+            output: ``[n_out_tokens, ...]`` same trailing shape, and ``input``'s dtype unless that is
+                narrower as above; the result accumulates onto what it holds (see :class:`ReduceOp`).
             reduce_op: ``"sum"``, ``"avg"`` or ``"lse"`` (or a :class:`ReduceOp`).
             async_op: return at once; ``Work.wait()`` completes communication and the reduction.
             input_lse: ``"lse"`` only: ``[n_in_tokens, heads]`` fp32 log-sum-exp of ``input``.
@@ -256,11 +294,15 @@ class GroupReducePlan(_PlanBase):
         Records no autograd graph (use :func:`group_reduce` for autograd).
         """
         op = parse_reduce_op(reduce_op)
-        self._check_tensor_pair(input, output, self._n_in, self._n_out)
+        self._check_tensor_pair(input, output, self._n_in, self._n_out, narrower_input=op is not ReduceOp.LSE)
         _validate_reduce_extras(op, input, output, input_lse, output_lse)
         if self._debug:
-            self._debug_check_call(input)
+            self._debug_check_call(input, output)
         with torch.no_grad():
+            if input.dtype != output.dtype and not self._runner.narrow_input:
+                # this implementation moves and reduces output's dtype: widen first (exact, the same bits;
+                # no byte saving)
+                input = input.to(output.dtype)
             return self._runner.run(
                 input, output, op, input_lse, output_lse, bool(async_op), deterministic=bool(deterministic)
             )

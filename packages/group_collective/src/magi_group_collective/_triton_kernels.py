@@ -123,7 +123,9 @@ def reduce_rows_csr(
 ) -> None:
     """``out[touched[t]] += Σ_k weight[r_k] · recv[r_k]`` over the CSR rows ``r_k`` of ``t``; fp32/fp64 acc.
 
-    ``out`` ``[N_out, C]`` and ``recv`` ``[R, C]`` contiguous floating, same dtype; ``weight`` ``[R]`` fp32.
+    ``out`` ``[N_out, C]`` and ``recv`` ``[R, C]`` contiguous floating, ``recv`` in ``out``'s dtype or a
+    narrower one (each row is loaded in its own dtype and widened exactly into the accumulator); ``weight``
+    ``[R]`` fp32.
     """
     T, C = red.touched.numel(), out.shape[1]
     if T == 0 or C == 0:

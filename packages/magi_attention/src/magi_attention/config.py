@@ -134,7 +134,9 @@ class DistAttnConfig:
     environment variable MAGI_ATTENTION_KERNEL_BACKEND (also accepting `ffa` = triton and `sdpa` = torch)."""
     high_precision_grad_reduce: bool = True
     """Sum the partial dK/dV that other ranks computed for this rank's keys in fp32 (True) or in the input
-    dtype (False: half the backward communication, one more rounding per contributing rank)."""
+    dtype (False: one more rounding per contributing rank). At overlap degree 0 they travel in the input
+    dtype either way (the owner widens them exactly before adding), so True costs no extra communication;
+    at degree >= 1 every stage sends and sums its fp32 accumulator whatever this says."""
     grpcoll_config: GrpCollConfig = field(default_factory=GrpCollConfig)
     """Which group-collective implementation the runtime uses (native or all-to-all-v)."""
     deterministic: bool | None = None

@@ -9,7 +9,10 @@ Backward: dQ accumulates across stages; each remote stage's partial dK/dV goes b
 an async GroupReduce(sum) that overlaps the next stage's compute. The forward's remote K/V is not kept:
 it is fetched again stage by stage, so memory holds at most two stages of remote K/V.
 
-Degree 0: all remote K/V arrives in one blocking GroupCast and one FFA call covers local and remote keys.
+Degree 0: all remote K/V arrives in one blocking GroupCast and one FFA call covers local and remote keys;
+its partial dK/dV of remote keys go back in the kernel's dtype (bf16 for bf16 inputs) and are summed into
+the owner's fp32 accumulator (with `high_precision_grad_reduce`). Degree >= 1 sends each stage's
+accumulator (fp32; fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -216,10 +219,12 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
             dq = torch.zeros_like(q)
             dk_all, dv_all = (torch.zeros_like(x) for x in _split_kv(kv_all, hkv))
         n = k.shape[0]
-        # partial dK/dV of remote keys go back to their owners and are summed there (fp32 by default)
+        # partial dK/dV of remote keys go back to their owners and are summed there (fp32 by default). They
+        # travel in the kernel's dtype: the owner's GroupReduce widens them exactly into `red`, the same bits
+        # as widening before sending, with half the bytes for bf16 / fp16
         red = acc if runtime.key.config.high_precision_grad_reduce else k.dtype
         dkv_local = torch.cat([dk_all[:n], dv_all[:n]], dim=1).to(red)
-        dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1).to(red)
+        dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1)
         with comm_step(cp_group, "GroupReduce of stage 0 (remote dK/dV) in the backward of calc_attn"):
             meta.reduce_plans[0].reduce(
                 dkv_remote, dkv_local, reduce_op="sum", async_op=False, deterministic=det

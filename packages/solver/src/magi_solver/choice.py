@@ -302,14 +302,16 @@ def _price(
     while the rest comes over NVLink (the slower link sets the time)."""
     m = _PRICE_MODEL
     worst = 0.0
-    # bytes per token there and back: K and V forward, dK and dV (fp32) in the backward's reduce
-    wire = m.kv_bytes_per_token + m.grad_kv_bytes_per_token
+    # bytes per token there and back: K and V forward, dK and dV in the backward's reduce. The price is
+    # taken before the overlap degree is known and prices the merged schedule's traffic (degree 0), whose
+    # reduce sends the kernel's dK / dV in the input dtype (the owner sums them in fp32)
+    wire = m.kv_bytes_per_token + m.merged_grad_kv_bytes_per_token
     for r, part in enumerate(plan.partitions):
         area = plan.rank_areas[r] + float(waste_per_chunk[list(part)].sum())
         # every key the rank holds or fetches is a column of its backward kernel: remote keys cost compute too
         keys = plan.shard_seqlens[r] + int(remote[r])
         comp = m.calc(area) + m.calc(area + _BWD_PAIRS_PER_KEY * keys, backward=True)
-        comm = m.fetch(remote[r]) + m.reduce(remote[r]) if remote[r] else 0.0
+        comm = m.fetch(remote[r]) + m.reduce(remote[r], merged=True) if remote[r] else 0.0
         if inter is not None and inter[r]:
             comm = max(comm, float(inter[r]) * wire / (_INTERNODE_GBPS * 1e9))
         worst = max(worst, comp, comm)

@@ -11,8 +11,10 @@ is self-attention), `Hq`, `Hkv`, `D` heads and head dim. Building blocks (`p` = 
   (p.bwd_tflops * 1e12)`; a kernel call adds `p.kernel_fixed_s` (launch, and the tail of a grid that no
   longer fills the GPU). A call with no area is skipped by the runtime, so it costs nothing.
 * fetch of `T` tokens of K and V: `p.comm_latency_s + T * 2 * Hkv * D * bytes_per_elem / (p.comm_gbps *
-  1e9)`; the backward's dK/dV reduce is the same with `grad_reduce_bytes_per_elem`. Every stage the runtime
-  runs calls its collectives, so each one pays the latency even when this rank moves nothing.
+  1e9)`; the backward's dK/dV reduce is the same with `grad_reduce_bytes_per_elem` (each stage's fp32
+  accumulator) at degree d >= 1, and with `bytes_per_elem` at degree 0 (the merged kernel's own dK/dV, in
+  the input dtype; the owner widens them when it sums). Every stage the runtime runs calls its
+  collectives, so each one pays the latency even when this rank moves nothing.
 * per remote stage (`stage_overhead`): one more kernel call plus folding its partial result into the
   accumulator, `p.kernel_fixed_s + bytes * L * Hq * D / (p.mem_gbps * 1e9)` with `bytes` =
   `p.fwd_merge_bytes_per_elem` (forward: partial output into out/lse) or `p.bwd_accum_bytes_per_elem`
@@ -23,7 +25,8 @@ is self-attention), `Hq`, `Hkv`, `D` heads and head dim. Building blocks (`p` = 
 Schedules (`schedule_time`):
 
 * degree 0, forward: `fetch(T_r) + copy + kernel(A_h + A_r)`, all in sequence (the fetch blocks);
-  backward: `fetch(T_r) + copy + kernel_bwd(A_h + A_r) + reduce(T_r)`, the reduce blocking at the end.
+  backward: `fetch(T_r) + copy + kernel_bwd(A_h + A_r) + reduce_0(T_r)`, the reduce blocking at the end
+  (`reduce_0`: the reduce at `bytes_per_elem`).
 * degree d >= 1, two streams replayed in the runtime's issue order. A collective issued from the compute
   stream first waits for the compute work issued before it, so stage i+1's fetch starts when stage i's
   compute starts (`s_i`). With `H` the host kernel, `K_i = kernel(A_i) + stage_overhead(L)`, `F_i`, `R_i`
@@ -212,8 +215,10 @@ class OverlapCostModel:
     Attributes:
         profile: hardware and kernel constants.
         num_heads_q, num_heads_kv, head_dim: the attention shape.
-        bytes_per_elem: bytes of one K/V element on the wire and in the merged buffer (2 for bf16).
-        grad_reduce_bytes_per_elem: bytes of one dK/dV element in the backward reduce (4: fp32).
+        bytes_per_elem: bytes of one K/V element on the wire and in the merged buffer (2 for bf16); also
+            of one dK/dV element in the backward reduce at degree 0.
+        grad_reduce_bytes_per_elem: bytes of one dK/dV element in each stage's backward reduce at degree
+            d >= 1 (4: the fp32 accumulator).
     """
 
     profile: CostProfile
@@ -238,8 +243,16 @@ class OverlapCostModel:
 
     @property
     def grad_kv_bytes_per_token(self) -> int:
-        """Bytes of one token's dK and dV in the backward reduce."""
+        """Bytes of one token's dK and dV in a stage's backward reduce at degree d >= 1 (the stage's
+        accumulator, `grad_reduce_bytes_per_elem`)."""
         return 2 * self.num_heads_kv * self.head_dim * self.grad_reduce_bytes_per_elem
+
+    @property
+    def merged_grad_kv_bytes_per_token(self) -> int:
+        """Bytes of one token's dK and dV in the backward reduce at degree 0: the merged kernel call writes
+        dK / dV in the input dtype and the runtime sends them as they are (the owner widens them exactly
+        into its fp32 sum), so they cost what K and V cost, `kv_bytes_per_token`."""
+        return self.kv_bytes_per_token
 
     def calc(self, area: float, backward: bool = False) -> float:
         """Seconds of kernel throughput for `area` (q, k) pairs, without the per-call fixed cost."""
@@ -256,14 +269,16 @@ class OverlapCostModel:
         """Seconds of one K/V fetch collective moving `tokens` tokens to this rank."""
         return self.profile.comm_latency_s + tokens * self.kv_bytes_per_token / (self.profile.comm_gbps * 1e9)
 
-    def reduce(self, tokens: float) -> float:
-        """Seconds of one dK/dV reduce collective sending `tokens` tokens' gradients back."""
-        nbytes = tokens * self.grad_kv_bytes_per_token
-        return self.profile.comm_latency_s + nbytes / (self.profile.comm_gbps * 1e9)
+    def reduce(self, tokens: float, *, merged: bool = False) -> float:
+        """Seconds of one dK/dV reduce collective sending `tokens` tokens' gradients back: a stage's at
+        degree d >= 1, or with `merged` the one reduce of degree 0 (`merged_grad_kv_bytes_per_token`)."""
+        per_token = self.merged_grad_kv_bytes_per_token if merged else self.grad_kv_bytes_per_token
+        return self.profile.comm_latency_s + tokens * per_token / (self.profile.comm_gbps * 1e9)
 
-    def comm(self, tokens: float, backward: bool = False) -> float:
-        """Seconds of communication for `tokens` remote tokens: the fetch, plus the reduce in backward."""
-        return self.fetch(tokens) + (self.reduce(tokens) if backward else 0.0)
+    def comm(self, tokens: float, backward: bool = False, *, merged: bool = False) -> float:
+        """Seconds of communication for `tokens` remote tokens: the fetch, plus the reduce in backward
+        (`merged`: the degree-0 reduce)."""
+        return self.fetch(tokens) + (self.reduce(tokens, merged=merged) if backward else 0.0)
 
     def stage_overhead(self, local_q_tokens: float, backward: bool = False) -> float:
         """Seconds one remote stage adds besides its kernel throughput: a kernel call's fixed cost and the
@@ -306,7 +321,7 @@ class OverlapCostModel:
             remote = stage_tokens[0]
             t = self.fetch(remote) + self.copy(local_q_tokens + remote)
             t += self.kernel(host_area + stage_areas[0], backward)
-            return t + (self.reduce(remote) if backward else 0.0)
+            return t + (self.reduce(remote, merged=True) if backward else 0.0)
         host = self.kernel(host_area, backward)
         over = self.stage_overhead(local_q_tokens, backward)
         kernels = [self.calc(a, backward) + over if a > 0 else 0.0 for a in stage_areas]

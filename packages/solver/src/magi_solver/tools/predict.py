@@ -11,7 +11,9 @@ Per rank and per scheme (`L` = tokens per rank, `T` = remote K/V tokens, areas i
   previous step computes; the slowest link of the ring (inter-node once the ring spans nodes) sets the pace.
   Priced as `cp - 1` stages of `L` tokens each with the rank's area against that shard.
 * **all-gather** (zigzag shards): one blocking all-gather of all other shards' K/V, one kernel, and a
-  reduce-scatter of dK/dV in the backward: the cost model's degree-0 schedule with `T = total - L`.
+  reduce-scatter of dK/dV in the backward: the cost model's degree-0 schedule with `T = total - L`, except
+  that the reduce-scatter sums on the wire, so its dK/dV travel as the fp32 accumulator (a stage's reduce,
+  `grad_reduce_bytes_per_elem`), where magi's degree-0 GroupReduce sends the kernel's dtype.
 * **ulysses**: an all-to-all of q, k, v to head shards of the whole sequence, one kernel over the whole mask
   with `heads / cp` heads, an all-to-all of the output back (backward: dout in, dq, dk, dv back); needs both
   head counts divisible by cp.
@@ -296,7 +298,8 @@ def _baselines(
         ring_b = max(ring_b, m.schedule_time(*ring_args, backward=True))
         ag_args = (0, int(am[r, r]), [sum(stage_areas)], [others], shard)
         ag_f = max(ag_f, m.schedule_time(*ag_args, backward=False))
-        ag_b = max(ag_b, m.schedule_time(*ag_args, backward=True))
+        ag_reduce_fp32 = m.reduce(others) - m.reduce(others, merged=True)  # see the module docstring
+        ag_b = max(ag_b, m.schedule_time(*ag_args, backward=True) + ag_reduce_fp32)
     imb = zig.imbalance
     schemes["ring"] = _scheme(
         ring_f,
