@@ -2,7 +2,7 @@
 compares), each a change that could close the gap, timed on the GPU against the rank's call as the runtime
 makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads, d 128, bf16):
 
-- ``fold``: the query heads of each GQA group folded into the query sequence (row ``g * S + s`` holds head
+- ``fold``: the query heads of each GQA group (or ``--fold-factors`` of them) folded into the query sequence (row ``g * S + s`` holds head
   ``h * G + g`` of row ``s``, the mask repeated per ``g``): an MHA problem whose backward key columns are
   ``G`` times longer and whose dK / dV need no fp32 accumulation across heads. Copies included.
 - ``aligned``: the merged call's keys in global order, each run at a buffer offset congruent to its global
@@ -67,10 +67,17 @@ def _median_rounds(fns: dict, rounds: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- fold
-def fold(t: torch.Tensor, hk: int) -> torch.Tensor:
-    """``[S, hk * G, ...]`` -> ``[G * S, hk, ...]``: head ``h * G + g`` of row ``s`` to row ``g * S + s``."""
-    s, g, rest = t.shape[0], t.shape[1] // hk, t.shape[2:]
-    return t.reshape(s, hk, g, *rest).permute(2, 0, 1, *range(3, 3 + len(rest))).reshape(g * s, hk, *rest)
+def fold(t: torch.Tensor, hk: int, f: int | None = None) -> torch.Tensor:
+    """``[S, H, ...]`` -> ``[f * S, H / f, ...]``: head ``j * f + r`` of row ``s`` to head ``j`` of row ``r * S +
+    s`` (``f`` divides the group size ``G = H / hk``, default ``G``: one head per key head). A group's heads
+    stay together, so folded head ``j`` still reads key head ``j // (G / f)``."""
+    s, h, rest = t.shape[0], t.shape[1], t.shape[2:]
+    f = h // hk if f is None else f
+    return (
+        t.reshape(s, h // f, f, *rest)
+        .permute(2, 0, 1, *range(3, 3 + len(rest)))
+        .reshape(f * s, h // f, *rest)
+    )
 
 
 def unfold(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -85,51 +92,69 @@ def fold_tables(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor, s: int, g:
     return qr.repeat(g, 1) + off, kr.repeat(g, 1), tm.repeat(g)
 
 
-def _fold_case(name, mod, q, do, k, v, tables, det: bool, rounds: int) -> dict:
-    g = q.shape[1] // k.shape[1]
+def _fold_case(name, mod, q, do, k, v, tables, det: bool, rounds: int, f: int | None = None) -> dict:
+    """Today's backward against the folded one (``f`` heads of each group folded, default all), with the
+    copies in and out (``folded_ms``) and without them (``folded_kernel_ms``: tensors folded beforehand)."""
+    hk = k.shape[1]
+    f = q.shape[1] // hk if f is None else f
     out, lse = mod.ffa_fwd(q, k, v, *tables)[:2]
-    folded_tables = fold_tables(*tables, q.shape[0], g)
+    folded_tables = fold_tables(*tables, q.shape[0], f)
+    qf, of, dof, lsef = (fold(t, hk, f) for t in (q, out, do, lse[..., None]))
+    lsef = lsef[..., 0].contiguous()
 
     def plain():
         return mod.ffa_bwd(do, q, k, v, out, lse, *tables, deterministic=det)[:3]
 
+    def folded_kernel():
+        return mod.ffa_bwd(dof, qf, k, v, of, lsef, *folded_tables, deterministic=det)[:3]
+
     def folded():
-        qf, of, dof = (fold(t, k.shape[1]) for t in (q, out, do))
-        lsef = fold(lse[..., None], k.shape[1])[..., 0]
-        dq, dk, dv = mod.ffa_bwd(dof, qf, k, v, of, lsef, *folded_tables, deterministic=det)[:3]
-        return unfold(dq, g), dk, dv
+        qf_, of_, dof_ = (fold(t, hk, f) for t in (q, out, do))
+        lsef_ = fold(lse[..., None], hk, f)[..., 0]
+        dq, dk, dv = mod.ffa_bwd(dof_, qf_, k, v, of_, lsef_, *folded_tables, deterministic=det)[:3]
+        return unfold(dq, f), dk, dv
 
     err = max(
         ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-6)).item()
         for a, b in zip(plain(), folded(), strict=True)
     )
-    t = _median_rounds({"plain": plain, "folded": folded}, rounds)
-    return {"case": name, "deterministic": det, "plain_ms": t["plain"], "folded_ms": t["folded"],
-            "speedup": t["plain"] / t["folded"], "rel_err": err, "keys": k.shape[0], "queries": q.shape[0]}  # fmt: skip
+    folded_kernel()
+    t = _median_rounds({"plain": plain, "folded": folded, "folded_kernel": folded_kernel}, rounds)
+    return {"case": name, "fold": f, "deterministic": det, "plain_ms": t["plain"], "folded_ms": t["folded"],
+            "folded_kernel_ms": t["folded_kernel"], "speedup": t["plain"] / t["folded"],
+            "kernel_speedup": t["plain"] / t["folded_kernel"], "rel_err": err, "keys": k.shape[0],
+            "queries": q.shape[0]}  # fmt: skip
 
 
 def fold_main(a) -> list[dict]:
     dev, rows = torch.device("cuda"), []
+    factors = [int(x) for x in a.fold_factors.split(",")]
     for backend in a.backends.split(","):
         mod = __import__(f"magi_ffa_{backend}")
         for mask in a.masks.split(","):
             total, plan = make_plan(mask, a.cp, a.tokens, 0)
             rp = max(plan.ranks, key=lambda r: r.num_remote_tokens)
             q, do, k, v, tables = _rank_problem(mask, a.cp, a.tokens, rp, plan, dev)
-            for det in (bool(int(x)) for x in a.det.split(",")):
-                if backend == "fa4" and det:
-                    continue  # FA4's deterministic backward is not what this probe asks about
-                rows.append(_fold_case(f"{backend} {mask} cp{a.cp} rank{rp.rank}", mod, q, do, k, v, tables, det,
-                                       a.rounds))  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
             tw = min(total, 65536)  # the whole mask, as the yardstick runs it
             (qw, kw, vw, dw), wt = _whole_mask(mask, tw)
-            rows.append(_fold_case(f"{backend} {mask} whole {tw}", mod, qw, dw, kw, vw, wt, False, a.rounds))
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"{'case':<44} {'det':>3} {'plain ms':>9} {'folded ms':>9} {'x':>6} {'err':>8}")
+            for f in factors:
+                for det in (bool(int(x)) for x in a.det.split(",")):
+                    if backend == "fa4" and det:
+                        continue  # FA4's deterministic backward is not what this probe asks about
+                    rows.append(_fold_case(f"{backend} {mask} cp{a.cp} rank{rp.rank}", mod, q, do, k, v, tables,
+                                           det, a.rounds, f))  # fmt: skip
+                    print(json.dumps(rows[-1]), flush=True)
+                rows.append(
+                    _fold_case(f"{backend} {mask} whole {tw}", mod, qw, dw, kw, vw, wt, False, a.rounds, f)
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    print(
+        f"{'case':<44} {'f':>2} {'det':>3} {'plain ms':>9} {'folded ms':>9} {'kernel':>8} {'x':>6} {'kern x':>6}"
+    )
     for r in rows:
-        print(f"{r['case']:<44} {int(r['deterministic']):>3} {r['plain_ms']:>9.3f} {r['folded_ms']:>9.3f} "
-              f"{r['speedup']:>6.2f} {r['rel_err']:>8.1e}")  # fmt: skip
+        print(f"{r['case']:<44} {r['fold']:>2} {int(r['deterministic']):>3} {r['plain_ms']:>9.3f} "
+              f"{r['folded_ms']:>9.3f} {r['folded_kernel_ms']:>8.3f} {r['speedup']:>6.2f} "
+              f"{r['kernel_speedup']:>6.2f}")  # fmt: skip
     return rows
 
 
@@ -434,6 +459,7 @@ def main() -> int:
         "--backends", default="cudnn", help="fold, aligned: kernel packages; host: a backend or auto"
     )
     ap.add_argument("--det", default="0,1", help="fold: deterministic backward off / on")
+    ap.add_argument("--fold-factors", default="8", help="fold: heads of each group folded (divisors of it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", default="64:8,64:64,8:8,8:1", help="heads: query:key head counts to compare")
     ap.add_argument("--json", default=None)

@@ -74,3 +74,21 @@ def test_ncu_summary_reads_a_raw_export(tmp_path) -> None:
     (k,) = ncu_summary(rows)
     assert k["time"] == 1500.0 and k["sm_busy"] == 0.8
     assert list(k["stalls"]) == ["long_scoreboard", "barrier"]
+
+
+def test_partly_folded_heads_give_the_same_gradients() -> None:
+    torch.manual_seed(1)
+    s, sk, hq, hk, d, f = 24, 30, 8, 2, 8, 2
+    q = torch.randn(s, hq, d, dtype=torch.float64)
+    k, v = torch.randn(sk, hk, d, dtype=torch.float64), torch.randn(sk, hk, d, dtype=torch.float64)
+    do = torch.randn_like(q)
+    tables = (torch.tensor([[0, 24]], dtype=torch.int32), torch.tensor([[0, 30]], dtype=torch.int32),
+              torch.tensor([1], dtype=torch.int32))  # fmt: skip
+    out, lse = magi_ffa.ffa_fwd(q, k, v, *tables)[:2]
+    want = magi_ffa.ffa_bwd(do, q, k, v, out, lse, *tables)[:3]
+    assert fold(q, hk, f).shape == (f * s, hq // f, d)
+    assert torch.equal(unfold(fold(q, hk, f), f), q)
+    got = magi_ffa.ffa_bwd(fold(do, hk, f), fold(q, hk, f), k, v, fold(out, hk, f), fold(lse[..., None], hk, f)[..., 0],
+                           *fold_tables(*tables, s, f))[:3]  # fmt: skip
+    for a, b in zip(want, (unfold(got[0], f), got[1], got[2]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
