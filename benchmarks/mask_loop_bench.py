@@ -141,6 +141,12 @@ def cache_entries() -> dict[str, int]:
     return out
 
 
+def call_tables(ranks) -> list[tuple]:
+    """``(q_ranges, k_ranges, types, k)`` of every rank's ``(KernelSlices, k, v)`` calls (what
+    :func:`fa4_keys` reads)."""
+    return [(sl.q_ranges, sl.k_ranges, sl.types, kk) for calls in ranks for sl, kk, _ in calls]
+
+
 def fa4_keys(calls, q, dtype) -> set:
     """The FA4 compile keys of these ``(q_ranges, k_ranges, types, k)`` calls (forward and backward)."""
     from magi_ffa_fa4._launch_meta import compile_key, get_launch_meta
@@ -259,7 +265,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
             )
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
-            keys = fa4_keys([(*c[0], c[1]) for r in ranks for c in r], q, dtype)
+            keys = fa4_keys(call_tables(ranks), q, dtype)
             new_keys = len(keys - fa4_seen)
             fa4_seen.update(keys)
         return {

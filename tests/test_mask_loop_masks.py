@@ -47,3 +47,18 @@ def test_profile_appends_the_tables_of_the_steps_that_miss(tmp_path, monkeypatch
     assert "step 0 (" not in text and "aten::" in text
     rows = json.loads((tmp_path / "mask_loop.json").read_text())["rows"]
     assert [r["cp"] for r in rows] == [1, 2] and all("new_mask_ms_per_rank" in r for r in rows)
+
+
+def test_call_tables_of_the_simulated_ranks() -> None:
+    import torch
+
+    from benchmarks.mask_loop_bench import _calls_sim, call_tables
+
+    mask = loop_masks(1, 1024, seed=0, kinds=("docs_causal",))[0]
+    q = k = v = torch.zeros(256, 1, 8)
+    rk = rv = torch.zeros(1024, 1, 8)
+    ranks, _, _ = _calls_sim(mask, q, k, v, rk, rv, 4)
+    tables = call_tables(ranks)
+    assert len(tables) == sum(len(r) for r in ranks) > 0
+    for qr, kr, tm, kk in tables:
+        assert qr.shape == kr.shape == (tm.shape[0], 2) and kk.shape[1:] == (1, 8)
