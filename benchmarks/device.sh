@@ -13,7 +13,8 @@
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
 #           TOKENS, SCALING_MASKS, SINGLE override), rank-ncu (Nsight Compute of the busiest cp 8 rank's
-#           backward against the whole mask's; NCU_MASKS, NCU_BACKEND)
+#           backward against the whole mask's; NCU_MASKS, NCU_BACKEND), det-ncu (the same of the whole mask's
+#           deterministic backward against the default one; TOKENS, default 32k)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
@@ -109,6 +110,14 @@ phase_rank-ncu() {  # Nsight Compute of the busiest cp 8 rank's backward against
   ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page raw > "$OUT/rank_ncu_raw.csv" 2>>"$LOG"
   run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/rank_ncu_raw.csv" \
     --json "$OUT/rank_ncu_summary.json"
+}
+phase_det-ncu() {  # Nsight Compute of the deterministic backward against the default one (the whole mask, cuDNN)
+  run "${BENCH_S:-400}" ncu --clock-control none --profile-from-start off --target-processes all \
+    --kernel-name regex:bwd --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+    --section Occupancy -f -o "$OUT/det_ncu" python3 -m benchmarks.rank_problem_probes det-ncu-target \
+    --backends "${NCU_BACKEND:-cudnn}" --masks "${NCU_MASKS:-varlen_causal}" --tokens "${TOKENS:-32768}"
+  ncu --import "$OUT/det_ncu.ncu-rep" --csv --page raw > "$OUT/det_ncu_raw.csv" 2>>"$LOG"
+  run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/det_ncu_raw.csv" --json "$OUT/det_ncu.json"
 }
 phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {

@@ -18,6 +18,7 @@ makes it (the merged call of the busiest ranks of the runtime's plan, 64:8 heads
     python -m benchmarks.rank_problem_probes host --tokens 8192 --json host.json
     python -m benchmarks.rank_problem_probes heads --backends cudnn --json heads.json
 
+``det-ncu-target`` runs the whole mask's backward default and deterministic (``device.sh det-ncu``);
 ``ncu-target`` runs the busiest rank's backward and the whole mask's once each for Nsight Compute (``bash
 benchmarks/device.sh rank-ncu``); ``ncu-summary --csv FILE`` prints, per profiled kernel, the metrics that tell
 a short-column problem from the whole mask's (time, SM activity against elapsed cycles, occupancy, waves,
@@ -395,6 +396,32 @@ def ncu_target_main(a) -> list[dict]:
     return rows
 
 
+def det_ncu_target_main(a) -> list[dict]:
+    """The whole mask's backward (``--tokens`` tokens, one call) default and deterministic, once each between
+    ``cudaProfilerStart`` / ``Stop`` after two warm-up runs: where the deterministic backward's extra time goes
+    (``bash benchmarks/device.sh det-ncu``)."""
+    rows = []
+    for backend in a.backends.split(","):
+        mod = __import__(f"magi_ffa_{backend}")
+        for mask in a.masks.split(","):
+            (q, k, v, do), tables = _whole_mask(mask, a.tokens)
+            out, lse = mod.ffa_fwd(q, k, v, *tables)[:2]
+            steps = {det: functools.partial(mod.ffa_bwd, do, q, k, v, out, lse, *tables, deterministic=det)
+                     for det in (False, True)}  # fmt: skip
+            for step in (*steps.values(), *steps.values()):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            for det, step in steps.items():
+                with torch.cuda.nvtx.range(f"{mask} deterministic={det}"):
+                    step()
+                torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            rows.append({"backend": backend, "mask": mask, "tokens": a.tokens})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------- ncu summary
 NCU_COLUMNS = {  # raw metric -> short name, in print order
     "gpu__time_duration.sum": "time",
@@ -451,7 +478,10 @@ def ncu_summary_main(a) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probe", choices=("fold", "aligned", "host", "heads", "ncu-target", "ncu-summary"))
+    ap.add_argument(
+        "probe",
+        choices=("fold", "aligned", "host", "heads", "ncu-target", "det-ncu-target", "ncu-summary"),
+    )
     ap.add_argument("--masks", default="varlen_causal,video_block_causal,varlen_full,causal")
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU")
@@ -466,6 +496,7 @@ def main() -> int:
     ap.add_argument("--csv", default=None, help="ncu-summary: an `ncu --import R --csv --page raw` export")
     a = ap.parse_args()
     probes = {"fold": fold_main, "aligned": aligned_main, "host": host_main, "heads": heads_main, "ncu-target": ncu_target_main,
+              "det-ncu-target": det_ncu_target_main,
               "ncu-summary": ncu_summary_main}  # fmt: skip
     rows = probes[a.probe](a)
     if a.json:
