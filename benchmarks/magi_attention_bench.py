@@ -181,7 +181,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
     """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
     launchers (`attn_kernel`) through their runtime entry (slices checked once), as the runtime: one call
     (the merged stage at degree 0) writes out / lse and the gradients itself, with the runtime's K/V
-    concatenation before it and the fp32 dK/dV it sends after; more calls: the first writes the accumulator,
+    concatenation before it and the dK/dV it reduces after; more calls: the first writes the accumulator,
     later stages merge, the gradients accumulate in fp32."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
@@ -195,7 +195,12 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
         def bwd():
             torch.cat([kk, vv], dim=1)
             _, dk, dv = kern.bwd_slices(do, q, kk, vv, out, lse, sl)
-            torch.cat([dk, dv], dim=1).float()  # the partial dK/dV reduced to their owners (fp32)
+            # as dist_attn: the own keys' dK/dV become the fp32 sum the owners reduce into; the received
+            # keys' go back in the kernel's dtype (own keys: the query shard's count, as in self-attention; a
+            # cross-attention mask's key shard differs, which moves only this cast's share of rows)
+            n = min(q.shape[0], kk.shape[0])
+            torch.cat([dk[:n], dv[:n]], dim=1).float()
+            torch.cat([dk[n:], dv[n:]], dim=1)
 
         return t_f, _once_ms(bwd)[0]
 
