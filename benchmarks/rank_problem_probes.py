@@ -361,6 +361,20 @@ def heads_main(a) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------- ncu target
+def _profile_once(steps: dict) -> None:
+    """Each step twice as warm-up (compiles, launch data), then once each in its NVTX range between
+    ``cudaProfilerStart`` / ``Stop``: what ``ncu --profile-from-start off`` profiles."""
+    for step in (*steps.values(), *steps.values()):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for label, step in steps.items():
+        with torch.cuda.nvtx.range(label):
+            step()
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def ncu_target_main(a) -> list[dict]:
     """The busiest rank's backward and the whole mask's (``min(cp x tokens, 64k)`` tokens), each once
     between ``cudaProfilerStart`` / ``Stop`` in NVTX ranges ``rank`` and ``whole``, after two warm-up runs:
@@ -381,15 +395,7 @@ def ncu_target_main(a) -> list[dict]:
         for name, (qq, dd, kk, vv, sl) in problems.items():
             out, lse = kern.fwd_slices(qq, kk, vv, sl)
             steps[name] = functools.partial(kern.bwd_slices, dd, qq, kk, vv, out, lse, sl)
-        for step in (*steps.values(), *steps.values()):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for name, step in steps.items():
-            with torch.cuda.nvtx.range(f"{mask} {name}"):
-                step()
-            torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        _profile_once({f"{mask} {name}": step for name, step in steps.items()})
         rows.append({"mask": mask, "cp": a.cp, "tokens_per_gpu": a.tokens, "rank": rp.rank,
                      "rank_keys": k.shape[0], "whole_tokens": qw.shape[0]})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
@@ -408,15 +414,7 @@ def det_ncu_target_main(a) -> list[dict]:
             out, lse = mod.ffa_fwd(q, k, v, *tables)[:2]
             steps = {det: functools.partial(mod.ffa_bwd, do, q, k, v, out, lse, *tables, deterministic=det)
                      for det in (False, True)}  # fmt: skip
-            for step in (*steps.values(), *steps.values()):
-                step()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            for det, step in steps.items():
-                with torch.cuda.nvtx.range(f"{mask} deterministic={det}"):
-                    step()
-                torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            _profile_once({f"{mask} deterministic={det}": step for det, step in steps.items()})
             rows.append({"backend": backend, "mask": mask, "tokens": a.tokens})
             print(json.dumps(rows[-1]), flush=True)
     return rows
