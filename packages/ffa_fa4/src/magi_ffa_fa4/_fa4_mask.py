@@ -15,6 +15,10 @@ Two evaluations of the same mask:
   keep-mask per 32 accumulator columns by OR-ing ``below(end) & above(start)`` for each interval, and selects
   ``-inf`` through the mask bits. Only the sm90 forward layout (not ``swap_AB``) takes that path; the sm90
   backward (``swap_AB``) and sm100 keep the per-element mask_mod.
+
+The patch is installed only on the flash-attn-4 releases whose ``apply_mask`` it was written against
+(``_fa4_version.SUPPORTED``: its signature and the helpers used here are the same in 4.0.0b36 and
+4.0.0b40); on any other release the tagged mask runs as the plain per-element mask_mod.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from cutlass import Uint32, const_expr
 from flash_attn.cute import mask as fa_mask
 from flash_attn.cute.utils import AuxData, scalar_to_ssa
 from quack import layout_utils
+
+from . import _fa4_version
 
 
 def _row_sees(bounds, row, kv_idx, width: int):
@@ -143,8 +149,12 @@ def _apply_mask_with_intervals(
         )
 
 
-def install_r2p_patch() -> None:
+def install_r2p_patch() -> bool:
     """Route FA4's ``AttentionMask.apply_mask`` through the interval bitmask path (idempotent; masks
-    without ``magi_interval_width`` go to FA4's original code unchanged)."""
+    without ``magi_interval_width`` go to FA4's original code unchanged). Returns False, patching nothing,
+    on a flash-attn-4 release this patch was not written against (:func:`_fa4_version.mask_patch_supported`)."""
+    if not _fa4_version.mask_patch_supported(_fa4_version.installed()):
+        return False
     if fa_mask.AttentionMask.apply_mask is not _apply_mask_with_intervals:
         fa_mask.AttentionMask.apply_mask = _apply_mask_with_intervals
+    return True

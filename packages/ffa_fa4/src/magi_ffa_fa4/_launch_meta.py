@@ -17,7 +17,7 @@ from magi_ffa.intervals import RowIntervals, row_intervals
 from magi_ffa.mask_cache import MaskValueCache
 from magi_ffa.validation import RangesLike, TypeMapLike, host_slices
 
-from . import env
+from . import _fa4_version, env
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
 from .varlen import VarlenPlan, plan_varlen, varlen_possible
 
@@ -133,9 +133,9 @@ def r2p_enabled() -> bool:
 
 
 def _mask_mod(width: int, install, plain, r2p):
-    if not r2p_enabled():
+    # install() is False on a flash-attn-4 release the row-bitmask patch was not written against
+    if not r2p_enabled() or not install():
         return plain(width)
-    install()
     return r2p(width)
 
 
@@ -342,15 +342,22 @@ def build_launch_meta(
 
 
 # ----------------------------------------------------------------------------------------------- compile keys
-# FA4 4.0.0b36 keeps one compiled kernel per key of ``flash_attn.cute.interface._flash_attn_fwd`` /
-# ``_flash_attn_bwd`` (``compile_key``). Besides the problem's configuration (dtype, head dims, heads,
-# softcap, determinism, architecture) a key holds, of what a mask changes: the mask function's hash
-# (``utils.hash_callable``: its code and captured values, here the interval width), the stride-0 pattern of
-# the block-sparse tensors (never their shapes: FA4 accepts compact index tables of any width), the aux
-# tensors' dtype and static strides (never their shapes), whether ``seqused`` is given, the causal / window
-# flags, whether a sequence fits one tile (``max_m_blocks_leq_one``, ``single_q_block``,
-# ``single_k_block``) and whether a varlen batch holds more than ``BIN_BATCH_SEARCH_THRESH`` (256) entries.
+# FA4 keeps one compiled kernel per key of ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``
+# (``compile_key``). Besides the problem's configuration (dtype, head dims, heads, softcap, determinism,
+# architecture) a key holds, of what a mask changes: the mask function's hash (``utils.hash_callable``: its
+# code and captured values, here the interval width), the stride-0 pattern of the block-sparse tensors (never
+# their shapes: FA4 accepts compact index tables of any width), the aux tensors' dtype and static strides
+# (never their shapes), whether ``seqused`` is given, the causal / window flags, whether a sequence fits one
+# backward tile (``single_q_block``, ``single_k_block``) and whether a varlen batch holds more than
+# ``BIN_BATCH_SEARCH_THRESH`` (256) entries. What else a key holds depends on the release (``_fa4_version``):
+# 4.0.0b36 lists the forward's tile and scheduler choices, among them whether a varlen call's packed longest
+# query fits one tile (``is_static_persistent``); 4.0.0b40 keys the resolved ``FwdConfig`` / ``BwdConfig``,
+# which on Hopper follow from the configuration and the window kind alone, while on Blackwell the varlen
+# forward takes the dynamic persistent scheduler when its entries outnumber its packed query tiles
+# (``config.routes_dynamic_varlen``) and the GQA backward folds query heads by a heuristic over the sequence
+# lengths, token totals and SM count (``config.select_bwd_fold``).
 _FA4_BATCH_SEARCH = 256
+_FA4_FWD_TILE_M = 128  # FA4's forward tile rows for head dims up to 128 (sm90 and sm100)
 
 
 def _bwd_tile(arch: int, head_dim: int) -> tuple[int, int]:
@@ -384,16 +391,19 @@ def compile_key(
     deterministic: bool = False,
     arch: int = 90,
     r2p: bool | None = None,
+    fa4_version: str | None = None,
 ) -> tuple:
     """The FA4 kernels one call of this mask runs, as a hashable tuple of per-kernel keys (forward, then
     backward; each group of a varlen mask adds its own pair, equal keys once).
 
-    A pure function mirroring what FA4 4.0.0b36's compile keys read (see the comment above): two masks
-    with equal keys run on the same compiled kernels, so a new mask compiles nothing when its key was seen.
-    What a mask can change is bounded: the interval width bucket (:func:`width_bucket`), the window kind
-    of a varlen group (full, causal, left, right or both sides bounded), whether a sequence fits one tile
-    (at most 128 tokens; :data:`~magi_ffa_fa4.varlen.SEQLEN_FLOOR` removes it for varlen groups) and
-    whether a varlen group holds more than 256 entries.
+    A pure function mirroring what FA4's compile keys read (see the comment above): two masks with equal
+    keys run on the same compiled kernels, so a new mask compiles nothing when its key was seen. What a mask
+    can change is bounded: the interval width bucket (:func:`width_bucket`), the window kind of a varlen
+    group (full, causal, left, right or both sides bounded), whether a sequence fits one tile (at most 128
+    tokens; :data:`~magi_ffa_fa4.varlen.SEQLEN_FLOOR` removes it for varlen groups) and whether a varlen
+    group holds more than 256 entries. With flash-attn-4 4.0.0b40 on Blackwell (arch 100 / 110) a varlen
+    group also keys whether its entries outnumber its packed query tiles, and with GQA its backward keys the
+    lengths and totals FA4's query-head fold reads (kept whole: an upper bound on the kernels it compiles).
 
     Args:
         meta: launch metadata (:func:`build_mask_meta` or :func:`get_launch_meta`).
@@ -404,10 +414,15 @@ def compile_key(
         deterministic: the backward's deterministic mode.
         arch: FA4's architecture number (``major * 10 + minor``: 90 Hopper, 100 Blackwell).
         r2p: the row-bitmask forward (default: ``MAGI_FFA_FA4_R2P``, as the launch metadata reads it).
+        fa4_version: the flash-attn-4 release whose keys to mirror (default: the installed one, else the
+            pinned one); ValueError for a release not in ``_fa4_version.SUPPORTED``.
     """
+    version = _fa4_version.resolve(fa4_version)
+    config_keyed = version in _fa4_version.CONFIG_KEYED
     r2p = r2p_enabled() if r2p is None else bool(r2p)
     gqa = num_heads_q // num_heads_kv
-    common = (arch, dtype, head_dim, gqa, softcap > 0)
+    blackwell = arch // 10 in (10, 11)
+    common = (version, arch, dtype, head_dim, gqa, softcap > 0)
     bwd_m, bwd_n = _bwd_tile(arch, head_dim)
     keys: dict[tuple, None] = {}
     if meta.varlen is None:
@@ -418,18 +433,27 @@ def compile_key(
         single_q, single_k = meta.total_q <= bwd_m, meta.total_k <= bwd_n
         keys[("bwd", "block_sparse", *common, deterministic, mask_fn, broadcast, single_q, single_k)] = None
         return tuple(keys)
-    fwd_tile_m = 128
     for g in meta.varlen.groups:
         kw = g.fa4_kwargs()
         window = _window_flags(kw)
         used = (kw["seqused_q"] is None, kw["seqused_k"] is None)
-        batch_search = len(g.q_ranges) > _FA4_BATCH_SEARCH
+        entries = len(g.q_ranges)
+        batch_search = entries > _FA4_BATCH_SEARCH
         rows_q = kw["max_seqlen_q"] * gqa  # packed GQA rows of the longest entry
-        q_stage = 2 if arch // 10 in (10, 11) and rows_q > fwd_tile_m else 1
-        static = rows_q <= q_stage * fwd_tile_m  # FA4's is_static_persistent for varlen with a host max
-        keys[("fwd", "varlen", *common, window, used, static, batch_search)] = None
+        q_stage = 2 if blackwell and rows_q > _FA4_FWD_TILE_M else 1
+        if config_keyed:
+            # routes_dynamic_varlen: more entries than packed query tiles (the semaphore's 2**24 tiles ignored)
+            dynamic = blackwell and entries * q_stage * _FA4_FWD_TILE_M > meta.total_q * gqa
+            scheduler = "dynamic" if dynamic else ("single_tile", batch_search)
+            keys[("fwd", "varlen", *common, window, used, scheduler)] = None
+        else:
+            static = rows_q <= q_stage * _FA4_FWD_TILE_M  # FA4's is_static_persistent for a host max
+            keys[("fwd", "varlen", *common, window, used, static, batch_search)] = None
         single = (kw["max_seqlen_q"] <= bwd_m, kw["max_seqlen_k"] <= bwd_n)
-        keys[("bwd", "varlen", *common, deterministic, window, used, single, batch_search)] = None
+        bwd = ("bwd", "varlen", *common, deterministic, window, used, single, batch_search)
+        if config_keyed and blackwell and gqa > 1:  # what select_bwd_fold reads
+            bwd += (entries, kw["max_seqlen_q"], kw["max_seqlen_k"], meta.total_q, meta.total_k)
+        keys[bwd] = None
     return tuple(keys)
 
 
