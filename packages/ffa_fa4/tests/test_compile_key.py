@@ -1,11 +1,12 @@
 """Compiled-kernel keys of the FA4 backend do not follow a mask's values or counts, and the padding that
 bounds them leaves every mask exactly as it was.
 
-``magi_ffa_fa4._launch_meta.compile_key`` mirrors what FA4 4.0.0b36 keys its compiled kernels by; a stream of
-new masks (random overlapping slices of all four types, packed documents, sliding windows, token counts that
+``magi_ffa_fa4._launch_meta.compile_key`` mirrors what FA4 (4.0.0b36 and 4.0.0b40) keys its compiled kernels by; a
+stream of new masks (random overlapping slices of all four types, packed documents, sliding windows, token counts that
 differ within one size) must map to a few keys. The padded metadata is checked against the dense mask: the
 interval bounds evaluated in torch (the interval mask function's rule) and the varlen groups' launch
-arguments evaluated with FA4's varlen semantics.
+arguments evaluated with FA4's varlen semantics. On a GPU with flash-attn-4, the mirror is checked against the
+keys FA4 itself builds for a stream of masks (its compile caches, read as the calls look them up).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from magi_ffa.intervals import row_intervals
+from magi_ffa_fa4 import _fa4_version
 from magi_ffa_fa4 import _launch_meta as L
 from magi_ffa_fa4.testing import dense_mask, random_slices
 from magi_ffa_fa4.varlen import SEQLEN_FLOOR
@@ -78,13 +80,15 @@ def test_width_bucket_is_a_power_of_two_at_least_the_width() -> None:
             L.width_bucket(bad)
 
 
-def test_twenty_new_masks_need_few_compiled_kernels() -> None:
+@pytest.mark.parametrize("fa4_version", _fa4_version.SUPPORTED)
+def test_twenty_new_masks_need_few_compiled_kernels(fa4_version: str) -> None:
     stream = mask_stream(20)
+    config = {**CONFIG, "fa4_version": fa4_version}
     keys, raw_widths, paths = set(), set(), set()
     for qr, kr, tm, total in stream:
         meta = L.build_mask_meta(*_tensors(qr, kr, tm), total, total, CPU)
-        per_mask = L.compile_key(meta, **CONFIG)
-        assert hash(per_mask) == hash(L.compile_key(meta, **CONFIG))  # hashable and a pure function
+        per_mask = L.compile_key(meta, **config)
+        assert hash(per_mask) == hash(L.compile_key(meta, **config))  # hashable and a pure function
         keys.update(per_mask)
         paths.add(meta.varlen is not None)
         if meta.varlen is None:
@@ -100,7 +104,7 @@ def test_twenty_new_masks_need_few_compiled_kernels() -> None:
     # what the key holds is the configuration: a new dtype / head dim / GQA ratio / determinism is a new key
     qr, kr, tm, total = stream[0]
     meta = L.build_mask_meta(*_tensors(qr, kr, tm), total, total, CPU)
-    base = L.compile_key(meta, **CONFIG)
+    base = L.compile_key(meta, **config)
     for change in (
         dict(dtype=torch.float16),
         dict(head_dim=64),
@@ -109,7 +113,7 @@ def test_twenty_new_masks_need_few_compiled_kernels() -> None:
         dict(softcap=30.0),
         dict(arch=100),
     ):
-        assert L.compile_key(meta, **{**CONFIG, **change}) != base, change
+        assert L.compile_key(meta, **{**config, **change}) != base, change
 
 
 def test_token_counts_within_a_size_share_keys() -> None:
@@ -188,14 +192,131 @@ def test_interval_bounds_pad_with_empty_slots() -> None:
     assert torch.equal(_visible_from_bounds(b, 6, 12), dense_mask(qr, kr, tm, 6, 12))
 
 
-def test_warmup_masks_compile_what_the_stream_needs() -> None:
+@pytest.mark.parametrize("fa4_version", _fa4_version.SUPPORTED)
+def test_warmup_masks_compile_what_the_stream_needs(fa4_version: str) -> None:
     """After the warm-up masks (one size), no mask of the stream (other sizes) needs a key they did not have."""
+    config = {**CONFIG, "fa4_version": fa4_version}
     warm = set()
     for qr, kr, tm in L.warmup_masks(2048):
         assert dense_mask(qr, kr, tm, 2048, 2048).any()
-        warm.update(L.compile_key(L.build_mask_meta(*_tensors(qr, kr, tm), 2048, 2048, CPU), **CONFIG))
+        warm.update(L.compile_key(L.build_mask_meta(*_tensors(qr, kr, tm), 2048, 2048, CPU), **config))
     for qr, kr, tm, total in mask_stream(20, seed=2):
         meta = L.build_mask_meta(*_tensors(qr, kr, tm), total, total, CPU)
-        assert set(L.compile_key(meta, **CONFIG)) <= warm, (qr, kr, tm, total)
+        assert set(L.compile_key(meta, **config)) <= warm, (qr, kr, tm, total)
     with pytest.raises(ValueError, match="total"):
         L.warmup_masks(1000, widths=(1, 64))
+
+
+def _partition(keys_per_mask: list) -> list[int]:
+    """Each mask's position among the distinct values of ``keys_per_mask`` (first-seen order): two masks share
+    compiled kernels iff they get the same number."""
+    seen: dict = {}
+    return [seen.setdefault(k, len(seen)) for k in keys_per_mask]
+
+
+def test_releases_key_hopper_masks_alike() -> None:
+    """On Hopper, 4.0.0b40's config-built keys split a mask stream exactly as 4.0.0b36's do (what a mask changes
+    is the same there), while the keys themselves name the release."""
+    metas = [L.build_mask_meta(*_tensors(qr, kr, tm), t, t, CPU) for qr, kr, tm, t in mask_stream(16, seed=5)]
+    keys = {v: [L.compile_key(m, **CONFIG, fa4_version=v) for m in metas] for v in _fa4_version.SUPPORTED}
+    old, new = (keys[v] for v in _fa4_version.SUPPORTED)
+    assert _partition(old) == _partition(new) and len(set(old)) > 3
+    assert not set(old) & set(new)
+
+
+def test_blackwell_gqa_backward_of_4_0_0b40_keys_entry_lengths() -> None:
+    """4.0.0b40 on Blackwell folds a GQA backward's query heads by the sequence lengths: the mirror keys them
+    (the forward keeps one key); on Hopper, without GQA, and for 4.0.0b36, the lengths are not keyed."""
+    total = 4096
+
+    def keys(doc: int, **kw) -> tuple:
+        docs = [[a, a + doc] for a in range(0, total, doc)]
+        meta = L.build_mask_meta(*_tensors(docs, docs, [1] * len(docs)), total, total, CPU)
+        assert meta.varlen is not None
+        return L.compile_key(meta, **{**CONFIG, **kw})
+
+    b40, b36 = "4.0.0b40", "4.0.0b36"
+    short, long = keys(512, arch=100, fa4_version=b40), keys(1024, arch=100, fa4_version=b40)
+    assert short != long and [x for x in short if x[0] == "fwd"] == [x for x in long if x[0] == "fwd"]
+    for kw in (
+        dict(arch=90, fa4_version=b40),
+        dict(arch=100, fa4_version=b40, num_heads_kv=8),
+        dict(arch=100, fa4_version=b36),
+        dict(arch=90, fa4_version=b36),
+    ):
+        assert keys(512, **kw) == keys(1024, **kw), kw
+
+
+def test_release_is_checked() -> None:
+    assert _fa4_version.resolve("4.0.0b40") == "4.0.0b40"
+    assert _fa4_version.resolve() == (_fa4_version.installed() or _fa4_version.PINNED)
+    meta = L.build_mask_meta(*_tensors([[0, 600]], [[0, 600]], [1]), 600, 600, CPU)
+    for bad in ("4.0.0b35", "4.0.0", 40):
+        with pytest.raises(ValueError, match="fa4_version"):
+            L.compile_key(meta, **CONFIG, fa4_version=bad)
+    assert not _fa4_version.mask_patch_supported(None) and not _fa4_version.mask_patch_supported("4.0.0b41")
+
+
+class _RecordingCache:
+    """A compile cache that records the keys FA4 looks up (``key in cache`` in 4.0.0b36's forward and
+    backward and 4.0.0b40's forward, ``cache.get(key)`` in 4.0.0b40's backward) and otherwise is the cache."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.keys = inner, []
+
+    def __contains__(self, key) -> bool:
+        self.keys.append(key)
+        return key in self.inner
+
+    def get(self, key):
+        self.keys.append(key)
+        return self.inner.get(key)
+
+    def __getitem__(self, key):
+        return self.inner[key]
+
+    def __setitem__(self, key, fn) -> None:
+        self.inner[key] = fn
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore:Argument aux_data")  # FA4's varlen forward (see test_fa4_gpu.py)
+def test_mirror_splits_masks_as_the_installed_fa4_does(monkeypatch) -> None:
+    """A stream of masks (every kind of :func:`mask_stream`) through the kernel API: two masks get the same
+    mirrored forward (backward) keys exactly when FA4 looked up the same keys of its forward (backward) main
+    kernel, one for one (the preprocess / postprocess kernels of the backward are not mirrored)."""
+    import magi_ffa_fa4
+
+    if not magi_ffa_fa4.fa4_available():
+        pytest.skip("needs flash-attn-4")
+    fa = magi_ffa_fa4.interface._fa4()
+    caches = {d: _RecordingCache(getattr(fa, f"_flash_attn_{d}").compile_cache) for d in ("fwd", "bwd")}
+    for d, cache in caches.items():
+        monkeypatch.setattr(getattr(fa, f"_flash_attn_{d}"), "compile_cache", cache)
+    major, minor = torch.cuda.get_device_capability()
+    dev, hq, hk, d = torch.device("cuda"), 16, 2, 128
+    config = dict(dtype=torch.bfloat16, head_dim=d, num_heads_q=hq, num_heads_kv=hk, arch=10 * major + minor)
+    mirrored = {"fwd": [], "bwd": []}
+    seen = {"fwd": [], "bwd": []}
+    for qr, kr, tm, total in mask_stream(10, seed=7):
+        key = L.compile_key(L.build_mask_meta(*_tensors(qr, kr, tm), total, total, CPU), **config)
+        for direction in mirrored:
+            mirrored[direction].append(frozenset(k for k in key if k[0] == direction))
+            caches[direction].keys.clear()
+        q, k, v = (
+            torch.randn(total, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            for h in (hq, hk, hk)
+        )
+        out, _ = magi_ffa_fa4.flex_flash_attn_func(q, k, v, *(t.to(dev) for t in _tensors(qr, kr, tm)))
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        for direction in seen:
+            seen[direction].append(frozenset(caches[direction].keys))
+    for direction in mirrored:
+        assert [len(x) for x in mirrored[direction]] == [len(x) for x in seen[direction]], direction
+        assert _partition(mirrored[direction]) == _partition(seen[direction]), direction
+        assert len(set(seen[direction])) > 2, "the stream must need several kernels"

@@ -12,9 +12,9 @@ What differs between the supported releases, for this package:
 - ``4.0.0b40``: ``_flash_attn_fwd`` drops ``num_threads``, takes ``scales`` and a keyword-only ``config``;
   ``_flash_attn_bwd`` takes a keyword-only ``config`` (its tile / stage / layout arguments are ignored). Both
   build their compile key from the selected ``FwdConfig`` / ``BwdConfig``. On Hopper those configs follow
-  from the problem's configuration and the window kind only; on Blackwell a varlen forward whose entries
-  are short takes the dynamic persistent scheduler, and the GQA backward packs query heads by a heuristic
-  that reads the sequence lengths. The SM90 backward bounds ragged K/V loads and its register split is a
+  from the problem's configuration and the window kind only; on Blackwell the GQA backward packs query heads
+  by a heuristic that reads the sequence lengths, and a varlen forward whose entries are shorter than its
+  query tiles takes a dynamic scheduler (never ours: ``varlen.MIN_MEAN_ROWS``). The SM90 backward bounds ragged K/V loads and its register split is a
   config field. The keywords this package passes and ``AttentionMask.apply_mask``'s signature, with every
   helper the interval mask uses, are the same in both.
 """

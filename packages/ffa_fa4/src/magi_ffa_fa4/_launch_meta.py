@@ -401,9 +401,9 @@ def compile_key(
     can change is bounded: the interval width bucket (:func:`width_bucket`), the window kind of a varlen
     group (full, causal, left, right or both sides bounded), whether a sequence fits one tile (at most 128
     tokens; :data:`~magi_ffa_fa4.varlen.SEQLEN_FLOOR` removes it for varlen groups) and whether a varlen
-    group holds more than 256 entries. With flash-attn-4 4.0.0b40 on Blackwell (arch 100 / 110) a varlen
-    group also keys whether its entries outnumber its packed query tiles, and with GQA its backward keys the
-    lengths and totals FA4's query-head fold reads (kept whole: an upper bound on the kernels it compiles).
+    group holds more than 256 entries. With flash-attn-4 4.0.0b40 on Blackwell (arch 100 / 110) the GQA
+    backward of a varlen group also keys the lengths and totals FA4's query-head fold reads (kept whole: an
+    upper bound on the kernels it compiles).
 
     Args:
         meta: launch metadata (:func:`build_mask_meta` or :func:`get_launch_meta`).
@@ -440,12 +440,11 @@ def compile_key(
         entries = len(g.q_ranges)
         batch_search = entries > _FA4_BATCH_SEARCH
         rows_q = kw["max_seqlen_q"] * gqa  # packed GQA rows of the longest entry
-        q_stage = 2 if blackwell and rows_q > _FA4_FWD_TILE_M else 1
+        q_stage = 2 if blackwell and rows_q > _FA4_FWD_TILE_M else 1  # 4.0.0b36's forward stages
         if config_keyed:
-            # routes_dynamic_varlen: more entries than packed query tiles (the semaphore's 2**24 tiles ignored)
-            dynamic = blackwell and entries * q_stage * _FA4_FWD_TILE_M > meta.total_q * gqa
-            scheduler = "dynamic" if dynamic else ("single_tile", batch_search)
-            keys[("fwd", "varlen", *common, window, used, scheduler)] = None
+            # Blackwell's dynamic varlen route needs more entries than packed query tiles of 256 rows, which
+            # varlen.MIN_MEAN_ROWS (256 query rows per entry on average) rules out
+            keys[("fwd", "varlen", *common, window, used, batch_search)] = None
         else:
             static = rows_q <= q_stage * _FA4_FWD_TILE_M  # FA4's is_static_persistent for a host max
             keys[("fwd", "varlen", *common, window, used, static, batch_search)] = None
