@@ -9,6 +9,10 @@
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
 #           dq-order (cuDNN's deterministic backward: its dQ write order against the one magi_ffa_cudnn writes)
+#           fa4-versions (magi_ffa_fa4 and FA4 native on flash-attn-4 4.0.0b36, installed, against 4.0.0b40,
+#           carried as a wheel in .fa4/b40: 3 interleaved rounds of kernel_backends_bench per release at 8k and
+#           32k on packed documents / causal / window, the table of benchmarks/fa4_versions.py, then the
+#           package's GPU tests on 4.0.0b40; prepare here: pip download --no-deps -d .fa4/b40 flash-attn-4==4.0.0b40)
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
@@ -86,6 +90,27 @@ phase_kernels-det() {
 phase_dq-order() {
   run "${BENCH_S:-400}" python3 -m benchmarks.cudnn_dq_order_bench --seqlens "${SEQLENS:-32768}" --sim-cp 8 \
     --json "$OUT/dq_order.json"
+}
+
+phase_fa4-versions() {  # the b40 wheel is pure Python: its own --target folder, first on PYTHONPATH
+  local b40=/tmp/fa4_b40 dir="$OUT/fa4_versions" r v
+  [ -d "$b40/flash_attn" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$b40" .fa4/b40/*.whl
+  mkdir -p "$dir"
+  declare -A path=([b36]="$PYTHONPATH" [b40]="$b40:$PYTHONPATH")
+  for v in b36 b40; do
+    run 120 env PYTHONPATH="${path[$v]}" python3 -c "import flash_attn.cute, magi_ffa_fa4._fa4_version as f
+print('$v:', f.installed(), flash_attn.cute.__file__)"
+  done
+  for r in 1 2 3; do
+    for v in b36 b40; do
+      run "${BENCH_S:-500}" env PYTHONPATH="${path[$v]}" python3 -m benchmarks.kernel_backends_bench \
+        --seqlens 8192,32768 --masks varlen_causal,causal,swa_causal_w2048 --kernels ffa_fa4,fa4 \
+        --repeats "${REPEATS:-3}" --out-dir "$dir" --tag "${v}_r$r"
+    done
+  done
+  run 60 python3 -m benchmarks.fa4_versions "$dir"
+  run "${TEST_S:-590}" env -u TRITON_INTERPRET PYTHONPATH="${path[b40]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    --basetemp "$OUT/fa4_b40_tests" --junitxml "$OUT/fa4_b40_gpu_tests.xml" packages/ffa_fa4
 }
 
 phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)

@@ -10,6 +10,7 @@ installed distribution is the one Python imports.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from importlib import metadata
 from pathlib import Path
@@ -140,3 +141,28 @@ def test_installed_release_is_supported_and_imported() -> None:
     dist = metadata.distribution(_fa4_version.DISTRIBUTION)
     init = Path(dist.locate_file("flash_attn/cute/__init__.py")).resolve()
     assert init == Path(flash_attn.cute.__file__).resolve(), (version, flash_attn.cute.__file__)
+
+
+def test_release_comparison_table(tmp_path: Path) -> None:
+    """``benchmarks.fa4_versions``: medians over each release's rounds, b40/b36 as a speed ratio."""
+    from benchmarks import fa4_versions
+
+    def run(tag: str, fwd: float, bwd: float) -> None:
+        rows = [dict(kernel="ffa_fa4", mask="causal", S=8192, hq=64, hk=8, d=128, fwd_ms=fwd, bwd_ms=bwd)]
+        rows.append(dict(kernel="fa4", mask="causal", S=8192, hq=64, hk=8, d=128, error="refused"))
+        (tmp_path / f"{tag}.json").write_text(json.dumps(dict(env=dict(versions=tag), rows=rows)))
+
+    for i, (fwd, bwd) in enumerate([(1.0, 2.0), (1.2, 2.2), (9.0, 9.0)]):
+        run(f"b36_r{i}", fwd, bwd)
+    for i, (fwd, bwd) in enumerate([(0.8, 2.4), (1.0, 2.5), (1.1, 0.1)]):
+        run(f"b40_r{i}", fwd, bwd)
+    (tmp_path / "b40_r1x.json").write_text("not a run")  # only <release>_r<round>.json files are read
+    table = fa4_versions.compare(tmp_path)
+    (row,) = table["rows"]
+    assert row["rounds"] == [3, 3] and row["fwd_ms"] == [1.2, 1.0] and row["bwd_ms"] == [2.2, 2.4]
+    assert row["fwd_ratio"] == 1.2 and row["bwd_ratio"] == round(2.2 / 2.4, 3)
+    assert "| ffa_fa4 | causal | 8192 | 64:8 | 128 | 3 / 3 | 1.200 | 1.000 | 1.200 |" in fa4_versions.render(
+        table
+    )
+    with pytest.raises(SystemExit, match="b41"):
+        fa4_versions.compare(tmp_path, new="b41")
