@@ -12,7 +12,8 @@
 #           fa4-versions (magi_ffa_fa4 and FA4 native on flash-attn-4 4.0.0b36, installed, against 4.0.0b40,
 #           carried as a wheel in .fa4/b40: 3 interleaved rounds of kernel_backends_bench per release at 8k and
 #           32k on packed documents / causal / window, the table of benchmarks/fa4_versions.py, then the
-#           package's GPU tests on 4.0.0b40; prepare here: pip download --no-deps -d .fa4/b40 flash-attn-4==4.0.0b40)
+#           package's GPU tests on 4.0.0b40 unless FA4_VERSIONS_TESTS=0; prepare here: pip download --no-deps
+#           -d .fa4/b40 flash-attn-4==4.0.0b40), fa4-b40-tests (those tests alone, for a second call)
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
@@ -92,11 +93,16 @@ phase_dq-order() {
     --json "$OUT/dq_order.json"
 }
 
-phase_fa4-versions() {  # the b40 wheel is pure Python: its own --target folder, first on PYTHONPATH
-  local b40=/tmp/fa4_b40 dir="$OUT/fa4_versions" r v
-  [ -d "$b40/flash_attn" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$b40" .fa4/b40/*.whl
+FA4_B40=/tmp/fa4_b40  # flash-attn-4 4.0.0b40 (pure Python): its own --target folder, first on PYTHONPATH
+fa4_b40_install() {
+  [ -d "$FA4_B40/flash_attn" ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$FA4_B40" .fa4/b40/*.whl
+}
+phase_fa4-versions() {
+  local dir="$OUT/fa4_versions" r v
+  fa4_b40_install
   mkdir -p "$dir"
-  declare -A path=([b36]="$PYTHONPATH" [b40]="$b40:$PYTHONPATH")
+  declare -A path=([b36]="$PYTHONPATH" [b40]="$FA4_B40:$PYTHONPATH")
   for v in b36 b40; do
     run 120 env PYTHONPATH="${path[$v]}" python3 -c "import flash_attn.cute, magi_ffa_fa4._fa4_version as f
 print('$v:', f.installed(), flash_attn.cute.__file__)"
@@ -109,8 +115,12 @@ print('$v:', f.installed(), flash_attn.cute.__file__)"
     done
   done
   run 60 python3 -m benchmarks.fa4_versions "$dir"
-  run "${TEST_S:-590}" env -u TRITON_INTERPRET PYTHONPATH="${path[b40]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-    --basetemp "$OUT/fa4_b40_tests" --junitxml "$OUT/fa4_b40_gpu_tests.xml" packages/ffa_fa4
+  [ "${FA4_VERSIONS_TESTS:-1}" = 0 ] || phase_fa4-b40-tests
+}
+phase_fa4-b40-tests() {
+  fa4_b40_install
+  run "${TEST_S:-590}" env -u TRITON_INTERPRET PYTHONPATH="$FA4_B40:$PYTHONPATH" python3 -m pytest -m gpu -q \
+    -p no:cacheprovider --basetemp "$OUT/fa4_b40_tests" --junitxml "$OUT/fa4_b40_gpu_tests.xml" packages/ffa_fa4
 }
 
 phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)
