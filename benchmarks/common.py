@@ -277,7 +277,14 @@ def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
 
 def git_sha() -> str:
     """The checkout's short commit (``"unknown"`` outside a git checkout): every result file records it."""
-    return os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+    import subprocess  # (not os.popen: its pipe stays open until collected, a ResourceWarning under pytest)
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=30, check=False).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.strip() or "unknown"
 
 
 def no_multicast() -> None:
