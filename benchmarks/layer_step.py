@@ -145,7 +145,10 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
         )
     if name == "cudnn_flex":
         vendors.import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
-        return Runner(lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample), vendors.cudnn_flex_attn)
+        return Runner(
+            lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample),
+            lambda plan, q, k, v: vendors.cudnn_flex_attn(q, k, v, plan),
+        )
     raise ValueError(
         f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}"
     )
