@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import kernel_backends_bench, layer_step
 
@@ -63,3 +64,37 @@ def test_ratios_are_the_vendor_median_over_ours() -> None:
     assert "cudnn_flex |" not in text.split("| ratio")[1]  # no ratio against a runner that did not run
     with pytest.raises(ValueError, match="unknown runners"):
         layer_step.layer_step(["ffa", "fa5"], 256, device="cpu")
+
+
+def test_vendor_runners_do_their_per_mask_work_as_each_mode_says(monkeypatch) -> None:
+    """FA4's and cuDNN's runners, with the vendors' calls stood in for (no FA4 or cuDNN on the CPU): the
+    cu_seqlens / mask plan are built once with the same mask, every step with a new one, and each layer's call
+    gets what its mask's preparation returned."""
+    from magi_attention import vendors
+
+    calls = {"fa4_local": [], "cudnn_mask_plan": [], "cudnn_flex_attn": set()}
+
+    def fa4_local(mask, device, fa=None):
+        calls["fa4_local"].append(mask.name)
+        return (lambda q, k, v: q * 1.0), "FA4"
+
+    def cudnn_mask_plan(mask, q, k, v):
+        calls["cudnn_mask_plan"].append(mask.name)
+        return ("plan", mask.name)
+
+    def cudnn_flex_attn(q, k, v, plan):
+        assert plan[0] == "plan"
+        calls["cudnn_flex_attn"].add(plan[1])
+        return q * 1.0
+
+    monkeypatch.setattr(vendors, "import_vendor", lambda name, what: object())
+    monkeypatch.setattr(vendors, "fa4_local", fa4_local)
+    monkeypatch.setattr(vendors, "cudnn_mask_plan", cudnn_mask_plan)
+    monkeypatch.setattr(vendors, "cudnn_flex_attn", cudnn_flex_attn)
+    rows = layer_step.layer_step(["fa4", "cudnn_flex"], 512, heads=(2, 1), head_dim=8, layers=2, steps=2,
+                                 warmup=1, device="cpu", dtype=torch.float32)  # fmt: skip
+    assert all("error" not in r and r["steps"] == 2 for r in rows), rows
+    same = ["docs seed 0"]
+    new = [f"docs seed {i}" for i in (1, 2, 3)]
+    assert calls["fa4_local"] == same + new and calls["cudnn_mask_plan"] == same + new
+    assert calls["cudnn_flex_attn"] == set(same + new)
