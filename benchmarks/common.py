@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 MASK_NAMES = (
-    "full", "causal", "varlen_full", "varlen_causal", "swa_causal_w1024", "swa_causal_w4096",
+    "full", "causal", "varlen_full", "varlen_causal", "swa_causal_w1024", "swa_causal_w2048", "swa_causal_w4096",
     "varlen_block_causal", "random",
 )  # fmt: skip
 
@@ -210,27 +210,18 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
     add("ffa_cudnn", ffa_cudnn)
     for name in ("cudnn_flex", "cudnn_varlen"):
         add(name, lambda name=name: _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen"))
-    qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # [1, h, S, d]
-    gqa = hq != hk
     if "flex" in kernels:
+        # FlexAttention's layout: [1, heads, tokens, head_dim]
+        qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
+        gqa = hq != hk
         flex, create_block_mask = flex_tools
         bm = create_block_mask(m.mask_mod, 1, 1, S, S, device=dev) if m.mask_mod is not None else None
         out["flex"] = (lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=gqa), (qb, kb, vb))
     if m.cudnn_causal is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention as sdpa
+        from magi_attention.vendors import sdpa_call
 
-        for name, be in (
-            ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-            ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-        ):
-            if name in kernels:
-
-                def f(be=be):
-                    with sdpa_kernel([be]):
-                        return sdpa(qb, kb, vb, is_causal=m.cudnn_causal, enable_gqa=gqa)
-
-                out[name] = (f, (qb, kb, vb))
+        for name in ("sdpa_cudnn", "sdpa_flash"):
+            add(name, lambda name=name: sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")))
     if m.name != "random":
         add("fa4", lambda: _fa4_runner(m, q, k, v))
     for name, backend in CALC_ATTN_RUNNERS.items():
@@ -256,9 +247,9 @@ def calc_attn_runner(m: BenchMask, q, k, v, backend: str):
 
 
 def _slice_mask(m: BenchMask, total: int):
-    """The bench mask as the vendor calls' mask (``magi_attention._runtime.vendor_kernels``, one definition of each
-    vendor call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
-    from magi_attention._runtime.vendor_kernels import SliceMask
+    """The bench mask as the vendor calls' mask (``magi_attention.vendors``, one definition of each vendor
+    call); ``swa_causal_wN`` is also FA4's / Flex's causal window of N keys (itself included)."""
+    from magi_attention.vendors import SliceMask
 
     window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
     return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,
@@ -267,7 +258,7 @@ def _slice_mask(m: BenchMask, total: int):
 
 def _fa4_runner(m: BenchMask, q, k, v):
     """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
-    from magi_attention._runtime.vendor_kernels import fa4_call
+    from magi_attention.vendors import fa4_call
 
     return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
 
@@ -275,29 +266,25 @@ def _fa4_runner(m: BenchMask, q, k, v):
 def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
     """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
     or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
-    from cudnn.flex_attention import create_mask_plan, flex_attn_func
+    from magi_attention.vendors import cudnn_flex_call, cudnn_varlen_call
 
-    S = q.shape[0]
     if not varlen:
-        from magi_attention._runtime.vendor_kernels import cudnn_flex_call
-
-        return cudnn_flex_call(_slice_mask(m, S), q, k, v)
+        return cudnn_flex_call(_slice_mask(m, q.shape[0]), q, k, v)
     if m.name not in ("varlen_full", "varlen_causal"):
         return None
-    cu = torch.tensor([0, *m.q_ranges[:, 1].tolist()], dtype=torch.int32, device=q.device)
-    mx = int((m.q_ranges[:, 1] - m.q_ranges[:, 0]).max())
-    pos = torch.arange(S, device=q.device) - torch.repeat_interleave(cu[:-1], cu.diff())
-    end = pos + 1 if m.name == "varlen_causal" else torch.repeat_interleave(cu.diff(), cu.diff())
-    func = end.to(torch.int32).reshape(1, 1, S).contiguous()
-    qv, kv, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    plan = create_mask_plan(func, qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
-                            build_backward=True)  # fmt: skip
-    return (lambda: flex_attn_func(qv, kv, vv, mask_plan=plan), (qv, kv, vv))
+    return cudnn_varlen_call(_slice_mask(m, q.shape[0]), q, k, v)
 
 
 def git_sha() -> str:
     """The checkout's short commit (``"unknown"`` outside a git checkout): every result file records it."""
-    return os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+    import subprocess  # (not os.popen: its pipe stays open until collected, a ResourceWarning under pytest)
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=30, check=False).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.strip() or "unknown"
 
 
 def no_multicast() -> None:

@@ -8,6 +8,8 @@
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
+#           layer-step (a 32-layer attention-only step: kernel API and calc_attn beside FA4's and cuDNN's own
+#           calls, same mask and a new mask every step; LAYER_SEQLENS, default 8192,32768)
 #           dq-order (cuDNN's deterministic backward: its dQ write order against the one magi_ffa_cudnn writes)
 #           fa4-versions (magi_ffa_fa4 and FA4 native on flash-attn-4 4.0.0b36, installed, against 4.0.0b40,
 #           carried as a wheel in .fa4/b40: 3 interleaved rounds of kernel_backends_bench per release at 8k and
@@ -83,6 +85,10 @@ phase_kernels() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --seqlens "${SEQLENS:-8192,32768}" --d "${HEAD_DIMS:-128}" \
     --masks "${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}" --rep "${REP:-25}" \
     ${KERNELS:+--kernels "$KERNELS"} --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
+}
+phase_layer-step() {
+  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --layer-step --seqlens "${LAYER_SEQLENS:-8192,32768}" \
+    --out-dir "$OUT" --tag "${TAG:-layer_step}"
 }
 phase_kernels-det() {
   run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det

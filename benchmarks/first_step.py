@@ -34,7 +34,7 @@ RUNS = ("cp1", "cp1", "cp1_warmup", "sim8", "sim8", "sim8_warmup")
 
 
 def _mask():
-    from magi_attention._runtime.vendor_kernels import standard_masks
+    from magi_attention.vendors import standard_masks
 
     return next(m for m in standard_masks(TOKENS) if m.name == "docs")
 

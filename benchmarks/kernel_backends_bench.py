@@ -4,6 +4,12 @@ medians): magi-ffa-cudnn / -fa4 / Triton, cuDNN's flex_attention, FA4's native c
 
     python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
     python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
+    python -m benchmarks.kernel_backends_bench --layer-step --seqlens 8192,32768 --out-dir $OUT --tag layer_step
+
+``--layer-step``: an attention-only step of 32 layers on packed causal documents, the kernel API and
+``calc_attn`` beside each vendor's own call, same mask every step and a new mask every step
+(``benchmarks/layer_step.py``). Results (``<tag>.json``, ``<tag>.md``) go to ``--out-dir``, by default
+``benchmarks/results/``.
 
 ``--write-table OUT --sources A.json[:mask+mask],... [--sim-sources fa4=A.json,...] [--base TABLE]`` writes
 the table ``kernel_backend="auto"`` reads from such runs.
@@ -19,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    ROOT,
     build_mask,
     calc_attn_runner,
     environment,
@@ -31,7 +38,13 @@ from benchmarks.common import (
 DEFAULT_KERNELS = (
     "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
 )
-PAIRS = (("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"))
+PAIRS = (
+    ("ffa_cudnn", "cudnn_flex"), ("ffa_fa4", "fa4"), ("ffa_cudnn", "ffa_fa4"),
+    ("ffa_fa4", "calc_fa4"), ("ffa_cudnn", "calc_cudnn"), ("ffa", "calc_triton"),
+)  # fmt: skip
+"""The ratio columns (fwd / bwd TFLOP/s of the first over the second): each backend's kernel API against the
+vendor's own call, cuDNN's against FA4's, and each kernel API against the same backend through ``calc_attn``
+at cp = 1 (what the per-call work costs beyond the kernels)."""
 DET_BACKENDS = ("fa4", "cudnn", "triton")
 DET_KERNELS = ",".join([*(f"launch_{b}{m}" for b in DET_BACKENDS for m in ("", "_det")), "auto", "auto_det"])
 """``--deterministic``'s runners: each backend's launchers both ways, and ``calc_attn``'s ``auto`` both ways."""
@@ -490,7 +503,15 @@ def main() -> None:
         "--sim-sources", default="",
         help="for --write-table: simulated cp runs, backend=path,... (magi_attention_bench.py --degree 0 JSON)",
     )  # fmt: skip
-    ap.add_argument("--out-dir", default=".")
+    ap.add_argument(
+        "--layer-step", action="store_true",
+        help="the attention-only step of --layers layers (benchmarks/layer_step.py); runners: --kernels",
+    )  # fmt: skip
+    ap.add_argument("--layers", type=int, default=32, help="--layer-step: layers per step")
+    ap.add_argument("--steps", type=int, default=8, help="--layer-step: timed steps per runner (median)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="--layer-step: untimed steps first")
+    ap.add_argument("--modes", default="same,new", help="--layer-step: same mask every step, a new one")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="kernel_backends")
     args = ap.parse_args()
     if args.write_table:
@@ -500,6 +521,9 @@ def main() -> None:
     env = environment()
     env["versions"] = _versions()
     data = dict(env=env)
+    if args.layer_step:
+        _layer_step_main(args, data)
+        return
     data["rows"] = bench(args)
     if args.deterministic and args.sim_cp:
         data["rows"] += sim_det_rows(args)
@@ -507,6 +531,38 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
     text = render(data)
+    (out / f"{args.tag}.md").write_text(text)
+    print(text)
+
+
+def _layer_step_main(args, data: dict) -> None:
+    """``--layer-step``: the rows of every ``--seqlens`` size, written as ``<tag>.json`` and ``<tag>.md``."""
+    import os
+
+    from benchmarks import layer_step
+
+    device = os.environ.get("MAGI_BENCH_DEVICE", "cuda")  # "cpu": the torch path at toy sizes (the CPU test)
+    hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
+    names = [n for n in (args.kernels or ",".join(layer_step.DEFAULT_RUNNERS)).split(",") if n]
+    rows = []
+    for total in (int(s) for s in args.seqlens.split(",")):
+        rows += layer_step.layer_step(
+            names, total, heads=(hq, hk), head_dim=int(args.d.split(",")[0]), layers=args.layers,
+            steps=args.steps, warmup=args.warmup_steps, modes=[m for m in args.modes.split(",") if m],
+            device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        )  # fmt: skip
+    data["rows"] = rows
+    env = data["env"]
+    text = "\n".join([
+        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, commit {env['git']}"
+        f"{', ' + env['versions'] if env.get('versions') else ''}; `kernel_backends_bench.py --layer-step`, "
+        "runners interleaved, median and spread (max - min) of the timed steps; ratios: speed, the second "
+        "runner's median over the first's.",
+        *layer_step.render(rows),
+    ]) + "\n"  # fmt: skip
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
     (out / f"{args.tag}.md").write_text(text)
     print(text)
 

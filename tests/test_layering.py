@@ -168,7 +168,7 @@ SUBPACKAGE_RULES = [
         lambda m: m.startswith("magi_attention._runtime"),
         tuple(
             f"magi_attention.{n}"
-            for n in ("api", "dispatch", "dist_attn", "roll", "simulate", "info", "demo", "testing")
+            for n in "api dispatch dist_attn roll simulate info vendors demo testing".split()
         ),
     ),
     (

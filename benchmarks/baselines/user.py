@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from magi_attention._runtime.vendor_kernels import SliceMask, VendorUnavailable, fa4_local
+from magi_attention.vendors import SliceMask, VendorUnavailable, fa4_local
 
 Ranges = Sequence[Sequence[int]]
 
@@ -35,7 +35,7 @@ Unavailable = VendorUnavailable
 """This system cannot run this case on this machine; the message says why (the same on every rank)."""
 
 Mask = SliceMask
-"""A benchmark mask (``magi_attention._runtime.vendor_kernels.SliceMask``: slices, ``dense_causal``, ``varlen``)."""
+"""A benchmark mask (``magi_attention.vendors.SliceMask``: slices, ``dense_causal``, ``varlen``)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -144,7 +144,7 @@ def _first(out):
 # -- ulysses_fa4 ----------------------------------------------------------------------------------------------
 def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
     """Ulysses + FlashAttention-4 (``flash_attn_func`` for full / causal, ``flash_attn_varlen_func`` for packed
-    documents): the native call of ``magi_attention._runtime.vendor_kernels.fa4_local``."""
+    documents): the native call of ``magi_attention.vendors.fa4_local``."""
     if mask.dense_causal() is None and mask.varlen() is None and mask.window is None:
         fa4_local(mask, q.device, fa=object())  # raises Unavailable saying which masks FA4 takes
     fa = _import("fa4", "flash_attn.cute (FlashAttention-4)")

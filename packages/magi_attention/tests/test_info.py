@@ -17,7 +17,8 @@ def test_text_report_fits_80_columns_and_checks_pass(capsys) -> None:
     code = info.main(["--check", "--bench"])
     text = capsys.readouterr().out
     assert code == 0, text
-    wide = [line for line in text.splitlines() if len(line) > 80]
+    # only a path or value longer than the width stands beyond it, whole and alone on its line
+    wide = [line for line in text.splitlines() if len(line) > 80 and " " in line.strip()]
     assert not wide, wide
     for needle in ("Kernel backends:", "torch  runs here", "Compiled-kernel caches:", "All checks passed."):
         assert needle in text
@@ -105,3 +106,26 @@ def test_a_package_imported_from_the_source_tree_shows_its_version(monkeypatch) 
     assert info._version("magi-solver") == f"{magi_solver.__version__} (source)"
     assert info._version("magi-no-such-package") is None
     assert info._version("numpy") is None
+
+
+def test_a_long_path_stands_whole_on_its_own_line() -> None:
+    path = "/root/.cache/magi_attention/" + "a_rather_long_directory_name_" * 3 + "fa4_compiled_kernels"
+    lines = info._wrap("fa4    ", f"12.5 MiB, {path} (MAGI_ATTENTION_CACHE_DIR)")
+    assert path in lines, lines  # the path is a line by itself, not split
+    assert all(len(line) <= 80 for line in lines if line != path), lines
+    assert " ".join(" ".join(lines).split()) == f"fa4 12.5 MiB, {path} (MAGI_ATTENTION_CACHE_DIR)"
+    short = info._wrap("root   ", "1.0 KiB, /tmp/x (default)")
+    assert short == ["  root   1.0 KiB, /tmp/x (default)"]
+    assert info._fit(path) == path and info._fit("x " * 50).endswith("...")
+
+
+def test_bench_builds_calc_attn_keys_at_cp_1() -> None:
+    """``--bench``'s ``calc_attn`` rows: the key of a standard mask for one process (no process group) and
+    the backends ``calc_attn`` reports for it (the ``pick`` column)."""
+    from magi_attention.vendors import standard_masks
+
+    q = torch.zeros(256, 4, 32)
+    k = torch.zeros(256, 2, 32)
+    for mask in standard_masks(256, window=64):
+        key = info._key(mask, q, k, "torch")
+        assert info._pick(key) == ["torch", "torch"]

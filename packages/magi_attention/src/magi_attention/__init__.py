@@ -4,7 +4,7 @@ The product is four modules: `magi_attention.api` (keys, `dispatch`, `calc_attn`
 that build masks: the calls a training loop makes), `magi_attention.dispatch` (tokens to ranks and back),
 `magi_attention.dist_attn` (the attention of one cp group) and `magi_attention.config` (the frozen settings
 a key holds). This package hands on `api.__all__` and `config.__all__`; `key`, `helpers`, `mask_mod`,
-`roll`, `simulate`, `info`, `testing`, `env` and `demo` are public modules of their own, and
+`roll`, `simulate`, `info`, `vendors`, `testing`, `env` and `demo` are public modules of their own, and
 `magi_attention._runtime` holds the runtime's internals (no public name; its paths may change).
 """
 

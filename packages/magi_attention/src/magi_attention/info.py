@@ -13,14 +13,19 @@ the ``auto`` table in use, the variables in effect and the compiled-kernel cache
   ``error / naive error`` over the five tensors. On a GPU the inputs are bfloat16; on a CPU float32 (the
   Triton backend then runs in Triton's interpreter when ``TRITON_INTERPRET=1``, on tiny shapes).
 - ``--bench`` (CUDA only): forward and backward TFLOP/s for causal, packed documents and a sliding window at
-  8k and 32k tokens (64 query heads, 8 key/value heads, head_dim 128, bfloat16) of each backend, ``auto``'s
-  pick from its table, and the vendors' own calls (FlashAttention-4, cuDNN's flex_attention, PyTorch's
-  FlexAttention) where installed. FLOPs(fwd) = 4 x mask area x heads_q x head_dim, FLOPs(bwd) = 2.5 x
-  FLOPs(fwd); rounds interleave the kernels, each cell is the median over rounds.
+  8k and 32k tokens (64 query heads, 8 key/value heads, head_dim 128, bfloat16) of what users run:
+  ``calc_attn`` at cp 1 with ``auto`` and with each backend (the key built once, outside the timing; the
+  ``pick`` column names the backends it ran), each backend's kernel API (``<backend> kernel API``: its
+  package's ``flex_flash_attn_func``, range tables as CUDA int32 tensors), and the vendors' own calls
+  (FlashAttention-4, cuDNN's flex_attention) where installed. FLOPs(fwd) = 4 x mask area x heads_q x
+  head_dim, FLOPs(bwd) = 2.5 x FLOPs(fwd); rounds interleave the runners, each cell is the median over
+  rounds. ``--bench-all`` adds the Triton backend's rows and PyTorch's FlexAttention (their compiles take
+  minutes; ``--bench`` fits in about two minutes with warm caches).
 - ``--json``: one JSON document on stdout, nothing else.
 
 The exit status is 0 unless a check that ran failed (1), or the arguments are wrong (2). Every line of the
-text output fits in 80 columns.
+text output fits in 80 columns, except a path or value longer than that: it stands whole on a line of its
+own, so it can be copied.
 """
 
 from __future__ import annotations
@@ -166,7 +171,7 @@ def collect() -> dict:
 
 # -- --check ------------------------------------------------------------------------------------------------
 def _check_masks(total: int) -> list[tuple[str, list, list, list]]:
-    from ._runtime.vendor_kernels import standard_masks
+    from .vendors import standard_masks
 
     masks = standard_masks(total, window=total // 4)
     return [
@@ -281,41 +286,80 @@ def _time_ms(fn: Callable[[], None], rep_ms: float) -> float:
     return statistics.median(times)
 
 
-def _bench_runners(mask, q, k, v, available: dict[str, str]) -> tuple[dict, dict]:
-    """name -> (fn, leaves) for every runner that can take ``mask`` here; name -> why not for the rest."""
-    from ._runtime import vendor_kernels as vk
+KERNEL_API = " kernel API"
+"""Suffix of the rows that time a backend package's own ``flex_flash_attn_func`` (the per-call kernel API)."""
 
-    runners, missing = {}, {}
-    table = [(b, None) for b in ("fa4", "cudnn", "triton")]
-    table += [
-        ("FA4 native", vk.fa4_call),
-        ("cuDNN flex", vk.cudnn_flex_call),
-        ("FlexAttn", vk.flex_attention_call),
-    ]
+
+def _key(mask, q, k, backend: str):
+    """The runtime key of ``mask`` at cp 1 (one process, no process group) with ``kernel_backend=backend``:
+    what a training script builds once per mask, outside the timing."""
+    from .api import magi_attn_flex_key
+    from .config import DistAttnConfig
+
+    total, hq, d = q.shape
+    return magi_attn_flex_key(
+        [list(r) for r in mask.q_ranges], [list(r) for r in mask.k_ranges], list(mask.types), total, total,
+        hq, k.shape[1], d, None, DistAttnConfig(kernel_backend=backend),
+    )  # fmt: skip
+
+
+def _pick(key) -> list[str]:
+    """``[forward, backward]`` backends ``calc_attn`` runs for ``key`` (bf16), as the runtime reports them."""
+    from .api import get_kernel_backend
+
+    backend, reason = get_kernel_backend(key)
+    backward = reason.rpartition("backward: ")[2] if "; backward: " in reason else backend.value
+    return [backend.value, backward]
+
+
+def _bench_runners(mask, q, k, v, available: dict[str, str], every: bool) -> tuple[dict, dict, dict]:
+    """``(runners, missing, picks)``: name -> (fn, leaves) for every runner that can take ``mask`` here,
+    name -> why not for the rest, name -> the backends ``calc_attn`` runs for the ``calc_attn`` rows.
+
+    Rows: ``auto`` and each backend through ``calc_attn`` at cp 1 (the key built here, outside the timing),
+    each backend's kernel API (``<backend> kernel API``: its package's ``flex_flash_attn_func``, range tables
+    as CUDA int32 tensors), and the vendors' own calls. The Triton backend and FlexAttention (whose compiles
+    take minutes) only with ``every``."""
+    from . import vendors as vk
+    from .api import calc_attn
+
+    backends = ("fa4", "cudnn", "triton") if every else ("fa4", "cudnn")
     qt, kt, tt = (
         torch.tensor(x, dtype=torch.int32, device=q.device)
         for x in (mask.q_ranges, mask.k_ranges, mask.types)
     )
-    for name, maker in table:
+    table: list[tuple[str, str, object]] = [(b, "calc_attn", b) for b in ("auto", *backends)]
+    table += [(b + KERNEL_API, "kernel", b) for b in backends]
+    table += [("FA4 native", "vendor", vk.fa4_call), ("cuDNN flex", "vendor", vk.cudnn_flex_call)]
+    if every:
+        table.append(("FlexAttn", "vendor", vk.flex_attention_call))
+    runners, missing, picks = {}, {}, {}
+    for name, kind, what in table:
         try:
-            if maker is None:
-                if available[name]:
-                    missing[name] = "cannot run here (see Kernel backends)"
-                    continue
-                leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
-                # the autograd entry of each backend: one launch of its forward and its backward
-                fn = _autograd_call(name, leaves, qt, kt, tt)
-                runners[name] = (fn, leaves)
+            if kind == "vendor":
+                runners[name] = what(mask, q, k, v)
+                continue
+            if what != "auto" and available[what]:
+                missing[name] = "cannot run here (see Kernel backends)"
+                continue
+            leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+            if kind == "calc_attn":
+                key = _key(mask, q, k, what)
+                picks[name] = _pick(key)
+                fn = lambda key=key, leaves=leaves: calc_attn(*leaves, key)[0]  # noqa: E731
             else:
-                runners[name] = maker(mask, q, k, v)
+                fn = _kernel_api_call(what, leaves, qt, kt, tt)
+            runners[name] = (fn, leaves)
         except vk.VendorUnavailable as exc:
             missing[name] = str(exc)[:160]
-        except Exception as exc:  # a vendor that fails here is reported, never hidden
+        except Exception as exc:  # a runner that fails here is reported, never hidden
             missing[name] = f"{type(exc).__name__}: {exc}"[:160]
-    return runners, missing
+    return runners, missing, picks
 
 
-def _autograd_call(backend: str, leaves, qt, kt, tt) -> Callable[[], torch.Tensor]:
+def _kernel_api_call(backend: str, leaves, qt, kt, tt) -> Callable[[], torch.Tensor]:
+    """``backend``'s kernel API, ``flex_flash_attn_func`` of magi_ffa_fa4 / magi_ffa_cudnn / magi_ffa
+    (Triton), on ``leaves`` and the range tables; cuDNN's mask plan built here, outside the timing."""
     import magi_ffa
 
     q, k, v = leaves
@@ -331,28 +375,14 @@ def _autograd_call(backend: str, leaves, qt, kt, tt) -> Callable[[], torch.Tenso
     return lambda: magi_ffa.flex_flash_attn_func(q, k, v, qt, kt, tt)[0]
 
 
-def _auto_pick(mask, head_dim: int, available: dict[str, str]) -> tuple[str, str] | None:
-    """(forward, backward) backend ``auto`` picks for ``mask`` at cp 1 here (its table and candidates)."""
-    from magi_solver.kernel_choice import load_kernel_table, mask_features, pick_kernel
-
-    from ._runtime.kernels import probe_local
-
-    candidates = [b for b in ("fa4", "cudnn", "triton") if not available[b]]
-    if not candidates:
-        return None
-    table = load_kernel_table(probe_local().gpu_kind)
-    if len(candidates) == 1 or table is None:
-        return candidates[0], candidates[0]
-    pick = pick_kernel(table, mask_features(mask.slices(), mask.total), head_dim, candidates)
-    return (pick.forward, pick.backward) if pick is not None else (candidates[0], candidates[0])
-
-
 def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
-              sizes: Sequence[int] = BENCH_SIZES) -> dict:  # fmt: skip
-    """Forward / backward TFLOP/s per (mask, size, runner); see the module docstring."""
+              sizes: Sequence[int] = BENCH_SIZES, every: bool = False) -> dict:  # fmt: skip
+    """Forward / backward TFLOP/s per (mask, size, runner); see the module docstring. ``every``: also the
+    Triton backend's rows and FlexAttention (``--bench-all``)."""
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU (none here)", "rows": []}
-    from ._runtime.vendor_kernels import standard_masks
+    from .api import clear_cache
+    from .vendors import standard_masks
 
     hq, hk, d = BENCH_HEADS
     rows, notes = [], {}
@@ -362,7 +392,7 @@ def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
             q, k, v = (torch.randn(size, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
                        for h in (hq, hk, hk))  # fmt: skip
             do = torch.randn(size, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
-            runners, missing = _bench_runners(mask, q, k, v, status)
+            runners, missing, picks = _bench_runners(mask, q, k, v, status, every)
             for name, why in missing.items():
                 notes.setdefault(name, why)
             fwd_ms: dict[str, list[float]] = {n: [] for n in runners}
@@ -392,30 +422,47 @@ def run_bench(status: dict[str, str], rounds: int = 3, rep_ms: float = 40.0,
                 cells[name] = {"fwd_ms": round(fm, 4), "bwd_ms": round(bm, 4),
                                "fwd_tflops": round(flops / fm / 1e9, 1),
                                "bwd_tflops": round(2.5 * flops / bm / 1e9, 1)}  # fmt: skip
-            pick = _auto_pick(mask, d, status)
-            if pick is not None and pick[0] in cells and pick[1] in cells:
-                fm, bm = cells[pick[0]]["fwd_ms"], cells[pick[1]]["bwd_ms"]
-                cells["auto"] = {"fwd_ms": fm, "bwd_ms": bm, "pick": list(pick),
-                                 "fwd_tflops": round(flops / fm / 1e9, 1),
-                                 "bwd_tflops": round(2.5 * flops / bm / 1e9, 1)}  # fmt: skip
+            for name, pick in picks.items():
+                if name in cells:
+                    cells[name]["pick"] = pick
             rows.append({"mask": mask.name, "tokens": size, "area": mask.area(), "cells": cells})
             del q, k, v, do, runners
+            clear_cache()  # this mask's plans (cp 1) and the memory they hold
             torch.cuda.empty_cache()
     return {"rows": rows, "unavailable": notes, "heads": list(BENCH_HEADS), "dtype": "bfloat16"}
 
 
 # -- text output (80 columns) -------------------------------------------------------------------------------
 def _fit(line: str) -> str:
-    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
+    """``line`` cut to the width with "...", unless it is one word (a path or value put on its own line
+    by ``_wrap``: kept whole so that it can be copied)."""
+    if len(line) <= WIDTH or " " not in line.strip():
+        return line
+    return line[: WIDTH - 3] + "..."
 
 
 def _wrap(label: str, text: str, indent: int = 2) -> list[str]:
-    """``label`` then ``text`` wrapped to the width, continuation lines indented."""
-    import textwrap
-
-    first = " " * indent + label
-    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=" " * (indent + 4),
-                         break_long_words=True, break_on_hyphens=False) or [first]  # fmt: skip
+    """``label`` then the words of ``text`` filled to the width, continuation lines indented by four more.
+    A word never splits: one too long for a continuation line (a cache path, a long value) goes on a line of
+    its own, whole and unindented, so it can be copied as it is."""
+    first, cont = " " * indent + label, " " * (indent + 4)
+    lines: list[str] = []
+    cur, fresh = first, True
+    for word in text.split():
+        joined = cur + ("" if fresh else " ") + word
+        if len(joined) <= WIDTH:
+            cur, fresh = joined, False
+            continue
+        if cur.strip():  # the line so far (with the label) is done
+            lines.append(cur)
+        if len(cont + word) <= WIDTH:
+            cur, fresh = cont + word, False
+        else:
+            lines.append(word)
+            cur, fresh = cont, True
+    if cur.strip():
+        lines.append(cur)
+    return lines or [first]
 
 
 def _size(n: int) -> str:
@@ -488,8 +535,11 @@ def _render_bench(bench: dict) -> list[str]:
         return _wrap("Bench: ", "not run: " + bench["skipped"], 0)
     hq, hk, d = bench["heads"]
     lines = [f"TFLOP/s fwd / bwd, bf16, heads {hq}:{hk}, head_dim {d} (x: vs auto)"]
+    lines += _wrap("", "auto and each backend: calc_attn at cp 1 (pick: the backends it ran, forward / "
+                   "backward); kernel API: the backend's flex_flash_attn_func; the rest: the vendors' "
+                   "own calls.", 0)  # fmt: skip
     lines.append(
-        f"  {'mask':<7}{'tokens':>6}  {'runner':<11}{'fwd':>7}{'bwd':>7}{'fwd x':>7}{'bwd x':>7}  pick"
+        f"  {'mask':<7}{'tokens':>6}  {'runner':<17}{'fwd':>6}{'bwd':>6}{'fwd x':>6}{'bwd x':>6}  pick"
     )
     for row in bench["rows"]:
         auto = row["cells"].get("auto")
@@ -501,7 +551,7 @@ def _render_bench(bench: dict) -> list[str]:
             pick = "/".join(c.get("pick", []))
             head = f"{row['mask']:<7}{row['tokens'] // 1024:>5}k" if i == 0 else " " * 13
             lines.append(
-                f"  {head}  {name:<11}{c['fwd_tflops']:>7.0f}{c['bwd_tflops']:>7.0f}{fx:>7}{bx:>7}  {pick}"
+                f"  {head}  {name:<17}{c['fwd_tflops']:>6.0f}{c['bwd_tflops']:>6.0f}{fx:>6}{bx:>6}  {pick}"
             )
     for name, why in bench.get("unavailable", {}).items():
         lines += _wrap(f"{name}: ", why)
@@ -510,7 +560,8 @@ def _render_bench(bench: dict) -> list[str]:
 
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m magi_attention.info [--check] [--bench] [--json]``; returns the exit status."""
+    """``python -m magi_attention.info [--check] [--bench | --bench-all] [--json]``; returns the exit
+    status."""
     parser = argparse.ArgumentParser(
         prog="python -m magi_attention.info",
         description="What this machine runs (versions, GPUs, kernel backends, caches); --check "
@@ -518,6 +569,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="check every backend against float64")
     parser.add_argument("--bench", action="store_true", help="forward / backward TFLOP/s (CUDA only)")
+    parser.add_argument(
+        "--bench-all", action="store_true",
+        help="--bench with the Triton backend's rows and FlexAttention too (their compiles take minutes)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document, nothing else")
     parser.add_argument("--rounds", type=int, default=3, help="--bench rounds per cell (median; default 3)")
     args = parser.parse_args(argv)
@@ -532,8 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             report["check"] = run_checks(status)
             code = 0 if report["check"]["passed"] else 1
-        if args.bench:
-            report["bench"] = run_bench(status, rounds=args.rounds)
+        if args.bench or args.bench_all:
+            report["bench"] = run_bench(status, rounds=args.rounds, every=args.bench_all)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps(report, indent=1, default=str))

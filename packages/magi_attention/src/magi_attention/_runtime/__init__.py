@@ -9,6 +9,5 @@ room below them; it imports only `config`, `env`, `key` and `_layout` of the pac
 - `comm`: the token all-gathers of dispatch / undispatch.
 - `cache_budget`: the byte bound of the cache and the memory check before planning.
 - `mask_input`: user mask arguments normalised into the tuples keys hash.
-- `vendor_kernels`: the vendors' own attention calls on a slice mask (what the benchmarks compare against).
 - `checks`: what stops a bad call on every rank before data moves, and `CommError` when a collective fails.
 """

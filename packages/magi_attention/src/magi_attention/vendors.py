@@ -1,14 +1,20 @@
-"""The vendors' own attention calls on a mask of slices, defined once: FlashAttention-4's ``flash_attn_func`` /
-``flash_attn_varlen_func``, cuDNN's ``flex_attn_func`` and PyTorch's FlexAttention, for the masks each can
-express. ``python -m magi_attention.info --bench`` times them beside our backends; ``benchmarks/`` (the
-baselines of ``cp_bench.py``, ``ffa_bench.py``) imports them from here.
+"""The vendors' own attention calls on a mask of slices, the baselines ``python -m magi_attention.info
+--bench`` and ``benchmarks/`` time our backends against: FlashAttention-4's ``flash_attn_func`` /
+``flash_attn_varlen_func``, cuDNN's ``flex_attn_func`` (one BSHD sample, or THD with one sample per document)
+and PyTorch's SDPA with its cuDNN or flash backend, and PyTorch's FlexAttention, for the masks each can
+express.
 
-Tensors are packed ``[tokens, heads, head_dim]`` (magi-attention's layout); each ``*_call`` builds what the
-vendor needs once (block masks, mask plans, cu_seqlens: outside any timing) and returns a callable
-``fn() -> out [tokens, heads_q, head_dim]`` with autograd to the returned leaf inputs. A mask a vendor cannot
-express, or a vendor that is not installed, raises :class:`VendorUnavailable` saying why. Vendor modules are
-imported on first use (through magi_ffa_fa4 / magi_ffa_cudnn first, so their compile caches are set up), so
-this module imports on any machine.
+Tensors are packed ``[tokens, heads, head_dim]`` (magi-attention's layout). Each ``*_call`` builds what the
+vendor needs once (block masks, mask plans, cu_seqlens: outside any timing) and returns ``(fn, leaves)``:
+``fn() -> out [tokens, heads_q, head_dim]`` (FlexAttention and SDPA: ``[1, heads_q, tokens, head_dim]``) with
+autograd to the returned leaf tensors. Where the per-mask work itself is measured, the parts are separate:
+``fa4_local`` (cu_seqlens built, then a call on any q / k / v), ``cudnn_mask_plan`` then
+``cudnn_flex_attn``. A mask a vendor cannot express, or a vendor that is not installed, raises
+:class:`VendorUnavailable` saying why.
+
+Every vendor module is imported inside the function that uses it (through magi_ffa_fa4 / magi_ffa_cudnn
+first, so their compile caches are set up): ``import magi_attention.vendors`` imports no ``flash_attn``,
+``cudnn``, ``cutlass``, ``quack``, ``torch._dynamo`` or ``torch._inductor`` and works on any machine.
 """
 
 from __future__ import annotations
@@ -23,12 +29,17 @@ import torch
 
 __all__ = [
     "SliceMask",
+    "VendorCall",
     "VendorUnavailable",
+    "cudnn_flex_attn",
     "cudnn_flex_call",
+    "cudnn_mask_plan",
+    "cudnn_varlen_call",
     "fa4_call",
     "fa4_local",
     "flex_attention_call",
     "import_vendor",
+    "sdpa_call",
     "standard_masks",
 ]
 
@@ -198,10 +209,16 @@ def fa4_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return (lambda: attn(*leaves)), leaves
 
 
-def cudnn_flex_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
-    """cuDNN's own ``flex_attn_func``: the packed problem as one BSHD sample, the mask as magi_ffa's per-row
-    key intervals turned into cuDNN's ``mask_func`` (its mask plan, backward included, built here)."""
-    flex = import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
+def _cudnn_flex() -> ModuleType:
+    return import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
+
+
+def cudnn_mask_plan(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+    """cuDNN's mask plan (forward and backward) of ``mask`` for packed ``[tokens, heads, head_dim]`` inputs of
+    ``q``'s, ``k``'s and ``v``'s shapes and dtype, the problem as one BSHD sample: the mask becomes magi_ffa's
+    per-row key intervals (on ``q``'s device), turned into cuDNN's ``mask_func``. This is cuDNN's per-mask
+    work; the plan serves every later call of those shapes (``cudnn_flex_attn``)."""
+    flex = _cudnn_flex()
     from magi_ffa_cudnn import mask_func_from_intervals
 
     from magi_ffa.intervals import row_intervals
@@ -211,10 +228,67 @@ def cudnn_flex_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     types = torch.tensor(mask.types, dtype=torch.int32, device=q.device)
     iv = row_intervals(table(mask.q_ranges), table(mask.k_ranges), types, mask.total, mask.total)
-    q4, k4, v4 = (x[None] for x in _leaves(q, k, v))
-    plan = flex.create_mask_plan(mask_func_from_intervals(iv), q4, k4, v4, build_backward=True)
-    leaves = (q4, k4, v4)
-    return (lambda: _first(flex.flex_attn_func(q4, k4, v4, mask_plan=plan))[0]), leaves
+    q4, k4, v4 = (x[None] for x in (q, k, v))  # as the calls will pass them (the plan records their layout)
+    return flex.create_mask_plan(mask_func_from_intervals(iv), q4, k4, v4, build_backward=True)
+
+
+def cudnn_flex_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object) -> torch.Tensor:
+    """cuDNN's own ``flex_attn_func`` on packed ``[tokens, heads, head_dim]`` q / k / v (one BSHD sample) with
+    a plan of ``cudnn_mask_plan``: out ``[tokens, heads_q, head_dim]``, differentiable in q, k, v."""
+    flex = _cudnn_flex()
+    return _first(flex.flex_attn_func(q[None], k[None], v[None], mask_plan=plan))[0]
+
+
+def cudnn_flex_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
+    """cuDNN's own ``flex_attn_func`` on fresh leaves of ``q``, ``k``, ``v``, its mask plan
+    (``cudnn_mask_plan``) built here."""
+    leaves = _leaves(q, k, v)
+    plan = cudnn_mask_plan(mask, *leaves)
+    return (lambda: cudnn_flex_attn(*leaves, plan)), leaves
+
+
+def cudnn_varlen_call(mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> VendorCall:
+    """cuDNN's own ``flex_attn_func`` on the THD layout for packed documents (``SliceMask.varlen``): one
+    sample per document (cu_seqlens), each row's key end local to its document, the plan built here."""
+    flex = _cudnn_flex()
+    varlen = mask.varlen()
+    if varlen is None:
+        raise VendorUnavailable("mask not expressible: cuDNN's THD path here takes packed documents only")
+    cu_list, causal = varlen
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
+    lengths = cu.diff()
+    longest = int(lengths.max())
+    pos = torch.arange(mask.total, device=q.device) - torch.repeat_interleave(cu[:-1], lengths)
+    end = pos + 1 if causal else torch.repeat_interleave(lengths, lengths)
+    func = end.to(torch.int32).reshape(1, 1, mask.total).contiguous()
+    leaves = _leaves(q, k, v)
+    plan = flex.create_mask_plan(func, *leaves, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, build_backward=True)  # fmt: skip
+    return (lambda: _first(flex.flex_attn_func(*leaves, mask_plan=plan))), leaves
+
+
+def sdpa_call(
+    mask: SliceMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "cudnn"
+) -> VendorCall:
+    """PyTorch's ``scaled_dot_product_attention`` restricted to one backend (``"cudnn"`` or ``"flash"``) for a
+    full or causal mask (``SliceMask.dense_causal``), on ``[1, heads, tokens, head_dim]`` leaves."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    if backend not in backends:
+        raise ValueError(f"backend must be one of {sorted(backends)}, got {backend!r}")
+    causal = mask.dense_causal()
+    if causal is None:
+        raise VendorUnavailable("mask not expressible: SDPA takes a full or causal mask")
+    gqa = q.shape[1] != k.shape[1]
+    qb, kb, vb = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))  # [1, h, S, d]
+
+    def fn() -> torch.Tensor:
+        with sdpa_kernel([backends[backend]]):
+            return scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=gqa)
+
+    return fn, (qb, kb, vb)
 
 
 _FLEX: dict[str, Callable] = {}

@@ -1,0 +1,279 @@
+"""An attention-only training step of many layers on one mask: what a model pays for attention per step,
+through our kernel API, through ``calc_attn`` and through each vendor's own call.
+
+``python -m benchmarks.kernel_backends_bench --layer-step`` runs it. A step is ``--layers`` (32) layers, each
+a new q / k / v (packed ``[tokens, heads, head_dim]``, 64:8 heads, head_dim 128, bfloat16), forward through
+every layer, then one backward through all of them, timed on the host clock with the device synchronized
+before and after. Runners are interleaved (each step starts one runner later), and a runner's cell is the
+median and the spread (max - min) of its ``--steps`` (8) timed steps after ``--warmup-steps`` untimed ones.
+
+The mask is packed causal documents (``magi_solver.long_tailed_cu_seqlens``), the range tables given as CUDA
+int32 tensors, as FA4 users pass ``cu_seqlens``. Two modes:
+
+- ``same``: one mask for every step; each runner's per-mask work is done once, before the timing: the range
+  tables, ``calc_attn``'s key, FA4's ``cu_seqlens``, cuDNN's mask plan.
+- ``new``: a new mask every step (every runner sees the same sequence of masks), the per-mask work inside the
+  timed step: the range tables on the device (the kernel API then checks and prepares them itself), the key
+  ``calc_attn`` needs (``magi_attn_flex_key``), FA4's ``cu_seqlens``, cuDNN's mask plan.
+
+Runners: ``ffa_fa4`` / ``ffa_cudnn`` / ``ffa`` (``flex_flash_attn_func`` of magi_ffa_fa4 / magi_ffa_cudnn /
+magi_ffa), ``auto`` and ``calc_<backend>`` (``calc_attn`` at cp 1 with that ``kernel_backend``), ``fa4``
+(FA4's ``flash_attn_varlen_func``) and ``cudnn_flex`` (cuDNN's ``flex_attn_func``), the last two through
+``magi_attention.vendors``. Ratios are speeds: a vendor's median over ours (1.00 = as fast, above = faster).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_RUNNERS = (
+    "ffa_fa4",
+    "ffa_cudnn",
+    "auto",
+    "calc_fa4",
+    "calc_cudnn",
+    "calc_triton",
+    "fa4",
+    "cudnn_flex",
+)
+MODES = ("same", "new")
+CALC = {
+    "auto": "auto",
+    "calc_fa4": "fa4",
+    "calc_cudnn": "cudnn",
+    "calc_triton": "triton",
+    "calc_torch": "torch",
+}
+"""Runner name -> ``kernel_backend`` of ``calc_attn`` at cp 1."""
+KERNEL_API = {"ffa_fa4": "magi_ffa_fa4", "ffa_cudnn": "magi_ffa_cudnn", "ffa": "magi_ffa"}
+"""Runner name -> the package whose ``flex_flash_attn_func`` it calls."""
+VENDOR_PAIRS = (
+    ("ffa_fa4", "fa4"), ("ffa_cudnn", "cudnn_flex"),  # kernel API / vendor
+    ("auto", "fa4"), ("auto", "cudnn_flex"), ("calc_fa4", "fa4"), ("calc_cudnn", "cudnn_flex"),  # calc_attn / vendor
+)  # fmt: skip
+CALC_PAIRS = (
+    ("ffa_fa4", "calc_fa4"),
+    ("ffa_cudnn", "calc_cudnn"),
+    ("ffa", "calc_triton"),
+    ("ffa", "calc_torch"),
+)
+"""Kernel API / the same backend through ``calc_attn`` (``ffa`` is Triton on a GPU, torch on a CPU)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mask:
+    """Packed causal documents over ``total`` tokens: the host lists a data loader hands over."""
+
+    cu_seqlens: tuple[int, ...]
+    seed: int
+
+    @property
+    def total(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def ranges(self) -> list[list[int]]:
+        return [[a, b] for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
+
+    def slice_mask(self):
+        from magi_attention.vendors import SliceMask
+
+        docs = self.ranges()
+        return SliceMask.of(docs, docs, [1] * len(docs), self.total, name=f"docs seed {self.seed}")
+
+
+def docs_mask(total: int, seed: int) -> Mask:
+    """Packed causal documents with long-tailed lengths (``magi_solver.long_tailed_cu_seqlens``), seeded."""
+    from magi_solver import long_tailed_cu_seqlens
+
+    return Mask(tuple(long_tailed_cu_seqlens(total, seed)), seed)
+
+
+@dataclass(frozen=True, slots=True)
+class Runner:
+    """``prepare(mask)``: the runner's per-mask work (its result handed to every layer); ``layer(prepared,
+    q, k, v) -> out``: one layer's attention."""
+
+    prepare: Callable[[Mask], object]
+    layer: Callable[[object, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _tables(mask: Mask, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mask's range tables on ``device`` as int32 (as FA4 users pass ``cu_seqlens``)."""
+    docs = mask.ranges()
+    ranges = torch.tensor(docs, dtype=torch.int32, device=device)
+    return ranges, ranges, torch.ones(len(docs), dtype=torch.int32, device=device)
+
+
+def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
+    """Runner ``name`` (see the module docstring); ``sample``: one layer's (q, k, v), for the shapes (cuDNN's
+    plan, the key). Raises when this machine cannot run it (a vendor or backend missing)."""
+    import importlib
+
+    from magi_attention import vendors
+
+    q0, k0, _ = sample
+    device = q0.device
+    if name in KERNEL_API:
+        mod = importlib.import_module(KERNEL_API[name])
+        return Runner(
+            lambda m: _tables(m, device),
+            lambda t, q, k, v: mod.flex_flash_attn_func(q, k, v, *t)[0],
+        )
+    if name in CALC:
+        from magi_attention import DistAttnConfig, calc_attn, magi_attn_flex_key
+
+        total, hq, d = q0.shape
+        config = DistAttnConfig(kernel_backend=CALC[name])
+
+        def key(m: Mask):
+            docs = m.ranges()
+            return magi_attn_flex_key(
+                docs, docs, [1] * len(docs), total, total, hq, k0.shape[1], d, None, config
+            )
+
+        key(docs_mask(total, 0))  # a backend this machine cannot run fails here, before any timing
+        return Runner(key, lambda key, q, k, v: calc_attn(q, k, v, key)[0])
+    if name == "fa4":
+        fa = vendors.import_vendor("flash_attn.cute", "flash_attn.cute (FlashAttention-4)")
+        return Runner(
+            lambda m: vendors.fa4_local(m.slice_mask(), device, fa)[0], lambda attn, q, k, v: attn(q, k, v)
+        )
+    if name == "cudnn_flex":
+        vendors.import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
+        return Runner(
+            lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample),
+            lambda plan, q, k, v: vendors.cudnn_flex_attn(q, k, v, plan),
+        )
+    raise ValueError(
+        f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}"
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_step(runner: Runner, mask: Mask, layers: Sequence[Sequence[torch.Tensor]], do: torch.Tensor,
+             prepared: object = None) -> None:  # fmt: skip
+    """One step: the per-mask work (unless ``prepared`` is given), every layer's forward on fresh leaves of
+    its q / k / v, then one backward through all layers (``do`` the gradient of every layer's output)."""
+    prep = runner.prepare(mask) if prepared is None else prepared
+    outs = []
+    for qkv in layers:
+        q, k, v = (x.detach().requires_grad_() for x in qkv)  # new tensors each layer and step
+        outs.append(runner.layer(prep, q, k, v))
+    torch.autograd.backward(outs, [do] * len(outs))
+
+
+def layer_step(names: Sequence[str], total: int, *, heads: tuple[int, int] = (64, 8), head_dim: int = 128,
+               layers: int = 32, steps: int = 8, warmup: int = 2, modes: Sequence[str] = MODES,
+               device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[dict]:  # fmt: skip
+    """Rows ``{runner, mode, tokens, ...}`` with ``median_ms``, ``spread_ms`` and the steps' ``times_ms``, or
+    ``error`` for a runner that cannot run here (see the module docstring)."""
+    from magi_attention import clear_cache
+
+    known = {*KERNEL_API, *CALC, "fa4", "cudnn_flex"}
+    if unknown := [n for n in names if n not in known]:
+        raise ValueError(f"unknown runners {unknown}; choose from {sorted(known)}")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"modes must be among {MODES}, got {mode!r}")
+    dev = torch.device(device)
+    hq, hk = heads
+    gen = torch.Generator(device=dev).manual_seed(0)
+    qkvs = [
+        tuple(torch.randn(total, h, head_dim, device=dev, dtype=dtype, generator=gen) for h in (hq, hk, hk))
+        for _ in range(layers)
+    ]
+    do = torch.randn(total, hq, head_dim, device=dev, dtype=dtype, generator=gen)
+    base = dict(
+        tokens=total, heads=f"{hq}:{hk}", d=head_dim, layers=layers, dtype=str(dtype).removeprefix("torch.")
+    )
+    runners, rows = {}, []
+    for name in names:
+        try:
+            runners[name] = make_runner(name, qkvs[0])
+        except Exception as e:  # not installed or not runnable here: reported, not hidden
+            rows += [dict(runner=name, mode=mode, **base, error=repr(e)[:300]) for mode in modes]
+            print(f"# {name} unavailable: {e!r}"[:200], flush=True)
+    for mode in modes:
+        masks = [docs_mask(total, 0)] * (warmup + steps) if mode == "same" else [
+            docs_mask(total, 1 + i) for i in range(warmup + steps)
+        ]  # fmt: skip
+        prepared, times, errors = {}, {n: [] for n in runners}, {}
+        if mode == "same":  # the per-mask work once, outside the timing
+            for name, r in runners.items():
+                try:
+                    prepared[name] = r.prepare(masks[0])
+                except Exception as e:
+                    errors[name] = repr(e)[:300]
+        order = list(runners)
+        for i, mask in enumerate(masks):
+            for name in order[i % len(order) :] + order[: i % len(order)] if order else []:
+                if name in errors:
+                    continue
+                try:
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    run_step(runners[name], mask, qkvs, do, prepared.get(name))
+                    _sync(dev)
+                    ms = (time.perf_counter() - t0) * 1e3
+                except Exception as e:  # a runner that fails is reported, the others go on
+                    errors[name] = repr(e)[:300]
+                    continue
+                if i >= warmup:
+                    times[name].append(ms)
+        for name in runners:
+            row = dict(runner=name, mode=mode, **base)
+            if name in errors:
+                row["error"] = errors[name]
+            else:
+                t = times[name]
+                row.update(median_ms=round(statistics.median(t), 3), spread_ms=round(max(t) - min(t), 3),
+                           steps=len(t), times_ms=[round(x, 3) for x in t])  # fmt: skip
+            rows.append(row)
+        del prepared
+        clear_cache()  # this mode's plans (cp 1)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return sorted(rows, key=lambda r: (MODES.index(r["mode"]), list(names).index(r["runner"])))
+
+
+def _ratio(by: dict[str, dict], ours: str, vendor: str) -> str | None:
+    a, b = by.get(ours), by.get(vendor)
+    if not a or not b or "error" in a or "error" in b:
+        return None
+    return f"{b['median_ms'] / a['median_ms']:.2f}"
+
+
+def render(rows: list[dict]) -> list[str]:
+    """Markdown: per (tokens, mode) each runner's median and spread (ms), then the ratios (speed: the other
+    runner's median over ours)."""
+    lines = []
+    cases = sorted({(r["tokens"], r["mode"]) for r in rows}, key=lambda c: (c[0], MODES.index(c[1])))
+    for tokens, mode in cases:
+        by = {r["runner"]: r for r in rows if r["tokens"] == tokens and r["mode"] == mode}
+        some = next(iter(by.values()))
+        what = "same mask every step" if mode == "same" else "a new mask every step (per-mask work timed)"
+        size = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+        lines += ["", f"{some['layers']} layers, {size} tokens, {some['heads']}, d {some['d']}, "
+                  f"{some['dtype']}: {what}", "", "| runner | median ms | spread ms |", "|---|---|---|"]  # fmt: skip
+        for name, r in by.items():
+            cells = "unavailable | -" if "error" in r else f"{r['median_ms']:.1f} | {r['spread_ms']:.1f}"
+            lines.append(f"| {name} | {cells} |")
+        ratios = [
+            (kind, f"{a} / {b}", x)
+            for kind, pairs in (("vs vendor", VENDOR_PAIRS), ("kernel API / calc_attn", CALC_PAIRS))
+            for a, b in pairs
+            if (x := _ratio(by, a, b)) is not None
+        ]
+        if ratios:
+            lines += ["", "| ratio (speed) | runners | x |", "|---|---|---|"]
+            lines += [f"| {kind} | {pair} | {x} |" for kind, pair, x in ratios]
+    return lines
