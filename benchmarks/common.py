@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import itertools
-import math
 import os
 import random
 import statistics
@@ -52,12 +51,13 @@ def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
         from magi_solver import long_tailed_cu_seqlens
 
         return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
-    rng = random.Random(seed)
-    cap, docs = max(1, total // 4), [[0, 0]]
-    while docs[-1][1] < total:
-        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
-        docs.append([docs[-1][1], min(total, docs[-1][1] + n)])
-    return docs[1:]
+    from magi_solver import lognormal_doc_lengths
+
+    lengths = lognormal_doc_lengths(
+        total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4)
+    )
+    cu = [0, *itertools.accumulate(lengths)]
+    return [list(doc) for doc in itertools.pairwise(cu)]
 
 
 def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

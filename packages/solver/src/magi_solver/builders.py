@@ -8,6 +8,7 @@ FlashAttention's `window_size`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from .ranges import AttnRange, AttnRanges, _check_int
 
 __all__ = [
     "MaskSpec",
+    "lognormal_doc_lengths",
     "long_tailed_cu_seqlens",
     "make_block_causal_mask",
     "make_global_window_mask",
@@ -98,18 +100,77 @@ def _window(window: Any) -> tuple[int | None, int | None]:
     return (None if left == -1 else -left), (None if right == -1 else right)
 
 
+def lognormal_doc_lengths(
+    total: int,
+    *,
+    median: float | None = None,
+    sigma: float = 1.0,
+    seed: int = 0,
+    num_docs: int | None = None,
+    floor: int = 1,
+    cap: int | None = None,
+    unit: int = 1,
+) -> list[int]:
+    """Seeded log-normal document lengths summing to exactly `total`: the one document-length generator of the
+    planner's masks, the CLI, the demos and the benchmarks. Two ways to fill `total`:
+
+    - `num_docs=None` (drawn until full): each length is `unit * max(floor, min(int(x), cap))` with
+      `x ~ LogNormal(log(median), sigma)` from `random.Random(seed)` (`floor`, `cap` and `median` in units
+      of `unit` tokens; `cap=None`: no cap); documents are drawn until `total` is reached, the last one cut
+      at `total` (so it may be shorter than `floor` or not a multiple of `unit`).
+    - `num_docs=n`: `n` draws `x ~ LogNormal(log(median), sigma)` from `numpy.random.default_rng(seed)`
+      (`median=None`: 1) scaled to shares of `total`, each rounded down and at least `floor`, the rounding
+      remainder given to the longest (its median is that of the shares, not `median`). `cap` and `unit`
+      do not apply.
+
+    Returns the lengths in order (`[0, *itertools.accumulate(lengths)]` are the `cu_seqlens`). The same on
+    every machine for a seed.
+    """
+    total = _check_int(total, "total")
+    if total < 0:
+        raise ValueError(f"`total` must be >= 0, got {total}")
+    floor, unit = _check_int(floor, "floor"), _check_int(unit, "unit")
+    if floor < 1 or unit < 1:
+        raise ValueError(f"`floor` and `unit` must be >= 1, got floor={floor}, unit={unit}")
+    if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or not sigma >= 0:
+        raise ValueError(f"`sigma` must be a number >= 0, got {sigma!r}")
+    if median is not None and (
+        isinstance(median, bool) or not isinstance(median, (int, float)) or not median > 0
+    ):
+        raise ValueError(f"`median` must be a number > 0, got {median!r}")
+    if num_docs is not None:
+        n = _check_int(num_docs, "num_docs")
+        if not (1 <= n and n * floor <= total):
+            raise ValueError(f"`num_docs` must lie in [1, total / floor = {total // floor}], got {n}")
+        if cap is not None or unit != 1:
+            raise ValueError("`cap` and `unit` apply only without `num_docs` (documents drawn until full)")
+        mu = 0.0 if median is None else math.log(median)
+        w = np.random.default_rng(seed).lognormal(mu, sigma, n)
+        lens = np.maximum(floor, np.floor(w / w.sum() * total)).astype(np.int64)
+        lens[np.argmax(lens)] += total - int(lens.sum())
+        return lens.tolist()
+    if median is None:
+        raise ValueError("`median` is needed when documents are drawn until full (`num_docs=None`)")
+    hi = math.inf if cap is None else _check_int(cap, "cap")
+    rng, mu = random.Random(seed), math.log(median)
+    lengths: list[int] = []
+    filled = 0
+    while filled < total:
+        # exp(normalvariate) is random.Random's own log-normal draw (CPython defines it so): the same numbers
+        n = unit * max(floor, min(int(math.exp(rng.normalvariate(mu, sigma))), hi))
+        lengths.append(min(n, total - filled))
+        filled += lengths[-1]
+    return lengths
+
+
 def long_tailed_cu_seqlens(total: int, seed: int = 0) -> list[int]:
     """`cu_seqlens` of packed documents with long-tailed lengths: log-normal around `total / 16` (sigma 1),
     each between 128 tokens and `total / 4`, the last one cut at `total`; seeded, the same on every machine
-    (the documents of the benchmarks' varlen masks)."""
+    (the documents of the benchmarks' varlen masks; `lognormal_doc_lengths`)."""
     if _check_int(total, "total") < 1:
         raise ValueError(f"total must be at least 1, got {total}")
-    rng = random.Random(seed)
-    cu = [0]
-    while cu[-1] < total:
-        length = max(128, min(int(rng.lognormvariate(math.log(total / 16), 1.0)), total // 4))
-        cu.append(min(total, cu[-1] + length))
-    return cu
+    lengths = lognormal_doc_lengths(total, median=total / 16, sigma=1.0, seed=seed, floor=128, cap=total // 4)
+    return [0, *itertools.accumulate(lengths)]
 
 
 def make_varlen_full_mask(cu_seqlens: Sequence[int]) -> MaskSpec:

@@ -30,6 +30,7 @@ import numpy as np
 from . import (
     default_chunk_size,
     env,
+    lognormal_doc_lengths,
     make_block_causal_mask,
     make_global_window_mask,
     make_prefix_lm_mask,
@@ -98,10 +99,7 @@ def lognormal_doc_lens(total: int, num_docs: int, seed: int) -> list[int]:
     """`num_docs` long-tailed (log-normal) lengths, each >= 1, summing to `total` (seeded)."""
     if not 1 <= num_docs <= total:
         raise CliError(f"--num-docs must lie in [1, --total = {total}], got {num_docs}")
-    w = np.random.default_rng(seed).lognormal(0.0, 1.0, num_docs)
-    lens = np.maximum(1, np.floor(w / w.sum() * total)).astype(np.int64)
-    lens[np.argmax(lens)] += total - int(lens.sum())
-    return lens.tolist()
+    return lognormal_doc_lengths(total, sigma=1.0, seed=seed, num_docs=num_docs)
 
 
 def _cu_seqlens(args: argparse.Namespace) -> tuple[list[int], str]:
