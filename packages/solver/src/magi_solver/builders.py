@@ -20,10 +20,15 @@ from .mask import AttnMaskType, decompose_region, tighten_region
 from .ranges import AttnRange, AttnRanges, _check_int
 
 __all__ = [
+    "DOC_WINDOW",
+    "FAMILY_MASKS",
+    "VIDEO_FRAME_TOKENS",
     "MaskSpec",
+    "family_doc_lengths",
     "lognormal_doc_lengths",
     "long_tailed_cu_seqlens",
     "make_block_causal_mask",
+    "make_family_mask",
     "make_global_window_mask",
     "make_prefix_lm_mask",
     "make_shared_question_mask",
@@ -275,3 +280,81 @@ def make_shared_question_mask(question_lens: Sequence[int], answer_lens: Sequenc
             b.region(off, off + al, off, off + al, hi=0)
             off += al
     return b.spec()
+
+
+# ------------------------------------------------------------------------------------------ mask families
+class _Family(NamedTuple):
+    """A family's document lengths (`lognormal_doc_lengths` drawn until full), in units of `unit` tokens."""
+
+    median: float
+    sigma: float
+    floor: int
+    cap: int | None
+    unit: int
+    doc: str
+
+
+VIDEO_FRAME_TOKENS = 1560
+"""Tokens of one frame of `video_clips` (not a power of two: frames do not line up with dispatch chunks)."""
+
+_DOCS4K = _Family(4096, 1.0, 1, 65536, 1, "log-normal lengths, median 4,096 tokens, sigma 1, at most 65,536")
+_FAMILIES: dict[str, _Family | None] = {
+    "full": None,
+    "causal": None,
+    "docs4k_causal": _DOCS4K,
+    "docs4k_full": _DOCS4K,
+    "short_docs_causal": _Family(
+        512, 1.5, 1, 65536, 1, "log-normal lengths, median 512, sigma 1.5, at most 65,536"
+    ),
+    "docs4k_window2048": _DOCS4K,
+    "video_clips": _Family(
+        16,
+        0.5,
+        8,
+        32,
+        VIDEO_FRAME_TOKENS,
+        "clips of 8-32 frames of 1,560 tokens (log-normal, median 16 frames)",
+    ),
+}
+FAMILY_MASKS: tuple[str, ...] = tuple(_FAMILIES)
+"""Names of `make_family_mask`: masks defined in tokens (document lengths do not scale with the total), so the
+same family is drawn at every total token count."""
+
+DOC_WINDOW = 2048
+"""`docs4k_window2048`: each row sees its own key and the 2,047 before it, inside its document."""
+
+
+def family_doc_lengths(name: str, total: int, seed: int = 0) -> list[int]:
+    """The document (or clip) lengths of family `name` over `total` tokens: drawn until `total` is filled, the
+    last one cut (`lognormal_doc_lengths`); `[total]` for `full` and `causal`. Seeded."""
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown mask family {name!r}; choose from {FAMILY_MASKS}")
+    if _check_int(total, "total") < 1:
+        raise ValueError(f"`total` must be at least 1, got {total}")
+    f = _FAMILIES[name]
+    if f is None:
+        return [total]
+    return lognormal_doc_lengths(
+        total, median=f.median, sigma=f.sigma, seed=seed, floor=f.floor, cap=f.cap, unit=f.unit
+    )
+
+
+def make_family_mask(name: str, total: int, seed: int = 0) -> MaskSpec:
+    """Mask family `name` over `total` tokens (`FAMILY_MASKS`), its documents from `family_doc_lengths`:
+
+    - `full`, `causal`: one document of `total` tokens.
+    - `docs4k_causal` / `docs4k_full`: packed documents, causal / full inside each; log-normal lengths, median
+      4,096 tokens, sigma 1.0, capped at 65,536.
+    - `short_docs_causal`: packed causal documents, median 512 tokens, sigma 1.5, capped at 65,536.
+    - `docs4k_window2048`: the `docs4k` documents, each a causal sliding window of 2,048 keys (`DOC_WINDOW`).
+    - `video_clips`: clips of 8-32 frames of 1,560 tokens (`VIDEO_FRAME_TOKENS`), block-causal by frame:
+      a frame sees every frame of its clip up to itself, fully.
+    """
+    cu = [0, *itertools.accumulate(family_doc_lengths(name, total, seed))]
+    if name in ("full", "docs4k_full"):
+        return make_varlen_full_mask(cu)
+    if name == "docs4k_window2048":
+        return make_sliding_window_mask(cu, (DOC_WINDOW - 1, 0))
+    if name == "video_clips":
+        return make_block_causal_mask(cu, VIDEO_FRAME_TOKENS)
+    return make_varlen_causal_mask(cu)
