@@ -3,6 +3,7 @@ packages on PYTHONPATH (this checkout only here: the baseline's run is the same 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -49,7 +50,7 @@ def test_step_masks_are_new_packed_documents_each_step() -> None:
     assert masks == step_masks(4096, 3, seed=7) and len({json.dumps(m) for m in masks}) == 3
     for q, k, t in masks:
         assert q == k and q[0][0] == 0 and q[-1][1] == 4096 and len(q) > 2 and set(t) == {1}
-        assert all(a[1] == b[0] for a, b in zip(q, q[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(q))
 
 
 def test_baseline_tree_is_the_commit_packages(tmp_path: Path) -> None:
