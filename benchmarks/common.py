@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import itertools
-import math
 import os
 import random
 import statistics
@@ -52,12 +51,72 @@ def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
         from magi_solver import long_tailed_cu_seqlens
 
         return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
-    rng = random.Random(seed)
-    cap, docs = max(1, total // 4), [[0, 0]]
-    while docs[-1][1] < total:
-        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
-        docs.append([docs[-1][1], min(total, docs[-1][1] + n)])
-    return docs[1:]
+    from magi_solver import lognormal_doc_lengths
+
+    lengths = lognormal_doc_lengths(
+        total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4)
+    )
+    cu = [0, *itertools.accumulate(lengths)]
+    return [list(doc) for doc in itertools.pairwise(cu)]
+
+
+CROSS_KV_RATIO = 4
+"""cross_varlen: each query document (video) attends its own key document (text), CROSS_KV_RATIO x shorter."""
+FRAME_TOKENS = 1560
+"""video_block_causal: tokens of one frame (frames do not line up with chunks)."""
+CLIP_FRAMES = 16
+"""video_block_causal: frames per clip (the clip length grows with nothing; the last clip takes the rest)."""
+
+SCALING_MASKS = (
+    "full", "causal", "varlen_full", "varlen_causal", "video_block_causal", "cross_varlen",
+    "docs4k_causal", "docs4k_full", "short_docs_causal", "docs4k_window2048", "video_clips",
+)  # fmt: skip
+"""`make_mask`'s names: the runtime benchmarks' masks. The first six scale their documents with the total
+(``varlen_*``: log-normal around total / 16); the ``magi_solver.FAMILY_MASKS`` families are defined in tokens,
+the same documents at every cp size."""
+
+
+def kv_total(name: str, total: int) -> int:
+    """Tokens of the key/value sequence (the query sequence's, except for cross-attention masks)."""
+    return total // CROSS_KV_RATIO if name == "cross_varlen" else total
+
+
+def make_mask(name: str, total: int, seed: int = 0) -> tuple[list, list, list]:
+    """``(q_ranges, k_ranges, types)`` of runtime-benchmark mask ``name`` (`SCALING_MASKS`) over ``total``
+    query tokens (``kv_total`` keys); types as int codes (0 full, 1 causal, 2 inv-causal, 3 bi-causal).
+    ``seed`` draws the documents of the ``magi_solver.FAMILY_MASKS`` families; the other masks keep the
+    documents of seed 0 their recorded results were measured on."""
+    from magi_solver import FAMILY_MASKS, make_family_mask
+
+    if name in FAMILY_MASKS and name not in ("full", "causal"):
+        spec = make_family_mask(name, total, seed)
+        q, k = ([list(r) for r in x.to_tuples()] for x in (spec.q_ranges, spec.k_ranges))
+        return q, k, [t.code for t in spec.types]
+    if name == "video_block_causal":
+        # clips of CLIP_FRAMES whole frames (the last clip and frame take the remainder), block-causal by
+        # frame: a frame sees every frame of its clip up to itself
+        q_ranges, k_ranges = [], []
+        for clip in range(0, total, CLIP_FRAMES * FRAME_TOKENS):
+            end = min(total, clip + CLIP_FRAMES * FRAME_TOKENS)
+            for a in range(clip, end, FRAME_TOKENS):
+                q_ranges.append([a, min(end, a + FRAME_TOKENS)])
+                k_ranges.append([clip, min(end, a + FRAME_TOKENS)])
+        return q_ranges, k_ranges, [0] * len(q_ranges)
+    if name == "full":
+        return [[0, total]], [[0, total]], [0]
+    if name == "causal":
+        return [[0, total]], [[0, total]], [1]
+    if name not in SCALING_MASKS:
+        raise ValueError(f"unknown mask {name!r}; choose from {', '.join(SCALING_MASKS)}")
+    docs = varlen_docs(total)  # magi_solver.long_tailed_cu_seqlens's documents
+    if name == "cross_varlen":
+        # text documents: the video documents' boundaries scaled down, each at least one token
+        bounds = sorted({min(total // CROSS_KV_RATIO, -(-s // CROSS_KV_RATIO)) for s, _ in docs})
+        bounds.append(total // CROSS_KV_RATIO)
+        kdocs = [[a, b] for a, b in itertools.pairwise(bounds) if a < b]
+        n = min(len(docs), len(kdocs))
+        return docs[:n], kdocs[:n], [0] * n
+    return docs, docs, [1 if name == "varlen_causal" else 0] * len(docs)
 
 
 def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
-#           TOKENS, SCALING_MASKS, SINGLE override), rank-ncu (Nsight Compute of the busiest cp 8 rank's
-#           backward against the whole mask's; NCU_MASKS, NCU_BACKEND), det-ncu (the same of the whole mask's
+#           TOKENS, SCALING_MASKS, SINGLE, DISPATCH_ALGS override), rank-ncu (Nsight Compute of the busiest
+#           cp 8 rank's backward against the whole mask's; NCU_MASKS, NCU_BACKEND), det-ncu (the same of the whole mask's
 #           deterministic backward against the default one; TOKENS, default 32k)
 #           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
@@ -170,6 +170,7 @@ phase_scaling() {
   run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
     --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend auto \
     --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json" \
+    --dispatch-algs "${DISPATCH_ALGS:-default}" \
     --profile "$OUT/profile_${TOKENS:-8192}.txt"
 }
 phase_cp() {

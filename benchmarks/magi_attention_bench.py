@@ -11,6 +11,8 @@
    gives ``auto`` over the fastest explicit backend.
 
     python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python -m benchmarks.magi_attention_bench --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
+        --kernel-backend auto --single-backend fa4 --degree 0 --no-cp1 --scaling   # a row per dispatch
     python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
         --degree 0 --no-single --no-cp1
 """
@@ -32,12 +34,12 @@ import torch
 import triton
 
 from benchmarks import common
-from benchmarks.common import varlen_docs
-from magi_attention import DistAttnConfig
+from benchmarks.common import SCALING_MASKS, kv_total, make_mask
+from magi_attention import DispatchConfig, DistAttnConfig
 from magi_attention._runtime.kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
-from magi_solver import PlanOptions, plan_attention
+from magi_solver import DispatchAlg, PlanOptions, plan_attention
 
 HQ, HKV, D = 64, 8, 128
 # The CPU (torch path) runs the same code at toy sizes to smoke-test the script: MAGI_BENCH_DEVICE=cpu.
@@ -62,46 +64,6 @@ def raw_attn_func(backend: KernelBackend):
 
 
 NVLINK_BPS, IB_BPS = 450e9, 50e9
-
-
-CROSS_KV_RATIO = 4
-"""cross_varlen: each query document (video) attends its own key document (text), CROSS_KV_RATIO x shorter."""
-
-
-def kv_total(name: str, total: int) -> int:
-    """Tokens of the key/value sequence (the query sequence's, except for cross-attention masks)."""
-    return total // CROSS_KV_RATIO if name == "cross_varlen" else total
-
-
-FRAME_TOKENS = 1560
-"""video_block_causal: tokens of one frame (frames do not line up with chunks)."""
-CLIP_FRAMES = 16
-
-
-def make_mask(name: str, total: int):
-    if name == "video_block_causal":
-        # clips of CLIP_FRAMES whole frames (the last clip and frame take the remainder), block-causal by
-        # frame: a frame sees every frame of its clip up to itself
-        q_ranges, k_ranges = [], []
-        for clip in range(0, total, CLIP_FRAMES * FRAME_TOKENS):
-            end = min(total, clip + CLIP_FRAMES * FRAME_TOKENS)
-            for a in range(clip, end, FRAME_TOKENS):
-                q_ranges.append([a, min(end, a + FRAME_TOKENS)])
-                k_ranges.append([clip, min(end, a + FRAME_TOKENS)])
-        return q_ranges, k_ranges, [0] * len(q_ranges)
-    if name == "full":
-        return [[0, total]], [[0, total]], [0]
-    if name == "causal":
-        return [[0, total]], [[0, total]], [1]
-    docs = varlen_docs(total)  # magi_solver.long_tailed_cu_seqlens's documents
-    if name == "cross_varlen":
-        # text documents: the video documents' boundaries scaled down, each at least one token
-        bounds = sorted({min(total // CROSS_KV_RATIO, -(-s // CROSS_KV_RATIO)) for s, _ in docs})
-        bounds.append(total // CROSS_KV_RATIO)
-        kdocs = [[a, b] for a, b in itertools.pairwise(bounds) if a < b]
-        n = min(len(docs), len(kdocs))
-        return docs[:n], kdocs[:n], [0] * n
-    return docs, docs, [1 if name == "varlen_causal" else 0] * len(docs)
 
 
 def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -268,13 +230,26 @@ def pick_ranks(quick_fwd: list[float], quick_bwd: list[float], areas: list[int],
     return sorted({*first(quick_fwd, top), *first(quick_bwd, top), *first(areas, 1), *first(remote, 1)})
 
 
-def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int | None = None):
+DEFAULT_ALG = "default"
+"""``--dispatch-algs`` entry for the runtime's default dispatch (``DispatchConfig()``: chosen per mask)."""
+
+
+def dispatch_alg(name: str) -> DispatchAlg | None:
+    """``--dispatch-algs`` entry ``name`` as the planner takes it: None for ``default`` (chosen per mask and cp
+    size), else ``DispatchConfig(alg=name).alg`` (a ValueError listing the algorithms when unknown)."""
+    return None if name == DEFAULT_ALG else DispatchConfig(alg=name).alg
+
+
+def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int | None = None,
+              alg: str = DEFAULT_ALG):  # fmt: skip
     """The runtime's own plan of `mask` (`plan_attention`): the chunk size and dispatch algorithm chosen per
-    mask and cp size unless `chunk` is given (then min_heap, as `DispatchConfig(chunk_size=chunk)`)."""
+    mask and cp size unless `chunk` is given (then min_heap, as `DispatchConfig(chunk_size=chunk)`); `alg`
+    other than ``default``: that algorithm (`dispatch_alg`), its chunk size chosen unless `chunk` is given."""
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
+    asked = dispatch_alg(alg)
     options = PlanOptions(
-        dispatch_alg=None if chunk is None else "min_heap",
+        dispatch_alg=asked if asked is not None else None if chunk is None else "min_heap",
         overlap_degree=degree,
         min_chunk_size=512 if chunk is None else min(512, chunk),
     )
@@ -296,14 +271,16 @@ def auto_kernel(mask: str, total: int, plan):
     return kern
 
 
-def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
+def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int, alg: str = DEFAULT_ALG) -> dict:
     """What needs no GPU: compute balance and the K/V bytes the busiest rank receives (bf16 K and V)."""
-    _, plan = make_plan(mask, cp, tokens_per_gpu, degree)
+    _, plan = make_plan(mask, cp, tokens_per_gpu, degree, alg=alg)
     areas = [r.host_area + sum(s.area for s in r.stages) for r in plan.ranks]
     worst_bytes = max(sum(s.num_remote_tokens for s in r.stages) for r in plan.ranks) * 2 * HKV * D * 2
     return {
         "mask": mask,
         "cp": cp,
+        "dispatch_alg_asked": alg,
+        "dispatch_alg": plan.dispatch.alg.value,
         "imbalance": max(areas) * cp / sum(areas),
         "remote_mib": worst_bytes / 2**20,
         "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
@@ -311,7 +288,12 @@ def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
     }
 
 
-_FAMILY = {"video_block_causal": "block_causal", "cross_varlen": "other"}
+_FAMILY = {
+    "video_block_causal": "block_causal", "cross_varlen": "other", "docs4k_causal": "varlen_causal",
+    "docs4k_full": "varlen_full", "short_docs_causal": "varlen_causal", "docs4k_window2048": "sliding_window",
+    "video_clips": "block_causal",
+}  # fmt: skip
+"""The cost model's kernel-throughput class of each mask (`MaskFamily`; the others are their own name)."""
 
 # MagiAttention's published H100 curve (native group collectives, 8k tokens per GPU, heads 64:8, d 128):
 # TFLOP/s per GPU at cp 8 and cp 64, from ../shared/reference/anchors.md (B.9); other cp sizes unpublished
@@ -341,7 +323,10 @@ def predicted_step(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict
         workload=Workload(num_heads_q=HQ, num_heads_kv=HKV, head_dim=D, overlap_degree=degree),
     )  # fmt: skip
     m = rec["schemes"]["magi"]
-    return {k: m[k] for k in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu")}
+    # the plan priced: the runtime's default dispatch, whichever --dispatch-algs entry the row measured
+    return {"dispatch_alg": rec["dispatch_alg"]} | {
+        k: m[k] for k in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu")
+    }
 
 
 def scaling_rows(sim: list[dict]) -> list[dict]:
@@ -354,6 +339,7 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
         row = {
             "mask": r["mask"], "cp": r["cp"], "kernel_backend": r["kernel_backend"], "backend": r["backend"],
             "chunk_size": r.get("chunk_size"), "dispatch_alg": r.get("dispatch_alg"),
+            "dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG),
             "remote_kv_tokens_max": r.get("remote_kv_tokens_max"),
             "remote_kv_tokens_mean": r.get("remote_kv_tokens_mean"),
             "predicted": r.get("predicted", {}), "timed_ranks": r.get("timed_ranks"),
@@ -370,11 +356,12 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
 
 
 def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: KernelBackend, rounds: int = 5,
-                top: int = 2, profile_path: str | None = None) -> dict:  # fmt: skip
+                top: int = 2, profile_path: str | None = None, alg: str = DEFAULT_ALG) -> dict:  # fmt: skip
     """Every rank's forward and backward on ``backend`` (``auto``: the launchers the runtime would pick for
     this plan) timed once, then ``rounds`` interleaved rounds of the candidates for the slowest rank
-    (`pick_ranks`); the slowest rank's times (medians of those rounds) and the throughput they imply."""
-    total, plan = make_plan(mask, cp, tokens_per_gpu, degree)
+    (`pick_ranks`); the slowest rank's times (medians of those rounds) and the throughput they imply. `alg`:
+    the ``--dispatch-algs`` entry the plan is made with (`make_plan`)."""
+    total, plan = make_plan(mask, cp, tokens_per_gpu, degree, alg=alg)
     dev = torch.device(DEVICE)
     shard = plan.dispatch.shard_seqlen  # the chosen chunk may pad the sequence
     kv_shard = shard if plan.kv_layout is None else plan.kv_layout.shard_seqlen
@@ -428,6 +415,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         "degree": degree,
         "chunk_size": plan.dispatch.chunk_size,  # the runtime's choice: a later reader rebuilds this plan
         "dispatch_alg": plan.dispatch.alg.value,
+        "dispatch_alg_asked": alg,
         "remote_kv_tokens_max": max(plan.remote_tokens_per_rank),
         "remote_kv_tokens_mean": sum(plan.remote_tokens_per_rank) / cp,
         "predicted": predicted_step(mask, cp, tokens_per_gpu, degree),
@@ -448,14 +436,19 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     }
 
 
+def _case(row: dict) -> tuple:
+    """What makes rows comparable: the mask, cp, degree and the dispatch asked for."""
+    return row["mask"], row["cp"], row["degree"], row.get("dispatch_alg_asked", DEFAULT_ALG)
+
+
 def auto_over_fastest(row: dict, rows: list[dict]) -> str:
     """For an ``auto`` row: the fastest explicit backend's slowest-rank time over auto's, per direction
-    (>= 1: auto is at least as fast), among the rows of the same mask, cp and degree."""
+    (>= 1: auto is at least as fast), among the rows of the same mask, cp, degree and dispatch asked for."""
     if row["kernel_backend"] != "auto":
         return ""
     same = [
         o for o in rows
-        if o["kernel_backend"] != "auto" and (o["mask"], o["cp"], o["degree"]) == (row["mask"], row["cp"], row["degree"])
+        if o["kernel_backend"] != "auto" and _case(o) == _case(row)
     ]  # fmt: skip
     if not same:
         return "n/a"
@@ -466,7 +459,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--cps", default="8,16,32,64")
-    ap.add_argument("--masks", default="full,causal,varlen_full,varlen_causal")
+    ap.add_argument(
+        "--masks",
+        default="full,causal,varlen_full,varlen_causal",
+        help=f"comma-separated, from {SCALING_MASKS}",
+    )
+    ap.add_argument(
+        "--dispatch-algs",
+        "--dispatch-alg",
+        default=DEFAULT_ALG,
+        help="comma-separated dispatch algorithms, each mask and cp planned with each (a row apiece): "
+        f"'{DEFAULT_ALG}' (the runtime's choice per mask) or a DispatchAlg name "
+        f"({', '.join(a.value for a in DispatchAlg)}), its chunk size chosen",
+    )
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--cp1-tokens", type=int, default=32768)
     ap.add_argument("--json", default=None)
@@ -496,6 +501,15 @@ def main() -> int:
         "cost model's predicted step per GPU beside MagiAttention's published H100 curve",
     )
     args = ap.parse_args()
+    masks = [m.strip() for m in args.masks.split(",") if m.strip()]
+    if bad := [m for m in masks if m not in SCALING_MASKS]:
+        ap.error(f"--masks: unknown {bad}, choose from {SCALING_MASKS}")
+    algs = [a.strip() for a in args.dispatch_algs.split(",") if a.strip()]
+    for a in algs:
+        try:
+            dispatch_alg(a)
+        except ValueError as e:
+            ap.error(f"--dispatch-algs: {a!r}: {e} (or '{DEFAULT_ALG}')")
     names = [b.strip() for b in args.kernel_backend.split(",")]
     singles = [b.strip() for b in args.single_backend.split(",") if b.strip()]
     if bad := [b for b in names + singles if b not in BACKENDS]:
@@ -510,16 +524,16 @@ def main() -> int:
         )
     if args.plan_only:
         print(
-            "| mask | cp | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | comm ms @50GB/s |"
+            "| mask | cp | dispatch | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | "
+            "comm ms @50GB/s |"
         )
-        print("|---|---|---|---|---|---|")
-        for mask in args.masks.split(","):
-            for cp in map(int, args.cps.split(",")):
-                r = plan_summary(mask, cp, args.tokens_per_gpu, args.degree)
-                print(
-                    f"| {mask} | {cp} | {r['imbalance']:.3f} | {r['remote_mib']:.1f} | {r['comm_ms_nvlink']:.2f}"
-                    f" | {r['comm_ms_ib']:.2f} |"
-                )
+        print("|---|---|---|---|---|---|---|")
+        for mask, cp, alg in itertools.product(masks, map(int, args.cps.split(",")), algs):
+            r = plan_summary(mask, cp, args.tokens_per_gpu, args.degree, alg)
+            print(
+                f"| {mask} | {cp} | {_alg_cell(r)} | {r['imbalance']:.3f} | {r['remote_mib']:.1f} | "
+                f"{r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
+            )
         return 0
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
@@ -527,7 +541,7 @@ def main() -> int:
         f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(names)}"
     )
     results = {"header": header, "cp1": [], "sim": []}
-    for mask, backend in itertools.product([] if args.no_cp1 else args.masks.split(","), explicit):
+    for mask, backend in itertools.product([] if args.no_cp1 else masks, explicit):
         results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask, backend))
         r = results["cp1"][-1]
         print(
@@ -535,13 +549,14 @@ def main() -> int:
             f"({r['overhead']:+.1%})",
             flush=True,
         )
-    for mask in args.masks.split(","):
+    for mask in masks:
         for cp in map(int, args.cps.split(",")):
             rounds = args.rounds_dense if mask in ("full", "causal") and cp >= 32 else args.rounds
-            for backend in backends:
+            for alg, backend in itertools.product(algs, backends):  # the algorithms of a mask side by side
                 r = simulate_cp(
-                    mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates, args.profile
-                )
+                    mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates, args.profile,
+                    alg,
+                )  # fmt: skip
                 if not args.no_single:
                     # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
                     # family at that size stands in (its throughput has long reached the asymptote); measured
@@ -553,7 +568,7 @@ def main() -> int:
                 results["sim"].append(r)
                 _save(args.json, results)  # row by row: a run cut short keeps what it measured
                 print(
-                    f"# {mask} cp{cp} degree {args.degree} {backend.value} ({r['backend']}): slowest rank "
+                    f"# {mask} cp{cp} degree {args.degree} {_alg_cell(r)} {backend.value} ({r['backend']}): slowest rank "
                     f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms (ranks {r['timed_ranks']} timed "
                     f"{rounds}x), fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the "
                     f"whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})",
@@ -600,6 +615,12 @@ def _save(path: str | None, results: dict) -> None:
             json.dump(results, f, indent=1)
 
 
+def _alg_cell(r: dict) -> str:
+    """The dispatch asked for, and the algorithm of the plan where that differs (``default``: chosen)."""
+    asked, got = r.get("dispatch_alg_asked", DEFAULT_ALG), r["dispatch_alg"]
+    return got if asked == got else f"{asked} ({got})"
+
+
 def _backend_cell(r: dict) -> str:
     """The kernel backend asked for, and what it resolved to where that differs."""
     asked = r["kernel_backend"]
@@ -626,7 +647,7 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
         name = _backend_cell(r)
         mean = r["remote_kv_tokens_mean"]
         print(
-            f"| {r['mask']} | {r['cp']} | {name} | {r['chunk_size']} ({r['dispatch_alg']}) | "
+            f"| {r['mask']} | {r['cp']} | {name} | {r['chunk_size']} ({_alg_cell(r)}) | "
             f"{num(r.get('E_fwd'), '.2f')} | {num(r.get('E_bwd'), '.2f')} | {num(r.get('single_tokens'), ',')} | "
             f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')}) | "
             f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')} | "

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
-import random
 import re
 import sys
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from magi_solver import (
+    lognormal_doc_lengths,
     long_tailed_cu_seqlens,
     make_block_causal_mask,
     make_global_window_mask,
@@ -140,14 +139,16 @@ def cp_rows() -> list[dict]:
 
 def bench_varlen_docs(total: int, seed: int = 0) -> list[list[int]]:
     """The documents of `benchmarks/cp_bench.py` (log-normal around total/16, at most total/4)."""
-    rng = random.Random(seed)
-    cap, floor = max(1, total // 4), max(1, total // 512)
-    bounds, start = [], 0
-    while start < total:
-        n = max(floor, min(int(rng.lognormvariate(math.log(max(total / 16, 1.0)), 1.0)), cap))
-        bounds.append([start, min(total, start + n)])
-        start += n
-    return bounds
+    lengths = lognormal_doc_lengths(
+        total,
+        median=max(total / 16, 1.0),
+        sigma=1.0,
+        seed=seed,
+        floor=max(1, total // 512),
+        cap=max(1, total // 4),
+    )
+    cu = [0, *itertools.accumulate(lengths)]
+    return [list(doc) for doc in itertools.pairwise(cu)]
 
 
 def bench_mask(name: str, total: int, block: int = 2048) -> tuple[list, list, list]:

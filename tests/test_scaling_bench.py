@@ -14,26 +14,53 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("degree", [0, 1])  # one merged call per rank; the host call and a remote stage
-def test_scaling_table_on_cpu(tmp_path: Path, degree: int) -> None:
+@pytest.mark.parametrize(
+    "degree, mask, algs",
+    [
+        (0, "video_block_causal", "default"),  # one merged call per rank
+        (
+            1,
+            "docs4k_causal",
+            "default,min_heap",
+        ),  # the host call and a remote stage; two dispatches, a row each
+    ],
+)
+def test_scaling_table_on_cpu(tmp_path: Path, degree: int, mask: str, algs: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MAGI_BENCH_DEVICE": "cpu"}
-    args = ["--tokens-per-gpu", "64", "--cps", "2", "--masks", "video_block_causal", "--degree", str(degree),
+    args = ["--tokens-per-gpu", "64", "--cps", "2", "--masks", mask, "--degree", str(degree),
             "--no-cp1", "--single-max-tokens", "128", "--kernel-backend", "auto", "--single-backend", "torch",
-            "--scaling", "--profile", str(tmp_path / "prof.txt"),
+            "--scaling", "--profile", str(tmp_path / "prof.txt"), "--dispatch-algs", algs,
             "--json", str(tmp_path / "s.json")]  # fmt: skip
     res = subprocess.run([sys.executable, "-m", "benchmarks.magi_attention_bench", *args],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "s.json").read_text())["scaling"]
-    assert [r["kernel_backend"] for r in rows] == ["auto"]  # the explicit backend: the yardstick only
+    assert [r["kernel_backend"] for r in rows] == ["auto"] * len(
+        rows
+    )  # the explicit backend: the yardstick only
+    assert [r["dispatch_alg_asked"] for r in rows] == algs.split(",")
     for r in rows:
         assert r["E_fwd"] > 0 and r["E_bwd"] > 0  # auto takes the explicit backend's one-GPU rate
         assert r["chunk_size"] >= 1 and r["remote_kv_tokens_max"] >= r["remote_kv_tokens_mean"] >= 0
         assert r["predicted"]["fwd_ms"] > 0 and r["predicted"]["bwd_tflops_per_gpu"] > 0
         assert set(r["timed_ranks"]) <= {0, 1} and r["timed_ranks"]
-    assert "| video_block_causal | 2 | auto (torch) |" in res.stdout
+        if r["dispatch_alg_asked"] != "default":
+            assert r["dispatch_alg"] == r["dispatch_alg_asked"]
+    assert f"| {mask} | 2 | auto (torch) |" in res.stdout
     profile = (tmp_path / "prof.txt").read_text()  # the slowest rank's torch.profiler table, one per row
-    assert profile.startswith("== video_block_causal cp 2 auto rank") and "aten::" in profile
+    assert profile.startswith(f"== {mask} cp 2 auto rank") and "aten::" in profile
+
+
+def test_unknown_mask_or_dispatch_is_refused() -> None:
+    """A mask name or dispatch algorithm the benchmark does not know fails before any work, naming the choices."""
+    from benchmarks.common import make_mask
+    from benchmarks.magi_attention_bench import dispatch_alg
+
+    assert dispatch_alg("default") is None and dispatch_alg("affinity").value == "affinity"
+    with pytest.raises(ValueError, match="min_heap"):
+        dispatch_alg("no_such_alg")
+    with pytest.raises(ValueError, match="docs4k_causal"):
+        make_mask("varlen_docs", 1024)
 
 
 def test_candidate_ranks_cover_the_slowest_of_each_way_and_the_plan_busiest() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from magi_solver.builders import (
     make_varlen_causal_mask,
     make_varlen_full_mask,
 )
-from magi_solver.mask import normalize_mask
+from magi_solver.mask import AttnMaskType, normalize_mask
 from magi_solver.testing import ascii_mask, dense_mask
 
 CU = [0, 5, 6, 17, 30]
@@ -158,3 +159,88 @@ def test_long_tailed_cu_seqlens() -> None:
     assert long_tailed_cu_seqlens(100) == [0, 100]
     with pytest.raises(ValueError, match="total"):
         long_tailed_cu_seqlens(0)
+
+
+def test_lognormal_doc_lengths_fill_and_count() -> None:
+    """Drawn until full: every length in [floor, cap] units of `unit` but the cut last one, summing to total;
+    a fixed count: `num_docs` lengths >= floor summing to total. Bad arguments name themselves."""
+    from magi_solver import lognormal_doc_lengths
+
+    lens = lognormal_doc_lengths(100_000, median=300, sigma=1.2, seed=4, floor=2, cap=40, unit=50)
+    assert sum(lens) == 100_000 and len(lens) > 50
+    assert all(n % 50 == 0 and 100 <= n <= 2000 for n in lens[:-1]) and 0 < lens[-1] <= 2000
+    assert lognormal_doc_lengths(0, median=5) == []
+    lens = lognormal_doc_lengths(1000, seed=1, num_docs=30, floor=3)
+    assert len(lens) == 30 and sum(lens) == 1000 and min(lens) >= 3
+    for kwargs, name in [
+        ({"median": 0}, "median"),
+        ({"median": 5, "sigma": -1}, "sigma"),
+        ({"median": 5, "floor": 0}, "floor"),
+        ({"median": 5, "unit": 0}, "unit"),
+        ({}, "median"),
+        ({"num_docs": 0}, "num_docs"),
+        ({"num_docs": 2000}, "num_docs"),
+        ({"num_docs": 3, "cap": 5}, "cap"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            lognormal_doc_lengths(1000, **kwargs)
+    with pytest.raises(TypeError, match="total"):
+        lognormal_doc_lengths(10.5, median=5)
+
+
+@pytest.mark.parametrize(
+    "name, median_tokens",
+    [("docs4k_causal", 4096), ("short_docs_causal", 512), ("video_clips", 16 * 1560)],
+)
+def test_family_lengths_have_their_median(name: str, median_tokens: int) -> None:
+    """Over many draws (seeds 0-9 of 4M tokens, the cut last documents left out) the median length is the
+    family's within 10 %, and no length passes the cap (65,536 tokens; video: 8 to 32 frames)."""
+    from magi_solver import family_doc_lengths
+
+    lens = [n for seed in range(10) for n in family_doc_lengths(name, 1 << 22, seed)[:-1]]
+    assert len(lens) > 400
+    assert abs(statistics.median(lens) / median_tokens - 1) < 0.10
+    if name == "video_clips":
+        assert all(n % 1560 == 0 and 8 <= n // 1560 <= 32 for n in lens)
+    else:
+        assert max(lens) <= 65536 and min(lens) >= 1
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "docs4k_causal", "docs4k_full", "short_docs_causal",
+                                  "docs4k_window2048", "video_clips"])  # fmt: skip
+def test_family_masks_are_their_documents(name: str) -> None:
+    """Every family mask is exactly its documents' mask (dense, 6,000 tokens; video: 60,000 tokens by its
+    slices), the lengths sum to the total, the same for a seed; a larger total (another cp size) draws the
+    same leading documents."""
+    from magi_solver import FAMILY_MASKS, family_doc_lengths, make_family_mask
+
+    assert name in FAMILY_MASKS
+    total = 60_000 if name == "video_clips" else 6000
+    lens = family_doc_lengths(name, total, seed=5)
+    assert sum(lens) == total and all(n > 0 for n in lens)
+    spec = make_family_mask(name, total, seed=5)
+    assert make_family_mask(name, total, seed=5) == spec
+    cu = [0, *itertools.accumulate(lens)]
+    if name == "video_clips":
+        assert len(lens) >= 2 and all(n % 1560 == 0 for n in lens[:-1])
+        frames = [(a, min(a + 1560, e), s) for s, e in itertools.pairwise(cu) for a in range(s, e, 1560)]
+        got = sorted((q.start, q.end, k.start, k.end, t.code) for q, k, t in zip(*spec))
+        assert got == sorted((a, b, s, b, AttnMaskType.FULL.code) for a, b, s in frames)
+    else:
+        i = np.arange(total)[:, None]
+        j = np.arange(total)[None, :]
+        doc = np.repeat(np.arange(len(lens)), lens)
+        want = doc[:, None] == doc[None, :]
+        if "causal" in name or "window" in name:
+            want &= j <= i
+        if "window" in name:
+            want &= i - j < 2048
+        assert (spec.to_dense(total) == want).all()
+    if name in ("full", "causal"):
+        assert lens == [total]
+    else:
+        assert family_doc_lengths(name, total, seed=6) != lens
+        bigger = family_doc_lengths(name, 4 * total, seed=5)
+        assert bigger[: len(lens) - 1] == lens[:-1]
+    with pytest.raises(ValueError, match="unknown mask family"):
+        make_family_mask("docs4k", total)

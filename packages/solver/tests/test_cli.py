@@ -116,6 +116,10 @@ def test_hardware_profiles(name: str) -> None:
         pytest.param(["--mask", "global-window", "--total", "16384", "--window", "512,0"], id="global"),
         pytest.param(["--mask", "block-causal", "--total", "16384", "--block-size", "1024"], id="block"),
         pytest.param(["--mask", "prefix-lm", "--doc-lens", "8192,8192", "--prefix-len", "512"], id="prefix"),
+        pytest.param(["--mask", "docs4k_causal", "--total", "32768"], id="docs4k_causal"),
+        pytest.param(["--mask", "short_docs_causal", "--total", "16384", "--seed", "2"], id="short_docs"),
+        pytest.param(["--mask", "docs4k_window2048", "--total", "32768"], id="docs4k_window"),
+        pytest.param(["--mask", "video_clips", "--total", "32768"], id="video_clips"),
     ],
 )
 def test_every_builder(capsys: pytest.CaptureFixture[str], mask_args: list[str]) -> None:
@@ -191,6 +195,9 @@ def test_uneven_shard_needs_no_padding(capsys: pytest.CaptureFixture[str]) -> No
         pytest.param(["--cu-seqlens", "5,10"], "must start at 0", id="cu"),
         pytest.param(["--degree", "many"], "--degree must be", id="degree"),
         pytest.param(["--slices", "/nonexistent.json"], "cannot read --slices", id="slices"),
+        pytest.param(
+            ["--mask", "docs4k_full", "--doc-lens", "10"], "draws its own documents", id="family-docs"
+        ),
     ],
 )
 def test_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -315,3 +322,12 @@ def test_json_records_the_keys_that_cross_nodes(capsys: pytest.CaptureFixture[st
     one_node, two_nodes = recs
     assert one_node["remote_kv_internode_tokens_max"] == 0
     assert 0 < two_nodes["remote_kv_internode_tokens_max"] <= two_nodes["remote_kv_tokens_max"]
+
+
+def test_mask_family_is_the_builders_mask(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--mask docs4k_full --total N --seed S` plans `make_family_mask("docs4k_full", N, S)`."""
+    from magi_solver import family_doc_lengths
+
+    (rec,) = _run_json(capsys, "--mask", "docs4k_full", "--total", "40000", "--seed", "3", "--cp", "2")
+    lens = family_doc_lengths("docs4k_full", 40000, 3)
+    assert len(lens) > 2 and rec["mask_area"] == sum(n * n for n in lens)

@@ -12,7 +12,7 @@ balance and communication volume are compared with ring attention and all-gather
 from __future__ import annotations
 
 import argparse
-import random
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,6 +34,7 @@ from magi_attention import (
 )
 from magi_attention._runtime.cache import RUNTIME_CACHE
 from magi_attention.testing import run_distributed
+from magi_solver import lognormal_doc_lengths
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ class DemoConfig:
 
 def video_batch_mask(total: int, block: int, seed: int):
     """Packed documents with long-tailed lengths (multiples of `block`), block-causal inside each."""
-    rng = random.Random(seed)
+    # log-normal block counts (median e^1.2 ~ 3.3 blocks, sigma 0.9), at most a quarter of the batch each
+    lengths = lognormal_doc_lengths(
+        total, median=math.exp(1.2), sigma=0.9, seed=seed, floor=1, cap=total // (4 * block), unit=block
+    )
     q_ranges, k_ranges = [], []
     start = 0
-    while start < total:
-        length = block * max(1, min(int(rng.lognormvariate(1.2, 0.9)), total // (4 * block)))
-        end = min(total, start + length)
+    for length in lengths:
+        end = start + length
         for s in range(start, end, block):
             q_ranges.append([s, min(s + block, end)])
             k_ranges.append([start, min(s + block, end)])

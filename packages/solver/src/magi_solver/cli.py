@@ -28,9 +28,13 @@ from typing import Any
 import numpy as np
 
 from . import (
+    FAMILY_MASKS,
     default_chunk_size,
     env,
+    family_doc_lengths,
+    lognormal_doc_lengths,
     make_block_causal_mask,
+    make_family_mask,
     make_global_window_mask,
     make_prefix_lm_mask,
     make_sliding_window_mask,
@@ -53,7 +57,16 @@ MASKS = (
     "global-window",
     "block-causal",
     "prefix-lm",
+    *(f for f in FAMILY_MASKS if f not in ("full", "causal")),
 )
+# the mask families' kernel throughput classes (`make_family_mask`; full and causal are the CLI's own)
+_FAMILY_KIND = {
+    "docs4k_causal": MaskFamily.VARLEN_CAUSAL,
+    "docs4k_full": MaskFamily.VARLEN_FULL,
+    "short_docs_causal": MaskFamily.VARLEN_CAUSAL,
+    "docs4k_window2048": MaskFamily.SLIDING_WINDOW,
+    "video_clips": MaskFamily.BLOCK_CAUSAL,
+}
 _DEFAULT_CP = "8,16,64"
 _HELP_WIDTH = 80
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -98,10 +111,7 @@ def lognormal_doc_lens(total: int, num_docs: int, seed: int) -> list[int]:
     """`num_docs` long-tailed (log-normal) lengths, each >= 1, summing to `total` (seeded)."""
     if not 1 <= num_docs <= total:
         raise CliError(f"--num-docs must lie in [1, --total = {total}], got {num_docs}")
-    w = np.random.default_rng(seed).lognormal(0.0, 1.0, num_docs)
-    lens = np.maximum(1, np.floor(w / w.sum() * total)).astype(np.int64)
-    lens[np.argmax(lens)] += total - int(lens.sum())
-    return lens.tolist()
+    return lognormal_doc_lengths(total, sigma=1.0, seed=seed, num_docs=num_docs)
 
 
 def _cu_seqlens(args: argparse.Namespace) -> tuple[list[int], str]:
@@ -164,10 +174,12 @@ def build_mask(args: argparse.Namespace) -> tuple[Any, Any, Any, int, MaskFamily
         q, k, t, total = _load_slices(args.slices)
         fam = MaskFamily(args.family) if args.family else MaskFamily.OTHER
         return q, k, t, total, fam, f"{len(q)} slices from {os.path.basename(args.slices)}"
+    name = args.mask
+    if name in _FAMILY_KIND:
+        return _family_mask(args)
     cu, docs = _cu_seqlens(args)
     total = cu[-1]
     many = len(cu) > 2
-    name = args.mask
     if name in ("full", "varlen-full"):
         spec = make_varlen_full_mask(cu)
         fam = MaskFamily.VARLEN_FULL if many else MaskFamily.FULL
@@ -191,6 +203,30 @@ def build_mask(args: argparse.Namespace) -> tuple[Any, Any, Any, int, MaskFamily
     if args.family:
         fam = MaskFamily(args.family)
     return spec.q_ranges, spec.k_ranges, spec.types, total, fam, f"{name}, {docs}"
+
+
+def _family_mask(args: argparse.Namespace) -> tuple[Any, Any, Any, int, MaskFamily, str]:
+    """A mask family of `make_family_mask` over --total tokens (its own documents, drawn with --seed)."""
+    given = [
+        x for x in ("cu_seqlens", "doc_lens", "doc_lens_file", "num_docs") if getattr(args, x) is not None
+    ]
+    if given:
+        opts = ", ".join("--" + x.replace("_", "-") for x in given)
+        raise CliError(f"--mask {args.mask} draws its own documents from --total and --seed; drop {opts}")
+    if args.total < 1:
+        raise CliError(f"--total must be at least 1, got {args.total}")
+    spec = make_family_mask(args.mask, args.total, args.seed)
+    fam = MaskFamily(args.family) if args.family else _FAMILY_KIND[args.mask]
+    n = len(family_doc_lengths(args.mask, args.total, args.seed))
+    unit = "clips" if args.mask == "video_clips" else "documents"
+    return (
+        spec.q_ranges,
+        spec.k_ranges,
+        spec.types,
+        args.total,
+        fam,
+        f"{args.mask}, {n} {unit} (seed {args.seed})",
+    )
 
 
 def _hardware(args: argparse.Namespace) -> HardwareProfile:

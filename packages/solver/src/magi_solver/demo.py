@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .builders import make_varlen_causal_mask
+from .builders import lognormal_doc_lengths, make_varlen_causal_mask
 from .dispatch import solve_dispatch
 from .plan import plan_dist_attn
 
@@ -25,10 +25,7 @@ def varlen_doc_lengths(total: int, num_docs: int, seed: int = 0, sigma: float = 
     """`num_docs` lognormal document lengths (at least 1 token) summing to exactly `total` (seeded)."""
     if num_docs > total:
         raise ValueError(f"`num_docs` = {num_docs} cannot exceed `total` = {total}")
-    w = np.random.default_rng(seed).lognormal(0.0, sigma, num_docs)
-    lens = np.maximum(1, np.floor(w / w.sum() * total)).astype(np.int64)
-    lens[np.argmax(lens)] += total - int(lens.sum())
-    return lens.tolist()
+    return lognormal_doc_lengths(total, sigma=sigma, seed=seed, num_docs=num_docs)
 
 
 def _fmt_tokens(n: float) -> str:
