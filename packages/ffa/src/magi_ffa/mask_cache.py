@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,6 +43,9 @@ _CPU = torch.device("cpu")
 _ID_SLACK = 8
 """Identity records kept per entry at most (callers that pass a fresh tensor of a known mask every call add
 one record each; the oldest are dropped)."""
+
+
+_OPAQUE = (types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
 
 def data_nbytes(obj: object) -> int:
@@ -69,7 +73,7 @@ def _walk(obj: object, seen: set, visited: set, depth: int) -> int:
         items = obj.values()
     elif dataclasses.is_dataclass(obj):
         items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not callable(obj):
+    elif hasattr(obj, "__dict__") and not isinstance(obj, _OPAQUE):
         items = list(vars(obj).values())
     else:
         return 0
@@ -328,4 +332,3 @@ def clear_mask_caches() -> None:
     changing a setting that launch data is built from (e.g. ``MAGI_FFA_FA4_R2P``), or to free memory."""
     MASKS.clear()
     _host_slices_cached.cache_clear()
-
