@@ -202,19 +202,6 @@ class CheckedSlices:
     plan), built on first use: a plan's slices launched many times build it once."""
 
 
-def check_slices(
-    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
-) -> CheckedSlices:
-    """Every check ``ffa_fwd`` makes of the slice tables (shapes, dtypes, int32 range, values against
-    ``total_q`` / ``total_k``), once: the entry of :data:`magi_ffa.mask_cache.MASKS` (equal masks share one
-    entry and its backends' launch data). Host tables (CPU tensors or lists) avoid a device->host copy."""
-    if not isinstance(total_q, int) or not isinstance(total_k, int) or total_q < 0 or total_k < 0:
-        _fail(f"`total_q` and `total_k` must be ints >= 0, got {total_q!r} and {total_k!r}")
-    from .mask_cache import MASKS  # the cache builds its entries with this module's checks
-
-    return MASKS.lookup((q_ranges, k_ranges, attn_type_map), total_q=total_q, total_k=total_k)
-
-
 def slices_on_device(
     q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 from . import env
 from ._common import CheckedSlices, RangesLike, TypeMapLike, _host_slices_cached, host_tables
 
-__all__ = ["MASKS", "MaskValueCache", "clear_mask_caches", "data_nbytes"]
+__all__ = ["MASKS", "MaskValueCache", "check_slices", "clear_mask_caches", "data_nbytes"]
 
 T = TypeVar("T")
 _CPU = torch.device("cpu")
@@ -324,6 +324,17 @@ def _identity_key(raw: tuple, total_q: int, total_k: int) -> tuple | None:
 MASKS = MaskValueCache(env.mask_cache_size(), env.mask_cache_bytes())
 """The process's one mask cache (``MAGI_FFA_MASK_CACHE`` entries, ``MAGI_FFA_MASK_CACHE_MB`` MiB of tensors):
 every backend's public functions and the runtime's checked slices go through it."""
+
+
+def check_slices(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
+) -> CheckedSlices:
+    """Every check ``ffa_fwd`` makes of the slice tables (shapes, dtypes, int32 range, values against
+    ``total_q`` / ``total_k``), once: the mask's entry of :data:`MASKS` (equal masks share one entry and its
+    backends' launch data). Host tables (CPU tensors or lists) avoid a device->host copy."""
+    if not isinstance(total_q, int) or not isinstance(total_k, int) or total_q < 0 or total_k < 0:
+        raise ValueError(f"`total_q` and `total_k` must be ints >= 0, got {total_q!r} and {total_k!r}")
+    return MASKS.lookup((q_ranges, k_ranges, attn_type_map), total_q=total_q, total_k=total_k)
 
 
 def clear_mask_caches() -> None:
