@@ -17,7 +17,10 @@ whether its forward reports max logits, on which masks it is deterministic, the 
   backend and no package writes the parameter list again);
 - the runtime's entry on slices checked once per plan: :meth:`FFABackend.fwd_checked` /
   :meth:`FFABackend.bwd_checked` (no value checks of the slice tables, no host sync, the per-mask launch data
-  of :meth:`Launchers.prepare` cached on the :class:`~magi_ffa.validation.CheckedSlices`).
+  of :meth:`Launchers.prepare` kept in the mask's entry of :data:`magi_ffa.mask_cache.MASKS`).
+
+The public functions find a mask's entry with one lookup (the tables' identity and version, else their
+value); the eager path then carries one frozen :class:`~magi_ffa._call.FFACall` to the forward and backward.
 """
 
 from __future__ import annotations
@@ -195,8 +198,8 @@ class Launchers:
             on rows whose lse is -inf), fresh tensors in the inputs' dtypes; with ``accumulates`` also
             ``dq=`` / ``dk=`` / ``dv=`` fp32 accumulators, added to and returned.
         prepare: ``prepare(q, k, checked) -> prepared``, the per-mask launch data (FA4's launch metadata,
-            cuDNN's mask plan; default: the host slices), cached by the contract on the ``CheckedSlices`` per
-            backend and geometry.
+            cuDNN's mask plan; default: the host slices), kept by the contract in the mask's entry of the mask
+            cache (:mod:`magi_ffa.mask_cache`) per backend and geometry.
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]

@@ -15,7 +15,9 @@ device). :meth:`MaskValueCache.lookup` finds the entry
    reuses the entry (and its launch data), and is registered by identity for the next call.
 
 A table changed in place bumps its version counter: the identity record no longer matches and the next
-lookup reads the values again. The cache is bounded in entries and in bytes (the tensor bytes an entry holds,
+lookup reads the values again (a write that bypasses the counter, such as a custom kernel writing through the
+raw pointer, is not seen: pass a new tensor then, or call :func:`clear_mask_caches`). Inference-mode tensors
+have no version counter and are always read by value. The cache is bounded in entries and in bytes (the tensor bytes an entry holds,
 its tables and its launch data, each storage counted once), least recently used first; a backend may also
 cap how many entries hold its data (:meth:`MaskValueCache.limit`). One lock makes it thread-safe (builds run
 under it, so two threads never build the same data twice). :func:`clear_mask_caches` empties it.
