@@ -73,6 +73,8 @@ VALUED = [
         "24,16,16,16,4,1",
     ),
     (fa4_env.plan_cache_size, "MAGI_FFA_FA4_PLAN_CACHE", "8", 8, "0"),
+    (ffa_env.mask_cache_size, "MAGI_FFA_MASK_CACHE", "16", 16, "0"),
+    (ffa_env.mask_cache_bytes, "MAGI_FFA_MASK_CACHE_MB", "2", 2 << 20, "-1"),
     (gc_env.impl, "MAGI_GROUP_COLLECTIVE_IMPL", "A2AV", "a2av", "deepep"),
     (gc_env.kernels, "MAGI_GROUP_COLLECTIVE_KERNELS", "triton", "triton", "cuda"),
     (ma_env.kernel_backend_override, "MAGI_ATTENTION_KERNEL_BACKEND", "sdpa", "torch", "flash"),

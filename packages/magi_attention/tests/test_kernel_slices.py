@@ -27,8 +27,8 @@ def test_runtime_calls_use_the_slices_checked_at_build(monkeypatch) -> None:
     def unchecked(*args, **kwargs):
         raise AssertionError("the runtime re-checked its slices through the public launcher")
 
-    # the slice checks of every public entry of the FFA contract (a module global, looked up on each call)
-    monkeypatch.setattr(magi_ffa.contract, "check_slices", unchecked)
+    # the mask-cache lookup (and slice checks) of every public entry of the FFA contract (a module global)
+    monkeypatch.setattr(magi_ffa.contract, "checked_of", unchecked)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(total, h, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3)

@@ -5,7 +5,9 @@ ahead of the GPU and its own per-call work (checks, cache lookups, launches) sho
 every attention call of a training step. Checked with ``torch.cuda.set_sync_debug_mode("error")`` on the
 second call of each entry (the first builds the mask's launch data) for every installed backend: the
 functional ``ffa_fwd`` / ``ffa_bwd`` on host slice tables, the autograd ``flex_flash_attn_func`` (forward and
-backward), and the runtime's launchers on slices checked once (``AttnKernel.fwd_slices`` / ``bwd_slices``).
+backward), and the runtime's launchers on slices checked once (``AttnKernel.fwd_slices`` / ``bwd_slices``);
+the kernel API on range tables that live on the GPU (int32 and int64: a known mask is found by the tables'
+identity, before any conversion, so nothing is copied to the host); and ``calc_attn`` on a built key.
 
     python -m pytest -m gpu packages/magi_attention/tests/test_no_sync_gpu.py -q
 """
@@ -17,8 +19,10 @@ import contextlib
 import pytest
 import torch
 
+from magi_attention import DistAttnConfig
 from magi_attention._runtime.cache import KernelSlices
 from magi_attention._runtime.kernels import attn_kernel, ffa_backend
+from magi_attention.api import calc_attn, clear_cache, magi_attn_flex_key
 from magi_attention.config import KernelBackend as B
 
 pytestmark = [
@@ -92,4 +96,59 @@ def test_calls_on_a_known_mask_do_not_synchronize(name: str) -> None:
         torch.cuda.synchronize()
         with _no_sync():
             entry()
+    torch.cuda.synchronize()
+
+
+def _qkv_do():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    q = torch.randn(TOTAL, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(TOTAL, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(TOTAL, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    return q, k, v, torch.randn(TOTAL, HQ, D, device=dev, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("name", ["triton", "fa4", "cudnn"])
+def test_kernel_api_on_cuda_tables_does_not_synchronize(name: str, dtype: torch.dtype) -> None:
+    """``flex_flash_attn_func`` forward + backward, range tables as CUDA tensors (as FA4 users pass
+    ``cu_seqlens``): the repeated calls copy nothing to the host (no check, no int32 range check, no
+    ``.cpu()`` in the custom ops)."""
+    impl = _backend_or_skip(name)
+    q, k, v, do = _qkv_do()
+    qr, kr, tm = (t.to(device="cuda", dtype=dtype) for t in _tables())
+    flex = impl.entry_points[0]
+
+    def step():
+        out = flex(q, k, v, qr, kr, tm)[0]
+        torch.autograd.grad(out, (q, k, v), do)
+
+    step()  # a new mask: one host copy and one check, its launch data built
+    torch.cuda.synchronize()
+    with _no_sync():
+        step()
+        step()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("name", ["auto", "triton", "fa4", "cudnn"])
+def test_calc_attn_on_a_built_key_does_not_synchronize(name: str) -> None:
+    """``calc_attn`` forward + backward at cp 1 on a key built beforehand."""
+    if name != "auto":
+        _backend_or_skip(name)
+    clear_cache()
+    q, k, v, do = _qkv_do()
+    qr, kr, tm = _tables()
+    types = ["causal" if t else "full" for t in tm.tolist()]
+    config = DistAttnConfig(kernel_backend=name)
+    key = magi_attn_flex_key(qr.tolist(), kr.tolist(), types, TOTAL, TOTAL, HQ, HKV, D, None, config)
+
+    def step():
+        out, _meta = calc_attn(q, k, v, key)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    step()
+    torch.cuda.synchronize()
+    with _no_sync():
+        step()
     torch.cuda.synchronize()

@@ -7,7 +7,8 @@ mask (torch and Triton builders, shared by the FA4 and cuDNN backends); ``merge_
 ``merge_out_lse_`` (fused Triton, in place) the out/lse merge; ``merge_sink`` / ``sink_grad`` attention sinks
 on a final (out, lse) and their gradient; ``ffa_max_logits`` the max logits alone (a QK pass). ``KernelBackend``
 is the one kernel-backend enum of every package (magi_ffa runs its ``triton`` and ``torch`` members).
-``contract`` is the FFA contract written once: every backend (magi_ffa's two, magi_ffa_fa4, magi_ffa_cudnn) is a
+``clear_mask_caches`` empties the one cache of per-mask data (checked slices and every backend's launch
+data, :mod:`magi_ffa.mask_cache`). ``contract`` is the FFA contract written once: every backend (magi_ffa's two, magi_ffa_fa4, magi_ffa_cudnn) is a
 ``BackendCapability`` plus launchers on checked slices, bound by ``FFABackend`` into the public functions.
 """
 
@@ -20,6 +21,7 @@ from ._ops import ffa_bwd, ffa_fwd, ffa_max_logits, flex_flash_attn_func
 from ._sink import merge_sink, sink_grad
 from .contract import BackendCapability, FFABackend
 from .intervals import RowIntervals, row_intervals, row_intervals_reference
+from .mask_cache import clear_mask_caches
 
 __version__ = "0.1.0"  # the [project] version of pyproject.toml (CI checks that they agree)
 
@@ -29,6 +31,7 @@ __all__ = [
     "FFABackend",
     "KernelBackend",
     "RowIntervals",
+    "clear_mask_caches",
     "contract",
     "ffa_bwd",
     "ffa_fwd",

@@ -61,23 +61,40 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
+def ranges_structure(x: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """The checks of :func:`as_ranges` that read no values (dtype, shape, device): ``x`` as ``[n, 2]``."""
+    if x.dtype not in (torch.int32, torch.int64):
+        _fail(f"`{name}` must be an int32 tensor of shape [num_slices, 2], got dtype {x.dtype}")
+    if x.ndim != 2 or x.shape[1] != 2:
+        if not (x.ndim == 1 and x.numel() == 0):
+            _fail(f"`{name}` must have shape [num_slices, 2], got {tuple(x.shape)}")
+        x = x.reshape(0, 2)
+    if x.device != device and x.device.type != "cpu":
+        _fail(f"`{name}` must be on q's device {device} (or the CPU), got {x.device}")
+    return x
+
+
 def as_ranges(x: RangesLike, name: str, device: torch.device) -> torch.Tensor:
     """Return ``x`` as an int32 ``[n, 2]`` tensor (tensors keep their device; lists become CPU tensors)."""
     if isinstance(x, torch.Tensor):
-        if x.dtype not in (torch.int32, torch.int64):
-            _fail(f"`{name}` must be an int32 tensor of shape [num_slices, 2], got dtype {x.dtype}")
-        if x.ndim != 2 or x.shape[1] != 2:
-            if not (x.ndim == 1 and x.numel() == 0):
-                _fail(f"`{name}` must have shape [num_slices, 2], got {tuple(x.shape)}")
-            x = x.reshape(0, 2)
-        if x.device != device and x.device.type != "cpu":
-            _fail(f"`{name}` must be on q's device {device} (or the CPU), got {x.device}")
+        x = ranges_structure(x, name, device)
         _check_fits_int32(x, name)
         return x.to(torch.int32)
     t = torch.tensor(as_int_pairs(x, name), dtype=torch.int64).reshape(-1, 2)
     if t.numel() and (t.min() < torch.iinfo(torch.int32).min or t.max() > torch.iinfo(torch.int32).max):
         _fail(f"`{name}` values must fit int32")
     return t.to(torch.int32)  # lists stay on the CPU: no host<->device round trip
+
+
+def type_map_structure(x: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """The checks of :func:`as_type_map` on a tensor that read no values (dtype, shape, device)."""
+    if x.dtype not in (torch.int32, torch.int64):
+        _fail(f"`attn_type_map` must be an int32 tensor of shape [num_slices], got dtype {x.dtype}")
+    if x.ndim != 1 or x.shape[0] != n:
+        _fail(f"`attn_type_map` must have shape [{n}] (one type per slice), got {tuple(x.shape)}")
+    if x.device != device and x.device.type != "cpu":
+        _fail(f"`attn_type_map` must be on q's device {device} (or the CPU), got {x.device}")
+    return x
 
 
 def as_type_map(x: TypeMapLike, n: int, device: torch.device) -> torch.Tensor:
@@ -92,14 +109,33 @@ def as_type_map(x: TypeMapLike, n: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32)  # CPU: read on the host anyway
     if not isinstance(x, torch.Tensor):
         return torch.tensor(normalize_types(x, n, "attn_type_map"), dtype=torch.int32).reshape(n)
-    if x.dtype not in (torch.int32, torch.int64):
-        _fail(f"`attn_type_map` must be an int32 tensor of shape [num_slices], got dtype {x.dtype}")
-    if x.ndim != 1 or x.shape[0] != n:
-        _fail(f"`attn_type_map` must have shape [{n}] (one type per slice), got {tuple(x.shape)}")
-    if x.device != device and x.device.type != "cpu":
-        _fail(f"`attn_type_map` must be on q's device {device} (or the CPU), got {x.device}")
+    x = type_map_structure(x, n, device)
     _check_fits_int32(x, "attn_type_map")
     return x.to(torch.int32)
+
+
+def host_tables(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three tables as contiguous int32 CPU tensors, every check but the values' made (the messages of
+    :func:`as_ranges` / :func:`as_type_map`; tensors may live on ``device`` or the CPU). Tensors on a GPU
+    reach the host in ONE copy (the three concatenated), and the int32 range check of int64 tables runs on
+    the host copy: a new mask costs one device->host synchronization, not one per table and check."""
+    qr = ranges_structure(q_ranges, "q_ranges", device) if isinstance(q_ranges, torch.Tensor) else q_ranges
+    kr = ranges_structure(k_ranges, "k_ranges", device) if isinstance(k_ranges, torch.Tensor) else k_ranges
+    tm = attn_type_map
+    if isinstance(tm, torch.Tensor) and isinstance(qr, torch.Tensor):
+        tm = type_map_structure(tm, qr.shape[0], device)
+    raw = [qr, kr, tm]
+    remote = [i for i, t in enumerate(raw) if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    if remote:
+        flat = torch.cat([raw[i].reshape(-1).to(torch.int64) for i in remote]).cpu()  # the one copy
+        for i, part in zip(remote, flat.split([raw[i].numel() for i in remote])):
+            raw[i] = part.view(raw[i].shape)
+    qr = as_ranges(raw[0], "q_ranges", torch.device("cpu")).contiguous()
+    kr = as_ranges(raw[1], "k_ranges", torch.device("cpu")).contiguous()
+    tm = as_type_map(raw[2], qr.shape[0], torch.device("cpu")).contiguous()
+    return qr, kr, tm
 
 
 def _check_fits_int32(x: torch.Tensor, name: str) -> None:
@@ -147,7 +183,7 @@ def _host_slices_cached(blob: bytes, n: int, total_q: int, total_k: int) -> tupl
     return disjoint_slices(out)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class CheckedSlices:
     """Slice tables checked once, by :func:`check_slices`, against the token counts they index: the internal
     entry of a caller that launches the same slices many times (the attention runtime checks its plan's
@@ -164,20 +200,6 @@ class CheckedSlices:
     prepared: dict = field(default_factory=dict, compare=False, repr=False)
     """Per-backend launch data of these slices (``magi_ffa.contract``: FA4's launch metadata, cuDNN's mask
     plan), built on first use: a plan's slices launched many times build it once."""
-
-
-def check_slices(
-    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
-) -> CheckedSlices:
-    """Every check ``ffa_fwd`` makes of the slice tables (shapes, dtypes, int32 range, values against
-    ``total_q`` / ``total_k``), once; host tables (CPU tensors or lists)."""
-    if not isinstance(total_q, int) or not isinstance(total_k, int) or total_q < 0 or total_k < 0:
-        _fail(f"`total_q` and `total_k` must be ints >= 0, got {total_q!r} and {total_k!r}")
-    cpu = torch.device("cpu")
-    qr = as_ranges(q_ranges, "q_ranges", cpu)
-    kr = as_ranges(k_ranges, "k_ranges", cpu)
-    tm = as_type_map(attn_type_map, qr.shape[0], cpu)
-    return CheckedSlices(host_slices(qr, kr, tm, total_q, total_k), total_q, total_k, qr, kr, tm)
 
 
 def slices_on_device(

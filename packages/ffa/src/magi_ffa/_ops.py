@@ -166,14 +166,11 @@ def ffa_max_logits(
     Args: as in :func:`ffa_fwd` (k: ``[total_k, num_heads_kv, head_dim]``).
     """
     from . import env
-    from ._common import as_ranges, as_type_map, check_slices
+    from ._call import checked_of
 
     validate_qkv(q, k, k)
     scale = validate_scalars(softmax_scale, softcap, q.shape[-1])
-    qr = as_ranges(q_ranges, "q_ranges", q.device)
-    kr = as_ranges(k_ranges, "k_ranges", q.device)
-    tm = as_type_map(attn_type_map, qr.shape[0], q.device)
-    checked = check_slices(qr.cpu(), kr.cpu(), tm.cpu(), q.shape[0], k.shape[0])
+    checked = checked_of((q_ranges, k_ranges, attn_type_map), q, k)
     with torch.no_grad():
         if backend_of(q, backend) is TORCH:
             return TORCH.fwd_checked(q, k, k, checked, softmax_scale=scale, softcap=softcap,

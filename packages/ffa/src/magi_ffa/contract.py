@@ -17,7 +17,10 @@ whether its forward reports max logits, on which masks it is deterministic, the 
   backend and no package writes the parameter list again);
 - the runtime's entry on slices checked once per plan: :meth:`FFABackend.fwd_checked` /
   :meth:`FFABackend.bwd_checked` (no value checks of the slice tables, no host sync, the per-mask launch data
-  of :meth:`Launchers.prepare` cached on the :class:`~magi_ffa.validation.CheckedSlices`).
+  of :meth:`Launchers.prepare` kept in the mask's entry of :data:`magi_ffa.mask_cache.MASKS`).
+
+The public functions find a mask's entry with one lookup (the tables' identity and version, else their
+value); the eager path then carries one frozen :class:`~magi_ffa._call.FFACall` to the forward and backward.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from . import env
+from ._call import BwdIO, FFACall, Options, checked_of
 from ._common import (
     CheckedSlices,
     RangesLike,
@@ -38,7 +42,6 @@ from ._common import (
     acc_dtype,
     as_ranges,
     as_type_map,
-    check_slices,
     validate_bwd_inputs,
     validate_dlse,
     validate_out_lse,
@@ -47,6 +50,7 @@ from ._common import (
 )
 from ._merge import merge_out_lse, merge_out_lse_
 from ._sink import merge_sink, sink_grad, validate_sink
+from .mask_cache import MASKS
 
 __all__ = [
     "BackendCapability",
@@ -194,8 +198,8 @@ class Launchers:
             on rows whose lse is -inf), fresh tensors in the inputs' dtypes; with ``accumulates`` also
             ``dq=`` / ``dk=`` / ``dv=`` fp32 accumulators, added to and returned.
         prepare: ``prepare(q, k, checked) -> prepared``, the per-mask launch data (FA4's launch metadata,
-            cuDNN's mask plan; default: the host slices), cached by the contract on the ``CheckedSlices`` per
-            backend and geometry.
+            cuDNN's mask plan; default: the host slices), kept by the contract in the mask's entry of the mask
+            cache (:mod:`magi_ffa.mask_cache`) per backend and geometry.
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -278,47 +282,42 @@ class FFABackend:
         return checked
 
     def prepared(self, q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> Any:
-        """The launchers' per-mask data, cached on ``checked`` per backend and geometry."""
+        """The launchers' per-mask data, in the mask's entry of the mask cache per backend and geometry."""
         key = (self.capability.name, q.shape[1], k.shape[1], q.shape[2], q.dtype, str(q.device))
-        hit = checked.prepared.get(key)
-        if hit is None:
-            hit = checked.prepared[key] = self.launchers.prepare(q, k, checked)
-        return hit
-
-    @staticmethod
-    def _runs(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> bool:
-        """Whether a kernel has anything to compute (a slice, query rows, keys)."""
-        return bool(checked.slices) and q.shape[0] > 0 and k.shape[0] > 0 and q.shape[1] > 0
+        return MASKS.prepared(checked, key, lambda: self.launchers.prepare(q, k, checked))
 
     def max_logits(self, q, k, checked: CheckedSlices, scale: float, softcap: float) -> torch.Tensor:
         """Max logits of these slices alone (no gradient): the separate QK pass on magi_ffa's Triton
         kernel."""
         from ._max_logits import max_logits_pass
 
-        if not self._runs(q, k, checked):
+        if not FFACall(q, k, k, checked, scale).runs:
             return _no_max(q)
         return max_logits_pass(q.detach(), k.detach(), checked.slices, scale, softcap)
 
     # ---------------------------------------------------------------------------- forward / backward
-    def _forward(self, q, k, v, checked, scale, softcap, want_max, sink=None, out=None, lse=None):
-        """Forward of checked inputs: (out, lse, max | None), sinks merged into this call's result and then
+    def _forward(self, call: FFACall, out=None, lse=None):
+        """Forward of a checked call: (out, lse, max | None), sinks merged into this call's result and then
         (given ``out`` / ``lse``) merged into the accumulators in place."""
-        cap, run = self.capability, self._runs(q, k, checked)
+        cap, run, q, sink = self.capability, call.runs, call.q, call.sink
         accumulate = out is not None
         fused = accumulate and sink is None and cap.accumulates
-        kernel_max = want_max and cap.max_logits
+        kernel_max = call.want_max and cap.max_logits
         if run:
             # merged into an accumulator without sinks: the merge ignores rows of -inf lse, so the kernel
             # need not zero their out
             zero_empty = not accumulate or sink is not None
             o, l, mx = self.launchers.forward(
-                q, k, v, self.prepared(q, k, checked), scale, softcap, kernel_max, zero_empty,
-                *((out, lse) if fused else ()),
+                q, call.k, call.v, self.prepared(q, call.k, call.checked), call.scale, call.softcap, kernel_max,
+                zero_empty, *((out, lse) if fused else ()),
             )  # fmt: skip
         else:
             o, l, mx = (out, lse, None) if fused else (torch.zeros_like(q), _empty_lse(q), None)
-        if want_max and not (kernel_max and run):
-            mx = self.max_logits(q, k, checked, scale, softcap) if run or not cap.max_logits else _no_max(q)
+        if call.want_max and not (kernel_max and run):
+            if run or not cap.max_logits:
+                mx = self.max_logits(q, call.k, call.checked, call.scale, call.softcap)
+            else:
+                mx = _no_max(q)
         if sink is not None:
             o, l = merge_sink(o, l, sink)
         if accumulate and not fused:
@@ -329,19 +328,19 @@ class FFABackend:
             l = l.contiguous()
         return o, l, mx
 
-    def _backward(self, do, q, k, v, out, lse, checked, scale, softcap, deterministic, dlse, dq, dk, dv):
-        """dq, dk, dv of checked inputs (accumulated into the given buffers)."""
-        bufs = (dq, dk, dv)
-        if not self._runs(q, k, checked):
+    def _backward(self, call: FFACall, io: BwdIO):
+        """dq, dk, dv of a checked call (accumulated into ``io``'s buffers when given)."""
+        bufs = io.grads
+        q, k, v = call.q, call.k, call.v
+        if not call.runs:
             return tuple(torch.zeros_like(t) if b is None else b for t, b in zip((q, k, v), bufs))
-        if dlse is not None:
-            dlse = torch.where(torch.isneginf(lse), 0.0, dlse.to(lse.dtype))  # rows without keys: no gradient
-        prepared = self.prepared(q, k, checked)
+        dlse = io.dlse
+        if dlse is not None:  # rows without keys: no gradient
+            dlse = torch.where(torch.isneginf(io.lse), 0.0, dlse.to(io.lse.dtype))
+        head = (io.do, q, k, v, io.out, io.lse, self.prepared(q, k, call.checked), call.scale, call.softcap)
         if self.capability.accumulates:
-            return self.launchers.backward(
-                do, q, k, v, out, lse, prepared, scale, softcap, deterministic, dlse, dq, dk, dv
-            )
-        grads = self.launchers.backward(do, q, k, v, out, lse, prepared, scale, softcap, deterministic, dlse)
+            return self.launchers.backward(*head, call.deterministic, dlse, *bufs)
+        grads = self.launchers.backward(*head, call.deterministic, dlse)
         return tuple(g if b is None else b.add_(g) for g, b in zip(grads, bufs))
 
     # ------------------------------------------------------------------------------ runtime entries
@@ -363,14 +362,20 @@ class FFABackend:
         """``ffa_fwd`` on slices checked once (:func:`magi_ffa.validation.check_slices`): the runtime's entry.
         The tensors and scalars are checked as in ``ffa_fwd``; the slices only against the token counts."""
         scale = self.check(q, k, v, softmax_scale, softcap, out, lse)
-        return self._fwd_on(q, k, v, self.checked_slices(q, k, checked), scale, softcap, deterministic, out,
-                            lse, sink, return_max_logits)  # fmt: skip
+        opts = Options(softmax_scale, softcap, deterministic, sink, return_max_logits)
+        return self._fwd_on(self._call(q, k, v, self.checked_slices(q, k, checked), opts, scale), out, lse)
 
-    def _fwd_on(self, q, k, v, checked, scale, softcap, deterministic, out, lse, sink, return_max_logits):
-        validate_sink(sink, q)
-        self.capability.check_deterministic(bool(deterministic), checked)
-        o, l, mx = self._forward(q, k, v, checked, scale, float(softcap), return_max_logits, sink, out, lse)
-        return (o, l, mx) if return_max_logits else (o, l)
+    def _call(self, q, k, v, checked: CheckedSlices, opts: Options, scale: float) -> FFACall:
+        """The call object, after the checks of the sinks and the deterministic flag (``scale``: from
+        :meth:`check`, which the caller ran first)."""
+        validate_sink(opts.sink, q)
+        self.capability.check_deterministic(bool(opts.deterministic), checked)
+        return FFACall(q, k, v, checked, scale, float(opts.softcap), bool(opts.deterministic), opts.sink,
+                       bool(opts.return_max_logits))  # fmt: skip
+
+    def _fwd_on(self, call: FFACall, out, lse) -> tuple[torch.Tensor, ...]:
+        o, l, mx = self._forward(call, out, lse)
+        return (o, l, mx) if call.want_max else (o, l)
 
     def bwd_checked(
         self,
@@ -393,62 +398,58 @@ class FFABackend:
     ) -> tuple[torch.Tensor, ...]:
         """``ffa_bwd`` on slices checked once: the runtime's entry (see :meth:`fwd_checked`)."""
         scale = self.check(q, k, v, softmax_scale, softcap)
-        return self._bwd_on(do, q, k, v, out, lse, self.checked_slices(q, k, checked), scale, softcap,
-                            deterministic, dq, dk, dv, dlse, sink)  # fmt: skip
+        opts, io = Options(softmax_scale, softcap, deterministic, sink), BwdIO(do, out, lse, dlse, dq, dk, dv)
+        return self._bwd_on(q, k, v, self.checked_slices(q, k, checked), opts, io, scale)
 
-    def _bwd_on(self, do, q, k, v, out, lse, checked, scale, softcap, deterministic, dq, dk, dv, dlse, sink):
-        validate_bwd_inputs(do, out, lse, q, k, dq, dk, dv)
-        validate_sink(sink, q)
-        validate_dlse(dlse, lse)
-        self.capability.check_deterministic(bool(deterministic), checked)
-        extra = () if sink is None else (sink_grad(do, out, lse, sink, _zero_dead(dlse, lse)),)
-        grads = self._backward(
-            do, q, k, v, out, lse, checked, scale, float(softcap), bool(deterministic), dlse, dq, dk, dv
-        )
-        return (*grads, *extra)
+    def _bwd_on(self, q, k, v, checked: CheckedSlices, opts: Options, io: BwdIO, scale: float) -> tuple:
+        validate_bwd_inputs(io.do, io.out, io.lse, q, k, *io.grads)
+        validate_dlse(io.dlse, io.lse)
+        call = self._call(q, k, v, checked, opts, scale)
+        sink = opts.sink
+        extra = () if sink is None else (sink_grad(io.do, io.out, io.lse, sink, _zero_dead(io.dlse, io.lse)),)
+        return (*self._backward(call, io), *extra)
 
     # --------------------------------------------------------------------------- table entries
-    def _fwd_tables(self, q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic,
-                    out, lse, sink, return_max_logits):  # fmt: skip
-        scale = self.check(q, k, v, softmax_scale, softcap, out, lse)
-        checked = check_slices(*_host_tables(q, q_ranges, k_ranges, attn_type_map), q.shape[0], k.shape[0])
-        return self._fwd_on(
-            q, k, v, checked, scale, softcap, deterministic, out, lse, sink, return_max_logits
-        )
+    def _fwd_tables(self, q, k, v, tables, opts: Options, out, lse) -> tuple[torch.Tensor, ...]:
+        scale = self.check(q, k, v, opts.softmax_scale, opts.softcap, out, lse)  # the tensors' messages first
+        return self._fwd_on(self._call(q, k, v, checked_of(tables, q, k), opts, scale), out, lse)
 
-    def _bwd_tables(self, do, q, k, v, out, lse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                    deterministic, dq, dk, dv, dlse, sink):  # fmt: skip
-        scale = self.check(q, k, v, softmax_scale, softcap)
-        checked = check_slices(*_host_tables(q, q_ranges, k_ranges, attn_type_map), q.shape[0], k.shape[0])
-        return self._bwd_on(
-            do, q, k, v, out, lse, checked, scale, softcap, deterministic, dq, dk, dv, dlse, sink
-        )
+    def _bwd_tables(self, q, k, v, tables, opts: Options, io: BwdIO) -> tuple[torch.Tensor, ...]:
+        scale = self.check(q, k, v, opts.softmax_scale, opts.softcap)
+        return self._bwd_on(q, k, v, checked_of(tables, q, k), opts, io, scale)
 
-    def _flex(self, q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic, out,
-              lse, sink, return_max_logits):  # fmt: skip
-        scale = self.check(q, k, v, softmax_scale, softcap, out, lse)
-        qr = as_ranges(q_ranges, "q_ranges", q.device)
-        kr = as_ranges(k_ranges, "k_ranges", q.device)
-        tm = as_type_map(attn_type_map, qr.shape[0], q.device)
-        if kr.shape[0] != qr.shape[0]:
-            raise ValueError(
-                f"`q_ranges` and `k_ranges` must have the same number of slices, got {qr.shape[0]} and "
-                f"{kr.shape[0]}"
-            )
-        validate_sink(sink, q)
-        ret_max, cap = bool(return_max_logits), float(softcap)
+    def _flex(self, q, k, v, tables, opts: Options, out, lse) -> tuple[torch.Tensor, ...]:
+        scale = self.check(q, k, v, opts.softmax_scale, opts.softcap, out, lse)
+        sink, ret_max, cap = opts.sink, bool(opts.return_max_logits), float(opts.softcap)
         needs_graph = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, sink)
         )
-        if not torch.compiler.is_compiling():  # traced: the op checks the slice values itself
-            checked = check_slices(qr.cpu(), kr.cpu(), tm.cpu(), q.shape[0], k.shape[0])
-            self.capability.check_deterministic(bool(deterministic), checked)
-        if needs_graph or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            # traced: the op finds (or checks) the slices itself, at run time
+            qr = as_ranges(tables[0], "q_ranges", q.device)
+            kr = as_ranges(tables[1], "k_ranges", q.device)
+            tm = as_type_map(tables[2], qr.shape[0], q.device)
+            if kr.shape[0] != qr.shape[0]:
+                raise ValueError(
+                    f"`q_ranges` and `k_ranges` must have the same number of slices, got {qr.shape[0]} and "
+                    f"{kr.shape[0]}"
+                )
+            validate_sink(sink, q)
             o, l, m = torch.ops.magi_ffa.fwd(
-                q, k, v, qr, kr, tm, scale, cap, bool(deterministic), sink, ret_max, self.capability.name
+                q, k, v, qr, kr, tm, scale, cap, bool(opts.deterministic), sink, ret_max, self.capability.name
             )
-        else:  # no graph needed: skip the op's dispatch and autograd bookkeeping (host time per call)
-            o, l, m = self._forward(q, k, v, checked, scale, cap, ret_max, sink)
+        else:
+            call = self._call(q, k, v, checked_of(tables, q, k), opts, scale)
+            if needs_graph:
+                # the entry's own int32 host tables: the op (and its backward) find the entry by their
+                # identity, with no host copy
+                c = call.checked
+                o, l, m = torch.ops.magi_ffa.fwd(
+                    q, k, v, c.q_ranges, c.k_ranges, c.types, scale, cap, call.deterministic, sink, ret_max,
+                    self.capability.name,
+                )  # fmt: skip
+            else:  # no graph needed: skip the op's dispatch and autograd bookkeeping (host time per call)
+                o, l, m = self._forward(call)
         if out is not None:
             if o.requires_grad or l.requires_grad or out.requires_grad or lse.requires_grad:
                 # autograd saves the previous out/lse for the merge backward: clones (the buffers are
@@ -466,14 +467,6 @@ def _zero_dead(dlse: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor | N
     return None if dlse is None else torch.where(torch.isneginf(lse), 0.0, dlse.to(lse.dtype))
 
 
-def _host_tables(q, q_ranges, k_ranges, attn_type_map):
-    """The three tables as int32 tensors (shapes and dtypes checked), on the host for the value checks."""
-    qr = as_ranges(q_ranges, "q_ranges", q.device)
-    kr = as_ranges(k_ranges, "k_ranges", q.device)
-    tm = as_type_map(attn_type_map, qr.shape[0], q.device)
-    return qr.cpu(), kr.cpu(), tm.cpu()
-
-
 def _merge_into(out, lse, o, l) -> None:
     """Merge (o, l) into the accumulators in place: one fused Triton kernel where it runs (fp32 lse, CUDA or
     the interpreter), else torch ops."""
@@ -487,7 +480,8 @@ def _merge_into(out, lse, o, l) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # The custom ops: functional forward / backward of any registered backend, with fake implementations
-# (torch.compile) and autograd. The slices arrive as tables and are checked (cached by value) inside.
+# (torch.compile) and autograd. The slices arrive as tables: the op finds their entry of the mask cache by
+# the tables' identity (the eager path passes the entry's own tables), else by value (checked on a miss).
 
 
 @torch.library.custom_op("magi_ffa::fwd", mutates_args=())
@@ -506,9 +500,10 @@ def _fwd_op(
     backend: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     be = get_backend(backend)
-    checked = check_slices(q_ranges.cpu(), k_ranges.cpu(), attn_type_map.cpu(), q.shape[0], k.shape[0])
+    checked = checked_of((q_ranges, k_ranges, attn_type_map), q, k)  # by identity: no host copy
     be.capability.check_deterministic(deterministic, checked)
-    o, l, m = be._forward(q, k, v, checked, softmax_scale, softcap, return_max_logits, sink)
+    call = FFACall(q, k, v, checked, softmax_scale, softcap, deterministic, sink, return_max_logits)
+    o, l, m = be._forward(call)
     # max logits: [num_heads_q] when asked for, else an empty placeholder (an op's outputs are fixed)
     m = m if return_max_logits else q.new_empty(0, dtype=torch.float32)
     return o.contiguous(), l.contiguous(), m
@@ -541,10 +536,9 @@ def _bwd_op(
     backend: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     be = get_backend(backend)
-    checked = check_slices(q_ranges.cpu(), k_ranges.cpu(), attn_type_map.cpu(), q.shape[0], k.shape[0])
-    dq, dk, dv = be._backward(
-        do, q, k, v, out, lse, checked, softmax_scale, softcap, deterministic, dlse, None, None, None
-    )
+    checked = checked_of((q_ranges, k_ranges, attn_type_map), q, k)  # the saved tables: by identity
+    call = FFACall(q, k, v, checked, softmax_scale, softcap, deterministic)
+    dq, dk, dv = be._backward(call, BwdIO(do, out, lse, dlse))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -710,10 +704,8 @@ def public_functions(
         sink: torch.Tensor | None = None,
         return_max_logits: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        return resolve(q, None)._flex(
-            q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic, out, lse, sink,
-            return_max_logits,
-        )  # fmt: skip
+        opts = Options(softmax_scale, softcap, deterministic, sink, return_max_logits)
+        return resolve(q, None)._flex(q, k, v, (q_ranges, k_ranges, attn_type_map), opts, out, lse)
 
     def ffa_fwd(
         q: torch.Tensor,
@@ -732,10 +724,8 @@ def public_functions(
         sink: torch.Tensor | None = None,
         return_max_logits: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        return resolve(q, backend)._fwd_tables(
-            q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic, out, lse, sink,
-            return_max_logits,
-        )  # fmt: skip
+        opts = Options(softmax_scale, softcap, deterministic, sink, return_max_logits)
+        return resolve(q, backend)._fwd_tables(q, k, v, (q_ranges, k_ranges, attn_type_map), opts, out, lse)
 
     def ffa_bwd(
         do: torch.Tensor,
@@ -758,10 +748,9 @@ def public_functions(
         dlse: torch.Tensor | None = None,
         sink: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        return resolve(q, backend)._bwd_tables(
-            do, q, k, v, out, lse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, deterministic,
-            dq, dk, dv, dlse, sink,
-        )  # fmt: skip
+        opts = Options(softmax_scale, softcap, deterministic, sink)
+        io = BwdIO(do, out, lse, dlse, dq, dk, dv)
+        return resolve(q, backend)._bwd_tables(q, k, v, (q_ranges, k_ranges, attn_type_map), opts, io)
 
     limits = "" if capability is None else _limits(capability)
     backend_arg = _BACKEND_ARG if selectable else ""

@@ -20,6 +20,8 @@ __all__ = [
     "cache_dir",
     "compile_cache",
     "interpret_triton_without_cuda",
+    "mask_cache_bytes",
+    "mask_cache_size",
     "parse_positive_int",
     "poison",
     "set_vendor_setting",
@@ -47,6 +49,18 @@ def backend() -> str | None:
     ``backend=`` argument (an impossible request raises, never falls back). Default (unset): triton for CUDA
     fp16/bf16 with a power-of-two head_dim in [16, 256], torch otherwise."""
     return _choice("MAGI_FFA_BACKEND", ("triton", "torch"))
+
+
+def mask_cache_size() -> int:
+    """``MAGI_FFA_MASK_CACHE`` (positive int, default 64): masks kept (LRU) by ``magi_ffa.mask_cache.MASKS``,
+    each with its checked slices and every backend's launch data. Read once, when magi_ffa is imported."""
+    return parse_positive_int("MAGI_FFA_MASK_CACHE", os.environ.get("MAGI_FFA_MASK_CACHE"), 64)
+
+
+def mask_cache_bytes() -> int:
+    """``MAGI_FFA_MASK_CACHE_MB`` (positive int, default 1024): MiB of tensors (host and device) the mask
+    cache keeps over all its entries (least recently used masks go first). Read once, at import."""
+    return parse_positive_int("MAGI_FFA_MASK_CACHE_MB", os.environ.get("MAGI_FFA_MASK_CACHE_MB"), 1024) << 20
 
 
 _TILE_FIELDS = {

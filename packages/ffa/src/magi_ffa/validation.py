@@ -19,7 +19,6 @@ from ._common import (
     as_ranges,
     as_type_map,
     check_slice_values,
-    check_slices,
     host_slices,
     slices_on_device,
     validate_bwd_inputs,
@@ -29,6 +28,7 @@ from ._common import (
     validate_qkv,
     validate_scalars,
 )
+from .mask_cache import check_slices
 
 __all__ = [
     "CheckedSlices",

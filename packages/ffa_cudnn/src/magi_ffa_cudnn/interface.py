@@ -21,7 +21,7 @@ import torch
 
 from magi_ffa.contract import BackendCapability, FFABackend, Launchers, register_backend
 from magi_ffa.intervals import row_intervals
-from magi_ffa.mask_cache import MaskValueCache
+from magi_ffa.mask_cache import MASKS
 from magi_ffa.validation import CheckedSlices, RangesLike, TypeMapLike
 
 from . import env
@@ -106,7 +106,7 @@ class CudnnMaskPlan:
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-_PLANS: MaskValueCache[CudnnMaskPlan] = MaskValueCache(env.plan_cache_size())
+MASKS.limit("cudnn", env.plan_cache_size())
 
 
 def get_mask_plan(
@@ -118,35 +118,41 @@ def get_mask_plan(
 ) -> CudnnMaskPlan:
     """The cached cuDNN plan of this mask for q / k's geometry (heads, head_dim, dtype, sizes, device).
 
-    A plan binds that geometry, so the cache key is the mask's value plus it; the deterministic flag is not
-    part of it (cuDNN builds the ordered-reduction payload into the same plan where it needs one). A training
-    step that re-plans the same per-rank slices costs a dictionary lookup.
+    A plan binds that geometry, so it is kept per geometry in the mask's entry of magi_ffa's one mask cache
+    (``magi_ffa.mask_cache.MASKS``: found by the tables' identity, else their value; at most
+    ``MAGI_FFA_CUDNN_PLAN_CACHE`` masks hold cuDNN plans); the deterministic flag is not part of it (cuDNN
+    builds the ordered-reduction payload into the same plan where it needs one). It is the plan the
+    contract's calls on q / k use, so a training step that re-plans the same slices costs a lookup.
     """
-    total_q, total_k = q.shape[0], k.shape[0]
-    geometry = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    checked = MASKS.lookup(
+        (q_ranges, k_ranges, attn_type_map), total_q=q.shape[0], total_k=k.shape[0], device=q.device
+    )
+    return BACKEND.prepared(q, k, checked)
 
-    def build(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> CudnnMaskPlan:
-        flex = _cudnn()
-        t0 = time.perf_counter()
-        iv = row_intervals(qr, kr, tm, total_q, total_k)
-        func = mask_func_from_intervals(iv)
-        empty = iv.counts == 0
-        # the plan reads only shapes, dtype and device of the sample tensors (it keeps no reference to them)
-        qs = q.detach()[None]
-        ks = k.detach()[None]
-        plan = flex.create_mask_plan(func, qs, ks, ks, build_backward=True) if total_q and total_k else None
-        empty_idx = empty.nonzero().flatten()
-        torch.cuda.synchronize(q.device)
-        rows = empty_idx if empty_idx.numel() else None
-        return CudnnMaskPlan(plan, func.shape[1], rows, time.perf_counter() - t0)
 
-    tables = (q_ranges, k_ranges, attn_type_map)
-    return _PLANS.get(tables, total_q=total_q, total_k=total_k, device=q.device, build=build, extra=geometry)
+def _build_plan(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> CudnnMaskPlan:
+    """cuDNN's plan of the checked slices for q / k's geometry (the contract's ``prepare``; cached by it)."""
+    flex = _cudnn()
+    total_q, total_k = checked.total_q, checked.total_k
+    t0 = time.perf_counter()
+    qr, kr, tm = (t.to(q.device) for t in (checked.q_ranges, checked.k_ranges, checked.types))
+    iv = row_intervals(qr, kr, tm, total_q, total_k)
+    func = mask_func_from_intervals(iv)
+    empty = iv.counts == 0
+    # the plan reads only shapes, dtype and device of the sample tensors (it keeps no reference to them)
+    qs = q.detach()[None]
+    ks = k.detach()[None]
+    plan = flex.create_mask_plan(func, qs, ks, ks, build_backward=True) if total_q and total_k else None
+    empty_idx = empty.nonzero().flatten()
+    torch.cuda.synchronize(q.device)
+    rows = empty_idx if empty_idx.numel() else None
+    return CudnnMaskPlan(plan, func.shape[1], rows, time.perf_counter() - t0)
 
 
 def clear_plan_cache() -> None:
-    """Empty the mask-plan cache (frees the plans' device tensors; local to this process)."""
-    _PLANS.clear()
+    """Drop cuDNN's mask plans from the mask cache (frees the plans' device tensors; local to this process;
+    ``magi_ffa.clear_mask_caches`` empties the whole cache)."""
+    MASKS.drop("cudnn")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -214,11 +220,6 @@ def _backward(
     return dq[0], dk[0], dv[0]
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> CudnnMaskPlan:
-    """The cached cuDNN mask plan of the checked slices for q / k's geometry."""
-    return get_mask_plan(q, k, checked.q_ranges, checked.k_ranges, checked.types)
-
-
 CAPABILITY = BackendCapability(
     dtypes=(torch.float16, torch.bfloat16),
     head_dim_ok=head_dim_supported,
@@ -236,7 +237,7 @@ CAPABILITY = BackendCapability(
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
 from the kernel, deterministic on every mask (its deterministic backward)."""
 
-BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _prepare)))
+BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _build_plan)))
 """The FFA contract bound to cuDNN's launchers."""
 
 flex_flash_attn_func, ffa_fwd, ffa_bwd = BACKEND.entry_points

@@ -2,8 +2,9 @@
 
 ``LaunchMeta`` is everything FA4 needs besides q/k/v (not a *plan*: that word is the planner's, see
 docs/glossary.md): the interval bounds (mask_mod's aux tensor), the forward
-(q->k) and backward (k->q) block lists in FA4's layout, the mask_mod for the interval count. Entries are
-cached by the *values* of the range tensors (``magi_ffa.mask_cache.MaskValueCache``).
+(q->k) and backward (k->q) block lists in FA4's layout, the mask_mod for the interval count. It is FA4's
+launch data in the mask's entry of magi_ffa's one mask cache (``magi_ffa.mask_cache.MASKS``: found by the
+tables' identity, else their value).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from magi_ffa.intervals import RowIntervals, row_intervals
-from magi_ffa.mask_cache import MaskValueCache
-from magi_ffa.validation import RangesLike, TypeMapLike, host_slices
+from magi_ffa.mask_cache import MASKS
+from magi_ffa.validation import CheckedSlices, RangesLike, TypeMapLike, host_slices
 
 from . import _fa4_version, env
 from .blocks import BlockLists, BlockSparseMeta, build_block_meta
 from .varlen import VarlenPlan, plan_varlen, varlen_possible
 
-CACHE_SIZE = env.plan_cache_size()  # entries kept (LRU), one per distinct mask (MAGI_FFA_FA4_PLAN_CACHE)
+CACHE_SIZE = (
+    env.plan_cache_size()
+)  # masks holding FA4's metadata (LRU) in the mask cache (MAGI_FFA_FA4_PLAN_CACHE)
 ROW_PAD = 256  # aux rows are padded so any tile of up to 256 rows reads inside the tensor
 HOST_BUILD_MAX_PAIRS = 1 << 25
 """Masks of at most this many (query row, key) pairs (``total_q * total_k``: 2k x 16k, 4k x 8k, 5.8k x
@@ -495,7 +498,7 @@ def takes_varlen(slices, total_q: int, total_k: int) -> bool:
     return env.varlen() and varlen_possible(slices)
 
 
-_CACHE: MaskValueCache[LaunchMeta] = MaskValueCache(CACHE_SIZE)
+MASKS.limit("fa4", CACHE_SIZE)
 
 
 def get_launch_meta(
@@ -506,19 +509,33 @@ def get_launch_meta(
     total_k: int,
     device: torch.device,
 ) -> LaunchMeta:
-    """The cached launch metadata of this mask, building (and validating) it on a miss."""
+    """The launch metadata of this mask for ``device``: FA4's data in the mask's entry of the one mask cache
+    (``magi_ffa.mask_cache.MASKS``, found by the tables' identity, else their value), built (and the tables
+    validated) on a miss. Tables on ``device`` or the CPU, or lists."""
+    device = torch.device(device)
+    checked = MASKS.lookup(
+        (q_ranges, k_ranges, attn_type_map), total_q=total_q, total_k=total_k, device=device
+    )
+    return launch_meta_of(checked, device)
 
-    def build(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> LaunchMeta:
-        return build_launch_meta(qr, kr, tm, total_q, total_k, device)
 
-    tables = (q_ranges, k_ranges, attn_type_map)
-    # the build reads the tables on the host (varlen planning, small masks' metadata) or moves them itself
-    return _CACHE.get(tables, total_q=total_q, total_k=total_k, device=device, build=build, host_tables=True)
+def launch_meta_of(checked: CheckedSlices, device: torch.device) -> LaunchMeta:
+    """The launch metadata of checked slices for ``device``, kept in their entry of the mask cache (at most
+    ``MAGI_FFA_FA4_PLAN_CACHE`` masks hold FA4's metadata; the least recently used lose it first). The build
+    reads the entry's host tables (varlen planning, small masks' metadata on the host)."""
+    device = torch.device(device)
+
+    def build() -> LaunchMeta:
+        tables = (checked.q_ranges, checked.k_ranges, checked.types)
+        return build_launch_meta(*tables, checked.total_q, checked.total_k, device)
+
+    return MASKS.prepared(checked, ("fa4", str(device)), build)
 
 
 def clear_launch_cache() -> None:
-    """Empty the launch-metadata cache (frees its device tensors; local to this process)."""
-    _CACHE.clear()
+    """Drop FA4's launch metadata from the mask cache (frees its device tensors; local to this process;
+    ``magi_ffa.clear_mask_caches`` empties the whole cache)."""
+    MASKS.drop("fa4")
 
 
 # public since the first release (magi_ffa_fa4.clear_plan_cache); the same function
