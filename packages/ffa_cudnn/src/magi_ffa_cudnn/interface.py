@@ -41,7 +41,7 @@ __all__ = [
     "CAPABILITY",
     "INSTALL_HINT",
     "CudnnMaskPlan",
-    "clear_plan_cache",
+    "clear_mask_plan_cache",
     "cudnn_available",
     "ffa_bwd",
     "ffa_fwd",
@@ -144,7 +144,7 @@ def get_mask_plan(
     return _PLANS.get(tables, total_q=total_q, total_k=total_k, device=q.device, build=build, extra=geometry)
 
 
-def clear_plan_cache() -> None:
+def clear_mask_plan_cache() -> None:
     """Empty the mask-plan cache (frees the plans' device tensors; local to this process)."""
     _PLANS.clear()
 

@@ -496,7 +496,3 @@ def get_launch_meta(
 def clear_launch_cache() -> None:
     """Empty the launch-metadata cache (frees its device tensors; local to this process)."""
     _CACHE.clear()
-
-
-# public since the first release (magi_ffa_fa4.clear_plan_cache); the same function
-clear_plan_cache = clear_launch_cache
