@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    Slice,
-    acc_dtype,
-    validate_out_lse,
-)
+from ._common import Slice, acc_dtype
 from ._merge import merge_out_lse
-from ._sink import merge_sink, validate_sink
 from .contract import public_functions
 
 __all__ = ["bwd_core", "ffa_bwd", "ffa_fwd", "fwd_core"]
@@ -173,41 +168,6 @@ def bwd_core(
                 dv[c0:c1] += torch.matmul(p.transpose(1, 2), dob).transpose(0, 1)
             dq[r0:r1] += _heads_unview(dqb, rows)
     return dq, dk, dv
-
-
-def fwd_on_slices(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slices: tuple[Slice, ...],
-    scale: float,
-    softcap: float,
-    *,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    sink: torch.Tensor | None = None,
-    return_max_logits: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`ffa_fwd` after its slices and scale are checked (``_common.prepare`` / ``prepare_checked``)."""
-    validate_out_lse(out, lse, q)
-    validate_sink(sink, q)
-    row_max = None
-    if return_max_logits:
-        row_max = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    o, l = fwd_core(q, k, v, slices, scale, float(softcap), row_max=row_max)
-    if sink is not None:
-        o, l = merge_sink(o, l, sink)
-    if out is None:
-        res = (o.to(q.dtype), l)
-    else:
-        o2, l2 = merge_out_lse(out, lse, o, l)
-        out.copy_(o2)
-        lse.copy_(l2)
-        res = (out, lse)
-    if row_max is None:
-        return res
-    mx = row_max.amax(0) if q.shape[0] else torch.full((q.shape[1],), float("-inf"), device=q.device)
-    return (*res, mx.to(torch.float32))
 
 
 def _torch_backend(q: torch.Tensor, backend: object):
