@@ -40,7 +40,6 @@ from ._native_plan import (
     reduce_layout,
 )
 from ._symmetric import NativeUnavailableError, SymSpace, native_requirements
-from ._tables import CastTables, ReduceTables
 from ._work import Work
 
 
@@ -286,18 +285,11 @@ class NativeImpl(CollectiveImpl):
 
         return get_buffer(comm, device)
 
-    def build_cast(
-        self, tables: CastTables, comm: Comm, device: torch.device, all_tables: Sequence[CastTables] | None
-    ) -> CastRunner:
+    # the signatures and types are CollectiveImpl's (as in the a2av and hierarchical implementations)
+    def build_cast(self, tables, comm, device, all_tables):
         layout = cast_layout(all_tables if all_tables is not None else [tables], comm.rank)
         return NativeCast(layout, comm.rank, device, self._buffer(comm, device))
 
-    def build_reduce(
-        self,
-        tables: ReduceTables,
-        comm: Comm,
-        device: torch.device,
-        all_tables: Sequence[ReduceTables] | None,
-    ) -> ReduceRunner:
+    def build_reduce(self, tables, comm, device, all_tables):
         layout = reduce_layout(all_tables if all_tables is not None else [tables], comm.rank)
         return NativeReduce(layout, comm.rank, device, self._buffer(comm, device))
