@@ -2,18 +2,23 @@
 # One entry point for a fresh clone: sets up .venv (pip, pinned torch/triton), then runs a job.
 #   bash scripts/dev.sh demo    the main job (the distributed-attention demo)
 #   bash scripts/dev.sh test    every test: pytest.ini's suite, then each integration's tests with its own pytest
-#                               configuration (CPU; Triton kernels under the interpreter). With arguments:
-#                               pytest with them (an integrations/<x> path first: that integration's config)
+#                               configuration, in its own venv (.venv-integrations/<x>, made on first use: a
+#                               hard-linked copy of .venv plus its test dependencies, as CI's int-* jobs have
+#                               one venv each). CPU; Triton kernels under the interpreter. With arguments:
+#                               pytest with them (an integrations/<x> path first: that integration's venv and config)
 #   bash scripts/dev.sh docs    mkdocs build --strict (the site goes to site/)
 #   bash scripts/dev.sh lint    ruff check + ruff format --check
 #   bash scripts/dev.sh wheels  build each package's wheel on its own (into dist/)
-#   bash scripts/dev.sh check-wheels  no CUDA-only wheel (flash-attn-4, nvidia-*) in .venv or in what any
-#                               integration's set-up would install (CI runs it)
+#   bash scripts/dev.sh check-wheels  no CUDA-only wheel (flash-attn-4, nvidia-*) in .venv, in the integrations'
+#                               venvs or in what any integration's set-up would install (CI runs it)
+# MAGI_VENV moves .venv, MAGI_INT_VENVS the integrations' venvs (default: $MAGI_VENV-integrations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${MAGI_VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
+# each integration's tests run in a venv of its own there: <dir>/<integration> (see setup_integration)
+INT_VENVS=${MAGI_INT_VENVS:-$VENV-integrations}
 
 # Keep CPU tests deterministic and fast on 2 cores: one BLAS thread per rank (spawned ranks inherit it),
 # and the Triton interpreter on whenever there is no GPU.
@@ -63,7 +68,8 @@ setup() {
 
 # CUDA-only distributions: never installed on a machine without a GPU by any documented command (the
 # backends that need them are optional; `check-wheels` and CI enforce it).
-CUDA_ONLY='^(flash[-_]attn[-_]4|nvidia[-_].*|cuda[-_]toolkit|quack[-_]kernels)$'
+CUDA_ONLY_NAMES='(flash[-_]attn[-_]4|nvidia[-_][a-z0-9_.-]*|cuda[-_]toolkit|quack[-_]kernels)'
+CUDA_ONLY="^${CUDA_ONLY_NAMES}\$"
 
 third_party_requirements() {  # third_party_requirements DIR: DIR's dependencies and test extra, siblings left out
   "$PY" - "$1/pyproject.toml" <<'PY'
@@ -83,43 +89,70 @@ integrations() {  # every integration with a package (a pyproject.toml)
   return 0
 }
 
-setup_integration() {  # setup_integration DIR: its test dependencies, on first use (transformers, megatron-core, ...)
-  local dir=$1 stamp want
-  stamp=$VENV/.magi-setup-$(basename "$dir")
-  want=$(cat "$dir/pyproject.toml" requirements/constraints.txt | sha1sum | cut -c1-16)
+integration_venv() {  # integration_venv DIR: where DIR's tests run (its own venv, beside $VENV)
+  echo "$INT_VENVS/$(basename "$1")"
+}
+
+setup_integration() {  # setup_integration DIR: DIR's own venv with its test dependencies, on first use
+  # Each integration gets its own venv, as in CI's int-* jobs: their third-party pins need not agree (datasets,
+  # which torchtitan brings, caps huggingface-hub below 2; transformers 5 needs 2.x), and one venv for all
+  # would have pip report a broken environment. The venv starts as a hard-linked copy of $VENV (torch and
+  # the editable packages cost no disk or time again; pip replaces files rather than editing them in place,
+  # so $VENV stays intact); it is rebuilt whenever $VENV, DIR's pyproject.toml or the constraints change.
+  local dir=$1 v stamp want
+  v=$(integration_venv "$dir")
+  stamp=$v/.magi-setup-integration
+  want=$(cat "$VENV/.magi-setup" "$dir/pyproject.toml" requirements/constraints.txt | sha1sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
-  local t0=$SECONDS pkgs=() d reqs=()
-  echo "dev.sh: installing $dir with its test dependencies into $VENV (once)" >&2
-  # The siblings and the integration editable WITHOUT dependencies (with them, pip would pull the optional
-  # backends' CUDA-only wheels: flash-attn-4, the CUTLASS DSL, cuDNN's frontend), in one pip command (no name
-  # looked up on PyPI); then only the integration's third-party dependencies, under the constraints that
-  # keep the pinned torch, triton and numpy.
-  for d in packages/*/; do [ -f "$d/pyproject.toml" ] && pkgs+=(-e "${d%/}"); done
-  run_step $t0 "$dir and packages/* editable, without dependencies" \
-    "$PY" -m pip install -q --no-deps "${pkgs[@]}" -e "$dir"
+  local t0=$SECONDS reqs=() py=$v/bin/python
+  echo "dev.sh: setting up $v for $dir and its test dependencies (once)" >&2
+  step $t0 "copying $VENV (hard links)"
+  rm -rf "$v" && mkdir -p "$INT_VENVS"
+  cp -al "$VENV" "$v" 2>/dev/null || { rm -rf "$v"; cp -a "$VENV" "$v"; }
+  rm -f "$v"/.magi-setup*
+  # the copy's scripts must name its own interpreter (pip, pytest, torchrun), not $VENV's
+  grep -rlI --null -F "$VENV" "$v/bin" | xargs -0 -r sed -i "s|$VENV|$v|g"
+  # The integration editable WITHOUT dependencies (with them, pip would pull the optional backends'
+  # CUDA-only wheels: flash-attn-4, the CUTLASS DSL, cuDNN's frontend; the siblings are already there); then
+  # only its third-party dependencies, under the constraints that keep the pinned torch, triton and numpy.
+  run_step $t0 "$dir editable, without dependencies" "$py" -m pip install -q --no-deps -e "$dir"
   mapfile -t reqs < <(third_party_requirements "$dir")
   if [ ${#reqs[@]} -gt 0 ]; then
     run_step $t0 "third-party dependencies: ${reqs[*]}" \
-      "$PY" -m pip install -q -c requirements/constraints.txt "${reqs[@]}"
+      "$py" -m pip install -q -c requirements/constraints.txt "${reqs[@]}"
   fi
-  gpu_present || check_wheels_installed
+  pip_check "$py"
+  gpu_present || check_wheels_installed "$py"
   echo "$want" > "$stamp"
-  echo "dev.sh: $dir installed in $((SECONDS - t0)) s" >&2
+  echo "dev.sh: $dir's venv ready in $((SECONDS - t0)) s" >&2
 }
 
-check_wheels_installed() {  # the venv holds no CUDA-only distribution (run where there is no GPU)
-  local bad
-  bad=$("$PY" -m pip list --format=freeze 2>/dev/null | cut -d= -f1 | grep -Ei "$CUDA_ONLY" || true)
-  if [ -n "$bad" ]; then
-    echo "dev.sh: CUDA-only wheels in $VENV on a machine without a GPU: $(echo $bad)" >&2
+pip_check() {  # pip_check PY: no broken requirement in PY's venv but the CUDA-only ones, left out on purpose
+  local broken
+  broken=$("$1" -m pip check 2>/dev/null | grep -viE "requires ${CUDA_ONLY_NAMES}, which is not installed" || true)
+  if [ -n "$broken" ] && [ "$broken" != "No broken requirements found." ]; then
+    echo "dev.sh: broken requirements in $(dirname "$(dirname "$1")"):" >&2
+    echo "$broken" >&2
     return 1
   fi
 }
 
-check_wheels() {  # check-wheels: the venv, and what every integration's set-up would add, hold no CUDA-only wheel
+check_wheels_installed() {  # check_wheels_installed [PY]: its venv ($VENV's by default) holds no CUDA-only
+  # distribution (run where there is no GPU)
+  local py=${1:-$PY} bad
+  bad=$("$py" -m pip list --format=freeze 2>/dev/null | cut -d= -f1 | grep -Ei "$CUDA_ONLY" || true)
+  if [ -n "$bad" ]; then
+    echo "dev.sh: CUDA-only wheels in $(dirname "$(dirname "$py")") on a machine without a GPU: $(echo $bad)" >&2
+    return 1
+  fi
+}
+
+check_wheels() {  # check-wheels: the venvs, and what every integration's set-up would add, hold no CUDA-only wheel
   check_wheels_installed
   local dir reqs report bad
   for dir in $(integrations); do
+    # an integration's venv set up before (setup_integration checks it then; its packages may have changed)
+    if [ -x "$(integration_venv "$dir")/bin/python" ]; then check_wheels_installed "$(integration_venv "$dir")/bin/python"; fi
     mapfile -t reqs < <(third_party_requirements "$dir")
     [ ${#reqs[@]} -gt 0 ] || continue
     report=$(mktemp)
@@ -132,14 +165,14 @@ check_wheels() {  # check-wheels: the venv, and what every integration's set-up 
       return 1
     fi
   done
-  echo "dev.sh: no CUDA-only wheel in $VENV or in any integration's set-up" >&2
+  echo "dev.sh: no CUDA-only wheel in $VENV, in the integrations' venvs or in any integration's set-up" >&2
 }
 
 pytest_integration() {  # pytest_integration DIR [ARGS]: with the integration's own pytest configuration
   local dir=$1
   shift
   setup_integration "$dir"
-  "$PY" -m pytest -q -c "$dir/pyproject.toml" --rootdir "$dir" "$@"
+  "$(integration_venv "$dir")/bin/python" -m pytest -q -c "$dir/pyproject.toml" --rootdir "$dir" "$@"
 }
 
 gpu_present() {

@@ -25,7 +25,7 @@ import benchmarks.baselines.same_kernel as cpb
 import benchmarks.baselines.user as user_baselines
 from benchmarks import cp_bench
 from magi_attention.testing import run_distributed
-from magi_ffa.testing import make_attn_mask, random_qkv, random_slices, ref_attn, varlen_slices
+from magi_ffa.testing import make_attn_mask, random_banded_slices, random_qkv, ref_attn, varlen_slices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,8 +52,8 @@ def _masks(total: int, seed: int) -> dict[str, tuple]:
         "causal": ([[0, total]], [[0, total]], [1]),
         "varlen_causal": varlen_slices(docs, 1),
         "varlen_full": varlen_slices(docs, 0),
-        "random_a": random_slices(total, total, seed=seed, max_bands=4),
-        "random_b": random_slices(total, total, seed=seed + 1, max_bands=5, density=0.5),
+        "random_a": random_banded_slices(total, total, seed=seed, max_bands=4),
+        "random_b": random_banded_slices(total, total, seed=seed + 1, max_bands=5, density=0.5),
         # slices that share pairs: the mask is their union (magi_solver rewrites them into disjoint slices)
         "shared_pairs": (
             [[0, total], [0, total // 2], [total // 3, total]],
@@ -174,7 +174,7 @@ def test_clip_slices_equals_dense_submask(seed: int) -> None:
     """Random masks (all four types) clipped to random runs of rows and keys placed in a local buffer."""
     rng = random.Random(seed)
     total = rng.randint(8, 40)
-    qr, kr, tm = random_slices(total, total, seed=seed, max_bands=4)
+    qr, kr, tm = random_banded_slices(total, total, seed=seed, max_bands=4)
     keep = [i for i in range(qr.shape[0]) if qr[i, 0] < qr[i, 1] and kr[i, 0] < kr[i, 1]]
     slices = [(*qr[i].tolist(), *kr[i].tolist(), int(tm[i])) for i in keep]
     dense = make_attn_mask(qr, kr, tm, total, total).numpy()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from magi_mask import as_int_pairs, decompose_region, region_of, tighten_region
 
 from magi_ffa import ffa_bwd, ffa_fwd
+from magi_ffa.validation import acc_dtype
 from magi_solver import SliceList
 from magi_solver.mask import normalize_mask
 
@@ -261,10 +262,6 @@ def _kernel_args(sl: SliceList) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     )
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _fwd(q, k, v, sl: SliceList, out, lse, scale: float) -> None:
     if len(sl):
         ffa_fwd(q, k, v, *_kernel_args(sl), softmax_scale=scale, out=out, lse=lse)
@@ -276,7 +273,7 @@ def _bwd(do, q, k, v, out, lse, sl: SliceList, dq, dk, dv, scale: float) -> None
 
 
 def _new_out_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     return out, torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
 
@@ -338,7 +335,7 @@ class _UlyssesFn(torch.autograd.Function):
         qh, kh, vh, out, lse = ctx.saved_tensors
         cp = ctx.plan.cp_size
         (doh,) = _seq_to_heads([grad_out.contiguous()], cp, ctx.group)
-        acc = _acc(qh.dtype)
+        acc = acc_dtype(qh.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (qh, kh, vh))
         _bwd(doh.contiguous(), qh, kh, vh, out, lse, ctx.plan.steps[0], dq, dk, dv, ctx.scale)
         # these gradients are complete (every key of these heads was local): send them in the input dtype
@@ -382,7 +379,7 @@ def _ring_fwd(q, k, v, plan: BaselinePlan, group, scale: float):
 
 def _ring_bwd(do, q, k, v, out, lse, plan: BaselinePlan, group, scale: float):
     hkv = k.shape[1]
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.cat([k, v], dim=1)
     dkv_in, dkv_works = None, None
@@ -429,7 +426,7 @@ def _allgather_fwd(q, k, v, plan: BaselinePlan, group, scale: float):
 
 
 def _allgather_bwd(do, q, k, v, out, lse, plan: BaselinePlan, group, scale: float):
-    hkv, acc = k.shape[1], _acc(q.dtype)
+    hkv, acc = k.shape[1], acc_dtype(q.dtype)
     kv_all = _gather_kv(k, v, plan.cp_size, group)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)

@@ -130,7 +130,9 @@ def doc_files(root: Path) -> list[Path]:
         ).stdout.split()  # fmt: skip
         paths = [root / p for p in listed]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: every Markdown file
-        paths = [p for p in root.rglob("*.md") if not {".venv", "out", "site"} & set(p.parts)]
+        paths = [
+            p for p in root.rglob("*.md") if not {".venv", ".venv-integrations", "out", "site"} & set(p.parts)
+        ]
     keep = [
         p
         for p in paths

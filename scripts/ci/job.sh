@@ -73,10 +73,12 @@ new_venv() {  # new_venv PATH NEEDS_TORCH: a fresh venv, a copy of torch-base wh
   fi
 }
 
-drop_venv_when_done() {  # drop_venv_when_done PATH: under .ci/run (MAGI_CI_DROP_VENVS=1) a job's venv goes when it ends
+drop_venv_when_done() {  # drop_venv_when_done PATH...: under .ci/run (MAGI_CI_DROP_VENVS=1) a job's venvs go when it ends
   [ "${MAGI_CI_DROP_VENVS:-0}" = 1 ] || return 0
+  local quoted="" p
+  for p in "$@"; do quoted+=" '$p'"; done
   # shellcheck disable=SC2064
-  trap "rm -rf '$1'" EXIT
+  trap "rm -rf$quoted" EXIT
 }
 
 pip_check() {  # pip_check PY DROP: no broken requirement but the left-out ones
@@ -205,7 +207,8 @@ job_dev() {
   local failed=()
   if [ "${MAGI_CI_DROP_VENVS:-0}" = 1 ] && [ -z "${MAGI_VENV:-}" ]; then
     export MAGI_VENV=$CI_OUT/venvs/dev  # not the checkout's .venv, which a developer may be using
-    drop_venv_when_done "$MAGI_VENV"
+    # (and the integrations' venvs that dev.sh makes beside it, where the whole suite runs)
+    drop_venv_when_done "$MAGI_VENV" "$MAGI_VENV-integrations"
   fi
   # Every test of the suite is collected here (imports every test module in the editable venv) and run
   # once in the pkg-*/repo jobs; MAGI_CI_FULL_EDITABLE=1 also runs the whole suite here, as before.

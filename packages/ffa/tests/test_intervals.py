@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_reference
 from magi_ffa.testing import make_attn_mask as dense_mask
-from magi_ffa.testing import random_overlapping_slices as random_slices
+from magi_ffa.testing import random_overlapping_slices
 
 # The Triton interval kernel runs on the GPU when there is one (the suite there sets TRITON_INTERPRET=0), else
 # under the interpreter on CPU tensors.
@@ -76,7 +76,7 @@ def test_four_types_one_slice(impl: str) -> None:
     n=st.integers(0, 7),
 )
 def test_reference_intervals_match_dense(seed: int, total_q: int, total_k: int, n: int) -> None:
-    qr, kr, tm = random_slices(random.Random(seed), total_q, total_k, n)
+    qr, kr, tm = random_overlapping_slices(random.Random(seed), total_q, total_k, n)
     iv = row_intervals_reference(qr, kr, tm, total_q, total_k)
     _check_intervals(iv, dense_mask(qr, kr, tm, total_q, total_k))
 
@@ -85,7 +85,7 @@ def test_reference_intervals_match_dense(seed: int, total_q: int, total_k: int, 
 def test_triton_intervals_match_reference(seed: int) -> None:
     rng = random.Random(seed)
     total_q, total_k = rng.randrange(40, 150), rng.randrange(1, 150)
-    qr, kr, tm = random_slices(rng, total_q, total_k, rng.randrange(1, 10))
+    qr, kr, tm = random_overlapping_slices(rng, total_q, total_k, rng.randrange(1, 10))
     ref = row_intervals_reference(qr, kr, tm, total_q, total_k)
     got = _cpu(row_intervals(*_on_triton_device(qr, kr, tm), total_q, total_k, use_triton=True))
     assert got.width == ref.width

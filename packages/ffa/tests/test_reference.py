@@ -23,7 +23,7 @@ def _torch_backend(monkeypatch):
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
 def test_fp64_exact_fwd_bwd(hq, hk, seed, softcap):
     tq, tk = 37 + 29 * seed, 300 - 31 * seed
-    qr, kr, tm = T.random_slices(tq, tk, seed=seed)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=seed)
     q, k, v = T.random_qkv(tq, tk, hq, hk, 16, torch.float64, seed=seed)
     do = torch.randn_like(q)
     o, l = magi_ffa.ffa_fwd(q, k, v, qr, kr, tm, softcap=softcap)
@@ -54,7 +54,7 @@ def test_blocks_larger_than_block_size(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_low_precision_rule_autograd(dtype):
     tq, tk = 120, 140
-    qr, kr, tm = T.random_slices(tq, tk, seed=11)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=11)
     q, k, v = T.random_qkv(tq, tk, 4, 2, 32, dtype, seed=2)
     do = torch.randn(q.shape, dtype=torch.float64).to(dtype)
     dlse = torch.randn(tq, 4, dtype=torch.float64)
@@ -71,7 +71,7 @@ def test_low_precision_rule_autograd(dtype):
 def test_accumulate_two_stages(out_fp32):
     """Slices split over two calls, merged through out/lse; backward per stage with final out/lse."""
     tq, tk = 96, 128
-    qr, kr, tm = T.random_slices(tq, tk, seed=5, max_bands=5)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=5, max_bands=5)
     n = qr.shape[0]
     a, b = slice(0, n // 2), slice(n // 2, n)
     q, k, v = T.random_qkv(tq, tk, 4, 4, 16, torch.bfloat16, seed=7)
@@ -120,7 +120,7 @@ def test_non_contiguous_and_deterministic():
     q, k, v = T.random_qkv(64, 48, 4, 2, 16, torch.float32, seed=4)
     qn = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, head-major strides
     vn = torch.cat([v, v], dim=-1)[..., :16]  # last-dim view of a wider tensor
-    qr, kr, tm = T.random_slices(64, 48, seed=9)
+    qr, kr, tm = T.random_banded_slices(64, 48, seed=9)
     o1, l1 = magi_ffa.ffa_fwd(q, k, v, qr, kr, tm)
     o2, l2 = magi_ffa.ffa_fwd(qn, k, vn, qr, kr, tm)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -198,7 +198,7 @@ def test_testing_helpers():
     for t, mat in expect.items():
         assert T.make_attn_mask([[0, 3]], [[0, 4]], [t], 3, 4).int().tolist() == mat
     assert T.make_attn_mask([[0, 4]], [[0, 3]], [1], 4, 3).int().tolist()[0] == [0, 0, 0]
-    a, b = T.random_slices(50, 60, seed=1), T.random_slices(50, 60, seed=1)
+    a, b = T.random_banded_slices(50, 60, seed=1), T.random_banded_slices(50, 60, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     ref = torch.randn(100, dtype=torch.float64)
     with pytest.raises(AssertionError, match="out"):

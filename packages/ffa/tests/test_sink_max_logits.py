@@ -58,7 +58,7 @@ def _check(got: dict, ref: dict, tol: float, what: str) -> None:
 
 
 def _case(dtype, tq=70, tk=90, hq=4, hk=2, d=16, seed=0, nsink=2, device="cpu"):
-    qr, kr, tm = T.random_slices(tq, tk, seed=seed)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=seed)
     q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, device, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     sink = (torch.randn(nsink, hq, generator=g) * 2).to(device)

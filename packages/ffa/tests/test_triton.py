@@ -60,7 +60,7 @@ def test_random_slices(monkeypatch, dtype, hq, hk, d, seed, softcap, tiles):
     if tiles and not CUDA:
         force_tiles(monkeypatch, tiles)
     tq, tk = (90 + 23 * seed) * SCALE, (140 - 11 * seed) * SCALE
-    qr, kr, tm = T.random_slices(tq, tk, seed=seed, max_bands=4 if SCALE == 1 else 8)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=seed, max_bands=4 if SCALE == 1 else 8)
     q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, DEV, seed=seed)
     do = torch.randn(q.shape, device=DEV).to(dtype)
     got = _run(q, k, v, qr.to(DEV), kr.to(DEV), tm.to(DEV), do, softcap)
@@ -89,7 +89,7 @@ def test_masks_by_type_and_lse_grad(monkeypatch, dtype):
 @pytest.mark.parametrize("out_fp32", [True, False], ids=["out_fp32", "out_dtype"])
 def test_accumulate_two_stages(out_fp32):
     tq, tk = 96 * SCALE, 128 * SCALE
-    qr, kr, tm = T.random_slices(tq, tk, seed=21, max_bands=5)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=21, max_bands=5)
     n = qr.shape[0]
     parts = (slice(0, n // 2), slice(n // 2, n))
     q, k, v = T.random_qkv(tq, tk, 4, 2, 32, torch.bfloat16, DEV, seed=7)
@@ -108,7 +108,7 @@ def test_accumulate_two_stages(out_fp32):
 def test_deterministic_noncontiguous_and_empty():
     tq = 64 * SCALE
     q, k, v = T.random_qkv(tq, tq, 4, 2, 32, torch.float16, DEV, seed=3)
-    qr, kr, tm = T.random_slices(tq, tq, seed=8)
+    qr, kr, tm = T.random_banded_slices(tq, tq, seed=8)
     do = torch.randn(q.shape, device=DEV).to(q.dtype)
     a = _run(q, k, v, qr, kr, tm, do)
     qn = q.transpose(0, 1).contiguous().transpose(0, 1)
@@ -127,7 +127,7 @@ def test_split_backward_matches_one_launch(monkeypatch, head_major):
     """The backward as two launches (K/V programs, then q programs) against dense fp64, and (under the
     interpreter, where both run the same operations in the same order) bitwise equal to the one launch."""
     tq, tk = 130 * SCALE, 110 * SCALE
-    qr, kr, tm = T.random_slices(tq, tk, seed=11, max_bands=4 if SCALE == 1 else 8)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=11, max_bands=4 if SCALE == 1 else 8)
     q, k, v = T.random_qkv(tq, tk, 4, 2, 32, torch.float16, DEV, seed=11)
     do = torch.randn(q.shape, device=DEV).to(torch.float16)
     got = {}
@@ -157,14 +157,14 @@ def test_gpu_table_tiles_dense_and_bitwise_repeatable(dtype, hq, hk, d):
     over repeated runs at a size where thousands of programs run concurrently (a race would show here; the
     interpreter runs programs one at a time, so it cannot)."""
     tq, tk = 3000, 2600
-    qr, kr, tm = T.random_slices(tq, tk, seed=d + hq, max_bands=12)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=d + hq, max_bands=12)
     q, k, v = T.random_qkv(tq, tk, hq, hk, d, dtype, DEV, seed=d)
     do = torch.randn(q.shape, device=DEV).to(dtype)
     first = _run(q, k, v, qr, kr, tm, do)
     r64, rlp = dense_refs(q, k, v, qr, kr, tm, do=do)
     check_all(first, r64, rlp, dtype)
     big = 24576
-    qr, kr, tm = T.random_slices(big, big, seed=5, max_bands=40)
+    qr, kr, tm = T.random_banded_slices(big, big, seed=5, max_bands=40)
     q, k, v = T.random_qkv(big, big, hq, hk, d, dtype, DEV, seed=6)
     do = torch.randn(q.shape, device=DEV).to(dtype)
     ref = _run(q, k, v, qr, kr, tm, do)
@@ -178,7 +178,7 @@ def test_gpu_table_tiles_dense_and_bitwise_repeatable(dtype, hq, hk, d):
 def test_forward_tma_equals_pointer_loads(monkeypatch, dtype):
     """The forward's full tiles through tensor descriptors (TMA) give bitwise the pointer path's result."""
     tq, tk = 150 * SCALE, 170 * SCALE
-    qr, kr, tm = T.random_slices(tq, tk, seed=31, max_bands=5)
+    qr, kr, tm = T.random_banded_slices(tq, tk, seed=31, max_bands=5)
     q, k, v = T.random_qkv(tq, tk, 4, 2, 32, dtype, DEV, seed=9)
     bm, bn, rest = ("16", "16", "4,1") if not CUDA else ("128", "64", "4,3")
     results = []

@@ -197,7 +197,7 @@ def test_sink_and_max_logits_match_reference(hk: int) -> None:
 
 
 def test_plan_cache_by_value_and_geometry() -> None:
-    magi_ffa_cudnn.clear_plan_cache()
+    magi_ffa_cudnn.clear_mask_plan_cache()
     dev = torch.device("cuda")
     q = torch.randn(300, 8, 128, device=dev, dtype=DT)
     k = torch.randn(300, 2, 128, device=dev, dtype=DT)
@@ -232,11 +232,11 @@ def test_cached_launches_equal_first_calls(hk: int, d: int) -> None:
             *magi_ffa_cudnn.ffa_bwd(do, *xs, out, lse, qr, kr, tm, deterministic=True, dlse=dlse),
         )
 
-    magi_ffa_cudnn.clear_plan_cache()
+    magi_ffa_cudnn.clear_mask_plan_cache()
     run(*inputs())  # first calls: recorded
     xs, do, dlse = inputs()
     replayed = run(xs, do, dlse)
-    magi_ffa_cudnn.clear_plan_cache()
+    magi_ffa_cudnn.clear_mask_plan_cache()
     first = run(xs, do, dlse)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, first):
         assert torch.equal(a, b), name
@@ -255,12 +255,12 @@ def test_launch_recorded_with_aliased_inputs_is_not_replayed() -> None:
     qr, kr, tm = _mask_case("random_overlap", t, 5)
     q, k, v = (torch.randn(t, h, d, device=dev, dtype=DT) for h in (hq, hk, hk))
     do = torch.randn(t, hq, d, device=dev, dtype=DT)
-    magi_ffa_cudnn.clear_plan_cache()
+    magi_ffa_cudnn.clear_mask_plan_cache()
     out, lse = magi_ffa_cudnn.ffa_fwd(q, k, k, qr, kr, tm)
     magi_ffa_cudnn.ffa_bwd(do, q, k, k, out, lse, qr, kr, tm, deterministic=True)  # recorded, aliased
     out, lse = magi_ffa_cudnn.ffa_fwd(q, k, v, qr, kr, tm)
     got = magi_ffa_cudnn.ffa_bwd(do, q, k, v, out, lse, qr, kr, tm, deterministic=True)
-    magi_ffa_cudnn.clear_plan_cache()
+    magi_ffa_cudnn.clear_mask_plan_cache()
     want = magi_ffa_cudnn.ffa_bwd(do, q, k, v, out, lse, qr, kr, tm, deterministic=True)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name

@@ -20,7 +20,7 @@ import torch
 from magi_ffa.intervals import row_intervals
 from magi_ffa_fa4 import _fa4_version
 from magi_ffa_fa4 import _launch_meta as L
-from magi_ffa_fa4.testing import dense_mask, random_slices
+from magi_ffa_fa4.testing import dense_mask, random_overlapping_slices
 from magi_ffa_fa4.varlen import SEQLEN_FLOOR
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def mask_stream(n: int, seed: int = 0):
     for i in range(n):
         kind, total = kinds[i % len(kinds)], rng.randint(1600, 2048)
         if kind == "random":
-            qr, kr, tm = random_slices(rng, total, total, rng.randint(3, 40))
+            qr, kr, tm = random_overlapping_slices(rng, total, total, rng.randint(3, 40))
         elif kind in ("docs_causal", "docs_full", "short_docs"):
             docs = _docs(total, rng, rng.randint(2, 6) if kind != "short_docs" else rng.randint(20, 40))
             qr = kr = [list(d) for d in docs]

@@ -14,7 +14,7 @@ import torch
 
 import magi_ffa_fa4
 from magi_ffa.testing import split_keys_into_stages
-from magi_ffa_fa4.testing import assert_close_to_ref, dense_mask, random_slices, ref_attention
+from magi_ffa_fa4.testing import assert_close_to_ref, dense_mask, random_overlapping_slices, ref_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,7 @@ def _mask_case(name: str, total: int, seed: int):
                 kr.append([s, min(b + 128, e)])
         return qr, kr, [0] * len(qr)
     if name == "random_overlap":  # all four types, overlaps, rows that see nothing
-        return random_slices(random.Random(seed), total, total, 9)
+        return random_overlapping_slices(random.Random(seed), total, total, 9)
     raise AssertionError(name)
 
 
@@ -141,7 +141,7 @@ def test_stage_launchers_match_one_call(hk: int, monkeypatch) -> None:
     torch.manual_seed(11 + hk)
     dev, dt, t, hq, d = torch.device("cuda"), torch.bfloat16, 1100, 8, 128
     rng = random.Random(hk)
-    qr, kr, tm = random_slices(rng, t, t, 10, types=(0,))
+    qr, kr, tm = random_overlapping_slices(rng, t, t, 10, types=(0,))
     qr += [[0, t]]
     kr += [[700, 1100]]
     tm += [1]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from magi_ffa.intervals import row_intervals_reference
 from magi_ffa_fa4.blocks import EMPTY, FULL, PARTIAL, block_classes, build_block_meta
-from magi_ffa_fa4.testing import dense_mask, random_slices
+from magi_ffa_fa4.testing import dense_mask, random_overlapping_slices
 
 
 def _dense_classes(mask: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _dense_classes(mask: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     bn=st.sampled_from([1, 8, 16, 64]),
 )
 def test_block_classes_and_lists(seed: int, total_q: int, total_k: int, n: int, bm: int, bn: int) -> None:
-    qr, kr, tm = random_slices(random.Random(seed), total_q, total_k, n)
+    qr, kr, tm = random_overlapping_slices(random.Random(seed), total_q, total_k, n)
     mask = dense_mask(qr, kr, tm, total_q, total_k)
     want = _dense_classes(mask, bm, bn)
     assert torch.equal(block_classes(qr, kr, tm, total_q, total_k, bm, bn), want)

@@ -27,7 +27,7 @@ TQ, TK, HQ, HK, D = 48, 56, 2, 1, 16
 
 @pytest.fixture
 def fake_fa4(monkeypatch):
-    qr, kr, tm = T.random_slices(TQ, TK, seed=4)
+    qr, kr, tm = T.random_banded_slices(TQ, TK, seed=4)
 
     def fwd(q4, k4, v4, softmax_scale, softcap, return_lse, out=None, lse=None, **_):
         assert return_lse

@@ -106,7 +106,7 @@ def test_groups_reproduce_the_mask(seed: int, kind: str, total: int) -> None:
 
 
 def test_random_slices_fall_back_and_documents_group() -> None:
-    qr, kr, tm = T.random_slices(300, 300, seed=1)
+    qr, kr, tm = T.random_banded_slices(300, 300, seed=1)
     slices = host_slices(qr, kr, tm, 300, 300)
     assert plan_varlen(slices, 300, 300, CPU, min_mean_rows=0, max_groups=2) is None or len(slices) <= 2
     docs = [[0, 700], [700, 1500], [1500, 2048]]

@@ -118,3 +118,16 @@ def test_decide_impl_checks_capability() -> None:
         gc.decide_impl(gc.ImplSettings(configured="native", native_forbidden_by=_FORBID), False)
     with pytest.raises(ValueError, match="`impl` must be one of"):
         gc.decide_impl(gc.ImplSettings(configured="deepep"), False)
+
+
+def test_clear_plan_cache_is_a_deprecated_alias() -> None:
+    # the old name, for one release (docs/migration.md): three packages had a `clear_plan_cache`
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"removed in 0\.2\.0: use `magi_group_collective\.clear_collective_plan_cache`",
+    ):
+        old = gc.clear_plan_cache
+    assert old is gc.clear_collective_plan_cache
+    assert "clear_plan_cache" not in gc.__all__
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = gc.no_such_name

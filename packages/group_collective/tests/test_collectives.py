@@ -64,7 +64,7 @@ def _cast_checks(rank, W, tabs, t, mod, torch):
             elif path == "functional-async":
                 mod.group_cast(x, out, *t.args(), async_op=True).wait()
             else:
-                mod.clear_plan_cache()
+                mod.clear_collective_plan_cache()
                 mod.group_cast(x, out, *t.args(), group=None, async_op=False)
             assert torch.equal(out.view(torch.int16) if dtype == torch.bfloat16 else out, ref.view(torch.int16)
                                if dtype == torch.bfloat16 else ref), f"cast {path} {dtype} {trailing}"  # fmt: skip

@@ -47,7 +47,7 @@ RUNS = 4
 BACKENDS = ("auto", "fa4", "cudnn", "triton")
 
 
-def _random_slices(total: int, seed: int, n: int = 12):
+def _overlapping_slices(total: int, seed: int, n: int = 12):
     rng = random.Random(seed)
     q, k, t = [], [], []
     for i in range(n):
@@ -68,7 +68,7 @@ def _docs(total: int, seed: int):
 
 def _mask(name: str, total: int):
     if name == "random":
-        return _random_slices(total, 7)
+        return _overlapping_slices(total, 7)
     if name == "docs":
         return _docs(total, 3)
     if name == "swa":  # a causal window of 512 keys per row: a causal head and a bi-causal band

@@ -25,7 +25,7 @@ HQ, HKV, D = 4, 2, 8
 RTOL = 1e-9
 
 
-def random_slices(total: int, num: int, seed: int):
+def k_segment_slices(total: int, num: int, seed: int):
     """Slices of all four types overlapping in q and in k (never sharing a (q, k) pair, which the
     union semantics forbids), some rows left with no keys.
 
@@ -85,7 +85,7 @@ def block_causal(total: int, block: int):
 
 def mask_cases(total: int):
     return {
-        "random": random_slices(total, 9, seed=7),
+        "random": k_segment_slices(total, 9, seed=7),
         "shared_pairs": shared_pair_slices(total, 6, seed=11),
         "varlen_causal": varlen(total, seed=3, causal=True),
         "varlen_full": varlen(total, seed=5, causal=False),

@@ -29,7 +29,7 @@ HQ, HKV, D = 4, 2, 8
 RTOL = 1e-9
 
 
-def _random_slices(rng: random.Random, total: int, num: int):
+def _k_segment_slices(rng: random.Random, total: int, num: int):
     """Slices of all four types overlapping in q and in k, never sharing a (q, k) pair: the k axis is cut
     into disjoint segments, each taken by one or two slices with random, overlapping q ranges."""
     cuts = sorted(rng.sample(range(1, total), num - 1))
@@ -59,7 +59,7 @@ def _shared_pairs(rng: random.Random, total: int, num: int):
 def _masks(total: int) -> dict:
     third = total // 3
     return {
-        "random": _random_slices(random.Random(total), total, 7),
+        "random": _k_segment_slices(random.Random(total), total, 7),
         "shared_pairs": _shared_pairs(random.Random(total + 1), total, 5),
         "varlen_causal": ([[0, third], [third, total]], [[0, third], [third, total]], [1, 1]),
         "sliding_window": ([[0, 16], [16, total]], [[0, 16], [0, total]], [1, 3]),

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import RangesLike, TypeMapLike, check_slice_values, slices_on_device
 from ._row_intervals import RowIntervals
 
 BLOCK_R = 64  # rows per program: 64 x CAP x CAP int32 for the final ranking stays small in registers
@@ -99,16 +98,11 @@ def _row_block_lists(qr: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torc
 
 
 def row_intervals_triton(
-    q_ranges: RangesLike,
-    k_ranges: RangesLike,
-    attn_type_map: TypeMapLike,
-    total_q: int,
-    total_k: int,
+    qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor, total_q: int, total_k: int
 ) -> RowIntervals:
-    """Same contract as :func:`magi_ffa.intervals.row_intervals_reference`, via the Triton kernel."""
-    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
-    qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
-    check_slice_values(qr, kr, tm, total_q, total_k)
+    """:func:`magi_ffa.intervals.row_intervals` via the Triton kernel, on slices already checked there
+    (int32 ``[n, 2]``, ``[n, 2]``, ``[n]`` on one device; the result is on it)."""
+    device = qr.device
     if total_q == 0:
         z = torch.zeros(0, 1, dtype=torch.int32, device=device)
         return RowIntervals(z, z.clone(), torch.zeros(0, dtype=torch.int32, device=device), 1, total_k)

@@ -19,6 +19,7 @@ from ._common import (
     validate_scalars,
 )
 from ._max_logits import head_max, max_logits_pass
+from ._merge import merge_out_lse
 from .contract import BackendCapability, FFABackend, Launchers, public_functions, register_backend
 
 __all__ = ["TORCH", "TRITON", "ffa_bwd", "ffa_fwd", "ffa_max_logits", "flex_flash_attn_func"]
@@ -55,11 +56,19 @@ def _triton_backward(do, q, k, v, out, lse, slices, scale, softcap, deterministi
 
 
 def _torch_forward(q, k, v, slices, scale, softcap, want_max, zero_empty, out=None, lse=None):
-    """magi_ffa's blockwise torch path (any device and float dtype; the reference)."""
-    res = reference.fwd_on_slices(
-        q, k, v, slices, scale, softcap, out=out, lse=lse, return_max_logits=want_max
+    """magi_ffa's blockwise torch path (any device and float dtype; the reference): merged into ``out`` /
+    ``lse`` in place when given (rows it leaves empty are out 0 / lse -inf either way), the row max from
+    the same pass."""
+    row_max = (
+        torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device) if want_max else None
     )
-    return res[0], res[1], res[2] if want_max else None
+    o, l = reference.fwd_core(q, k, v, slices, scale, float(softcap), row_max=row_max)
+    if out is None:
+        o = o.to(q.dtype)
+    else:
+        o2, l2 = merge_out_lse(out, lse, o, l)
+        o, l = out.copy_(o2), lse.copy_(l2)
+    return o, l, None if row_max is None else head_max(row_max)
 
 
 def _torch_backward(do, q, k, v, out, lse, slices, scale, softcap, deterministic, dlse, dq=None, dk=None,

@@ -99,6 +99,17 @@ def _merge_sorted_pairs(
     )
 
 
+def _checked_slices(
+    q_ranges: RangesLike, k_ranges: RangesLike, attn_type_map: TypeMapLike, total_q: int, total_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slices as int32 tables on ``q_ranges``' device (the CPU for Python lists), their values checked
+    against ``total_q`` / ``total_k`` (ValueError naming the argument)."""
+    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
+    qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
+    check_slice_values(qr, kr, tm, total_q, total_k)
+    return qr, kr, tm
+
+
 def row_intervals_reference(
     q_ranges: RangesLike,
     k_ranges: RangesLike,
@@ -115,9 +126,7 @@ def row_intervals_reference(
         total_q: number of query rows.
         total_k: number of key tokens.
     """
-    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
-    qr, kr, tm = slices_on_device(q_ranges, k_ranges, attn_type_map, device)
-    check_slice_values(qr, kr, tm, total_q, total_k)
+    qr, kr, tm = _checked_slices(q_ranges, k_ranges, attn_type_map, total_q, total_k)
     rows, starts, ends = slice_row_pairs(qr, kr, tm)
     return _merge_sorted_pairs(rows, starts, ends, total_q, total_k)
 
@@ -137,11 +146,12 @@ def row_intervals(
         q_ranges, k_ranges, attn_type_map, total_q, total_k: as in :func:`row_intervals_reference`.
         use_triton: force (True) or forbid (False) the Triton kernel; ``None`` picks it on CUDA.
     """
-    device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else torch.device("cpu")
     if use_triton is None:
-        use_triton = device.type == "cuda"
+        use_triton = isinstance(q_ranges, torch.Tensor) and q_ranges.device.type == "cuda"
     if not use_triton:
         return row_intervals_reference(q_ranges, k_ranges, attn_type_map, total_q, total_k)
     from ._intervals_triton import row_intervals_triton
 
-    return row_intervals_triton(q_ranges, k_ranges, attn_type_map, total_q, total_k)
+    return row_intervals_triton(
+        *_checked_slices(q_ranges, k_ranges, attn_type_map, total_q, total_k), total_q, total_k
+    )

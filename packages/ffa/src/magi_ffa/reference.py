@@ -8,15 +8,12 @@ Triton.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from ._common import (
-    Slice,
-    acc_dtype,
-    validate_out_lse,
-)
+from ._common import Slice, acc_dtype
 from ._merge import merge_out_lse
-from ._sink import merge_sink, validate_sink
 from .contract import public_functions
 
 __all__ = ["bwd_core", "ffa_bwd", "ffa_fwd", "fwd_core"]
@@ -52,6 +49,27 @@ def _block_mask(s: Slice, r0: int, r1: int, c0: int, c1: int, device: torch.devi
     return None if bool(m.all()) else m
 
 
+def _row_blocks(slices: tuple[Slice, ...]) -> Iterator[tuple[Slice, int, int, int, int]]:
+    """``(slice, r0, r1, c_lo, c_hi)`` for every ``BLOCK_Q`` rows ``[r0, r1)`` of every slice that see a key:
+    they see keys in ``[c_lo, c_hi)`` at most (the walk of the forward and the backward alike)."""
+    for s in slices:
+        for r0 in range(s.q_start, s.q_end, BLOCK_Q):
+            r1 = min(r0 + BLOCK_Q, s.q_end)
+            c_lo, c_hi = s.k_bounds(r0, r1)
+            if c_lo < c_hi:
+                yield s, r0, r1, c_lo, c_hi
+
+
+def _key_blocks(
+    k: torch.Tensor, v: torch.Tensor, c_lo: int, c_hi: int, adt: torch.dtype
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(c0, c1, kb, vb)`` for every ``BLOCK_K`` keys ``[c0, c1)`` of ``[c_lo, c_hi)``: their keys and values as
+    ``[hk, keys, head_dim]`` in ``adt``."""
+    for c0 in range(c_lo, c_hi, BLOCK_K):
+        c1 = min(c0 + BLOCK_K, c_hi)
+        yield c0, c1, k[c0:c1].to(adt).transpose(0, 1), v[c0:c1].to(adt).transpose(0, 1)
+
+
 def _scores(qb, kb, scale: float, softcap: float):
     """Scaled (and soft-capped) scores ``[hk, g*rows, keys]`` plus tanh for the softcap backward."""
     s = torch.matmul(qb, kb.transpose(1, 2)) * scale
@@ -80,43 +98,34 @@ def fwd_core(
     hk = k.shape[1]
     out = torch.zeros(tq, hq, d, dtype=adt, device=q.device)
     lse = torch.full((tq, hq), float("-inf"), dtype=adt, device=q.device)
-    for s in slices:
-        for r0 in range(s.q_start, s.q_end, BLOCK_Q):
-            r1 = min(r0 + BLOCK_Q, s.q_end)
-            c_lo, c_hi = s.k_bounds(r0, r1)
-            if c_lo >= c_hi:
-                continue
-            rows = r1 - r0
-            qb = _heads_view(q[r0:r1].to(adt), hk)
-            m_i = torch.full((hk, qb.shape[1]), float("-inf"), dtype=adt, device=q.device)
-            l_i = torch.zeros_like(m_i)
-            acc = torch.zeros_like(qb)
-            for c0 in range(c_lo, c_hi, BLOCK_K):
-                c1 = min(c0 + BLOCK_K, c_hi)
-                kb = k[c0:c1].to(adt).transpose(0, 1)
-                vb = v[c0:c1].to(adt).transpose(0, 1)
-                sc, _ = _scores(qb, kb, scale, softcap)
-                mask = _block_mask(s, r0, r1, c0, c1, q.device)
-                if mask is not None:
-                    g = qb.shape[1] // rows
-                    sc = sc.masked_fill(~mask.repeat(g, 1)[None], float("-inf"))
-                m_new = torch.maximum(m_i, sc.amax(-1))
-                m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(sc - m_safe[..., None])
-                alpha = torch.exp(m_i - m_safe)
-                l_i = l_i * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + torch.matmul(p, vb)
-                m_i = m_new
-            if row_max is not None:
-                row_max[r0:r1] = torch.maximum(row_max[r0:r1], _heads_unview(m_i, rows).to(row_max.dtype))
-            pos = l_i > 0
-            blk_lse = torch.where(pos, m_i + torch.log(torch.where(pos, l_i, torch.ones_like(l_i))), m_i)
-            blk_out = acc / torch.where(pos, l_i, torch.ones_like(l_i))[..., None]
-            o2, l2 = merge_out_lse(
-                out[r0:r1], lse[r0:r1], _heads_unview(blk_out, rows), _heads_unview(blk_lse, rows)
-            )
-            out[r0:r1] = o2
-            lse[r0:r1] = l2
+    for s, r0, r1, c_lo, c_hi in _row_blocks(slices):
+        rows = r1 - r0
+        qb = _heads_view(q[r0:r1].to(adt), hk)
+        m_i = torch.full((hk, qb.shape[1]), float("-inf"), dtype=adt, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros_like(qb)
+        for c0, c1, kb, vb in _key_blocks(k, v, c_lo, c_hi, adt):
+            sc, _ = _scores(qb, kb, scale, softcap)
+            mask = _block_mask(s, r0, r1, c0, c1, q.device)
+            if mask is not None:
+                sc = sc.masked_fill(~mask.repeat(qb.shape[1] // rows, 1)[None], float("-inf"))
+            m_new = torch.maximum(m_i, sc.amax(-1))
+            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(sc - m_safe[..., None])
+            alpha = torch.exp(m_i - m_safe)
+            l_i = l_i * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, vb)
+            m_i = m_new
+        if row_max is not None:
+            row_max[r0:r1] = torch.maximum(row_max[r0:r1], _heads_unview(m_i, rows).to(row_max.dtype))
+        pos = l_i > 0
+        blk_lse = torch.where(pos, m_i + torch.log(torch.where(pos, l_i, torch.ones_like(l_i))), m_i)
+        blk_out = acc / torch.where(pos, l_i, torch.ones_like(l_i))[..., None]
+        o2, l2 = merge_out_lse(
+            out[r0:r1], lse[r0:r1], _heads_unview(blk_out, rows), _heads_unview(blk_lse, rows)
+        )
+        out[r0:r1] = o2
+        lse[r0:r1] = l2
     return out, lse
 
 
@@ -143,71 +152,28 @@ def bwd_core(
     lse_safe = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).to(adt)
     # empty rows: their (contract-zero) out must not turn P = 0 into NaN through delta
     delta = torch.where(torch.isneginf(lse), torch.zeros_like(delta), delta).to(adt)
-    for s in slices:
-        for r0 in range(s.q_start, s.q_end, BLOCK_Q):
-            r1 = min(r0 + BLOCK_Q, s.q_end)
-            c_lo, c_hi = s.k_bounds(r0, r1)
-            if c_lo >= c_hi:
-                continue
-            rows = r1 - r0
-            qb = _heads_view(q[r0:r1].to(adt), hk)
-            dob = _heads_view(do[r0:r1].to(adt), hk)
-            lb = _heads_view(lse_safe[r0:r1, :, None], hk)
-            db = _heads_view(delta[r0:r1, :, None], hk)
-            dqb = torch.zeros_like(qb)
-            for c0 in range(c_lo, c_hi, BLOCK_K):
-                c1 = min(c0 + BLOCK_K, c_hi)
-                kb = k[c0:c1].to(adt).transpose(0, 1)
-                vb = v[c0:c1].to(adt).transpose(0, 1)
-                sc, t = _scores(qb, kb, scale, softcap)
-                p = torch.exp(sc - lb)
-                mask = _block_mask(s, r0, r1, c0, c1, q.device)
-                if mask is not None:
-                    p = p.masked_fill(~mask.repeat(qb.shape[1] // rows, 1)[None], 0.0)
-                dp = torch.matmul(dob, vb.transpose(1, 2))
-                ds = p * (dp - db)
-                if t is not None:
-                    ds = ds * (1 - t * t)
-                dqb += torch.matmul(ds, kb) * scale
-                dk[c0:c1] += (torch.matmul(ds.transpose(1, 2), qb) * scale).transpose(0, 1)
-                dv[c0:c1] += torch.matmul(p.transpose(1, 2), dob).transpose(0, 1)
-            dq[r0:r1] += _heads_unview(dqb, rows)
+    for s, r0, r1, c_lo, c_hi in _row_blocks(slices):
+        rows = r1 - r0
+        qb = _heads_view(q[r0:r1].to(adt), hk)
+        dob = _heads_view(do[r0:r1].to(adt), hk)
+        lb = _heads_view(lse_safe[r0:r1, :, None], hk)
+        db = _heads_view(delta[r0:r1, :, None], hk)
+        dqb = torch.zeros_like(qb)
+        for c0, c1, kb, vb in _key_blocks(k, v, c_lo, c_hi, adt):
+            sc, t = _scores(qb, kb, scale, softcap)
+            p = torch.exp(sc - lb)
+            mask = _block_mask(s, r0, r1, c0, c1, q.device)
+            if mask is not None:
+                p = p.masked_fill(~mask.repeat(qb.shape[1] // rows, 1)[None], 0.0)
+            dp = torch.matmul(dob, vb.transpose(1, 2))
+            ds = p * (dp - db)
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dqb += torch.matmul(ds, kb) * scale
+            dk[c0:c1] += (torch.matmul(ds.transpose(1, 2), qb) * scale).transpose(0, 1)
+            dv[c0:c1] += torch.matmul(p.transpose(1, 2), dob).transpose(0, 1)
+        dq[r0:r1] += _heads_unview(dqb, rows)
     return dq, dk, dv
-
-
-def fwd_on_slices(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slices: tuple[Slice, ...],
-    scale: float,
-    softcap: float,
-    *,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    sink: torch.Tensor | None = None,
-    return_max_logits: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`ffa_fwd` after its slices and scale are checked (``_common.prepare`` / ``prepare_checked``)."""
-    validate_out_lse(out, lse, q)
-    validate_sink(sink, q)
-    row_max = None
-    if return_max_logits:
-        row_max = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    o, l = fwd_core(q, k, v, slices, scale, float(softcap), row_max=row_max)
-    if sink is not None:
-        o, l = merge_sink(o, l, sink)
-    if out is None:
-        res = (o.to(q.dtype), l)
-    else:
-        o2, l2 = merge_out_lse(out, lse, o, l)
-        out.copy_(o2)
-        lse.copy_(l2)
-        res = (out, lse)
-    if row_max is None:
-        return res
-    mx = row_max.amax(0) if q.shape[0] else torch.full((q.shape[1],), float("-inf"), device=q.device)
-    return (*res, mx.to(torch.float32))
 
 
 def _torch_backend(q: torch.Tensor, backend: object):

@@ -3,8 +3,11 @@
 - :func:`make_attn_mask`: dense bool mask ``[total_q, total_k]`` from slices (union of slice masks).
 - :func:`ref_attn`: dense, autograd-capable reference attention in the inputs' dtype; call it with float64
   copies for ground truth and with same-dtype copies for the "naive low-precision" error.
-- :func:`random_slices`, :func:`varlen_slices`, :func:`random_overlapping_slices`: slice generators (all four types, q and k overlaps,
-  empty slices, rows with no keys); :func:`random_qkv`: seeded inputs.
+- :func:`random_banded_slices` (slices in a grid of q and k bands: overlapping in q or in k, never in a
+  (q, k) pair), :func:`random_overlapping_slices` (uniformly random: any overlap), :func:`varlen_slices`
+  (one per document): slice generators (all four types, empty slices, rows with no keys);
+  :func:`random_qkv`: seeded inputs. ``random_slices`` is the deprecated old name of
+  :func:`random_banded_slices`.
 - :func:`assert_close_to_ref` / :func:`tolerance_for`: the acceptance rule of MagiAttention's tests: the
   error to the float64 reference may be at most ``norm_ratio`` (2) times the error of the same-dtype naive
   reference plus an atol derived from the dtype's rounding, and elementwise mismatches (beyond ``rtol``) may
@@ -23,6 +26,7 @@ import torch
 from magi_mask import AttnMaskType, dense_mask
 
 from ._common import RangesLike, TypeMapLike, as_ranges, as_type_map
+from ._deprecation import deprecated_aliases
 from ._slice import make_slice
 from .env import interpret_triton_without_cuda
 
@@ -32,9 +36,9 @@ __all__ = [
     "deterministic_mask_cases",
     "interpret_triton_without_cuda",
     "make_attn_mask",
+    "random_banded_slices",
     "random_overlapping_slices",
     "random_qkv",
-    "random_slices",
     "ref_attn",
     "ref_max_logits",
     "split_keys_into_stages",
@@ -177,7 +181,7 @@ def random_overlapping_slices(
     return qr, kr, tm
 
 
-def random_slices(
+def random_banded_slices(
     total_q: int,
     total_k: int,
     *,
@@ -349,3 +353,7 @@ def assert_bitwise_repeatable(
             if not torch.equal(a, b):
                 diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item()
                 raise AssertionError(f"{name} of run {i} differs from run 0 (max |diff| {diff:.3e})")
+
+
+# old names, for one release (docs/migration.md)
+__getattr__ = deprecated_aliases(__name__, {"random_slices": "random_banded_slices"})

@@ -41,7 +41,7 @@ __all__ = [
     "CAPABILITY",
     "INSTALL_HINT",
     "CudnnMaskPlan",
-    "clear_plan_cache",
+    "clear_mask_plan_cache",
     "cudnn_available",
     "ffa_bwd",
     "ffa_fwd",
@@ -149,7 +149,7 @@ def _build_plan(q: torch.Tensor, k: torch.Tensor, checked: CheckedSlices) -> Cud
     return CudnnMaskPlan(plan, func.shape[1], rows, time.perf_counter() - t0)
 
 
-def clear_plan_cache() -> None:
+def clear_mask_plan_cache() -> None:
     """Drop cuDNN's mask plans from the mask cache (frees the plans' device tensors; local to this process;
     ``magi_ffa.clear_mask_caches`` empties the whole cache)."""
     MASKS.drop("cudnn")

@@ -10,11 +10,12 @@ The package provides FA4's launchers and its capability (``CAPABILITY``); the en
 """
 
 from magi_ffa import merge_out_lse_
+from magi_ffa._deprecation import deprecated_aliases
 from magi_ffa.intervals import RowIntervals, row_intervals, row_intervals_reference
 
 # first: importing env turns the vendor's on-disk kernel cache on, before anything imports the vendor
 from . import env
-from ._launch_meta import clear_launch_cache, clear_plan_cache, compile_key, warmup_masks
+from ._launch_meta import clear_launch_cache, compile_key, warmup_masks
 from .blocks import BlockLists, BlockSparseMeta, block_classes, build_block_meta
 from .interface import (
     BACKEND,
@@ -38,7 +39,6 @@ __all__ = [
     "block_classes",
     "build_block_meta",
     "clear_launch_cache",
-    "clear_plan_cache",
     "compile_key",
     "deterministic_supported",
     "fa4_available",
@@ -53,3 +53,6 @@ __all__ = [
 ]
 
 __version__ = env.PACKAGE_VERSION  # the [project] version of pyproject.toml (CI checks that they agree)
+
+# old names, for one release (docs/migration.md)
+__getattr__ = deprecated_aliases(__name__, {"clear_plan_cache": "clear_launch_cache"})

@@ -536,7 +536,3 @@ def clear_launch_cache() -> None:
     """Drop FA4's launch metadata from the mask cache (frees its device tensors; local to this process;
     ``magi_ffa.clear_mask_caches`` empties the whole cache)."""
     MASKS.drop("fa4")
-
-
-# public since the first release (magi_ffa_fa4.clear_plan_cache); the same function
-clear_plan_cache = clear_launch_cache

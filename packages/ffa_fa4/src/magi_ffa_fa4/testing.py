@@ -10,15 +10,15 @@ import math
 
 import torch
 
-from magi_ffa.testing import make_attn_mask, ref_attn
-from magi_ffa.testing import random_overlapping_slices as random_slices  # this package's name for it
+from magi_ffa._deprecation import deprecated_aliases
+from magi_ffa.testing import make_attn_mask, random_overlapping_slices, ref_attn
 from magi_ffa.validation import RangesLike, TypeMapLike
 
 __all__ = [
     "assert_close_to_ref",
     "assert_same_meta",
     "dense_mask",
-    "random_slices",
+    "random_overlapping_slices",
     "ref_attention",
     "slice_tensors",
 ]
@@ -113,3 +113,8 @@ def assert_same_meta(a, b, *, layout: bool = False, path: str = "meta") -> None:
             assert_same_meta(x, y, layout=layout, path=f"{path}[{i}]")
     else:
         assert type(a) is type(b) and a == b, (path, a, b)
+
+
+# old names, for one release (docs/migration.md): this module's `random_slices` was magi_ffa's
+# random_overlapping_slices, not magi_ffa.testing's random_slices (now random_banded_slices)
+__getattr__ = deprecated_aliases(__name__, {"random_slices": "random_overlapping_slices"})

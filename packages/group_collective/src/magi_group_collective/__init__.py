@@ -3,9 +3,11 @@
 See docs/packages/group_collective.md for the semantics and a picture.
 """
 
+import warnings
+
 from ._comm import as_device_mesh
 from ._config import GroupCollectiveImpl, ReduceOp
-from ._functional import clear_plan_cache, group_cast, group_reduce
+from ._functional import clear_collective_plan_cache, group_cast, group_reduce
 from ._plan import GroupCastPlan, GroupReducePlan
 from ._select import ImplChoice, ImplSettings, decide_impl
 from ._symmetric import NativeUnavailableError
@@ -27,9 +29,21 @@ __all__ = [
     "ReduceOp",
     "Work",
     "as_device_mesh",
-    "clear_plan_cache",
+    "clear_collective_plan_cache",
     "decide_impl",
     "group_cast",
     "group_reduce",
     "release_native_buffers",
 ]
+
+# old names, for one release (docs/migration.md); {old: new}
+_DEPRECATED = {"clear_plan_cache": "clear_collective_plan_cache"}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new = _DEPRECATED[name]
+    message = f"`{__name__}.{name}` is deprecated and will be removed in 0.2.0: use `{__name__}.{new}`"
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return globals()[new]

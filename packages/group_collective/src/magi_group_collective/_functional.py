@@ -60,7 +60,7 @@ def _get_plan(cls, tables: tuple, group, device: torch.device):
     return plan
 
 
-def clear_plan_cache() -> None:
+def clear_collective_plan_cache() -> None:
     """Empty the prepared-collective cache: the plans :func:`group_cast` / :func:`group_reduce` prepared
     (local: building a functional plan communicates nothing, so ranks may clear at different times)."""
     _cache.clear()

@@ -40,7 +40,6 @@ from ._native_plan import (
     reduce_layout,
 )
 from ._symmetric import NativeUnavailableError, SymSpace, native_requirements
-from ._tables import CastTables, ReduceTables
 from ._work import Work
 
 
@@ -150,16 +149,7 @@ class NativeCast(CastRunner):
         """Fill every output row from its owner's slot (or from ``input`` for this rank's own pieces)."""
         from ._native_kernels import pull_rows
 
-        pull_rows(
-            space.local,
-            space.deltas,
-            self.rank,
-            slot,
-            _rows(input),
-            _rows(output),
-            self.src_rank,
-            self.src_row,
-        )
+        pull_rows(space, slot, _rows(input), _rows(output), self.src_rank, self.src_row)
 
     def run(self, input, output, async_op):
         x = input.contiguous()
@@ -200,6 +190,7 @@ class NativeReduce(ReduceRunner):
         self.ptr = layout.ptr.to(device)
         self.c_src = layout.c_src.to(device)
         self.c_row = layout.c_row.to(device)
+        self.csr = (self.touched, self.ptr, self.c_src, self.c_row)  # the pull kernels' reduction order
         self.avg_weight = layout.avg_weight.to(device)
 
     def slot_layout(self, input: torch.Tensor, input_lse: torch.Tensor | None) -> SlotLayout:
@@ -227,16 +218,12 @@ class NativeReduce(ReduceRunner):
             H, D = input_lse.shape[1], math.prod(input.shape[2:])
             lse_slot = slot + self.slot_layout(input, input_lse).lse_offset
             pull_lse_reduce(
-                space.local, space.deltas, self.rank, slot, lse_slot,
-                input.reshape(input.shape[0], H, D), input_lse, output.reshape(output.shape[0], H, D),
-                output_lse, self.touched, self.ptr, self.c_src, self.c_row,
+                space, slot, lse_slot, input.reshape(input.shape[0], H, D), input_lse,
+                output.reshape(output.shape[0], H, D), output_lse, self.csr,
             )  # fmt: skip
         else:
             weight = self.avg_weight if reduce_op is ReduceOp.AVG else None
-            pull_reduce(
-                space.local, space.deltas, self.rank, slot, _rows(input), _rows(output),
-                self.touched, self.ptr, self.c_src, self.c_row, weight,
-            )  # fmt: skip
+            pull_reduce(space, slot, _rows(input), _rows(output), self.csr, weight)
 
     def run(self, input, output, reduce_op, input_lse, output_lse, async_op, deterministic=False):
         # the native reduction's Triton kernels add every row's sources in a fixed order always
@@ -298,18 +285,11 @@ class NativeImpl(CollectiveImpl):
 
         return get_buffer(comm, device)
 
-    def build_cast(
-        self, tables: CastTables, comm: Comm, device: torch.device, all_tables: Sequence[CastTables] | None
-    ) -> CastRunner:
+    # the signatures and types are CollectiveImpl's (as in the a2av and hierarchical implementations)
+    def build_cast(self, tables, comm, device, all_tables):
         layout = cast_layout(all_tables if all_tables is not None else [tables], comm.rank)
         return NativeCast(layout, comm.rank, device, self._buffer(comm, device))
 
-    def build_reduce(
-        self,
-        tables: ReduceTables,
-        comm: Comm,
-        device: torch.device,
-        all_tables: Sequence[ReduceTables] | None,
-    ) -> ReduceRunner:
+    def build_reduce(self, tables, comm, device, all_tables):
         layout = reduce_layout(all_tables if all_tables is not None else [tables], comm.rank)
         return NativeReduce(layout, comm.rank, device, self._buffer(comm, device))

@@ -1,7 +1,8 @@
 """Triton kernels of the native group collectives: read rows straight from the ranks' symmetric buffers.
 
 Addressing: every kernel gets this rank's buffer as a tensor (``base``, any element type) and
-``deltas[p]``, the distance from it to rank ``p``'s buffer in units of ``UNIT_BYTES`` (see ``_symmetric``).
+``deltas[p]``, the distance from it to rank ``p``'s buffer in units of ``UNIT_BYTES``: a ``SymSpace`` (see
+``_symmetric``), which the host wrappers take whole.
 Row ``r`` of rank ``p``'s staging slot starts at element ``deltas[p] * UNIT + slot + r * C`` of ``base``;
 a row of this rank's own ``input`` (pieces a rank sends to itself are never staged) at
 ``in_delta + r * C``, ``in_delta`` being the distance from ``base`` to ``input``. Everything is plain
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from ._lse_kernel import lse_reduce_kernel
 from ._native_plan import UNIT_BYTES
+from ._symmetric import SymSpace
 from ._triton_kernels import _as_words, csr_row_tile, row_tiles, tl_acc_dtype, word_size
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -46,17 +48,16 @@ def _pull_rows_kernel(
 
 
 def pull_rows(
-    base: torch.Tensor,
-    deltas: torch.Tensor,
-    me: int,
+    space: SymSpace,
     slot: int,
     input: torch.Tensor,
     out: torch.Tensor,
     src_rank: torch.Tensor,
     src_row: torch.Tensor,
 ) -> None:
-    """``out[k] = row src_row[k] of rank src_rank[k]`` (its staging slot at byte ``slot``, or ``input`` for
-    this rank). ``input`` / ``out`` contiguous ``[N, C]`` rows of one dtype; ``base`` uint8 buffer."""
+    """``out[k] = row src_row[k] of rank src_rank[k]`` (its staging slot at byte ``slot`` of its buffer in
+    ``space``, or ``input`` for this rank). ``input`` / ``out`` contiguous ``[N, C]`` rows of one dtype."""
+    base, deltas, me = space.local, space.deltas, space.rank
     R = src_rank.numel()
     row_bytes = out.shape[1] * out.element_size()
     if R == 0 or row_bytes == 0:
@@ -93,22 +94,20 @@ def _pull_reduce_kernel(
 
 
 def pull_reduce(
-    base: torch.Tensor,
-    deltas: torch.Tensor,
-    me: int,
+    space: SymSpace,
     slot: int,
     input: torch.Tensor,
     out: torch.Tensor,
-    touched: torch.Tensor,
-    ptr: torch.Tensor,
-    c_src: torch.Tensor,
-    c_row: torch.Tensor,
+    csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     weight: torch.Tensor | None,
 ) -> None:
-    """``out[touched[t]] += Σ_k weight[t] · row c_row[k] of rank c_src[k]`` over the CSR entries of ``t``.
+    """``out[touched[t]] += Σ_k weight[t] · row c_row[k] of rank c_src[k]`` over the CSR entries of ``t``
+    (``csr = (touched, ptr, c_src, c_row)``; staged rows at byte ``slot`` of the ranks' buffers in ``space``).
 
     ``input`` / ``out`` contiguous ``[N, C]`` rows of one real dtype; ``weight`` ``[T]`` fp32 or None.
     """
+    base, deltas, me = space.local, space.deltas, space.rank
+    touched, ptr, c_src, c_row = csr
     T, C = touched.numel(), out.shape[1]
     if T == 0 or C == 0:
         return
@@ -123,25 +122,23 @@ def pull_reduce(
 
 
 def pull_lse_reduce(
-    base: torch.Tensor,
-    deltas: torch.Tensor,
-    me: int,
+    space: SymSpace,
     slot: int,
     lse_slot: int,
     input: torch.Tensor,
     input_lse: torch.Tensor,
     out: torch.Tensor,
     out_lse: torch.Tensor,
-    touched: torch.Tensor,
-    ptr: torch.Tensor,
-    c_src: torch.Tensor,
-    c_row: torch.Tensor,
+    csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
-    """Log-sum-exp merge of the contributions into ``out`` / ``out_lse`` (see ``_ops.lse_reduce_rows``).
+    """Log-sum-exp merge of the contributions into ``out`` / ``out_lse`` (see ``_ops.lse_reduce_rows``), over
+    the CSR entries ``csr = (touched, ptr, c_src, c_row)`` as in :func:`pull_reduce`.
 
     ``input`` / ``out`` contiguous ``[N, H, D]`` floating, ``input_lse`` / ``out_lse`` ``[N, H]`` fp32; the
-    staged lse rows of rank ``p`` are at byte ``lse_slot`` of its buffer, the data rows at ``slot``.
+    staged lse rows of rank ``p`` are at byte ``lse_slot`` of its buffer in ``space``, the data rows at ``slot``.
     """
+    base, deltas, me = space.local, space.deltas, space.rank
+    touched, ptr, c_src, c_row = csr
     T, H, D = touched.numel(), out.shape[1], out.shape[2]
     if T == 0 or H == 0:
         return

@@ -26,6 +26,8 @@ from magi_solver import (
     padded_seqlen,
 )
 
+from ._lru import remember
+
 
 def choose_chunk_size(total_seqlen: int, cp_size: int, chunk_size: int | None) -> int:
     """The user's chunk size, or the largest one the per-mask choice considers (`default_chunk_size`:
@@ -160,10 +162,7 @@ _LENGTHS_SIZE = 8192
 
 def remember_lengths(root: Any, layout: DispatchLayout) -> None:
     """Record a built layout's lengths for `root` (the runtime cache calls this when it builds one)."""
-    _LENGTHS[root] = LayoutLengths.of(layout)
-    _LENGTHS.move_to_end(root)
-    while len(_LENGTHS) > _LENGTHS_SIZE:
-        _LENGTHS.popitem(last=False)
+    remember(_LENGTHS, root, LayoutLengths.of(layout), _LENGTHS_SIZE)
 
 
 def layout_lengths(key: Any) -> LayoutLengths:

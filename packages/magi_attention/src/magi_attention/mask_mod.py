@@ -47,6 +47,7 @@ import torch
 from magi_solver import AttnMaskType, AttnRanges
 
 from . import env
+from ._lru import remember
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -414,10 +415,7 @@ def _compiled_stats_fn(cache_key: tuple) -> Callable | None:
         code = _run_stats_tile.__code__.replace()  # a new code object: its own compile cache
         fresh = types.FunctionType(code, _run_stats_tile.__globals__, _run_stats_tile.__name__)
         fn = torch.compile(fresh, fullgraph=True, dynamic=False)
-    _COMPILED[cache_key] = fn
-    while len(_COMPILED) > _COMPILED_ENTRIES:
-        _COMPILED.popitem(last=False)
-    return fn
+    return remember(_COMPILED, cache_key, fn, _COMPILED_ENTRIES)
 
 
 def _compiled_run_stats(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._layout import DispatchLayout
+from ._lru import remember
 from ._runtime.cache import RUNTIME_CACHE
 from ._runtime.checks import agree_on_call, check_key, comm_step, tensor_values
 from .key import DistAttnRuntimeKey
@@ -69,11 +70,7 @@ def _route(key: DistAttnRuntimeKey, shift: int) -> tuple[RollRoute, dict]:
     hit = _ROUTES.get(cache_key)
     if hit is None:
         hit = (roll_route(runtime.layout, cache_key[1], runtime.rank), {})
-        _ROUTES[cache_key] = hit
-        while len(_ROUTES) > _TABLE_CACHE_SIZE:
-            _ROUTES.popitem(last=False)
-    _ROUTES.move_to_end(cache_key)
-    return hit
+    return remember(_ROUTES, cache_key, hit, _TABLE_CACHE_SIZE)
 
 
 def _device_rows(route: RollRoute, cache: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from magi_ffa.validation import acc_dtype
 from magi_solver import AttnRanges, DistAttnPlan, RankPlan, SliceList
 
 from ._runtime.kernels import attn_kernel
@@ -98,7 +99,7 @@ def simulate_dist_attn(
     Returns:
         `(out, lse, dq, dk, dv)` in global token order; out/dq/dk/dv in q's dtype, lse fp32 (fp64 for fp64).
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     out_g = torch.full_like(q, float("nan"))
     lse_g = torch.full(q.shape[:2], float("nan"), dtype=acc, device=q.device)
     dq_g = torch.full(q.shape, float("nan"), dtype=acc, device=q.device)
