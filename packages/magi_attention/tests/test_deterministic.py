@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import magi_attention._runtime.cache as runtime_cache
 import magi_attention._runtime.kernels as kernels
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention._runtime.kernels import (
@@ -193,6 +194,8 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
     seen = []
     real_probe = kernels.probe_local
     kernels.probe_local = lambda: FA4_CUDNN  # every rank claims FA4 and cuDNN (nothing runs a kernel here)
+    real_import = runtime_cache.import_vendors
+    runtime_cache.import_vendors = lambda cp_group, choice: None  # ... so no vendor is imported either
     kernels.clear_agreements()
     moved = []
     real_cast = GroupCastPlan.cast
@@ -216,6 +219,7 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         assert not moved, "data moved before the refusal"
     finally:
         kernels.probe_local = real_probe
+        runtime_cache.import_vendors = real_import
         GroupCastPlan.cast = real_cast
         kernels.clear_agreements()
         clear_cache(dist.group.WORLD)

@@ -47,6 +47,7 @@ from ._common import (
 )
 from ._merge import merge_out_lse, merge_out_lse_
 from ._sink import merge_sink, sink_grad, validate_sink
+from .availability import cuda_arch_major, missing_distributions
 
 __all__ = [
     "BackendCapability",
@@ -90,6 +91,9 @@ class BackendCapability:
             the contract merges and adds).
         install_check: called first by every public function; raises ImportError saying what to install when
             the kernel library is missing (None: nothing to import).
+        requires: ``(distribution, module)`` pairs the backend needs installed, e.g. ``("flash-attn-4",
+            "flash_attn")``: :meth:`missing` reads them without importing anything.
+        install_hint: what to install when one of ``requires`` is missing (messages).
     """
 
     name: str
@@ -108,6 +112,33 @@ class BackendCapability:
     device: str = "cuda"
     accumulates: bool = False
     install_check: Callable[[], object] | None = None
+    requires: tuple[tuple[str, str], ...] = ()
+    install_hint: str = ""
+
+    # ------------------------------------------------------------------------------------- availability
+    def missing(self) -> str:
+        """Why this process cannot run the backend, or ``""`` when it can: a distribution of ``requires``
+        not installed, no CUDA GPU, or this GPU's architecture. Nothing of the kernel library is imported
+        (:mod:`magi_ffa.availability`); a library that is installed but fails to import raises at
+        :attr:`install_check`."""
+        absent = missing_distributions(self.requires)
+        if absent:
+            hint = f" ({self.install_hint})" if self.install_hint else ""
+            return f"{' and '.join(absent)} not installed{hint}"
+        if self.device == "any":
+            return ""
+        major = cuda_arch_major()
+        if major is None:
+            if self.device == "cuda_or_interpret":
+                return "" if env.triton_interpret() else "no CUDA GPU (and TRITON_INTERPRET is not set)"
+            return "no CUDA GPU"
+        if self.architectures != "any" and major not in self.architectures:
+            return f"the GPU is sm{major}x; {self.title} needs {self.architecture_names}"
+        return ""
+
+    def available(self) -> bool:
+        """Whether this process can run the backend (:meth:`missing` is empty), without importing it."""
+        return not self.missing()
 
     # ------------------------------------------------------------------------------------------ checks
     def check_inputs(

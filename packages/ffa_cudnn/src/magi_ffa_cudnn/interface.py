@@ -232,6 +232,9 @@ CAPABILITY = BackendCapability(
     softcap_hint="use magi_ffa or magi_ffa_fa4 for soft-capped attention",
     max_logits=True,
     install_check=lambda: _cudnn(),
+    # read from the installed metadata, never imported, when a process asks whether it could run cuDNN
+    requires=(("nvidia-cudnn-frontend", "cudnn"), ("nvidia-cutlass-dsl", "cutlass")),
+    install_hint='install row "cudnn": python scripts/install.py cudnn, docs/install.md',
 )
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
 from the kernel, deterministic on every mask (its deterministic backward)."""

@@ -48,6 +48,7 @@ from .kernels import (
     choose_auto,
     describe_mask,
     fa4_deterministic_supported,
+    import_vendors,
     restrict_deterministic,
     restrict_deterministic_head_dim,
     uses_fa4,
@@ -316,6 +317,7 @@ def choose_kernel_and_plan(
             if new.backend != choice.backend:  # the dynamic overlap's cost profile follows the backend
                 plan = build_plan(key, layout, new)
             choice = new
+    import_vendors(key.cp_group, choice)  # only the libraries the agreed choice runs
     return choice, plan
 
 

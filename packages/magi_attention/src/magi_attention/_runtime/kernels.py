@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import magi_ffa
 from magi_ffa.contract import FFABackend, get_backend
 from magi_ffa.validation import CheckedSlices, check_slices
+from magi_group_collective.agreement import agree
 from magi_solver.kernel_choice import MaskFeatures, load_kernel_table, pick_kernel
 
 from ..config import KernelBackend
@@ -138,33 +140,24 @@ def probe_local() -> LocalCapability:
 
 
 def _fa4_missing() -> str:
-    try:
-        import magi_ffa_fa4
-    except ImportError:
-        return 'magi-ffa-fa4 is not installed (install row "fa4": python scripts/install.py fa4, docs/install.md)'
-    if not magi_ffa_fa4.fa4_available():
-        return "flash-attn-4 does not import (" + magi_ffa_fa4.INSTALL_HINT + ")"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    major = torch.cuda.get_device_capability()[0]
-    if major not in (9, 10, 11):
-        return f"the GPU is sm{major}x; FA4 needs Hopper (sm90) or Blackwell (sm100/sm110)"
-    return ""
+    return _package_missing("magi_ffa_fa4", "fa4")
 
 
 def _cudnn_missing() -> str:
+    return _package_missing("magi_ffa_cudnn", "cudnn")
+
+
+def _package_missing(package: str, row: str) -> str:
+    """Why this process cannot run the backend of `package` ("" when it can), read from what is installed and
+    this GPU's architecture: the vendor's kernels are not imported (`BackendCapability.missing`)."""
     try:
-        import magi_ffa_cudnn
+        module = importlib.import_module(package)
     except ImportError:
-        return 'magi-ffa-cudnn is not installed (install row "cudnn": python scripts/install.py cudnn, docs/install.md)'
-    if not magi_ffa_cudnn.cudnn_available():
-        return "cuDNN's flex_attention does not import (" + magi_ffa_cudnn.INSTALL_HINT + ")"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    major = torch.cuda.get_device_capability()[0]
-    if major not in (9, 10):
-        return f"the GPU is sm{major}x; cuDNN flex_attention needs Hopper (sm90) or Blackwell (sm100/sm103)"
-    return ""
+        name = package.replace("_", "-")
+        return (
+            f'{name} is not installed (install row "{row}": python scripts/install.py {row}, docs/install.md)'
+        )
+    return module.CAPABILITY.missing()
 
 
 _AGREED: dict[tuple, KernelChoice] = {}
@@ -450,8 +443,44 @@ def _cudnn_head_dim_ok(head_dim: int) -> bool:
     return magi_ffa_cudnn.head_dim_supported(head_dim)
 
 
+_IMPORTED: set[tuple] = set()
+"""(group, backends) whose kernel libraries imported on every rank of the group."""
+
+
+def import_vendors(cp_group: CpGroup, choice: KernelChoice) -> None:
+    """Import the kernel libraries of the choice's forward and backward backends, and only those (the
+    probes read what is installed without importing it). A library that fails to import raises on every
+    rank of the group, before any data moves: ImportError naming it on that rank, AgreementError (a
+    ValueError) naming the rank and the library on the others. Once per group and backends."""
+    names = sorted({choice.backend.value, (choice.backward or choice.backend).value})
+    cache_key = (cp_group.name, cp_group.ranks, tuple(names))
+    if cache_key in _IMPORTED:
+        return
+    error: BaseException | None = None
+    for name in names:
+        cap = ffa_backend(KernelBackend(name)).capability
+        if cap.install_check is None:
+            continue
+        try:
+            cap.install_check()
+        except Exception as exc:  # a vendor may raise anything while it imports (OSError, RuntimeError)
+            vendors = " and ".join(dist for dist, _ in cap.requires) or cap.package
+            error = ImportError(
+                f"kernel_backend={name!r}: {vendors} is installed but does not import on this rank "
+                f"({type(exc).__name__}: {exc})"
+            )
+            error.__cause__ = exc
+            break
+    if cp_group.group is not None and cp_group.size > 1:
+        agree(cp_group.group, "magi_attention key: import the kernel libraries", error=error)
+    elif error is not None:
+        raise error
+    _IMPORTED.add(cache_key)
+
+
 def clear_agreements() -> None:
     _AGREED.clear()
+    _IMPORTED.clear()
 
 
 # -- the launchers of each backend ------------------------------------------------------------------------
