@@ -94,6 +94,10 @@ class BackendCapability:
         requires: ``(distribution, module)`` pairs the backend needs installed, e.g. ``("flash-attn-4",
             "flash_attn")``: :meth:`missing` reads them without importing anything.
         install_hint: what to install when one of ``requires`` is missing (messages).
+        priority: ``auto``'s order where its measured table has no row (the highest available wins; the
+            torch reference, 0, takes what no other backend can).
+        deterministic_head_dim: predicate on ``head_dim``: whether the runtime may run the backend's backward
+            deterministically there (with :attr:`deterministic` on the slices: :meth:`deterministic_at`).
     """
 
     name: str
@@ -114,6 +118,26 @@ class BackendCapability:
     install_check: Callable[[], object] | None = None
     requires: tuple[tuple[str, str], ...] = ()
     install_hint: str = ""
+    priority: int = 0
+    deterministic_head_dim: Callable[[int], bool] = lambda head_dim: True
+
+    def deterministic_at(self, checked: CheckedSlices | None, head_dim: int) -> bool:
+        """Whether the backward on these slices (None: not known yet, the head_dim alone) at this head_dim is
+        bitwise repeatable."""
+        if not self.deterministic_head_dim(head_dim):
+            return False
+        return checked is None or self.deterministic(checked)
+
+    def accepts(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> str:
+        """Why this backend cannot take inputs of ``dtype`` / ``head_dim`` / ``softcap`` (``""`` when it can)."""
+        if dtype not in self.dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"{self.title} takes {names} inputs, got {dtype}"
+        if not self.head_dim_ok(head_dim):
+            return f"{self.title} needs head_dim {self.head_dim_rule}, got {head_dim}"
+        if softcap != 0 and not self.softcap:
+            return f"{self.title} has no soft-capping (softcap must be 0, got {softcap!r})"
+        return ""
 
     # ------------------------------------------------------------------------------------- availability
     def missing(self) -> str:

@@ -299,26 +299,21 @@ def describe_mask(q_ranges: Sequence[Sequence[int]], types: Sequence[int], docum
     return f"{len(q_ranges)} slices of types {', '.join(kinds)}"
 
 
-CUDNN_DETERMINISTIC_MAX_HEAD_DIM = 128
-"""cuDNN's deterministic backward compiles up to this head_dim: at 256, nvidia-cudnn-frontend 1.32.0's
-deterministic dQ post-processing kernel fails to compile (measured on an H200, 2026-12-02), while its default
-backward runs there."""
-
-
 def restrict_deterministic_head_dim(choice: KernelChoice, head_dim: int) -> KernelChoice:
     """The choice in deterministic mode at this head_dim, before any plan: cuDNN leaves `auto`'s candidates
-    above `CUDNN_DETERMINISTIC_MAX_HEAD_DIM`, and an explicit `cudnn` there raises ValueError (on every rank:
-    a function of the config and head_dim alone)."""
-    if head_dim <= CUDNN_DETERMINISTIC_MAX_HEAD_DIM or not (
-        choice.cudnn_everywhere or choice.requested == KernelBackend.CUDNN
-    ):
+    where its capability has no deterministic backward at this head_dim (`deterministic_head_dim`), and an
+    explicit `cudnn` there raises ValueError (on every rank: a function of the config and head_dim alone)."""
+    if not (choice.cudnn_everywhere or choice.requested == KernelBackend.CUDNN):
+        return choice
+    cap = ffa_backend(KernelBackend.CUDNN).capability
+    if cap.deterministic_head_dim(head_dim):
         return choice
     if choice.requested == KernelBackend.CUDNN:
         can = [b for b in deterministic_alternatives(choice, head_dim) if b != "cudnn"]
         raise ValueError(
             f"kernel_backend='cudnn' has no deterministic backward at head_dim {head_dim} (DistAttnConfig."
-            f"deterministic is True; cuDNN's deterministic backward compiles only up to head_dim "
-            f"{CUDNN_DETERMINISTIC_MAX_HEAD_DIM}); use kernel_backend={' or '.join(repr(b) for b in can)}"
+            "deterministic is True; cuDNN's deterministic backward does not compile at this head_dim: "
+            f"magi_ffa_cudnn.DETERMINISTIC_MAX_HEAD_DIM); use kernel_backend={' or '.join(repr(b) for b in can)}"
         )
     return dataclasses.replace(choice, cudnn_everywhere=False)
 

@@ -1,0 +1,101 @@
+"""Which registered backend runs a call: one generic choice on the backends' capabilities.
+
+Every kernel backend states what it takes once, in its :class:`~magi_ffa.contract.BackendCapability`
+(dtypes, head dims, softcap, determinism, whether this process can run it, its priority for ``auto``). A
+caller that must pick among several (the magi_attention runtime, agreeing on one backend across ranks) asks
+here instead of writing per-backend rules: :func:`usable_backends` lists what this process can run (nothing
+is imported to find out), :func:`choose` picks among the candidates every rank can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._common import CheckedSlices
+from .contract import _REGISTRY, BackendCapability, get_backend
+
+__all__ = ["choose", "registered_backends", "usable_backends"]
+
+AUTO = "auto"
+
+
+def registered_backends() -> list[str]:
+    """The names of the registered backends, sorted (``triton`` / ``torch``, and ``fa4`` / ``cudnn`` or any
+    other once their package is imported)."""
+    return sorted(_REGISTRY)
+
+
+def usable_backends(names: Sequence[str] | None = None) -> list[str]:
+    """The sorted names among ``names`` (default: every registered backend) that this process can run
+    (:meth:`BackendCapability.available`: installed and this GPU's architecture, nothing imported)."""
+    names = registered_backends() if names is None else names
+    return sorted(n for n in names if get_backend(n).capability.available())
+
+
+def _refusal(
+    cap: BackendCapability,
+    dtype: torch.dtype,
+    head_dim: int,
+    softcap: float,
+    deterministic: bool,
+    checked: CheckedSlices | None,
+) -> str:
+    why = cap.accepts(dtype, head_dim, softcap)
+    if not why and deterministic and not cap.deterministic_at(checked, head_dim):
+        why = f"{cap.title} has no deterministic backward for this mask at head_dim {head_dim}"
+    return why
+
+
+def choose(
+    candidates: Sequence[str],
+    *,
+    requested: str = AUTO,
+    dtype: torch.dtype,
+    head_dim: int,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    checked: CheckedSlices | None = None,
+    on_gpu: bool | None = None,
+) -> str:
+    """The backend that runs inputs of ``dtype`` / ``head_dim`` with this ``softcap`` (and a deterministic
+    backward where asked, on ``checked`` when the slices are known).
+
+    Args:
+        candidates: the backend names every rank can run (e.g. the intersection of each rank's
+            :func:`usable_backends`); the same on every rank, so every rank chooses alike.
+        requested: a backend name, or ``"auto"``: the candidate of the highest ``priority`` that takes the
+            inputs. Without a GPU (``on_gpu`` False; None: this process's), ``auto`` leaves out the
+            backends that need one even where they run on the CPU (Triton under ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: a requested backend not among the candidates or not taking these inputs (naming why
+        and the candidates that can), or ``auto`` with no candidate that can.
+    """
+    if requested != AUTO:
+        if requested not in candidates:
+            raise ValueError(
+                f"kernel_backend={requested!r} cannot run on every rank (the backends every rank can run: "
+                f"{sorted(candidates)})"
+            )
+        why = _refusal(get_backend(requested).capability, dtype, head_dim, softcap, deterministic, checked)
+        if why:
+            can = [c for c in candidates if c != requested and not _refusal(
+                get_backend(c).capability, dtype, head_dim, softcap, deterministic, checked)]  # fmt: skip
+            raise ValueError(
+                f"kernel_backend={requested!r} cannot take this call: {why}; use {['auto', *can]}"
+            )
+        return requested
+    gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    ranked = sorted(candidates, key=lambda n: (-get_backend(n).capability.priority, n))
+    for name in ranked:
+        cap = get_backend(name).capability
+        if cap.device != "any" and not gpu:
+            continue
+        if not _refusal(cap, dtype, head_dim, softcap, deterministic, checked):
+            return name
+    raise ValueError(
+        f"no backend among {sorted(candidates)} takes {dtype} inputs at head_dim {head_dim} (softcap "
+        f"{softcap!r}, deterministic {deterministic})"
+    )
