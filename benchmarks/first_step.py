@@ -118,8 +118,8 @@ def child_sim8(warm: bool) -> dict:
     import numpy as np
     import torch
 
-    from magi_attention._runtime.kernels import _resolve, choose_auto, probe_local
-    from magi_attention.config import KernelBackend
+    from magi_attention._runtime.auto_kernel import choose_auto
+    from magi_attention._runtime.kernels import probe_local, resolve
     from magi_attention.simulate import simulate_dist_attn
     from magi_solver import PlanOptions, plan_attention
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
@@ -134,12 +134,12 @@ def child_sim8(warm: bool) -> dict:
     plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     keys = kernel_key_ids(rows, plan.kv_layout)
-    choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,
+    choice = choose_auto(resolve("auto", d, [probe_local()]), d,
                          lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
                    for h in (hq, hk, hk, hq))  # fmt: skip
-    out = {"backend": choice.backend.value, "reason": choice.reason}
+    out = {"backend": str(choice.backend), "reason": choice.reason}
     # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
     return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend),
                         (lambda: simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend))

@@ -3,20 +3,24 @@
 Every kernel backend states what it takes once, in its :class:`~magi_ffa.contract.BackendCapability`
 (dtypes, head dims, softcap, determinism, whether this process can run it, its priority for ``auto``). A
 caller that must pick among several (the magi_attention runtime, agreeing on one backend across ranks) asks
-here instead of writing per-backend rules: :func:`usable_backends` lists what this process can run (nothing
-is imported to find out), :func:`choose` picks among the candidates every rank can run.
+here instead of writing per-backend rules: :func:`known_backends` / :func:`load_backend` find the backends
+(a shipped kernel package registers its backend when imported, without importing its vendor),
+:func:`usable_backends` lists what this process can run (no vendor is imported to find out), :func:`choose`
+picks among the candidates every rank can run.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Sequence
 
 import torch
 
-from ._common import CheckedSlices
-from .contract import _REGISTRY, BackendCapability, get_backend
+from ._common import CheckedSlices, KernelBackend
+from .contract import _REGISTRY, BackendCapability, FFABackend, get_backend
 
-__all__ = ["choose", "registered_backends", "usable_backends"]
+__all__ = ["choose", "known_backends", "load_backend", "registered_backends", "usable_backends"]
 
 AUTO = "auto"
 
@@ -25,6 +29,32 @@ def registered_backends() -> list[str]:
     """The names of the registered backends, sorted (``triton`` / ``torch``, and ``fa4`` / ``cudnn`` or any
     other once their package is imported)."""
     return sorted(_REGISTRY)
+
+
+def load_backend(name: str) -> FFABackend | None:
+    """The backend registered as ``name``; a kernel package named ``magi_ffa_<name>`` that is installed but not
+    imported yet is imported first (it registers its backend; its vendor's modules are not imported). None
+    when there is no such backend (or its package does not import)."""
+    backend = _REGISTRY.get(name)
+    if backend is not None or not name.isidentifier():
+        return backend
+    module = f"magi_ffa_{name}"
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return _REGISTRY.get(name)
+
+
+def known_backends() -> list[str]:
+    """The sorted names of every backend this process knows: the registered ones, after loading the kernel
+    package of each shipped backend (the members of :class:`~magi_ffa.KernelBackend`) that is installed."""
+    for member in KernelBackend:
+        if member != KernelBackend.AUTO:
+            load_backend(member.value)
+    return registered_backends()
 
 
 def usable_backends(names: Sequence[str] | None = None) -> list[str]:

@@ -126,7 +126,17 @@ class BackendCapability:
         bitwise repeatable."""
         if not self.deterministic_head_dim(head_dim):
             return False
-        return checked is None or self.deterministic(checked)
+        return checked is None or self.deterministic_on(checked)
+
+    def deterministic_on(self, checked: CheckedSlices) -> bool:
+        """:attr:`deterministic` on these slices, evaluated once per slices and backend: the verdict is kept
+        beside the backend's launch data in ``checked.prepared`` (a plan decides it when it is built; every
+        call's :meth:`check_deterministic` on the same slices reads it)."""
+        key = (self.name, "deterministic")
+        verdict = checked.prepared.get(key)
+        if verdict is None:
+            verdict = checked.prepared[key] = bool(self.deterministic(checked))
+        return verdict
 
     def accepts(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> str:
         """Why this backend cannot take inputs of ``dtype`` / ``head_dim`` / ``softcap`` (``""`` when it can)."""
@@ -214,7 +224,7 @@ class BackendCapability:
     def check_deterministic(self, deterministic: bool, checked: CheckedSlices) -> None:
         """ValueError, before any kernel starts, when ``deterministic=True`` and these slices are a mask on
         which the backend is not bitwise repeatable."""
-        if not deterministic or self.deterministic(checked):
+        if not deterministic or self.deterministic_on(checked):
             return
         raise ValueError(
             f"`deterministic=True` is not available on the {self.title} backend ({self.package}) for this "
