@@ -142,6 +142,7 @@ def resolve(
     """The choice from every rank's `RankBackends` (a pure function of values every rank shares, so every
     rank decides alike). Raises ValueError when an explicit `requested` cannot run on every rank, does not
     take `head_dim`, or (`deterministic`) has no deterministic backward at `head_dim`."""
+    requested = str(requested)
     common = set.intersection(*(set(r.usable) for r in ranks))
     if requested != AUTO:
         bad = [
