@@ -19,8 +19,7 @@ import magi_attention._runtime.cache as runtime_cache
 import magi_attention._runtime.kernels as kernels
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.cache import describe_mask
-from magi_attention._runtime.kernels import RankBackends, resolve, restrict_deterministic
+from magi_attention._runtime.kernels import RankBackends, describe_mask, resolve, restrict_deterministic
 from magi_attention.api import (
     calc_attn,
     clear_cache,
@@ -127,9 +126,10 @@ def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_r
     feats = _features(DOCS, DOCS, [1] * len(DOCS))
     agreed = resolve("auto", 128, [ALL, ALL], deterministic=True)
     # every rank's calls run FA4's varlen path: the choice is unchanged
-    assert restrict_deterministic(agreed, [[_docs_call()], [_docs_call()]], "docs", 128) is agreed
+    docs = (DOCS, DOCS, [1] * len(DOCS))
+    assert restrict_deterministic(agreed, [[_docs_call()], [_docs_call()]], docs, 128) is agreed
     # rank 1's calls do not: FA4 leaves the candidates, for every rank alike
-    restricted = restrict_deterministic(agreed, [[_docs_call()], [_random_call()]], "docs", 128)
+    restricted = restrict_deterministic(agreed, [[_docs_call()], [_random_call()]], docs, 128)
     assert "fa4" not in restricted.candidates and "fa4" in agreed.candidates
     for det in (False, True):
         c = choose_auto(restricted, 128, feats, deterministic=det)
@@ -144,7 +144,7 @@ def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_r
     assert frag.backward_for(torch.bfloat16, 128) == B.TRITON, frag.reason
     # without cuDNN anywhere: Triton (the capabilities' priority without FA4)
     only = resolve("auto", 128, [NO_CUDNN, ALL], deterministic=True)
-    only = restrict_deterministic(only, [[_random_call()], [_docs_call()]], "m", 128)
+    only = restrict_deterministic(only, [[_random_call()], [_docs_call()]], docs, 128)
     c = choose_auto(only, 128, feats, deterministic=True)
     assert c.backend == B.TRITON and "deterministic mode" in c.reason, c.reason
     # auto's cuDNN pick moves a softcap call to Triton, not to FA4
@@ -152,20 +152,20 @@ def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_r
     assert c.backend_for(torch.bfloat16, 128, softcap=5.0) == B.TRITON
     # an explicit cuDNN is kept (it is deterministic with its flag)
     explicit = resolve("cudnn", 128, [ALL], deterministic=True)
-    assert restrict_deterministic(explicit, [[_random_call()]], "m", 128).backend == B.CUDNN
+    assert restrict_deterministic(explicit, [[_random_call()]], docs, 128).backend == B.CUDNN
 
 
 def test_explicit_fa4_that_cannot_be_deterministic_raises_naming_everything() -> None:
     agreed = resolve("fa4", 128, [ALL] * 4, deterministic=True)
-    kind = describe_mask(RANDOM_Q, RANDOM_T, False)
     calls = [[_docs_call()], [_random_call()], [_docs_call()], [_docs_call(), _random_call()]]
     with pytest.raises(ValueError) as info:
-        restrict_deterministic(agreed, calls, kind, 128)
+        restrict_deterministic(agreed, calls, (RANDOM_Q, RANDOM_K, RANDOM_T), 128)
     msg = str(info.value)
     for part in ("kernel_backend='fa4'", "rank(s) [1, 3]", "4 slices of types", "'cudnn'", "'triton'"):
         assert part in msg, (part, msg)
-    assert describe_mask(DOCS, [1] * 5, True) == "5 packed causal documents"
-    assert describe_mask([[0, 8]], [0], True) == "one full slice"
+    assert describe_mask(DOCS, DOCS, [1] * 5) == "5 packed causal documents"
+    assert describe_mask(DOCS, DOCS, [1, 1, 0, 1, 1]) == "5 slices of types causal, full"
+    assert describe_mask([[0, 8]], [[0, 8]], [0]) == "one full slice"
 
 
 def test_cudnn_has_no_deterministic_backward_above_head_dim_128() -> None:

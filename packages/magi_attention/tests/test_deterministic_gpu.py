@@ -22,7 +22,6 @@ import torch
 
 from magi_attention import DistAttnConfig
 from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.cache import describe_mask
 from magi_attention._runtime.kernels import attn_kernel, probe_local, resolve, restrict_deterministic
 from magi_attention.api import calc_attn, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention.config import KernelBackend as B
@@ -174,9 +173,8 @@ def _sim_backend(backend: str, d: int, plan, q_ranges, k_ranges, types, total: i
     def features():
         return busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys)
 
-    whole = busiest_rank_features(q_ranges, k_ranges, types, [np.arange(total)])
     choice = choose_auto(agreed, d, features, deterministic=True)
-    restricted = restrict_deterministic(choice, checked, describe_mask(q_ranges, types, whole.documents), d)
+    restricted = restrict_deterministic(choice, checked, (q_ranges, k_ranges, types), d)
     if (restricted.backend, restricted.backward) != (choice.backend, choice.backward):
         restricted = choose_auto(restricted, d, features, deterministic=True)
     return restricted, ok

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ._common import CheckedSlices, KernelBackend
-from .contract import _REGISTRY, BackendCapability, FFABackend, get_backend
+from .contract import _REGISTRY, BackendCapability, FFABackend
 
 __all__ = ["choose", "known_backends", "load_backend", "registered_backends", "usable_backends"]
 
@@ -61,7 +61,7 @@ def usable_backends(names: Sequence[str] | None = None) -> list[str]:
     """The sorted names among ``names`` (default: every registered backend) that this process can run
     (:meth:`BackendCapability.available`: installed and this GPU's architecture, nothing imported)."""
     names = registered_backends() if names is None else names
-    return sorted(n for n in names if get_backend(n).capability.available())
+    return sorted(n for n in names if _REGISTRY[n].capability.available())
 
 
 def _refusal(
@@ -109,18 +109,18 @@ def choose(
                 f"kernel_backend={requested!r} cannot run on every rank (the backends every rank can run: "
                 f"{sorted(candidates)})"
             )
-        why = _refusal(get_backend(requested).capability, dtype, head_dim, softcap, deterministic, checked)
+        why = _refusal(_REGISTRY[requested].capability, dtype, head_dim, softcap, deterministic, checked)
         if why:
             can = [c for c in candidates if c != requested and not _refusal(
-                get_backend(c).capability, dtype, head_dim, softcap, deterministic, checked)]  # fmt: skip
+                _REGISTRY[c].capability, dtype, head_dim, softcap, deterministic, checked)]  # fmt: skip
             raise ValueError(
                 f"kernel_backend={requested!r} cannot take this call: {why}; use {['auto', *can]}"
             )
         return requested
     gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    ranked = sorted(candidates, key=lambda n: (-get_backend(n).capability.priority, n))
+    ranked = sorted(candidates, key=lambda n: (-_REGISTRY[n].capability.priority, n))
     for name in ranked:
-        cap = get_backend(name).capability
+        cap = _REGISTRY[name].capability
         if cap.device != "any" and not gpu:
             continue
         if not _refusal(cap, dtype, head_dim, softcap, deterministic, checked):

@@ -104,9 +104,9 @@ CallSlices = tuple[SliceList, int, int]
 
 
 class DistAttnRuntime:
-    """The plan of one key on this rank, its kernel choice, plus its device tensors. `checked`: this rank's
-    kernel calls already checked when the key was planned (deterministic mode: their determinism verdicts
-    are kept on them, so the calls read them)."""
+    """The plan of one key on this rank, its kernel choice, plus its device tensors. `checked`: per rank, its
+    kernel calls (`rank_kernel_calls`) already checked when the key was planned (deterministic mode: their
+    determinism verdicts are kept on them, so this rank's calls read them)."""
 
     def __init__(
         self,
@@ -114,14 +114,14 @@ class DistAttnRuntime:
         layout: DispatchLayout,
         plan: DistAttnPlan | None,
         kernel_choice: KernelChoice,
-        checked: dict[CallSlices, CheckedSlices] | None = None,
+        checked: Sequence[Sequence[tuple[CallSlices, CheckedSlices]]] = (),
     ) -> None:
         self.key = key
         self.layout = layout
         self.plan = plan
         self.kernel_choice = kernel_choice
-        self.checked = checked or {}
         self.rank = key.cp_group.local_rank()
+        self.checked = dict(checked[self.rank if plan is not None else 0]) if checked else {}
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
@@ -290,23 +290,11 @@ def rank_kernel_calls(
     return calls
 
 
-def describe_mask(q_ranges: Sequence[Sequence[int]], types: Sequence[int], documents: bool) -> str:
-    """A short name of a mask's kind for messages: full / causal, packed documents, or its slice count and
-    types (`documents`: the slices are packed documents, as `magi_solver.kernel_choice.MaskFeatures`)."""
-    names = {0: "full", 1: "causal", 2: "inv_causal", 3: "bi_causal"}
-    kinds = sorted({names.get(int(t), str(t)) for t in types})
-    if len(types) == 1:
-        return f"one {kinds[0]} slice"
-    if documents:
-        return f"{len(types)} packed {kinds[0]} documents"
-    return f"{len(q_ranges)} slices of types {', '.join(kinds)}"
-
-
 def choose_kernel_and_plan(
     key: DistAttnRuntimeKey, layout: DispatchLayout
-) -> tuple[KernelChoice, DistAttnPlan | None, dict[CallSlices, CheckedSlices]]:
+) -> tuple[KernelChoice, DistAttnPlan | None, list[list[tuple[CallSlices, CheckedSlices]]]]:
     """The key's kernel choice (agreed across ranks, refined by `auto`'s table), its plan, built once, and in
-    deterministic mode this rank's kernel calls checked with their determinism verdicts.
+    deterministic mode every rank's kernel calls checked, with their determinism verdicts.
 
     Deterministic mode is decided once per key: the agreement keeps the backends deterministic at the
     head_dim; once the plan fixes every rank's kernel calls, each call is checked once and every candidate's
@@ -321,20 +309,16 @@ def choose_kernel_and_plan(
 
     choice = choose_auto(agreed, key.head_dim, features, deterministic=det)
     plan = build_plan(key, layout, choice)
-    mine: dict[CallSlices, CheckedSlices] = {}
+    mine: list[list[tuple[CallSlices, CheckedSlices]]] = []
     if det:
         calls = rank_kernel_calls(key, layout, plan)
         checked = [[check_slices(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in c] for c in calls]
-        whole = busiest_rank_features(  # the key's mask as one rank holds it: is it packed documents?
-            key.q_ranges, key.k_ranges, list(key.attn_mask_type), [np.arange(key.total_seqlen_q)]
-        )
-        kind = describe_mask(key.q_ranges, key.attn_mask_type, whole.documents)
-        restricted = restrict_deterministic(choice, checked, kind, key.head_dim)
+        mask = (key.q_ranges, key.k_ranges, key.attn_mask_type)
+        restricted = restrict_deterministic(choice, checked, mask, key.head_dim)
         if restricted.backend != choice.backend or restricted.backward != choice.backward:
             restricted = choose_auto(restricted, key.head_dim, features, deterministic=det)
         choice = restricted
-        rank = key.cp_group.local_rank() if plan is not None else 0
-        mine = dict(zip(calls[rank], checked[rank], strict=True))
+        mine = [list(zip(c, k, strict=True)) for c, k in zip(calls, checked, strict=True)]
     import_vendors(key.cp_group, choice)  # only the libraries the agreed choice runs
     return choice, plan, mine
 

@@ -21,6 +21,7 @@ naming why; `auto` keeps only the backends that can.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -208,18 +209,38 @@ def _gather(cp_group: CpGroup, local: RankBackends) -> list[RankBackends]:
     return [RankBackends(kind, tuple(usable), why) for kind, usable, why in map(json.loads, parts)]
 
 
+Mask = tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[int]]
+"""A mask's slices: (q_ranges, k_ranges, types)."""
+
+
+def describe_mask(
+    q_ranges: Sequence[Sequence[int]], k_ranges: Sequence[Sequence[int]], types: Sequence[int]
+) -> str:
+    """A short name of a mask's kind for messages: one slice, packed documents (ascending disjoint query and
+    key ranges in the same order, one type, full or causal: `magi_solver.kernel_choice.MaskFeatures`), or its
+    slice count and types."""
+    names = {0: "full", 1: "causal", 2: "inv_causal", 3: "bi_causal"}
+    kinds = sorted({names.get(int(t), str(t)) for t in types})
+    if len(types) == 1:
+        return f"one {kinds[0]} slice"
+    ascending = all(a[1] <= b[0] for r in (q_ranges, k_ranges) for a, b in itertools.pairwise(r))
+    if ascending and len(kinds) == 1 and kinds[0] in ("full", "causal"):
+        return f"{len(types)} packed {kinds[0]} documents"
+    return f"{len(q_ranges)} slices of types {', '.join(kinds)}"
+
+
 def restrict_deterministic(
-    choice: KernelChoice, rank_calls: Sequence[Sequence[CheckedSlices]], mask_kind: str, head_dim: int
+    choice: KernelChoice, rank_calls: Sequence[Sequence[CheckedSlices]], mask: Mask, head_dim: int
 ) -> KernelChoice:
-    """The choice in deterministic mode, given every rank's kernel calls of the plan (checked slices): the
-    candidates whose backward is deterministic on every call of every rank (`deterministic_on`, evaluated
-    once per call and kept with its slices). Unchanged when all are; else an explicit backend that is not
-    raises ValueError naming it, the ranks, the mask kind and the backends that can, and `auto` drops the
-    others (re-picked by priority when its pick was among them; run `choose_auto` again). A pure function of
-    values every rank shares: every rank decides alike."""
+    """The choice in deterministic mode, given every rank's kernel calls of the plan (checked slices) of the
+    key's `mask`: the candidates whose backward is deterministic on every call of every rank
+    (`deterministic_on`, evaluated once per call and kept with its slices). Unchanged when all are; else an
+    explicit backend that is not raises ValueError naming it, the ranks, the mask's kind and the backends that
+    can, and `auto` drops the others (re-picked by priority when its pick was among them; run `choose_auto`
+    again). A pure function of values every rank shares: every rank decides alike."""
     bad = {}
     for name in choice.candidates:
-        cap = ffa_backend(name).capability
+        cap = load_backend(name).capability
         ranks = [r for r, calls in enumerate(rank_calls) if not all(map(cap.deterministic_on, calls))]
         if ranks:
             bad[name] = ranks
@@ -229,11 +250,11 @@ def restrict_deterministic(
     if choice.requested != AUTO:
         if choice.requested not in bad:
             return dataclasses.replace(choice, candidates=kept)
-        cap = ffa_backend(choice.requested).capability
+        cap = load_backend(choice.requested).capability
         raise ValueError(
             f"kernel_backend={str(choice.requested)!r} cannot run a deterministic backward on rank(s) "
             f"{bad[choice.requested]} of the cp group (DistAttnConfig.deterministic is True): their kernel "
-            f"calls on this mask ({mask_kind}) are refused there: {cap.nondeterministic_masks}; use "
+            f"calls on this mask ({describe_mask(*mask)}) are refused there: {cap.nondeterministic_masks}; use "
             f"kernel_backend={' or '.join(repr(n) for n in (AUTO, *kept))}"
         )
     narrowed = dataclasses.replace(choice, candidates=kept)
