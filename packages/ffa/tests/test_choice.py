@@ -60,4 +60,6 @@ def test_the_slices_decide_determinism_where_they_are_known(toy) -> None:
     checked = check_slices([[0, 8]], [[0, 8]], [1], 8, 8)
     assert cap.deterministic_at(checked, 32) and not cap.deterministic_at(checked, 128)
     never = dataclasses.replace(cap, deterministic=lambda c: False)
-    assert not never.deterministic_at(checked, 32) and never.deterministic_at(None, 32)
+    fresh = check_slices([[0, 8]], [[0, 8]], [1], 8, 8)  # a verdict is kept per slices and backend name
+    assert not never.deterministic_at(fresh, 32) and never.deterministic_at(None, 32)
+    assert fresh.prepared[("toy", "deterministic")] is False

@@ -20,7 +20,7 @@ import torch
 from ._common import CheckedSlices, KernelBackend
 from .contract import _REGISTRY, BackendCapability, FFABackend
 
-__all__ = ["choose", "known_backends", "load_backend", "registered_backends", "usable_backends"]
+__all__ = ["choose", "known_backends", "load_backend", "refusal", "registered_backends", "usable_backends"]
 
 AUTO = "auto"
 
@@ -64,6 +64,19 @@ def usable_backends(names: Sequence[str] | None = None) -> list[str]:
     return sorted(n for n in names if _REGISTRY[n].capability.available())
 
 
+def refusal(cap: BackendCapability, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> str:
+    """Why the backend of ``cap`` cannot take inputs of ``dtype`` / ``head_dim`` / ``softcap`` (``""`` when it
+    can)."""
+    if dtype not in cap.dtypes:
+        names = "/".join(str(d).removeprefix("torch.") for d in cap.dtypes)
+        return f"{cap.title} takes {names} inputs, got {dtype}"
+    if not cap.head_dim_ok(head_dim):
+        return f"{cap.title} needs head_dim {cap.head_dim_rule}, got {head_dim}"
+    if softcap != 0 and not cap.softcap:
+        return f"{cap.title} has no soft-capping (softcap must be 0, got {softcap!r})"
+    return ""
+
+
 def _refusal(
     cap: BackendCapability,
     dtype: torch.dtype,
@@ -72,8 +85,10 @@ def _refusal(
     deterministic: bool,
     checked: CheckedSlices | None,
 ) -> str:
-    why = cap.accepts(dtype, head_dim, softcap)
-    if not why and deterministic and not cap.deterministic_at(checked, head_dim):
+    why = refusal(cap, dtype, head_dim, softcap)
+    # the capability's predicates (the verdict on slices is not kept here: the runtime's own check keeps it)
+    repeatable = cap.deterministic_head_dim(head_dim) and (checked is None or cap.deterministic(checked))
+    if not why and deterministic and not repeatable:
         why = f"{cap.title} has no deterministic backward for this mask at head_dim {head_dim}"
     return why
 

@@ -138,17 +138,6 @@ class BackendCapability:
             verdict = checked.prepared[key] = bool(self.deterministic(checked))
         return verdict
 
-    def accepts(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> str:
-        """Why this backend cannot take inputs of ``dtype`` / ``head_dim`` / ``softcap`` (``""`` when it can)."""
-        if dtype not in self.dtypes:
-            names = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"{self.title} takes {names} inputs, got {dtype}"
-        if not self.head_dim_ok(head_dim):
-            return f"{self.title} needs head_dim {self.head_dim_rule}, got {head_dim}"
-        if softcap != 0 and not self.softcap:
-            return f"{self.title} has no soft-capping (softcap must be 0, got {softcap!r})"
-        return ""
-
     # ------------------------------------------------------------------------------------- availability
     def missing(self) -> str:
         """Why this process cannot run the backend, or ``""`` when it can: a distribution of ``requires``

@@ -8,6 +8,7 @@ first call on a device and cached with the plan.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -120,13 +121,22 @@ class DistAttnRuntime:
         self.layout = layout
         self.plan = plan
         self.kernel_choice = kernel_choice
-        self.rank = key.cp_group.local_rank()
-        self.checked = dict(checked[self.rank if plan is not None else 0]) if checked else {}
+        self._checked = checked
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
         self._kernels: dict[tuple[torch.dtype, float], AttnKernel] = {}
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
+
+    @functools.cached_property
+    def rank(self) -> int:
+        """This rank's index in the key's cp group."""
+        return self.key.cp_group.local_rank()
+
+    @functools.cached_property
+    def checked(self) -> dict[CallSlices, CheckedSlices]:
+        """This rank's kernel calls checked when the key was planned (empty: checked when first built)."""
+        return dict(self._checked[self.rank if self.plan is not None else 0]) if self._checked else {}
 
     def kernel(self, dtype: torch.dtype, softcap: float = 0.0) -> AttnKernel:
         """The launchers for inputs of `dtype` with this `softcap` (same backends on every rank)."""

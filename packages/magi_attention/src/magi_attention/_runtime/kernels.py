@@ -1,21 +1,17 @@
 """Which attention kernel the runtime calls, agreed by every rank of a cp group before any plan is made.
 
-Every kernel backend states once, in its capability (`magi_ffa.contract.BackendCapability`), what it takes
-(dtypes, head dims, softcap, devices), where its backward is deterministic and its priority; this module asks
-the capabilities (`magi_ffa.choice`) and names no backend itself. Each rank lists the backends it can run
-(installed and this GPU's architecture; no vendor is imported to find out); the ranks exchange those lists once
-per (group, requested backend, head_dim, deterministic mode), and every rank keeps the same candidates: the
-backends every rank can run that take the head_dim. So ranks with different software never plan or compute
-differently, and a requested backend that some rank cannot run (or does not know) raises on every rank,
-before any collective of the attention itself. `auto` picks among the candidates (`auto_kernel.choose_auto`:
-the measured table, else the capabilities' priority). The dtype and softcap are only known at `calc_attn`:
-`KernelChoice.backend_for` refines the choice for them among the same candidates.
+Every kernel backend states once, in its capability (`magi_ffa.contract.BackendCapability`), what it takes,
+where its backward is deterministic and its priority; this module asks the capabilities (`magi_ffa.choice`)
+and names no backend itself. Each rank lists the backends it can run (no vendor is imported to find out); the
+ranks exchange those lists once per (group, requested backend, head_dim, deterministic mode) and keep the same
+candidates: the backends every rank can run that take the head_dim. So ranks with different software never
+plan or compute differently, and a requested backend that some rank cannot run (or does not know) raises on
+every rank before any data moves. `auto` picks among the candidates (`auto_kernel.choose_auto`); each call's
+dtype and softcap refine the choice among the same candidates (`KernelChoice.backend_for`).
 
-Deterministic mode (`DistAttnConfig.deterministic`): every backward must be bitwise repeatable. A capability
-says where: at which head dims (`deterministic_head_dim`: applied at the agreement, before any plan) and on
-which slices (`deterministic`: applied once the plan fixes every rank's kernel calls, by
-`restrict_deterministic`, on every rank alike with no communication). A requested backend that cannot raises
-naming why; `auto` keeps only the backends that can.
+Deterministic mode: a capability says at which head dims (`deterministic_head_dim`: applied at the agreement)
+and on which slices (`deterministic`: applied once the plan fixes every rank's kernel calls, by
+`restrict_deterministic`, alike on every rank) its backward is bitwise repeatable.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from magi_ffa.choice import choose, known_backends, load_backend, usable_backends
+from magi_ffa.choice import choose, known_backends, load_backend, refusal, usable_backends
 from magi_ffa.validation import CheckedSlices
 from magi_group_collective.agreement import agree, host_group_of
 
@@ -40,8 +36,7 @@ from .launch import AttnKernel, attn_kernel, backend_name, ffa_backend
 __all__ = ["AttnKernel", "KernelChoice", "agree_kernel_choice", "attn_kernel", "backend_name", "ffa_backend"]
 
 AUTO = "auto"
-KEY_DTYPE = torch.bfloat16
-"""The dtype a key's choice is made for (16-bit inputs); each call's dtype refines it (`backend_for`)."""
+KEY_DTYPE = torch.bfloat16  # a key's choice is for 16-bit inputs; each call's dtype refines it
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +64,8 @@ def backend_missing(name: str) -> str:
     """Why this process cannot run backend `name` ("" when it can): no backend of that name, a library not
     installed, or this GPU (read from what is installed: no vendor is imported)."""
     backend = load_backend(str(name))
-    if backend is None:
-        return (
-            f"no kernel backend named {str(name)!r} here (known: {', '.join(known_backends())}; others are "
-            "added with magi_ffa.contract.register_backend)"
-        )
+    if backend is None:  # others are added with magi_ffa.contract.register_backend
+        return f"no kernel backend named {str(name)!r} here (known: {', '.join(known_backends())})"
     return backend.capability.missing()
 
 
@@ -99,9 +91,8 @@ class KernelChoice:
     reason: str = ""
     """Why this backend: the explicit request, the capabilities' priority, or `auto`'s table row."""
     backward: KernelBackend | str | None = None
-    """`auto` only: the backend of the backward when the table measured another one clearly faster there
-    than `backend` (None: the backward runs on `backend` too). The backward starts from the final out / lse,
-    whichever backend made them."""
+    """`auto` only: the backward's backend where the table measured another one clearly faster there than
+    `backend` (None: `backend`). The backward starts from the final out / lse, whichever backend made them."""
     on_gpu: bool = True
     """Every rank has a CUDA GPU (else `auto` leaves the GPU backends to explicit requests)."""
 
@@ -120,7 +111,7 @@ class KernelChoice:
     def _refined(
         self, backend: str, dtype: torch.dtype, head_dim: int, softcap: float
     ) -> KernelBackend | str:
-        if not ffa_backend(backend).capability.accepts(dtype, head_dim, softcap):
+        if not refusal(ffa_backend(backend).capability, dtype, head_dim, softcap):
             return backend
         # an explicit request raises here (naming why and the alternatives); auto takes the next by priority
         name = choose(self.candidates, requested=str(self.requested), dtype=dtype, head_dim=head_dim,
@@ -163,7 +154,7 @@ def resolve(
 
     def takes(name: str) -> bool:
         cap = ffa_backend(name).capability
-        return cap.head_dim_ok(head_dim) and (not deterministic or cap.deterministic_at(None, head_dim))
+        return cap.head_dim_ok(head_dim) and (not deterministic or cap.deterministic_head_dim(head_dim))
 
     candidates = tuple(sorted(n for n in common if takes(n)))
     if requested != AUTO and requested not in candidates:  # deterministic mode, at this head_dim
