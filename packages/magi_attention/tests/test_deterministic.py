@@ -227,7 +227,8 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         # auto on the same mask: every rank drops FA4 and picks the same deterministic backend
         key = magi_attn_flex_key(q, k, t, TOTAL, TOTAL, HQ, HKV, 64, dist.group.WORLD, _cfg("auto"))
         backend, reason = get_kernel_backend(key, torch.bfloat16)
-        assert backend == B.CUDNN, reason
+        # no h200 table row at head_dim 64: the capabilities' priority among the deterministic candidates
+        assert backend == B.TRITON and "deterministic mode: fa4 not deterministic" in reason, reason
         assert get_kernel_backend(key, torch.bfloat16)[0] == backend
         seen.append(backend.value)
         # the same auto without deterministic mode keeps FA4 among its candidates (the table decides)
