@@ -301,7 +301,7 @@ def calc_attn_runner(m: BenchMask, q, k, v, backend: str):
     key = magi_attn_flex_key(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), S, S, hq,
                              k.shape[1], d, None, DistAttnConfig(kernel_backend=backend))  # fmt: skip
     resolved, reason = get_kernel_backend(key)
-    print(f"# calc_attn({backend}) on {m.name} {S}: {resolved.value} ({reason})", flush=True)
+    print(f"# calc_attn({backend}) on {m.name} {S}: {resolved} ({reason})", flush=True)
     return (lambda: calc_attn(q, k, v, key)[0], (q, k, v))
 
 
@@ -433,12 +433,12 @@ def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
     backend this process can run is a candidate; the backward's backend may differ): ``(attn_kernel,
     choice)``. ``rows``: each rank's global query ids; ``kv_layout``: the plan's (None: keys dispatched as the
     queries are)."""
-    from magi_attention._runtime.kernels import _resolve, attn_kernel, choose_auto, probe_local
-    from magi_attention.config import KernelBackend
+    from magi_attention._runtime.auto_kernel import choose_auto
+    from magi_attention._runtime.kernels import attn_kernel, probe_local, resolve
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
-    choice = choose_auto(_resolve(KernelBackend.AUTO, head_dim, [probe_local()]), head_dim,
+    choice = choose_auto(resolve("auto", head_dim, [probe_local()]), head_dim,
                          lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
     return attn_kernel(choice.backend, choice.backward), choice
 

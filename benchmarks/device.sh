@@ -17,7 +17,8 @@
 #           package's GPU tests on 4.0.0b40 unless FA4_VERSIONS_TESTS=0; prepare here: pip download --no-deps
 #           -d .fa4/b40 flash-attn-4==4.0.0b40), fa4-b40-tests (those tests alone, for a second call)
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
-#           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm)
+#           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm;
+#           the breakdown of a fresh process from launch for auto, fa4, cudnn)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
 #           TOKENS, SCALING_MASKS, SINGLE, DISPATCH_ALGS override), rank-ncu (Nsight Compute of the busiest
 #           cp 8 rank's backward against the whole mask's; NCU_MASKS, NCU_BACKEND), det-ncu (the same of the whole mask's
@@ -160,7 +161,7 @@ phase_det-ncu() {  # Nsight Compute of the deterministic backward against the de
   ncu --import "$OUT/det_ncu.ncu-rep" --csv --page raw > "$OUT/det_ncu_raw.csv" 2>>"$LOG"
   run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/det_ncu_raw.csv" --json "$OUT/det_ncu.json"
 }
-phase_first-step() { run "${BENCH_S:-400}" python3 -m benchmarks.first_step --out "$OUT"; }
+phase_first-step() { run "${BENCH_S:-590}" python3 -m benchmarks.first_step --out "$OUT"; }
 phase_sim() {
   run "${BENCH_S:-560}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
     --simulate-explicit --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" \

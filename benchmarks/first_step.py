@@ -1,12 +1,21 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
 
-Each run is a fresh child process; the clock starts at the first ``calc_attn`` call and stops when its
-backward has finished (compiles included); steps 2-3 give the steady state. ``kernel_backend="auto"``, a
+Each run is a fresh child process. ``first_step_s``: the clock starts at the first ``calc_attn`` call and
+stops when its backward has finished (compiles included); steps 2-3 give the steady state.
+
+The breakdown (``--breakdown auto,fa4,cudnn``, each backend cold then warm on its own fresh cache directory)
+follows one fresh process from its launch: the interpreter's start, ``import torch``, our imports
+(``import magi_attention``), CUDA's start, the first key, the first forward + backward, then a second, new
+mask's key and step. The vendors' imports (``flash_attn``, ``cudnn``, ``cutlass``, ``quack``, wherever they
+happen: the key imports those of its chosen backend) are timed apart and taken out of the stage that made
+them; ``ours_s`` is our imports + the first key + the first forward and backward without them. Beside it,
+``import torch`` alone and ``import torch`` + ``import cudnn.flex_attention``, each in a fresh process
+(what a user of cuDNN's own call pays before its first step). ``kernel_backend="auto"``, a
 16k-token packed causal documents mask, heads 64:8, head_dim 128, bf16. Runs, all with
 ``MAGI_ATTENTION_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` below it) on a fresh directory: ``cp1`` cold, ``cp1``
 warm, ``cp1_warmup`` (``magi_attention.warmup(key)`` first), then ``sim8`` / ``sim8_warmup`` (the simulated
 cp 8 loop) on a second fresh directory. The cache's size is recorded after each run;
-results in ``$OUT/first_step.json`` (or ``--out``).
+results in ``first_step.json`` under ``--out`` (default ``$OUT``, else ``benchmarks/results/``).
 
     python -m benchmarks.first_step --out $OUT     # on one GPU, about 2-4 minutes
     python -m benchmarks.first_step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
@@ -15,6 +24,7 @@ results in ``$OUT/first_step.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
 import subprocess
@@ -24,19 +34,34 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import common
+# no torch at module level: the breakdown's child times `import torch` itself (benchmarks.common imports it)
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
 DEVICE = "cuda"
 RUNS = ("cp1", "cp1", "cp1_warmup", "sim8", "sim8", "sim8_warmup")
 """The order of the runs; the first run of each kind on its cache directory is cold, the others warm."""
+BREAKDOWN = ("auto", "fa4", "cudnn")
+VENDORS = ("flash_attn", "cudnn", "cutlass", "quack")
+"""The vendors' top-level modules, whose imports the breakdown times apart."""
 
 
-def _mask():
-    from magi_attention.vendors import standard_masks
+class _Docs:
+    """Packed causal documents of lengths cycling 1/8, 1/4, 1/16, 1/16 of the tokens (``info --bench``'s
+    ``docs``), or in the reverse order (``second``: a new mask of the same kind)."""
 
-    return next(m for m in standard_masks(TOKENS) if m.name == "docs")
+    def __init__(self, second: bool = False) -> None:
+        lengths, cycle = [], (16, 16, 4, 8) if second else (8, 4, 16, 16)
+        while sum(lengths) < TOKENS:
+            lengths.append(min(TOKENS // cycle[len(lengths) % 4], TOKENS - sum(lengths)))
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        self.q_ranges = self.k_ranges = [[a, a + n] for a, n in zip(starts, lengths, strict=True)]
+        self.types = [1] * len(lengths)
+
+
+def _mask() -> _Docs:
+    return _Docs()
 
 
 def _dtype():
@@ -58,6 +83,8 @@ def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], objec
     """``out`` with ``warmup_s`` (``warm``'s seconds, if given), ``first_step_s`` (the first of three calls of
     ``step``) and ``steady_step_s`` (the fastest of the other two); device work waited for."""
     import torch
+
+    from benchmarks import common
 
     device = torch.device(DEVICE)
     if warm is not None:
@@ -91,8 +118,8 @@ def child_sim8(warm: bool) -> dict:
     import numpy as np
     import torch
 
-    from magi_attention._runtime.kernels import _resolve, choose_auto, probe_local
-    from magi_attention.config import KernelBackend
+    from magi_attention._runtime.auto_kernel import choose_auto
+    from magi_attention._runtime.kernels import probe_local, resolve
     from magi_attention.simulate import simulate_dist_attn
     from magi_solver import PlanOptions, plan_attention
     from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
@@ -107,16 +134,101 @@ def child_sim8(warm: bool) -> dict:
     plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     keys = kernel_key_ids(rows, plan.kv_layout)
-    choice = choose_auto(_resolve(KernelBackend.AUTO, d, [probe_local()]), d,
+    choice = choose_auto(resolve("auto", d, [probe_local()]), d,
                          lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
                    for h in (hq, hk, hk, hq))  # fmt: skip
-    out = {"backend": choice.backend.value, "reason": choice.reason}
+    out = {"backend": str(choice.backend), "reason": choice.reason}
     # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
     return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend),
                         (lambda: simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend))
                         if warm else None)  # fmt: skip
+
+
+class _VendorClock:
+    """Seconds spent importing the vendors (``VENDORS``), wherever the import statement is: the outermost
+    vendor import is timed (what it imports in turn, ``torch._dynamo`` included, counts as the vendor's)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.loaded, self._busy = 0.0, set(), False
+        self._real = builtins.__import__
+        builtins.__import__ = self._import
+
+    def _import(self, name, globals=None, locals=None, fromlist=(), level=0):
+        root = name.split(".")[0]
+        if level or self._busy or root not in VENDORS or root in sys.modules:
+            return self._real(name, globals, locals, fromlist, level)
+        self._busy, t0 = True, time.perf_counter()
+        try:
+            return self._real(name, globals, locals, fromlist, level)
+        finally:
+            self._busy, self.seconds = False, self.seconds + time.perf_counter() - t0
+            self.loaded.add(root)
+
+
+def child_breakdown(backend: str) -> dict:
+    """One fresh process from its launch to the end of a second mask's step (see the module docstring)."""
+    launch = float(os.environ["MAGI_FIRST_STEP_LAUNCH"])
+    out: dict = {"backend_requested": backend, "python_s": time.time() - launch}
+    clock = _VendorClock()
+    stages: list[tuple[str, Callable[[], object]]] = []
+    state: dict = {}
+
+    def imports_ours():
+        import magi_attention
+
+        state["api"] = magi_attention
+
+    def key(second: bool = False):
+        m, api = _Docs(second), state["api"]
+        hq, hk, d = HEADS
+        cfg = api.DistAttnConfig(kernel_backend=backend)
+        state["key"] = api.magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d,
+                                              None, cfg)  # fmt: skip
+
+    def inputs():  # a new q / k / v / dout (not ours: timed as a stage of its own)
+        import torch
+
+        hq, hk, d = HEADS
+        state["qkv"] = [torch.randn(TOKENS, h, d, device=DEVICE, dtype=_dtype()).requires_grad_()
+                        for h in (hq, hk, hk)]  # fmt: skip
+        state["do"] = torch.randn(TOKENS, hq, d, device=DEVICE, dtype=_dtype())
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    def step():
+        import torch
+
+        state["api"].calc_attn(*state["qkv"], state["key"])[0].backward(state["do"])
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    stages = [("import_torch_s", lambda: __import__("torch")), ("import_ours_s", imports_ours),
+              ("cuda_start_s", _start), ("inputs_s", inputs), ("first_key_s", key), ("first_step_s", step),
+              ("second_key_s", lambda: key(True)), ("inputs_s", inputs), ("second_step_s", step)]  # fmt: skip
+    for name, fn in stages:
+        before, t0 = clock.seconds, time.perf_counter()
+        fn()
+        vendor = clock.seconds - before
+        out[name] = out.get(name, 0.0) + time.perf_counter() - t0 - vendor
+        out["vendor_import_s"] = out.get("vendor_import_s", 0.0) + vendor
+        if name == "first_step_s":
+            out["launch_to_first_backward_s"] = time.time() - launch
+    resolved, reason = state["api"].get_kernel_backend(state["key"])
+    out.update(backend=getattr(resolved, "value", str(resolved)), reason=reason, vendors=sorted(clock.loaded))
+    out["ours_s"] = out["import_ours_s"] + out["first_key_s"] + out["first_step_s"]
+    return out
+
+
+def child_imports(modules: str) -> dict:
+    """Launch to the end of importing ``modules`` (comma-separated, in order) in a fresh process."""
+    import importlib
+
+    launch = float(os.environ["MAGI_FIRST_STEP_LAUNCH"])
+    for m in modules.split(","):
+        importlib.import_module(m)
+    return {"launch_to_imported_s": time.time() - launch}
 
 
 def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
@@ -127,8 +239,9 @@ def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
                  "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED"):  # fmt: skip
         env.pop(name, None)  # ours decide: the point is the default
     t0 = time.perf_counter()
+    env["MAGI_FIRST_STEP_LAUNCH"] = repr(time.time())
     proc = subprocess.run([sys.executable, "-m", "benchmarks.first_step", "--child", kind, *shape], env=env,
-                          cwd=common.ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"kind": kind, "error": proc.stderr[-3000:], "process_s": wall}
@@ -141,25 +254,36 @@ def main() -> None:
     global TOKENS, HEADS, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of first_step.json ($OUT)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"),
+                        help="folder of first_step.json (default $OUT, else benchmarks/results)")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=300, help="seconds per child process")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (fp32)")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"mask length (default {TOKENS})")
     parser.add_argument("--heads", default=",".join(map(str, HEADS)), help="heads_q,heads_kv,head_dim")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"runs in order (default {','.join(RUNS)})")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"runs in order (default {','.join(RUNS)}; "
+                        "'' for none)")  # fmt: skip
+    parser.add_argument("--breakdown", default=",".join(BREAKDOWN), help="backends of the from-launch breakdown, "
+                        f"each cold then warm (default {','.join(BREAKDOWN)}; '' for none)")  # fmt: skip
+    parser.add_argument(
+        "--vendor-baseline",
+        default="cudnn.flex_attention",
+        help="module whose import after torch's is timed in a fresh process ('' for none)",
+    )
     args = parser.parse_args()
     TOKENS, DEVICE = args.tokens, args.device
     HEADS = tuple(int(x) for x in args.heads.split(","))
     if len(HEADS) != 3 or TOKENS % 128:
         parser.error("--heads needs three integers and --tokens a multiple of 128")
     shape = ["--device", DEVICE, "--tokens", str(TOKENS), "--heads", args.heads]
-    runs = args.runs.split(",")
-    if not runs or any(r not in RUNS for r in runs):
+    runs = [r for r in args.runs.split(",") if r]
+    if any(r not in RUNS for r in runs):
         parser.error(f"--runs takes names among {sorted(set(RUNS))}")
+    breakdown = [b for b in args.breakdown.split(",") if b]
     if args.child:
-        kind = args.child
+        kind, _, arg = args.child.partition(":")
         fn = {"cp1": lambda: child_cp1(False), "cp1_warmup": lambda: child_cp1(True),
-              "sim8": lambda: child_sim8(False), "sim8_warmup": lambda: child_sim8(True)}[kind]  # fmt: skip
+              "sim8": lambda: child_sim8(False), "sim8_warmup": lambda: child_sim8(True),
+              "breakdown": lambda: child_breakdown(arg), "imports": lambda: child_imports(arg)}[kind]  # fmt: skip
         print(json.dumps(fn()))
         return
     runs_out = []
@@ -173,6 +297,7 @@ def main() -> None:
             seen.add(cache)
             runs_out.append(r)
             print(json.dumps(r), flush=True)
+        breakdown_out = _run_breakdown(breakdown, args, tmp, shape)
     import torch
 
     doc = {
@@ -182,6 +307,7 @@ def main() -> None:
         "heads": list(HEADS),
         "mask": "docs (packed causal documents)",
         "runs": runs_out,
+        **breakdown_out,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "first_step.json"
@@ -196,8 +322,66 @@ def main() -> None:
         w = f"{r['warmup_s']:.2f}" if "warmup_s" in r else "-"
         print(f"{r['kind']:<12}{r['cache']:<6}{r['backend'][:15]:<16}{w:>9}{r['first_step_s']:>9.2f}"
               f"{r['steady_step_s']:>9.3f}{r['cache_bytes'] / 2**20:>10.1f}")  # fmt: skip
+    _print_breakdown(breakdown_out)
     print(f"wrote {path}")
-    sys.exit(1 if any("error" in r for r in runs_out) else 0)
+    failed = [r for r in [*runs_out, *breakdown_out["breakdown"], *breakdown_out["imports"]] if "error" in r]
+    sys.exit(1 if failed else 0)
+
+
+def _run_breakdown(backends: list[str], args, tmp: str, shape: list[str]) -> dict:
+    """The breakdown's runs (each backend cold then warm on its own fresh cache directory) and the fresh
+    processes that import torch alone and torch + the vendor baseline."""
+    rows = []
+    for backend in backends:
+        cache = os.path.join(tmp, f"breakdown_{backend}")
+        for cold in ("cold", "warm"):
+            r = run_child(f"breakdown:{backend}", cache, args.timeout, shape)
+            r["cache"] = cold
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    imports = []
+    if backends:
+        for modules in ["torch", *([f"torch,{args.vendor_baseline}"] if args.vendor_baseline else [])]:
+            r = run_child(f"imports:{modules}", os.path.join(tmp, "imports"), args.timeout, shape)
+            r["modules"] = modules
+            imports.append(r)
+            print(json.dumps(r), flush=True)
+    return {"breakdown": rows, "imports": imports}
+
+
+def _print_breakdown(doc: dict) -> None:
+    """The breakdown as a table: seconds per stage, vendors' imports apart."""
+    cols = ["python_s", "import_torch_s", "import_ours_s", "cuda_start_s", "vendor_import_s", "first_key_s",
+            "first_step_s", "second_key_s", "second_step_s", "ours_s", "launch_to_first_backward_s"]  # fmt: skip
+    heads = [
+        "python",
+        "torch",
+        "ours",
+        "cuda",
+        "vendors",
+        "key",
+        "fwd+bwd",
+        "key 2",
+        "step 2",
+        "OURS",
+        "total",
+    ]
+    if doc["breakdown"]:
+        print(
+            "\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
+            "launch to the end of the first backward)"
+        )
+        print(f"{'backend':<16}{'cache':<6}" + "".join(f"{h:>8}" for h in heads))
+    for r in doc["breakdown"]:
+        name = r["kind"].partition(":")[2]
+        if "error" in r:
+            print(f"{name:<16}{r['cache']:<6}error: {r['error'].splitlines()[-1][:60]}")
+            continue
+        label = f"{name}->{r['backend']}" if name == "auto" else name
+        print(f"{label[:15]:<16}{r['cache']:<6}" + "".join(f"{r[c]:>8.2f}" for c in cols))
+    for r in doc["imports"]:
+        t = f"{r['launch_to_imported_s']:.2f} s" if "error" not in r else "error"
+        print(f"fresh process, launch to `import {r['modules'].replace(',', '` + `import ')}`: {t}")
 
 
 if __name__ == "__main__":

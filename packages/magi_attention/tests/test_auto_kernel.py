@@ -10,20 +10,21 @@ import numpy as np
 import pytest
 import torch
 
+import magi_attention._runtime.auto_kernel as auto_kernel
 import magi_attention._runtime.cache as runtime_mod
-import magi_attention._runtime.kernels as kernels
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention._layout import build_layout
+from magi_attention._runtime.auto_kernel import choose_auto
 from magi_attention._runtime.cache import rank_problem_features
-from magi_attention._runtime.kernels import LocalCapability, _resolve, attn_kernel, choose_auto
+from magi_attention._runtime.kernels import RankBackends, attn_kernel, resolve
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
 from magi_solver import long_tailed_cu_seqlens
 from magi_solver.kernel_choice import KernelTable, busiest_rank_features, load_kernel_table, pick_kernel
 
-FA4_CUDNN = LocalCapability("", "", "h200", "")
-FA4_ONLY = LocalCapability("", "", "h200", "cuDNN's flex_attention does not import")
+FA4_CUDNN = RankBackends("h200", ("cudnn", "fa4", "torch", "triton"))
+FA4_ONLY = RankBackends("h200", ("fa4", "torch", "triton"))
 
 
 def _docs(total: int) -> list[list[int]]:
@@ -36,7 +37,7 @@ def _features(q, k, t, total):
 
 
 def _auto(ranks, q, k, t, total, head_dim=128):
-    return choose_auto(_resolve(B.AUTO, head_dim, ranks), head_dim, _features(q, k, t, total))
+    return choose_auto(resolve(B.AUTO, head_dim, ranks), head_dim, _features(q, k, t, total))
 
 
 def test_table_picks_per_mask_among_what_every_rank_runs() -> None:
@@ -58,7 +59,7 @@ def test_table_picks_per_mask_among_what_every_rank_runs() -> None:
 
 
 def test_without_a_table_or_a_row_the_capability_rule_stays_and_says_so() -> None:
-    other = LocalCapability("", "", "b200", "")
+    other = RankBackends("b200", FA4_CUDNN.usable)
     c = _auto([other], [[0, 10]], [[0, 10]], [0], 10)
     assert c.backend == B.FA4 and "no measured kernel table for GPU kind 'b200'" in c.reason
     # head_dim 256: FA4 cannot, cuDNN and Triton can (the h200 table measured both); none of 64
@@ -70,7 +71,7 @@ def test_without_a_table_or_a_row_the_capability_rule_stays_and_says_so() -> Non
 
 def test_explicit_backends_are_never_changed() -> None:
     for requested in (B.FA4, B.CUDNN, B.TRITON, B.TORCH):
-        c = choose_auto(_resolve(requested, 128, [FA4_CUDNN]), 128, lambda: pytest.fail("features computed"))
+        c = choose_auto(resolve(requested, 128, [FA4_CUDNN]), 128, lambda: pytest.fail("features computed"))
         assert c.backend == requested and c.reason == f"kernel_backend={requested.value!r} (explicit)"
 
 
@@ -84,7 +85,7 @@ def test_refinement_by_dtype_and_softcap() -> None:
     assert c.backend_for(torch.float32, 128) == B.TRITON
     assert c.backend_for(torch.float64, 128) == B.TORCH
     with pytest.raises(ValueError, match="softcap"):
-        _resolve(B.CUDNN, 128, [FA4_CUDNN]).backend_for(torch.bfloat16, 128, softcap=30.0)
+        resolve(B.CUDNN, 128, [FA4_CUDNN]).backend_for(torch.bfloat16, 128, softcap=30.0)
 
 
 def test_rank_problem_features_and_the_accessor_on_a_key(monkeypatch) -> None:
@@ -131,7 +132,7 @@ def test_features_are_of_the_busiest_ranks_problem_as_its_kernel_sees_it() -> No
     # the same rows against global key ids are packed documents: what auto keyed its table by before
     assert busiest_rank_features(docs, docs, [1] * len(docs), rows).documents
     table = load_kernel_table("h200")
-    choice = choose_auto(_resolve(B.AUTO, 128, [FA4_CUDNN] * cp), 128, lambda: f)
+    choice = choose_auto(resolve(B.AUTO, 128, [FA4_CUDNN] * cp), 128, lambda: f)
     row = next(r for r in table.rows if f"nearest measured row {r['mask']} at {r['tokens']} tokens" in choice.reason
                and r["head_dim"] == 128)  # fmt: skip
     assert not row["documents"]
@@ -178,7 +179,7 @@ SPLIT_TABLE = KernelTable.from_dict({"gpu_kind": "h200", "rows": [
 def test_split_directions_refined_per_call(monkeypatch) -> None:
     """A table whose forward and backward winners differ by more than SPLIT_GAIN: the forward on one
     backend, the backward on the other, each refined by dtype and softcap like a single choice."""
-    monkeypatch.setattr(kernels, "load_kernel_table", lambda kind: SPLIT_TABLE)
+    monkeypatch.setattr(auto_kernel, "load_kernel_table", lambda kind: SPLIT_TABLE)
     docs = _docs(8192)
     c = _auto([FA4_CUDNN, FA4_CUDNN], docs, docs, [1] * len(docs), 8192)
     assert (c.backend, c.backward) == (B.FA4, B.CUDNN) and "fa4 forward, cudnn backward" in c.reason
@@ -207,7 +208,7 @@ def test_split_kernels_through_calc_attn(monkeypatch) -> None:
         import dataclasses
 
         return dataclasses.replace(real(choice, head_dim, features, **kw), backend=B.TRITON, backward=B.TORCH,
-                                   triton_everywhere=True, reason="test: triton forward, torch backward")  # fmt: skip
+                                   reason="test: triton forward, torch backward")  # fmt: skip
 
     monkeypatch.setattr(runtime_mod, "choose_auto", split)
     clear_cache()

@@ -15,17 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import magi_attention._runtime.cache as runtime_cache
 import magi_attention._runtime.kernels as kernels
+import magi_ffa
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention._runtime.kernels import (
-    LocalCapability,
-    _resolve,
-    choose_auto,
-    describe_mask,
-    fa4_deterministic_supported,
-    restrict_deterministic,
-    restrict_deterministic_head_dim,
-)
+from magi_attention._runtime.auto_kernel import choose_auto
+from magi_attention._runtime.kernels import RankBackends, describe_mask, resolve, restrict_deterministic
 from magi_attention.api import (
     calc_attn,
     clear_cache,
@@ -37,11 +32,12 @@ from magi_attention.api import (
 from magi_attention.config import KernelBackend as B
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn
+from magi_ffa.validation import check_slices
 from magi_group_collective import GroupCastPlan
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features
 
-FA4_CUDNN = LocalCapability("", "", "h200", "")
-FA4_TRITON = LocalCapability("", "", "h200", "cuDNN's flex_attention does not import")
+ALL = RankBackends("h200", ("cudnn", "fa4", "torch", "triton"))  # a rank that runs every shipped backend
+NO_CUDNN = RankBackends("h200", ("fa4", "torch", "triton"))
 
 # overlapping slices of all four types: FA4 takes its block-sparse path (no deterministic backward)
 RANDOM_Q = [[0, 4096], [0, 4096], [2048, 8192], [4096, 8192]]
@@ -99,12 +95,30 @@ def test_the_key_differs_by_deterministic() -> None:
 
 
 # -- FA4's deterministic support and auto's restriction (pure functions) ------------------------------------
-def test_fa4_deterministic_support_per_call() -> None:
-    pytest.importorskip("magi_ffa_fa4")
-    assert fa4_deterministic_supported(DOCS, DOCS, [1] * len(DOCS), 8192, 8192)  # varlen path
-    assert fa4_deterministic_supported([[0, 8192]], [[0, 8192]], [0], 8192, 8192)
-    assert not fa4_deterministic_supported(RANDOM_Q, RANDOM_K, RANDOM_T, 8192, 8192)  # block-sparse path
-    assert fa4_deterministic_supported([], [], [], 8192, 8192)  # no slice: no kernel runs
+def _docs_call():
+    return check_slices(DOCS, DOCS, [1] * len(DOCS), 8192, 8192)  # packed documents: FA4's varlen path
+
+
+def _random_call():
+    return check_slices(RANDOM_Q, RANDOM_K, RANDOM_T, 8192, 8192)  # FA4's block-sparse path
+
+
+def test_fa4_deterministic_support_per_call_is_decided_once() -> None:
+    fa4 = pytest.importorskip("magi_ffa_fa4").CAPABILITY
+    assert fa4.deterministic_on(_docs_call())
+    assert fa4.deterministic_on(check_slices([[0, 8192]], [[0, 8192]], [0], 8192, 8192))
+    assert not fa4.deterministic_on(_random_call())
+    assert fa4.deterministic_on(check_slices([], [], [], 8192, 8192))  # no slice: no kernel runs
+    # the verdict is kept with the slices: the plan decides it, every call's check reads it (equal masks share
+    # one mask-cache entry, so start from an empty cache)
+    magi_ffa.clear_mask_caches()
+    tested = []
+    counting = dataclasses.replace(fa4, deterministic=lambda c: tested.append(1) or fa4.deterministic(c))
+    call = _random_call()
+    assert not counting.deterministic_on(call) and not counting.deterministic_on(call)
+    with pytest.raises(ValueError, match="block-sparse"):
+        counting.check_deterministic(True, call)
+    assert tested == [1]
 
 
 def _features(q, k, t, total=8192):
@@ -113,12 +127,13 @@ def _features(q, k, t, total=8192):
 
 def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_rank() -> None:
     feats = _features(DOCS, DOCS, [1] * len(DOCS))
-    agreed = _resolve(B.AUTO, 128, [FA4_CUDNN, FA4_CUDNN])
+    agreed = resolve("auto", 128, [ALL, ALL], deterministic=True)
     # every rank's calls run FA4's varlen path: the choice is unchanged
-    assert restrict_deterministic(agreed, [True, True], "docs", 128) is agreed
-    # rank 1's calls do not: FA4 leaves the candidates and the fallbacks, for every rank alike
-    restricted = restrict_deterministic(agreed, [True, False], "docs", 128)
-    assert restricted.fa4_everywhere is False
+    docs = (DOCS, DOCS, [1] * len(DOCS))
+    assert restrict_deterministic(agreed, [[_docs_call()], [_docs_call()]], docs, 128) is agreed
+    # rank 1's calls do not: FA4 leaves the candidates, for every rank alike
+    restricted = restrict_deterministic(agreed, [[_docs_call()], [_random_call()]], docs, 128)
+    assert "fa4" not in restricted.candidates and "fa4" in agreed.candidates
     for det in (False, True):
         c = choose_auto(restricted, 128, feats, deterministic=det)
         assert B.FA4 not in (c.backend, c.backward_for(torch.bfloat16, 128)), c
@@ -130,37 +145,42 @@ def test_auto_in_deterministic_mode_picks_only_backends_deterministic_on_every_r
     fragmented = MaskFeatures(32768, 1, tile_fill=0.97, slices_per_row=2.84, documents=False)
     frag = choose_auto(restricted, 128, lambda: fragmented, deterministic=True)
     assert frag.backward_for(torch.bfloat16, 128) == B.TRITON, frag.reason
-    # without cuDNN anywhere: Triton (the capability rule without FA4)
-    only = restrict_deterministic(_resolve(B.AUTO, 128, [FA4_TRITON, FA4_CUDNN]), [False, True], "m", 128)
+    # without cuDNN anywhere: Triton (the capabilities' priority without FA4)
+    only = resolve("auto", 128, [NO_CUDNN, ALL], deterministic=True)
+    only = restrict_deterministic(only, [[_random_call()], [_docs_call()]], docs, 128)
     c = choose_auto(only, 128, feats, deterministic=True)
     assert c.backend == B.TRITON and "deterministic mode" in c.reason, c.reason
     # auto's cuDNN pick moves a softcap call to Triton, not to FA4
     c = choose_auto(restricted, 128, feats, deterministic=True)
     assert c.backend_for(torch.bfloat16, 128, softcap=5.0) == B.TRITON
     # an explicit cuDNN is kept (it is deterministic with its flag)
-    assert restrict_deterministic(_resolve(B.CUDNN, 128, [FA4_CUDNN]), [False], "m", 128).backend == B.CUDNN
+    explicit = resolve("cudnn", 128, [ALL], deterministic=True)
+    assert restrict_deterministic(explicit, [[_random_call()]], docs, 128).backend == B.CUDNN
 
 
 def test_explicit_fa4_that_cannot_be_deterministic_raises_naming_everything() -> None:
-    agreed = _resolve(B.FA4, 128, [FA4_CUDNN] * 4)
-    kind = describe_mask(RANDOM_Q, RANDOM_T, False)
+    agreed = resolve("fa4", 128, [ALL] * 4, deterministic=True)
+    calls = [[_docs_call()], [_random_call()], [_docs_call()], [_docs_call(), _random_call()]]
     with pytest.raises(ValueError) as info:
-        restrict_deterministic(agreed, [True, False, True, False], kind, 128)
+        restrict_deterministic(agreed, calls, (RANDOM_Q, RANDOM_K, RANDOM_T), 128)
     msg = str(info.value)
     for part in ("kernel_backend='fa4'", "rank(s) [1, 3]", "4 slices of types", "'cudnn'", "'triton'"):
         assert part in msg, (part, msg)
-    assert describe_mask(DOCS, [1] * 5, True) == "5 packed causal documents"
-    assert describe_mask([[0, 8]], [0], True) == "one full slice"
+    assert describe_mask(DOCS, DOCS, [1] * 5) == "5 packed causal documents"
+    assert describe_mask(DOCS, DOCS, [1, 1, 0, 1, 1]) == "5 slices of types causal, full"
+    assert describe_mask([[0, 8]], [[0, 8]], [0]) == "one full slice"
 
 
 def test_cudnn_has_no_deterministic_backward_above_head_dim_128() -> None:
-    assert restrict_deterministic_head_dim(_resolve(B.CUDNN, 128, [FA4_CUDNN]), 128).backend == B.CUDNN
+    """cuDNN's capability (`deterministic_head_dim`, magi_ffa_cudnn.DETERMINISTIC_MAX_HEAD_DIM) refuses it."""
+    assert resolve("cudnn", 128, [ALL], deterministic=True).backend == B.CUDNN
     with pytest.raises(
-        ValueError, match="kernel_backend='cudnn' has no deterministic backward at head_dim 256"
+        ValueError, match=r"kernel_backend='cudnn' has no deterministic backward at head_dim 256.*'triton'"
     ):
-        restrict_deterministic_head_dim(_resolve(B.CUDNN, 256, [FA4_CUDNN]), 256)
-    auto = restrict_deterministic_head_dim(_resolve(B.AUTO, 256, [FA4_CUDNN]), 256)
-    assert auto.cudnn_everywhere is False
+        resolve("cudnn", 256, [ALL], deterministic=True)
+    assert resolve("cudnn", 256, [ALL]).backend == B.CUDNN  # its default backward runs there
+    auto = resolve("auto", 256, [ALL], deterministic=True)
+    assert "cudnn" not in auto.candidates and "cudnn" in resolve("auto", 256, [ALL]).candidates
     assert choose_auto(auto, 256, _features(DOCS, DOCS, [1] * 5), deterministic=True).backend == B.TRITON
 
 
@@ -192,7 +212,11 @@ def _random_mask(seed: int):
 def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
     seen = []
     real_probe = kernels.probe_local
-    kernels.probe_local = lambda: FA4_CUDNN  # every rank claims FA4 and cuDNN (nothing runs a kernel here)
+    kernels.probe_local = lambda requested: (
+        ALL
+    )  # every rank claims FA4 and cuDNN (nothing runs a kernel here)
+    real_import = runtime_cache.import_vendors
+    runtime_cache.import_vendors = lambda cp_group, choice: None  # ... so no vendor is imported either
     kernels.clear_agreements()
     moved = []
     real_cast = GroupCastPlan.cast
@@ -206,7 +230,8 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         # auto on the same mask: every rank drops FA4 and picks the same deterministic backend
         key = magi_attn_flex_key(q, k, t, TOTAL, TOTAL, HQ, HKV, 64, dist.group.WORLD, _cfg("auto"))
         backend, reason = get_kernel_backend(key, torch.bfloat16)
-        assert backend == B.CUDNN, reason
+        # no h200 table row at head_dim 64: the capabilities' priority among the deterministic candidates
+        assert backend == B.TRITON and "deterministic mode: fa4 not deterministic" in reason, reason
         assert get_kernel_backend(key, torch.bfloat16)[0] == backend
         seen.append(backend.value)
         # the same auto without deterministic mode keeps FA4 among its candidates (the table decides)
@@ -216,6 +241,7 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         assert not moved, "data moved before the refusal"
     finally:
         kernels.probe_local = real_probe
+        runtime_cache.import_vendors = real_import
         GroupCastPlan.cast = real_cast
         kernels.clear_agreements()
         clear_cache(dist.group.WORLD)

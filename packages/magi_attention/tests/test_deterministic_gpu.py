@@ -21,18 +21,12 @@ import pytest
 import torch
 
 from magi_attention import DistAttnConfig
-from magi_attention._runtime.kernels import (
-    _resolve,
-    attn_kernel,
-    choose_auto,
-    describe_mask,
-    fa4_deterministic_supported,
-    probe_local,
-    restrict_deterministic,
-)
+from magi_attention._runtime.auto_kernel import choose_auto
+from magi_attention._runtime.kernels import attn_kernel, probe_local, resolve, restrict_deterministic
 from magi_attention.api import calc_attn, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention.config import KernelBackend as B
 from magi_attention.simulate import rank_calls, token_index
+from magi_ffa.validation import check_slices
 from magi_solver import plan_dist_attn
 from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
@@ -97,10 +91,19 @@ def _assert_bitwise(runs: list[tuple[torch.Tensor, ...]], what: str) -> None:
                 raise AssertionError(f"{what}: {name} of run {i} differs from run 0 (max |d| {diff:.3e})")
 
 
+def fa4_deterministic_supported(q_ranges, k_ranges, types, total_q: int, total_k: int) -> bool:
+    """Whether FA4 runs these slices' backward deterministically (its varlen path); False without FA4."""
+    try:
+        import magi_ffa_fa4
+    except ImportError:
+        return False
+    return bool(magi_ffa_fa4.deterministic_supported(q_ranges, k_ranges, types, total_q, total_k))
+
+
 def _unavailable(exc: ValueError) -> bool:
     """The backend cannot run here at all (not installed, no such GPU, head_dim out of its range)."""
     text = str(exc)
-    return "cannot run on every rank" in text or "needs head_dim" in text or "needs a power-of-two" in text
+    return "cannot run on every rank" in text or "needs head_dim" in text
 
 
 def _check_refusal(exc: ValueError, backend: str) -> None:
@@ -142,36 +145,39 @@ def test_calc_attn_cp1_is_bitwise_repeatable(mask: str, d: int, backend: str) ->
         out.backward(do)
         runs.append((out.detach(), meta.lse.detach(), q.grad, k.grad, v.grad))
     torch.cuda.synchronize()
-    _assert_bitwise(runs, f"calc_attn cp 1 {mask} d {d} {backend} ({chosen.value})")
+    _assert_bitwise(runs, f"calc_attn cp 1 {mask} d {d} {backend} ({chosen})")
 
 
 def _sim_backend(backend: str, d: int, plan, q_ranges, k_ranges, types, total: int):
-    """The backend the runtime would use for this simulated plan in deterministic mode (the same rule as
-    `_runtime.choose_kernel_and_plan`, with this process standing for every rank); raises as it would."""
-    agreed = _resolve(B(backend), d, [probe_local()])
-    ok = []
+    """The backend the runtime would use for this simulated plan in deterministic mode (the same steps as
+    `_runtime.cache.choose_kernel_and_plan`, with this process standing for every rank); raises as it would."""
+    agreed = resolve(backend, d, [probe_local(backend)], deterministic=True)
+    checked, ok = [], []
     for rank_plan in plan.ranks:
         kv = plan.kv_layout
         calls = [(rank_plan.host_slices, rank_plan.host_token_ranges)] + [
             (s.remote_slices, s.remote_k_ranges) for s in rank_plan.stages
         ]
         rows = rank_plan.host_token_ranges.total_seqlen
-        flags = []
+        mine = []
         for i, (slices, kr) in enumerate(calls):
             n_k = (kv.host_token_ranges(rank_plan.rank) if kv and i == 0 else kr).total_seqlen
-            flags.append(
-                fa4_deterministic_supported(slices.q_ranges, slices.k_ranges, slices.types, rows, n_k)
-            )
-        ok.append(all(flags))
+            mine.append(check_slices(slices.q_ranges, slices.k_ranges, slices.types, rows, n_k))
+        checked.append(mine)
+        ok.append(
+            all(fa4_deterministic_supported(c.q_ranges, c.k_ranges, c.types, rows, c.total_k) for c in mine)
+        )
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
     keys = kernel_key_ids(rows, plan.kv_layout)
-    whole = busiest_rank_features(q_ranges, k_ranges, types, [np.arange(total)])
-    restricted = restrict_deterministic(agreed, ok, describe_mask(q_ranges, types, whole.documents), d)
-    choice = choose_auto(
-        restricted, d, lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys),
-        deterministic=True,
-    )  # fmt: skip
-    return choice, ok
+
+    def features():
+        return busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys)
+
+    choice = choose_auto(agreed, d, features, deterministic=True)
+    restricted = restrict_deterministic(choice, checked, (q_ranges, k_ranges, types), d)
+    if (restricted.backend, restricted.backward) != (choice.backend, choice.backward):
+        restricted = choose_auto(restricted, d, features, deterministic=True)
+    return restricted, ok
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -220,9 +226,7 @@ def test_simulated_cp8_every_rank_is_bitwise_repeatable(mask: str, backend: str)
                 dvs.append(dv)
             runs.append((out_q, lse, dq, torch.cat(dks), torch.cat(dvs)))
         torch.cuda.synchronize()
-        _assert_bitwise(
-            runs, f"simulated cp 8 rank {rank_plan.rank} {mask} {backend} ({fwd_b.value}/{bwd_b.value})"
-        )
+        _assert_bitwise(runs, f"simulated cp 8 rank {rank_plan.rank} {mask} {backend} ({fwd_b}/{bwd_b})")
 
 
 def test_hf_transformers_training_is_bitwise_repeatable(tmp_path) -> None:

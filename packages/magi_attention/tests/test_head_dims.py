@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention._runtime.kernels import LocalCapability, _resolve
+from magi_attention._runtime.kernels import RankBackends, resolve
 from magi_attention.api import calc_attn, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import KernelBackend
 from magi_attention.testing import run_distributed
@@ -55,9 +55,6 @@ def test_head_dims_end_to_end_on_two_ranks() -> None:
 @pytest.mark.parametrize(
     ("head_dim", "expected"), [(64, KernelBackend.FA4), (128, KernelBackend.FA4), (256, KernelBackend.TRITON)]
 )
-def test_auto_picks_triton_where_fa4_lacks_the_head_dim(
-    monkeypatch, head_dim: int, expected: KernelBackend
-) -> None:
-    monkeypatch.setattr("magi_attention._runtime.kernels._fa4_head_dim_ok", lambda d: d <= 128 and d % 8 == 0)
-    gpu = LocalCapability("", "", "h200")
-    assert _resolve(KernelBackend.AUTO, head_dim, [gpu, gpu]).backend == expected
+def test_auto_picks_triton_where_fa4_lacks_the_head_dim(head_dim: int, expected: KernelBackend) -> None:
+    gpu = RankBackends("h200", ("fa4", "torch", "triton"))
+    assert resolve(KernelBackend.AUTO, head_dim, [gpu, gpu]).backend == expected

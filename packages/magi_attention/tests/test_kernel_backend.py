@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig, OverlapMode
 from magi_attention._runtime.cache import RUNTIME_CACHE
-from magi_attention._runtime.kernels import KernelChoice, LocalCapability, _resolve, clear_agreements
+from magi_attention._runtime.kernels import KernelChoice, RankBackends, clear_agreements, resolve
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import KernelBackend
 from magi_attention.env import kernel_backend_override
@@ -17,16 +17,24 @@ from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn
 
 B = KernelBackend
-GPU_FA4 = LocalCapability("", "", "h200")
-GPU_NO_FA4 = LocalCapability("flash-attn-4 does not import", "", "h200")
-CPU = LocalCapability("no CUDA GPU", "no CUDA GPU", "cpu")
+GPU_FA4 = RankBackends("h200", ("fa4", "torch", "triton"))
+GPU_NO_FA4 = RankBackends("h200", ("torch", "triton"), "flash-attn-4 does not import")
+CPU = RankBackends("cpu", ("torch",), "no CUDA GPU")
 
 
 def test_config_values_and_errors() -> None:
     assert DistAttnConfig().kernel_backend == B.AUTO
     assert DistAttnConfig(kernel_backend="fa4").kernel_backend is B.FA4
-    with pytest.raises(ValueError, match="kernel_backend"):
-        DistAttnConfig(kernel_backend="cuda")
+    # any name: a backend registered with magi_ffa.contract.register_backend, checked when a key is built
+    assert DistAttnConfig(kernel_backend="cuda").kernel_backend == "cuda"
+    with pytest.raises(
+        ValueError, match=r"kernel_backend='cuda' cannot run on every rank.*no kernel backend named"
+    ):
+        magi_attn_flex_key(
+            [[0, 8]], [[0, 8]], "full", 8, 8, 1, 1, 16, None, DistAttnConfig(kernel_backend="cuda")
+        )
+    with pytest.raises(TypeError, match="kernel_backend"):
+        DistAttnConfig(kernel_backend=None)
     assert OverlapConfig().mode == OverlapMode.DYNAMIC and OverlapConfig().degree is None
     assert OverlapConfig(degree=2).mode == OverlapMode.STATIC
     assert OverlapConfig(degree=0).mode == OverlapMode.STATIC
@@ -67,41 +75,38 @@ def test_environment_override_rejects_unknown(monkeypatch) -> None:
         (B.AUTO, [GPU_FA4, GPU_FA4], 128, B.FA4),
         (B.AUTO, [GPU_FA4, GPU_NO_FA4], 128, B.TRITON),  # one rank without FA4: nobody uses it
         (B.AUTO, [GPU_FA4, GPU_FA4], 256, B.TRITON),  # head_dim FA4 lacks here
-        (B.AUTO, [GPU_FA4, GPU_FA4], 72, B.TORCH),  # neither kernel takes head_dim 72 (patched FA4 rule)
+        (B.AUTO, [GPU_FA4, GPU_FA4], 20, B.TORCH),  # neither kernel takes head_dim 20
         (B.AUTO, [CPU, CPU], 64, B.TORCH),
         (B.TORCH, [GPU_FA4], 128, B.TORCH),
         (B.TRITON, [GPU_FA4, GPU_NO_FA4], 64, B.TRITON),
     ],
 )
-def test_resolution(monkeypatch, requested, ranks, head_dim, expected) -> None:
-    monkeypatch.setattr(
-        "magi_attention._runtime.kernels._fa4_head_dim_ok", lambda d: d <= 128 and d % 32 == 0
-    )
-    assert _resolve(requested, head_dim, ranks).backend == expected
+def test_resolution(requested, ranks, head_dim, expected) -> None:
+    assert resolve(requested, head_dim, ranks).backend == expected
 
 
-def test_explicit_choice_names_the_ranks_that_cannot(monkeypatch) -> None:
-    monkeypatch.setattr("magi_attention._runtime.kernels._fa4_head_dim_ok", lambda d: d <= 128)
+def test_explicit_choice_names_the_ranks_that_cannot() -> None:
     with pytest.raises(ValueError, match=r"kernel_backend='fa4'.*rank 1: flash-attn-4 does not import"):
-        _resolve(B.FA4, 128, [GPU_FA4, GPU_NO_FA4])
-    with pytest.raises(ValueError, match="head_dim"):
-        _resolve(B.FA4, 256, [GPU_FA4])
+        resolve(B.FA4, 128, [GPU_FA4, GPU_NO_FA4])
+    with pytest.raises(ValueError, match="needs head_dim a multiple of 8 and at most 128, got 256"):
+        resolve(B.FA4, 256, [GPU_FA4])
     with pytest.raises(ValueError, match=r"kernel_backend='triton'.*rank 0: no CUDA GPU"):
-        _resolve(B.TRITON, 64, [CPU])
-    with pytest.raises(ValueError, match="power-of-two"):
-        _resolve(B.TRITON, 96, [GPU_FA4])
+        resolve(B.TRITON, 64, [CPU])
+    with pytest.raises(ValueError, match="power of two"):
+        resolve(B.TRITON, 96, [GPU_FA4])
 
 
 def test_dtype_refinement() -> None:
-    auto_fa4 = KernelChoice(B.FA4, B.AUTO, "h200", triton_everywhere=True)
+    candidates = ("fa4", "torch", "triton")
+    auto_fa4 = KernelChoice(B.FA4, B.AUTO, "h200", candidates)
     assert auto_fa4.backend_for(torch.bfloat16, 128) == B.FA4
     assert auto_fa4.backend_for(torch.float32, 128) == B.TRITON
     assert auto_fa4.backend_for(torch.float64, 128) == B.TORCH
-    explicit = KernelChoice(B.FA4, B.FA4, "h200", triton_everywhere=True)
+    explicit = KernelChoice(B.FA4, B.FA4, "h200", candidates)
     with pytest.raises(ValueError, match="float16/bfloat16"):
         explicit.backend_for(torch.float32, 128)
     with pytest.raises(ValueError, match="triton"):
-        KernelChoice(B.TRITON, B.TRITON, "h200", True).backend_for(torch.float64, 64)
+        KernelChoice(B.TRITON, B.TRITON, "h200", candidates).backend_for(torch.float64, 64)
 
 
 def _explicit_fa4_worker(rank: int, world_size: int, backend: str = "fa4") -> str:

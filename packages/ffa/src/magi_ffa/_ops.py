@@ -90,7 +90,8 @@ TRITON = register_backend(
             name="triton", title="triton", package="magi_ffa",
             dtypes=(torch.float16, torch.bfloat16, torch.float32),
             head_dim_ok=_pow2, head_dim_rule="a power of two in [16, 256]",
-            device="cuda_or_interpret", accumulates=True,
+            device="cuda_or_interpret", accumulates=True, requires=(("triton", "triton"),),
+            install_hint="pip install triton", priority=20,
         ),
         Launchers(_triton_forward, _triton_backward),
     )

@@ -50,6 +50,7 @@ from ._common import (
 )
 from ._merge import merge_out_lse, merge_out_lse_
 from ._sink import merge_sink, sink_grad, validate_sink
+from .availability import cuda_arch_major, missing_distributions
 from .mask_cache import MASKS
 
 __all__ = [
@@ -94,6 +95,13 @@ class BackendCapability:
             the contract merges and adds).
         install_check: called first by every public function; raises ImportError saying what to install when
             the kernel library is missing (None: nothing to import).
+        requires: ``(distribution, module)`` pairs the backend needs installed, e.g. ``("flash-attn-4",
+            "flash_attn")``: :meth:`missing` reads them without importing anything.
+        install_hint: what to install when one of ``requires`` is missing (messages).
+        priority: ``auto``'s order where its measured table has no row (the highest available wins; the
+            torch reference, 0, takes what no other backend can).
+        deterministic_head_dim: predicate on ``head_dim``: whether the runtime may run the backend's backward
+            deterministically there (with :attr:`deterministic` on the slices: :meth:`deterministic_at`).
     """
 
     name: str
@@ -112,6 +120,52 @@ class BackendCapability:
     device: str = "cuda"
     accumulates: bool = False
     install_check: Callable[[], object] | None = None
+    requires: tuple[tuple[str, str], ...] = ()
+    install_hint: str = ""
+    priority: int = 0
+    deterministic_head_dim: Callable[[int], bool] = lambda head_dim: True
+
+    def deterministic_at(self, checked: CheckedSlices | None, head_dim: int) -> bool:
+        """Whether the backward on these slices (None: not known yet, the head_dim alone) at this head_dim is
+        bitwise repeatable."""
+        if not self.deterministic_head_dim(head_dim):
+            return False
+        return checked is None or self.deterministic_on(checked)
+
+    def deterministic_on(self, checked: CheckedSlices) -> bool:
+        """:attr:`deterministic` on these slices, evaluated once per slices and backend: the verdict is kept
+        beside the backend's launch data in ``checked.prepared`` (a plan decides it when it is built; every
+        call's :meth:`check_deterministic` on the same slices reads it)."""
+        key = (self.name, "deterministic")
+        verdict = checked.prepared.get(key)
+        if verdict is None:
+            verdict = checked.prepared[key] = bool(self.deterministic(checked))
+        return verdict
+
+    # ------------------------------------------------------------------------------------- availability
+    def missing(self) -> str:
+        """Why this process cannot run the backend, or ``""`` when it can: a distribution of ``requires``
+        not installed, no CUDA GPU, or this GPU's architecture. Nothing of the kernel library is imported
+        (:mod:`magi_ffa.availability`); a library that is installed but fails to import raises at
+        :attr:`install_check`."""
+        absent = missing_distributions(self.requires)
+        if absent:
+            hint = f" ({self.install_hint})" if self.install_hint else ""
+            return f"{' and '.join(absent)} not installed{hint}"
+        if self.device == "any":
+            return ""
+        major = cuda_arch_major()
+        if major is None:
+            if self.device == "cuda_or_interpret":
+                return "" if env.triton_interpret() else "no CUDA GPU (and TRITON_INTERPRET is not set)"
+            return "no CUDA GPU"
+        if self.architectures != "any" and major not in self.architectures:
+            return f"the GPU is sm{major}x; {self.title} needs {self.architecture_names}"
+        return ""
+
+    def available(self) -> bool:
+        """Whether this process can run the backend (:meth:`missing` is empty), without importing it."""
+        return not self.missing()
 
     # ------------------------------------------------------------------------------------------ checks
     def check_inputs(
@@ -163,7 +217,7 @@ class BackendCapability:
     def check_deterministic(self, deterministic: bool, checked: CheckedSlices) -> None:
         """ValueError, before any kernel starts, when ``deterministic=True`` and these slices are a mask on
         which the backend is not bitwise repeatable."""
-        if not deterministic or self.deterministic(checked):
+        if not deterministic or self.deterministic_on(checked):
             return
         raise ValueError(
             f"`deterministic=True` is not available on the {self.title} backend ({self.package}) for this "

@@ -39,6 +39,7 @@ INSTALL_HINT = (
 __all__ = [
     "BACKEND",
     "CAPABILITY",
+    "DETERMINISTIC_MAX_HEAD_DIM",
     "INSTALL_HINT",
     "CudnnMaskPlan",
     "clear_mask_plan_cache",
@@ -75,6 +76,12 @@ def cudnn_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+DETERMINISTIC_MAX_HEAD_DIM = 128
+"""The runtime runs cuDNN's deterministic backward up to this head_dim: at 256, nvidia-cudnn-frontend 1.32.0's
+deterministic dQ post-processing kernel failed to compile (measured on an H200, 2026-12-02), while its default
+backward runs there (the kernel API itself accepts it)."""
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -233,6 +240,11 @@ CAPABILITY = BackendCapability(
     softcap_hint="use magi_ffa or magi_ffa_fa4 for soft-capped attention",
     max_logits=True,
     install_check=lambda: _cudnn(),
+    # read from the installed metadata, never imported, when a process asks whether it could run cuDNN
+    requires=(("nvidia-cudnn-frontend", "cudnn"), ("nvidia-cutlass-dsl", "cutlass")),
+    install_hint='install row "cudnn": python scripts/install.py cudnn, docs/install.md',
+    priority=10,  # auto picks cuDNN by its measured table; without a row, after FA4 and Triton
+    deterministic_head_dim=lambda head_dim: head_dim <= DETERMINISTIC_MAX_HEAD_DIM,
 )
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
 from the kernel, deterministic on every mask (its deterministic backward)."""

@@ -172,6 +172,10 @@ CAPABILITY = BackendCapability(
         "backward this backend does not run (flash-attn-4 4.0.0b36 needs dQ write-order metadata there)"
     ),
     install_check=lambda: _fa4(),  # the module global: tests replace it with a fake
+    # read from the installed metadata, never imported, when a process asks whether it could run FA4
+    requires=(("flash-attn-4", "flash_attn"), ("nvidia-cutlass-dsl", "cutlass")),
+    install_hint='install row "fa4": python scripts/install.py fa4, docs/install.md',
+    priority=30,  # auto without a measured row: FA4 first (then Triton, cuDNN, the torch reference)
 )
 """FA4's capability: fp16/bf16, head_dim a multiple of 8 up to 128, sm90/sm100/sm110, softcap, no max logits
 from the kernel, deterministic on the varlen path only."""

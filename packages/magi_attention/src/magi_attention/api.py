@@ -415,7 +415,7 @@ def get_most_recent_key(cp_group_or_mesh: Any = None) -> DistAttnRuntimeKey | No
 
 def get_kernel_backend(
     key: DistAttnRuntimeKey, dtype: torch.dtype = torch.bfloat16
-) -> tuple[KernelBackend, str]:
+) -> tuple[KernelBackend | str, str]:
     """The attention kernel `calc_attn` uses for this key with inputs of `dtype`, and why.
 
     The same on every rank: an explicit `kernel_backend` (or `MAGI_ATTENTION_KERNEL_BACKEND`) as asked, `auto`
@@ -428,16 +428,15 @@ def get_kernel_backend(
     faster there; the reason then names both ("cudnn backward").
 
     Returns:
-        ``(backend, reason)``: the forward's resolved `KernelBackend` (never AUTO) and a one-line explanation.
+        ``(backend, reason)``: the forward's resolved `KernelBackend` (never AUTO; a registered backend's
+        name where the config asked for one) and a one-line explanation.
     """
     choice = RUNTIME_CACHE.get(key).kernel_choice
     backend = choice.backend_for(dtype, key.head_dim)
     backward = choice.backward_for(dtype, key.head_dim)
-    reason = (
-        choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend.value}"
-    )
+    reason = choice.reason if backend == choice.backend else f"{choice.reason}; {dtype} inputs: {backend}"
     if backward != backend:
-        reason = f"{reason}; backward: {backward.value}"
+        reason = f"{reason}; backward: {backward}"
     return backend, reason
 
 

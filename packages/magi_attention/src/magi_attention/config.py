@@ -125,13 +125,29 @@ class GrpCollConfig:
             raise TypeError(f"GrpCollConfig.native must be a bool or None, got {type(self.native).__name__}")
 
 
+def _backend_name(value: object) -> KernelBackend | str:
+    """A `KernelBackend` member where `value` names one, else the name itself (a registered backend's,
+    checked when a key is built)."""
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(
+            f"DistAttnConfig.kernel_backend must be a KernelBackend or a backend's name, got {value!r}"
+        )
+    try:
+        return KernelBackend(value.strip().lower())
+    except ValueError:
+        return value
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DistAttnConfig:
     dispatch_config: DispatchConfig = field(default_factory=DispatchConfig)
     overlap_config: OverlapConfig = field(default_factory=OverlapConfig)
     kernel_backend: KernelBackend | str = KernelBackend.AUTO
-    """The attention kernel of every call (`KernelBackend` or its value). `auto` can be overridden with the
-    environment variable MAGI_ATTENTION_KERNEL_BACKEND (also accepting `ffa` = triton and `sdpa` = torch)."""
+    """The attention kernel of every call: `auto`, a `KernelBackend` (or its value), or the name of any backend
+    registered with `magi_ffa.contract.register_backend`. The name is checked when a key is built (a
+    ValueError on every rank, before any data moves, when some rank cannot run it). `auto` can be overridden
+    with the environment variable MAGI_ATTENTION_KERNEL_BACKEND (also accepting `ffa` = triton and `sdpa` =
+    torch)."""
     high_precision_grad_reduce: bool = True
     """Sum the partial dK/dV that other ranks computed for this rank's keys in fp32 (True) or in the input
     dtype (False: one more rounding per contributing rank). At overlap degree 0 they travel in the input
@@ -162,13 +178,7 @@ class DistAttnConfig:
             raise TypeError(
                 f"high_precision_grad_reduce must be a bool, got {type(self.high_precision_grad_reduce).__name__}"
             )
-        try:
-            object.__setattr__(self, "kernel_backend", KernelBackend(self.kernel_backend))
-        except ValueError:
-            valid = ", ".join(b.value for b in KernelBackend)
-            raise ValueError(
-                f"DistAttnConfig.kernel_backend must be one of {valid}, got {self.kernel_backend!r}"
-            ) from None
+        object.__setattr__(self, "kernel_backend", _backend_name(self.kernel_backend))
         if not isinstance(self.dispatch_config, DispatchConfig):
             raise TypeError(
                 f"dispatch_config must be a DispatchConfig, got {type(self.dispatch_config).__name__}"

@@ -26,6 +26,7 @@ from ._runtime.checks import (
     tensor_values,
 )
 from ._runtime.comm import all_gather_tokens
+from ._runtime.compile_break import graph_break
 from .key import DistAttnRuntimeKey
 
 
@@ -123,7 +124,7 @@ def _check_tokens(x: torch.Tensor, expected: int, name: str, what: str) -> None:
         raise ValueError(f"{name} must have {expected} tokens on dim 0 ({what}), got shape {got}")
 
 
-@torch.compiler.disable  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
+@graph_break  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
 def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -> torch.Tensor:
     """Keep this rank's tokens of the global tensor `x`.
 
@@ -154,7 +155,7 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
     return tag_output(DispatchFunction.apply(x, runtime, pad), runtime)
 
 
-@torch.compiler.disable  # torch.compile: one graph break per call
+@graph_break  # torch.compile: one graph break per call
 def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Gather every rank's shard back into the global tensor (padding removed).
 
@@ -223,7 +224,7 @@ class UndispatchKVFunction(torch.autograd.Function):
         return _kv_shard(grad_x, ctx.runtime).contiguous(), None
 
 
-@torch.compiler.disable  # torch.compile: one graph break per call
+@graph_break  # torch.compile: one graph break per call
 def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Keep this rank's shard of a key/value-side tensor (cross-attention: keys and values from another
     sequence than the queries). For a self-attention key this is `dispatch(x, key)`.
@@ -252,7 +253,7 @@ def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     return DispatchKVFunction.apply(x, runtime)
 
 
-@torch.compiler.disable  # torch.compile: one graph break per call
+@graph_break  # torch.compile: one graph break per call
 def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Gather every rank's key/value shard back into the global `[total_seqlen_k, ...]` tensor (padding
     removed); for a self-attention key this is `undispatch(local_x, key)`.

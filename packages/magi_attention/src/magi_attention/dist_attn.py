@@ -34,6 +34,7 @@ from ._runtime.checks import (
     tag_output,
     validate_calc_attn,
 )
+from ._runtime.compile_break import graph_break
 from ._runtime.kernels import AttnKernel
 from .key import DistAttnRuntimeKey
 
@@ -322,7 +323,7 @@ class DistAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, dsink, None
 
 
-@torch.compiler.disable  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
+@graph_break  # torch.compile: one graph break per call (docs/packages/magi_attention.md)
 def calc_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -112,22 +112,17 @@ def _gpus() -> list[dict]:
 
 def backend_status() -> dict[str, str]:
     """Backend -> "" when it runs here, else why not (the runtime's own probes, ``_runtime.kernels``)."""
-    from ._runtime.kernels import _cudnn_missing, _fa4_missing, probe_local
+    from ._runtime.kernels import backend_missing
 
-    return {
-        "fa4": _fa4_missing(),
-        "cudnn": _cudnn_missing(),
-        "triton": probe_local().triton_missing,
-        "torch": "",
-    }
+    return {name: backend_missing(name) for name in ("fa4", "cudnn", "triton", "torch")}
 
 
 def _auto_table() -> dict:
     from magi_solver.kernel_choice import load_kernel_table
 
-    from ._runtime.kernels import probe_local
+    from ._runtime.kernels import local_gpu_kind
 
-    kind = probe_local().gpu_kind
+    kind = local_gpu_kind()
     table = load_kernel_table(kind)
     path = resources.files("magi_solver").joinpath("kernel_tables", f"{kind}.json")
     if table is None:

@@ -8,9 +8,11 @@ first call on a device and cached with the plan.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,25 +34,22 @@ from magi_solver import (
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 
 from .._layout import DispatchLayout, build_layout, remember_lengths
-from ..config import KernelBackend, OverlapMode
+from ..config import OverlapMode
 from ..env import (
     cost_profile_override,
     runtime_cache_bytes,
     runtime_dict_size,
 )
 from ..key import DistAttnRuntimeKey
+from .auto_kernel import choose_auto
 from .cache_budget import runtime_nbytes
 from .kernels import (
     AttnKernel,
     KernelChoice,
     agree_kernel_choice,
     attn_kernel,
-    choose_auto,
-    describe_mask,
-    fa4_deterministic_supported,
+    import_vendors,
     restrict_deterministic,
-    restrict_deterministic_head_dim,
-    uses_fa4,
 )
 
 _LOG = logging.getLogger("magi_attention")
@@ -69,11 +68,16 @@ class KernelSlices:
     checked: CheckedSlices | None = None
 
     @classmethod
-    def from_slice_list(cls, slices: SliceList, total_q: int, total_k: int) -> KernelSlices:
-        """The tensors of `slices`, checked here, once, against `total_q` query and `total_k` key tokens."""
+    def from_slice_list(
+        cls, slices: SliceList, total_q: int, total_k: int, checked: CheckedSlices | None = None
+    ) -> KernelSlices:
+        """The tensors of `slices`, checked here, once, against `total_q` query and `total_k` key tokens
+        (`checked`: the same slices checked already, e.g. when the plan was built in deterministic mode)."""
         # Host tensors on purpose: FFA reads slice geometry on the host (cached by value) and keeps its own
         # device copy, so CUDA range tensors would only add a device->host sync to every kernel call.
         n = len(slices.types)
+        if checked is not None:
+            return cls(checked.q_ranges, checked.k_ranges, checked.types, n, checked)
         q = torch.tensor(slices.q_ranges, dtype=torch.int32).reshape(n, 2)
         k = torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2)
         t = torch.tensor(slices.types, dtype=torch.int32).reshape(n)
@@ -96,8 +100,14 @@ class DeviceMeta:
     reduce_plans: list[GroupReducePlan]
 
 
+CallSlices = tuple[SliceList, int, int]
+"""One kernel call: its slices, query rows and key rows."""
+
+
 class DistAttnRuntime:
-    """The plan of one key on this rank, its kernel choice, plus its device tensors."""
+    """The plan of one key on this rank, its kernel choice, plus its device tensors. `checked`: per rank, its
+    kernel calls (`rank_kernel_calls`) already checked when the key was planned (deterministic mode: their
+    determinism verdicts are kept on them, so this rank's calls read them)."""
 
     def __init__(
         self,
@@ -105,17 +115,28 @@ class DistAttnRuntime:
         layout: DispatchLayout,
         plan: DistAttnPlan | None,
         kernel_choice: KernelChoice,
+        checked: Sequence[Sequence[tuple[CallSlices, CheckedSlices]]] = (),
     ) -> None:
         self.key = key
         self.layout = layout
         self.plan = plan
         self.kernel_choice = kernel_choice
-        self.rank = key.cp_group.local_rank()
+        self._checked = checked
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
         self._kernels: dict[tuple[torch.dtype, float], AttnKernel] = {}
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
+
+    @functools.cached_property
+    def rank(self) -> int:
+        """This rank's index in the key's cp group."""
+        return self.key.cp_group.local_rank()
+
+    @functools.cached_property
+    def checked(self) -> dict[CallSlices, CheckedSlices]:
+        """This rank's kernel calls checked when the key was planned (empty: checked when first built)."""
+        return dict(self._checked[self.rank if self.plan is not None else 0]) if self._checked else {}
 
     def kernel(self, dtype: torch.dtype, softcap: float = 0.0) -> AttnKernel:
         """The launchers for inputs of `dtype` with this `softcap` (same backends on every rank)."""
@@ -162,8 +183,8 @@ class DistAttnRuntime:
         rank_plan = self.rank_plan
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
-            whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
-            host = KernelSlices.from_slice_list(whole, key.total_seqlen_q, key.total_seqlen_k)
+            host = self._slices(SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type),
+                                key.total_seqlen_q, key.total_seqlen_k)  # fmt: skip
             return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         choice = self.key.collective
@@ -193,16 +214,19 @@ class DistAttnRuntime:
         return DeviceMeta(
             local_ids=local_ids,
             unpermutation=unperm,
-            host=KernelSlices.from_slice_list(rank_plan.host_slices, rows, local_kv),
-            merged=KernelSlices.from_slice_list(rank_plan.merged_slices, rows, local_kv + sum(remote)),
+            host=self._slices(rank_plan.host_slices, rows, local_kv),
+            merged=self._slices(rank_plan.merged_slices, rows, local_kv + sum(remote)),
             stages=[
-                KernelSlices.from_slice_list(s.remote_slices, rows, n)
-                for s, n in zip(rank_plan.stages, remote, strict=True)
+                self._slices(s.remote_slices, rows, n) for s, n in zip(rank_plan.stages, remote, strict=True)
             ],
             remote_tokens=remote,
             cast_plans=cast_plans,
             reduce_plans=reduce_plans,
         )
+
+    def _slices(self, slices: SliceList, rows: int, keys: int) -> KernelSlices:
+        call = (slices, rows, keys)
+        return KernelSlices.from_slice_list(slices, rows, keys, self.checked.get(call))
 
 
 def gather_positions(layout: DispatchLayout) -> np.ndarray:
@@ -223,7 +247,7 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
     shipped profile of (rank 0's GPU kind, backend). Sized for 16-bit inputs (the dtype is not in the key)."""
     name = key.config.overlap_config.cost_profile or cost_profile_override()
     if name is None:
-        profile = get_profile(choice.gpu_kind, choice.backend.value)
+        profile = get_profile(choice.gpu_kind, str(choice.backend))
     elif name in PROFILES:
         profile = PROFILES[name]
     elif name.endswith(".json") or os.path.sep in name:
@@ -255,7 +279,7 @@ def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> Ma
 
 def rank_kernel_calls(
     key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None
-) -> list[list[tuple[SliceList, int, int]]]:
+) -> list[list[CallSlices]]:
     """Per rank of the group, the kernel calls the plan makes there: (slices, query rows, key rows) each, as
     `DistAttnRuntime._build_device_meta` builds them (the merged call at overlap degree 0, else the host call
     and one per remote stage; the whole mask at cp 1). The same on every rank."""
@@ -276,47 +300,37 @@ def rank_kernel_calls(
     return calls
 
 
-def fa4_deterministic_per_rank(
-    key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None
-) -> list[bool]:
-    """Per rank, whether FA4 can run every kernel call of that rank's plan with a deterministic backward."""
-    return [
-        all(fa4_deterministic_supported(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in calls)
-        for calls in rank_kernel_calls(key, layout, plan)
-    ]
-
-
 def choose_kernel_and_plan(
     key: DistAttnRuntimeKey, layout: DispatchLayout
-) -> tuple[KernelChoice, DistAttnPlan | None]:
-    """The key's kernel choice (agreed across ranks, refined by `auto`'s table) and its plan. In
-    deterministic mode, cuDNN only up to its deterministic head_dim (`restrict_deterministic_head_dim`) and FA4
-    only where every rank's kernel calls of the plan can run its backward
-    deterministically (`restrict_deterministic`: `auto` then picks again without it and the plan is rebuilt
-    if the backend changed; an explicit `fa4` raises on every rank, before any data moves)."""
-    agreed = agree_kernel_choice(key.cp_group, KernelBackend(key.config.kernel_backend), key.head_dim)
+) -> tuple[KernelChoice, DistAttnPlan | None, list[list[tuple[CallSlices, CheckedSlices]]]]:
+    """The key's kernel choice (agreed across ranks, refined by `auto`'s table), its plan, built once, and in
+    deterministic mode every rank's kernel calls checked, with their determinism verdicts.
+
+    Deterministic mode is decided once per key: the agreement keeps the backends deterministic at the
+    head_dim; once the plan fixes every rank's kernel calls, each call is checked once and every candidate's
+    verdict on it kept with it (`restrict_deterministic`: an explicit backend that cannot raises on every
+    rank before any data moves; `auto` picks again without the others). The plan stays as built: a new pick
+    changes only the kernels (the dynamic overlap keeps the stages sized by the first pick's cost profile)."""
     det = key.config.deterministic
-    if det:
-        agreed = restrict_deterministic_head_dim(agreed, key.head_dim)
+    agreed = agree_kernel_choice(key.cp_group, key.config.kernel_backend, key.head_dim, det)
 
     def features() -> MaskFeatures:
         return rank_problem_features(key, layout)
 
     choice = choose_auto(agreed, key.head_dim, features, deterministic=det)
     plan = build_plan(key, layout, choice)
-    if det and uses_fa4(choice):
-        ok = fa4_deterministic_per_rank(key, layout, plan)
-        if not all(ok):
-            whole = busiest_rank_features(  # the key's mask as one rank holds it: is it packed documents?
-                key.q_ranges, key.k_ranges, list(key.attn_mask_type), [np.arange(key.total_seqlen_q)]
-            )
-            kind = describe_mask(key.q_ranges, key.attn_mask_type, whole.documents)
-            restricted = restrict_deterministic(agreed, ok, kind, key.head_dim)
-            new = choose_auto(restricted, key.head_dim, features, deterministic=det)
-            if new.backend != choice.backend:  # the dynamic overlap's cost profile follows the backend
-                plan = build_plan(key, layout, new)
-            choice = new
-    return choice, plan
+    mine: list[list[tuple[CallSlices, CheckedSlices]]] = []
+    if det:
+        calls = rank_kernel_calls(key, layout, plan)
+        checked = [[check_slices(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in c] for c in calls]
+        mask = (key.q_ranges, key.k_ranges, key.attn_mask_type)
+        restricted = restrict_deterministic(choice, checked, mask, key.head_dim)
+        if restricted.backend != choice.backend or restricted.backward != choice.backward:
+            restricted = choose_auto(restricted, key.head_dim, features, deterministic=det)
+        choice = restricted
+        mine = [list(zip(c, k, strict=True)) for c, k in zip(calls, checked, strict=True)]
+    import_vendors(key.cp_group, choice)  # only the libraries the agreed choice runs
+    return choice, plan, mine
 
 
 def plan_options(key: DistAttnRuntimeKey, choice: KernelChoice) -> PlanOptions:
@@ -406,15 +420,15 @@ class RuntimeCache:
             self._layouts[root] = layout
             remember_lengths(root, layout)
         try:
-            choice, plan = choose_kernel_and_plan(key, layout)
+            choice, plan, checked = choose_kernel_and_plan(key, layout)
         except BaseException:
             if root not in self._layout_refs:  # no cached key uses it: do not keep it
                 self._layouts.pop(root, None)
             raise
-        _LOG.debug("magi_attention key %s: kernel backend %s%s (%s)", key.cp_group.name, choice.backend.value,
-                   "" if choice.backward is None else f", backward {choice.backward.value}", choice.reason)  # fmt: skip
+        _LOG.debug("magi_attention key %s: kernel backend %s%s (%s)", key.cp_group.name, choice.backend,
+                   "" if choice.backward is None else f", backward {choice.backward}", choice.reason)  # fmt: skip
         try:
-            runtime = DistAttnRuntime(key, layout, plan, choice)
+            runtime = DistAttnRuntime(key, layout, plan, choice, checked)
         except BaseException:
             if root not in self._layout_refs:  # no cached key uses it: do not keep it
                 self._layouts.pop(root, None)

@@ -93,7 +93,7 @@ def validate_calc_attn(
         validate_sink(sink, q)
         check_dtype(q)
         scale, cap = check_scalars(softmax_scale, softcap, key.head_dim)
-        runtime.kernel_choice.backend_for(q.dtype, key.head_dim, cap)  # e.g. softcap with 'cudnn'
+        runtime.kernel_choice.backend_for(q.dtype, key.head_dim, cap)  # e.g. a softcap its backend has not
         check_dispatch_tags(runtime, q=q, k=k, v=v)
         return CalcAttnCall(runtime, scale, cap, sink, bool(return_max_logits))
 
