@@ -69,7 +69,11 @@ def errors(coef: dict[str, float], recs: list[dict], direction: str) -> dict[str
     p = x @ np.asarray([coef[t] for t in TERMS]) + coef.get("call", 0.0)
     rel = np.abs(p - y) / y
     r2 = 1.0 - float(((y - p) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30))
-    return {"r2": round(r2, 5), "median_error": round(float(np.median(rel)), 4), "max_error": round(float(rel.max()), 4)}
+    return {
+        "r2": round(r2, 5),
+        "median_error": round(float(np.median(rel)), 4),
+        "max_error": round(float(rel.max()), 4),
+    }
 
 
 def fit(recs: list[dict], direction: str) -> dict[str, float]:

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "LAW_HEAD_DIM",
     "LAW_HEADS_Q",
+    "LAW_HEAD_DIM",
     "TILE",
     "DirectionLaw",
     "KernelLaw",
