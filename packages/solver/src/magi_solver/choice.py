@@ -51,6 +51,7 @@ from .dispatch import (
     dispatch_slices,
     padded_seqlen,
 )
+from .pricing import rank_traffic, remote_kv_tokens
 
 __all__ = [
     "DispatchChoice",
@@ -147,85 +148,6 @@ def mask_digest(slices: list[tuple[int, int, int, int, int]]) -> str:
     """A digest of validated `(qs, qe, ks, ke, code)` slices (cache keys; equal masks, equal digests)."""
     arr = np.asarray(slices, dtype=np.int64).reshape(-1, 5)
     return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
-
-
-def remote_kv_tokens(
-    owner: np.ndarray,
-    chunk: np.ndarray,
-    kl: np.ndarray,
-    kr: np.ndarray,
-    chunk_size: int,
-    cp_size: int,
-    group_size: int = 1,
-) -> np.ndarray:
-    """int64 `[cp]`: K/V tokens each rank fetches: the union of the key ranges its chunks' rows need
-    (`chunk`, `kl`, `kr` from the (slice, chunk) pieces), less the tokens of its own chunks (`owner`: the
-    rank of each chunk). Self-attention (keys are the query sequence). Exact, vectorised.
-
-    With `group_size` g > 1: less the tokens of every chunk held in the rank's group of g ranks (ranks
-    `g * (r // g)` onwards: a node), i.e. what the rank fetches from outside its node."""
-    out = np.zeros(cp_size, dtype=np.int64)
-    if chunk.size == 0:
-        return out
-    span = int(owner.size) * chunk_size + 1  # ranks' coordinates never overlap after this shift
-    starts, lens, covered = _union_runs(owner, chunk, kl, kr, span)
-    np.add.at(out, starts // span, lens)  # union per rank
-    # minus the rank's own tokens inside its union
-    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
-    ok = members < cp_size
-    holder = members[ok]
-    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
-    a = c * chunk_size + holder * span
-    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
-    return out
-
-
-def _union_runs(owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, span: int):
-    """Per rank, the union of the key ranges its chunks' rows need, as sorted disjoint runs in one shifted
-    coordinate (rank r's keys at `r * span` onwards): `(starts, lens, covered)`, where `covered(x)` counts
-    the union's tokens below each shifted position in `x` (any shape)."""
-    rank = owner[chunk]
-    s = kl + rank * span
-    e = kr + rank * span
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    run_end = np.maximum.accumulate(e)
-    new = np.ones(s.size, dtype=bool)
-    new[1:] = s[1:] > run_end[:-1]  # a gap before this interval: a new merged run starts
-    starts = s[new]
-    lens = np.maximum.reduceat(e, np.flatnonzero(new)) - starts
-    cum = np.concatenate([[0], np.cumsum(lens)])
-
-    def covered(x: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(starts, x, side="right") - 1
-        safe = np.maximum(i, 0)
-        inside = np.clip(x - starts[safe], 0, lens[safe])
-        return np.where(i >= 0, cum[safe] + inside, 0)
-
-    return starts, lens, covered
-
-
-def rank_traffic(
-    owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, chunk_size: int, cp_size: int
-) -> np.ndarray:
-    """int64 `[cp, cp]`: entry `[r, s]` is the K/V tokens rank r fetches from rank s (the tokens of s's chunks
-    inside the union of the key ranges r's rows need); the diagonal is 0. Row sums are `remote_kv_tokens`."""
-    out = np.zeros((cp_size, cp_size), dtype=np.int64)
-    if chunk.size == 0:
-        return out
-    n = int(owner.size)
-    span = n * chunk_size + 1
-    _, _, covered = _union_runs(owner, chunk, kl, kr, span)
-    a = (
-        np.arange(n, dtype=np.int64)[None, :] * chunk_size
-        + np.arange(cp_size, dtype=np.int64)[:, None] * span
-    )
-    per_chunk = covered(a + chunk_size) - covered(a)  # [cp, n]: tokens of chunk c in rank r's union
-    onehot = np.zeros((n, cp_size), dtype=np.int64)
-    onehot[np.arange(n), owner] = 1
-    out = per_chunk @ onehot
-    np.fill_diagonal(out, 0)
-    return out
 
 
 def group_by_node(plan: DispatchPlan, traffic: np.ndarray, node_size: int = _NODE) -> DispatchPlan:
