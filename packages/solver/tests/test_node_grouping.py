@@ -113,17 +113,3 @@ def test_the_chosen_dispatch_crosses_nodes_less(monkeypatch) -> None:
     clear_dispatch_cache()
     assert _crossing(grouped, slices).max() < _crossing(plain, slices).max()
     assert grouped.imbalance <= plain.imbalance + 0.01
-
-
-def test_the_price_charges_the_backward_for_every_key_a_rank_reads() -> None:
-    """The backward's fixed work per key column (fitted to measured ranks): with the same areas, a rank that
-    reads more keys is priced higher even where its fetch is far from the bottleneck."""
-    from magi_solver.choice import _BWD_PAIRS_PER_KEY, _price
-
-    total, cp = 8 * 4096, 8
-    slices = _docs(total, 0)
-    plan = dispatch_slices(slices, total, cp, 512, "min_heap")
-    waste = np.zeros(plan.num_chunks)
-    few, many = np.full(cp, 64, dtype=np.int64), np.full(cp, 4096, dtype=np.int64)
-    assert _BWD_PAIRS_PER_KEY > 0
-    assert _price(plan, waste, many, None) > _price(plan, waste, few, None)
