@@ -89,3 +89,26 @@ def test_fit_script_recovers_known_constants(tmp_path) -> None:
     assert laws["cudnn"]["bwd"]["key_columns"] == pytest.approx(10.0, abs=1e-3)
     assert laws["cudnn"]["fwd"]["rows"] == pytest.approx(4.0, abs=1e-2)
     assert laws["fa4"]["fwd"]["estimate"] is True  # no FA4 ranks: cuDNN's constants, marked
+
+
+def test_overlap_cost_model_prices_kernels_by_the_law() -> None:
+    from magi_solver.cost_model import OverlapCostModel, get_profile
+
+    law = get_kernel_law("h200", "cudnn")
+    plain = OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128)
+    m = OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128, law=law)
+    area, local, remote = 30e6, 8192, 20000
+    # degree 0: one merged call over own + received keys
+    got = m.schedule_time(0, area, [1e6], [remote], local, backward=True)
+    rest = plain.schedule_time(0, area, [1e6], [remote], local, backward=True) - plain.kernel(
+        area + 1e6, True
+    )
+    kernel = m.profile.kernel_fixed_s + float(law.bwd_ms(area + 1e6, local + remote, local)) * 1e-3
+    assert got == pytest.approx(rest + kernel)
+    # more received keys cost the law's columns, not only bandwidth
+    more = m.schedule_time(0, area, [1e6], [2 * remote], local, backward=True)
+    assert more - got > plain.schedule_time(0, area, [1e6], [2 * remote], local, backward=True) - (
+        plain.schedule_time(0, area, [1e6], [remote], local, backward=True)
+    )
+    with pytest.raises(TypeError, match="law"):
+        OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128, law="cudnn")

@@ -36,6 +36,7 @@ __all__ = [
     "TILE",
     "DirectionLaw",
     "KernelLaw",
+    "find_kernel_law",
     "get_kernel_law",
     "law_for_mask",
     "load_law_table",
@@ -180,6 +181,15 @@ def get_kernel_law(gpu: str = "h200", backend: str = "cudnn", backward: str | No
     fwd = DirectionLaw.from_dict(backend, laws[backend]["fwd"])
     bwd = DirectionLaw.from_dict(bwd_backend, laws[bwd_backend]["bwd"])
     return KernelLaw(str(table["gpu_kind"]), fwd, bwd)
+
+
+def find_kernel_law(gpu: str, backend: str, backward: str | None = None) -> KernelLaw | None:
+    """The shipped law of exactly this GPU kind and backends, or None where none was fitted (another GPU
+    kind, the Triton backend): the caller then keeps its own model (the overlap cost model its profile)."""
+    table = load_law_table(gpu)
+    if table is None or backend not in table["laws"] or (backward or backend) not in table["laws"]:
+        return None
+    return get_kernel_law(gpu, backend, backward)
 
 
 _DEFAULT_BACKEND = "cudnn"
