@@ -266,7 +266,17 @@ def test_cli_json_schema_without_chunk_size(tmp_path) -> None:
             assert isinstance(rec[key], typ), key
         choice, _ = dispatch_choice(q, k, t, total, rec["cp"])
         assert rec["chunk_size"] == choice.chunk_size  # the runtime's choice
+        assert rec["dispatch_alg"] == choice.algorithm
         assert rec["lower_bound_imbalance"] <= rec["imbalance"] + 1e-9
+        # every rank's kernel time by the law, the slowest of which the choice predicted
+        fwd, bwd = np.asarray(rec["rank_fwd_ms"]), np.asarray(rec["rank_bwd_ms"])
+        assert fwd.shape == bwd.shape == (rec["cp"],)
+        assert fwd.max() == pytest.approx(choice.predicted_fwd_ms)
+        assert bwd.max() == pytest.approx(choice.predicted_bwd_ms)
+        want = (fwd.max() + bwd.max()) / (fwd.mean() + bwd.mean())
+        assert rec["time_imbalance"] == pytest.approx(want)
+        assert rec["key_columns_max"] >= rec["tokens_per_rank"] / 128
+        assert rec["recv_buffer_bytes_max"] == rec["remote_kv_tokens_max"] * rec["kv_bytes_per_token"]
     explicit = _cli_json(["--slices", str(path), "--cp", "8", "--chunk-size", "512", "--json", "--quiet"])
     assert explicit[0]["chunk_size"] == 512
 
