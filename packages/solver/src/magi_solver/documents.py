@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -151,20 +152,47 @@ class _Virtual:
         for u in range(units.size - 1):
             a, b = int(units[u]), int(units[u + 1])
             if b - a <= split:
-                fronts.append((whole[u] / (b - a), a, b, whole[u]))
+                fronts.append((whole[u] / (b - a), a, b, whole[u], u))
                 continue
             pc = costs.prefix_costs(a, b)
             m = a + 1 + int(np.searchsorted(pc, 0.5 * pc[-1]))
             m = min(max(m, a + 1), b - 1)
             cf, cb = costs.range_cost(a, m), costs.range_cost(m, b)
-            fronts.append((cf / (m - a), a, m, cf))
-            backs.append((cb / (b - m), m, b, cb))
+            fronts.append((cf / (m - a), a, m, cf, u))
+            backs.append((cb / (b - m), m, b, cb, u))
         segs = sorted(fronts) + sorted(backs)
         self.costs = costs
         self.a = np.asarray([x[1] for x in segs], dtype=np.int64)
         self.b = np.asarray([x[2] for x in segs], dtype=np.int64)
         self.cum = np.concatenate([[0], np.cumsum(self.b - self.a)])  # V positions of the segments
         self.cost_cum = np.concatenate([[0.0], np.cumsum([x[3] for x in segs])])
+        self.unit = np.asarray([x[4] for x in segs], dtype=np.int64)
+
+    def seg(self, x: int) -> int:
+        """The segment of V position x."""
+        return int(np.searchsorted(self.cum, x, side="right")) - 1
+
+    def pair_cost(self, x1: int, y1: int, x2: int, y2: int) -> float:
+        """Cost of V runs [x1, y1) and [x2, y2) on one rank: when both lie inside one unit (its front and
+        back), the keys they need are counted once (a causal unit's late rows need its early keys)."""
+        if y1 <= x1 or y2 <= x2:
+            return self.cost(x1, y1) + self.cost(x2, y2)
+        i, j = self.seg(x1), self.seg(y1 - 1)
+        k, l = self.seg(x2), self.seg(y2 - 1)
+        if not (i == j and k == l and self.unit[i] == self.unit[k]):
+            return self.cost(x1, y1) + self.cost(x2, y2)
+        co = self.costs
+        a1 = int(self.a[i] + x1 - self.cum[i])
+        b1 = a1 + (y1 - x1)
+        a2 = int(self.a[k] + x2 - self.cum[k])
+        b2 = a2 + (y2 - x2)
+        c = co.c
+        lo = min(a1 * c, a2 * c, int(co.klo[a1:b1].min()), int(co.klo[a2:b2].min()))
+        hi = max(b1 * c, b2 * c, int(co.khi[a1:b1].max()), int(co.khi[a2:b2].max()))
+        area = co.cum[b1] - co.cum[a1] + co.cum[b2] - co.cum[a2]
+        own = (b1 - a1 + b2 - a2) * c
+        # keys: the union of the runs' needs and their own tokens, one interval inside the unit
+        return area * co.per_tile + (hi - lo) * co.per_col + own * co.per_row
 
     def _part(self, i: int, x: int, y: int) -> float:
         """Cost of V positions [x, y) inside segment i."""
@@ -190,25 +218,45 @@ class _Virtual:
         return self.a[seg] + pos - self.cum[seg]
 
 
-def _two_ended(v: _Virtual, room: np.ndarray, target: float) -> tuple[np.ndarray, float]:
+def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> int:
+    """Among `d` and the splits whose runs end on segment boundaries, the one of least `score(x, cuts
+    inside segments)`."""
+    bounds = v.cum
+    ends = bounds[(bounds >= front) & (bounds <= front + m)]
+    starts = bounds[(bounds >= back - m) & (bounds <= back)]
+    cands = {d} | {front + m - int(e) for e in ends} | {back - int(x) for x in starts}
+    cands = sorted(x for x in cands if 0 <= x <= m and front + m - x <= back - x)
+    on = set(bounds.tolist())
+
+    def inside(x: int) -> int:
+        return int(front + m - x not in on) + int(back - x not in on)
+
+    return min(cands, key=lambda x: (score(x, inside(x)), abs(x - d)))
+
+
+def _two_ended(
+    v: _Virtual, room: np.ndarray, target: float, snap: float = 0.0
+) -> tuple[np.ndarray, float, float]:
     """int64 `[n]`: the rank of each chunk. Rank r, in order, takes `room[r]` chunks: a run from the cheap
     end of the virtual sequence and a run from its costly end, the split chosen so its predicted time is the
-    `target` (bisection on the costly run's length); the last rank takes the rest, whose cost is returned
-    with the owners. A causal unit alone is
+    `target` (bisection on the costly run's length; with `snap`, a run may end on a unit boundary instead,
+    see `_snapped`); the last rank takes the rest. Returns the owners, the rest's cost and the costliest
+    other rank's. A causal unit alone is
     cut like zigzag, at balanced points; a unit costlier per chunk than the mean spreads over as many ranks
     as its cost needs; a cheap unit fills the ranks' remaining chunks."""
     cp = room.size
     n = int(v.cum[-1])
     owner = np.full(n, -1, dtype=np.int64)
     front, back = 0, n
+    worst = 0.0
     for r in range(cp):
         m = int(room[r])
         if r == cp - 1 or m >= back - front:
             owner[v.chunks(front, back)] = r
-            return owner, v.cost(front, back)
+            return owner, v.cost(front, back), worst
 
         def f(d: int, front: int = front, back: int = back, m: int = m) -> float:
-            return v.cost(front, front + m - d) + v.cost(back - d, back)
+            return v.pair_cost(front, front + m - d, back - d, back)
 
         lo, hi = 0, m  # smallest d with f(d) >= target (f grows with d: the back is costlier per chunk)
         while lo < hi:
@@ -218,14 +266,20 @@ def _two_ended(v: _Virtual, room: np.ndarray, target: float) -> tuple[np.ndarray
             else:
                 lo = mid + 1
         d = lo if lo == 0 or abs(f(lo) - target) <= abs(f(lo - 1) - target) else lo - 1
+        if snap > 0:  # a cut inside a unit is worth `snap` of the target
+            d = _snapped(v, front, back, m, d, lambda x, cuts: abs(f(x) - target) + snap * target * cuts)
+        worst = max(worst, f(d))
         owner[v.chunks(front, front + m - d)] = r
         owner[v.chunks(back - d, back)] = r
         front, back = front + m - d, back - d
-    return owner, 0.0  # pragma: no cover - the last rank returns
+    return owner, 0.0, worst  # pragma: no cover - the last rank returns
 
 
 _BISECT = 14
 """Bisection steps on the per-rank target (each one pass over the ranks)."""
+_SNAP = 0.02
+"""A rank's run may end on a unit boundary instead of inside a unit when that moves its predicted time by at
+most this share of the target (and the slowest rank by at most this share)."""
 
 
 def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
@@ -233,13 +287,12 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
     a floor (cuts add key columns, so the rest would be costlier), the whole cost a ceiling."""
     total = v.cost(0, int(v.cum[-1])) if v.cum[-1] else 0.0
     lo, hi = total / room.size, max(total, 1e-12)
-    best, best_worst = None, math.inf
+    best, best_worst, best_target = None, math.inf, lo
     for _ in range(_BISECT):
         mid = 0.5 * (lo + hi)
-        owner, rest = _two_ended(v, room, mid)
-        worst = max(mid, rest)
-        if worst < best_worst:
-            best, best_worst = owner, worst
+        owner, rest, top = _two_ended(v, room, mid)
+        if max(rest, top) < best_worst:
+            best, best_worst, best_target = owner, max(rest, top), mid
         if rest > mid:
             lo = mid
         else:
@@ -247,6 +300,10 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
         if hi - lo <= 1e-3 * hi:
             break
     assert best is not None
+    # the same target once more with runs that end on unit boundaries where that costs little balance
+    snapped, rest, top = _two_ended(v, room, best_target, _SNAP)
+    if max(rest, top) <= best_worst * (1.0 + _SNAP):
+        return snapped
     return best
 
 
