@@ -112,3 +112,23 @@ def test_overlap_cost_model_prices_kernels_by_the_law() -> None:
     )
     with pytest.raises(TypeError, match="law"):
         OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128, law="cudnn")
+
+
+def test_efficiency_bound_counts_the_keys_pieces_must_read() -> None:
+    from magi_solver.bounds import efficiency_bound
+
+    law = get_kernel_law("h200", "cudnn")
+    total, cp = 8192, 4
+    full = normalize_mask([[0, total]], [[0, total]], "full", total, total)
+    b = efficiency_bound(full, total, cp, law)
+    # one unit cut into 4 pieces, each reading the other 3 pieces' keys
+    assert b.extra_keys == cp * (cp - 1) * (total // cp) and b.cut_units == 1
+    whole = float(law.bwd_ms(total * total, total, total))
+    assert b.bwd == pytest.approx(whole / (whole + 9.91e-3 * b.extra_keys / 128))
+    causal = normalize_mask([[0, total]], [[0, total]], "causal", total, total)
+    assert efficiency_bound(causal, total, cp, law).extra_keys == (total // cp) * cp * (cp - 1) // 2
+    # packed documents no longer than a rank's share: nothing to read, E 1
+    docs = normalize_mask([[0, 2048], [2048, 4096]], [[0, 2048], [2048, 4096]], "causal", 4096, 4096)
+    assert efficiency_bound(docs, 4096, 2, law).bwd == 1.0
+    with pytest.raises(ValueError, match="cp"):
+        efficiency_bound(docs, 4096, 0, law)
