@@ -17,7 +17,7 @@ from magi_solver import (
 from magi_solver.choice import choose_dispatch, clear_dispatch_cache
 from magi_solver.cli import lognormal_doc_lens
 from magi_solver.dispatch import DispatchAlg, solve_dispatch
-from magi_solver.documents import documents_plan, token_units
+from magi_solver.documents import documents_granularity, documents_plan, token_units
 from magi_solver.kernel_law import get_kernel_law
 from magi_solver.mask import normalize_mask
 from magi_solver.pricing import price_plan
@@ -175,4 +175,5 @@ def test_placement_time_at_1m_tokens_cp64() -> None:
     t0 = time.process_time()
     plan = documents_plan(sl, total, cp, LAW)
     assert time.process_time() - t0 <= 3.0  # the 1 s target is benchmarks/plan_targets.py's
-    assert plan.num_chunks == 8192
+    assert plan.chunk_size == documents_granularity(total, cp) == 256  # 16k tokens per rank: 256-token chunks
+    assert plan.num_chunks == total // 256

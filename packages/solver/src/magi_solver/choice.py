@@ -18,10 +18,11 @@ The chunk dispatch with a chosen chunk size: every candidate size (the old defau
 1. **Balance lower bound.** With chunk `c`, no assignment beats `max(mean rank area, the largest chunk plus
    the m - 1 smallest)` (`dispatch_lower_bound`). A size whose bound is more than `_BALANCE_SLACK` above
    the best candidate's is dropped.
-2. **Assignment.** Each remaining size is assigned by `affinity` (a chunk goes to the rank that already
-   holds the keys its rows need while the rank stays within the bound; swaps then restore balance and lower
-   the busiest fetcher's remote keys), or by `min_heap` past `_AFFINITY_CHUNKS` chunks; an explicit
-   `affinity` also tries its tolerances `_TOLERANCES` on small chunk tables.
+2. **Assignment.** Each remaining size is assigned by the algorithm asked for (`affinity`: a chunk goes to
+   the rank that already holds the keys its rows need while the rank stays within the bound, swaps then
+   restore balance and lower the busiest fetcher's remote keys; it also tries its tolerances `_TOLERANCES`
+   on small chunk tables), or, in the default's comparison, by `min_heap` (cheap: the documents placement
+   is the one that keeps documents together).
 3. **Price.** The law's predicted step. The two largest sizes kept are priced (up to four while none keeps
    the busiest rank's remote K/V within `_REMOTE_BUDGET` of what the largest size with min_heap moves).
    Among the candidates within `_BALANCE_SLACK` of the best achieved balance, those within the remote
@@ -356,8 +357,8 @@ def _choose_chunked(
     slices: list, total: int, cp: int, alg: DispatchAlg | None, uneven: bool, cross: bool, law: KernelLaw
 ) -> tuple[_Candidate, str]:
     """The chunk dispatch with a chosen chunk size (see the module docstring): the best candidate and why.
-    With `alg` None (the default's comparison) affinity is tried at its bound only, not at every tolerance,
-    which keeps a new mask's key cheap."""
+    With `alg` None (the default's comparison against the documents placement) every size is assigned by
+    `min_heap`, which keeps a new mask's key cheap."""
 
     def geometry(c: int) -> int:
         return total if uneven else padded_seqlen(total, cp, c)
@@ -395,7 +396,9 @@ def _choose_chunked(
             break  # past the first sizes, only small chunk tables are worth another try
         priced.append(c)
         n = -(-geometry(c) // c)
-        a = alg or (DispatchAlg.AFFINITY if not cross and n <= _AFFINITY_CHUNKS else DispatchAlg.MIN_HEAP)
+        # the default's comparison assigns by min_heap (cheap: a new mask every step pays for its key); the
+        # chunk dispatch of earlier releases, affinity, is there by name
+        a = alg or DispatchAlg.MIN_HEAP
         if a is DispatchAlg.MIN_HEAP and c == c0 and cands and cands[0] is fixed:
             continue  # the fixed rule's assignment, already priced
         # affinity may also let a rank run a little over the bound while it collects a document's chunks

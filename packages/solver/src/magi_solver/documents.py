@@ -30,7 +30,6 @@ computes the same placement); about linear in the chunks. Self-attention only.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
 import numpy as np
@@ -50,14 +49,22 @@ __all__ = ["documents_granularity", "documents_plan", "find_units", "token_units
 _GRANULARITY = 128
 _MAX_CHUNKS = 8192
 """Past this many 128-token chunks the placement uses 256-token chunks (its tables stay small)."""
+_RANK_TOKENS = 8192
+"""Past this many tokens per rank, 256-token chunks too (a rank's plan walks its chunks: fewer, faster)."""
 NODE = 8
 """Ranks per node: a unit's pieces stay inside one when they fit."""
 
 
 def documents_granularity(total_seqlen: int, cp_size: int) -> int:
-    """The chunk size of the documents placement: 128 tokens, 256 past `_MAX_CHUNKS` chunks, smaller only
+    """The chunk size of the documents placement: 128 tokens, 256 past `_MAX_CHUNKS` chunks or past
+    `_RANK_TOKENS` tokens per rank, smaller only
     when a rank would hold less than one chunk (a power of two down to 1)."""
-    c = _GRANULARITY if total_seqlen <= _GRANULARITY * _MAX_CHUNKS else 2 * _GRANULARITY
+    per_rank = total_seqlen / max(cp_size, 1)
+    c = (
+        _GRANULARITY
+        if total_seqlen <= _GRANULARITY * _MAX_CHUNKS and per_rank <= _RANK_TOKENS
+        else 2 * _GRANULARITY
+    )
     while c > 1 and total_seqlen < c * cp_size:
         c //= 2
     return c
@@ -275,8 +282,12 @@ def _two_ended(
     return owner, 0.0, worst  # pragma: no cover - the last rank returns
 
 
-_BISECT = 14
-"""Bisection steps on the per-rank target (each one pass over the ranks)."""
+_BISECT = 8
+"""Bisection steps on the per-rank target at most (each one pass over the ranks)."""
+_PRECISION = 2e-3
+"""The bisection stops once its bracket is this narrow (relative)."""
+_CEILING = 2.0
+"""The highest target tried, over the mean: a placement worse than this loses to the chunk dispatch."""
 _SNAP = 0.02
 """A rank's run may end on a unit boundary instead of inside a unit when that moves its predicted time by at
 most this share of the target (and the slowest rank by at most this share)."""
@@ -286,9 +297,14 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
     """`_two_ended` at the target where the last rank's rest costs what the others take: the mean cost is
     a floor (cuts add key columns, so the rest would be costlier), the whole cost a ceiling."""
     total = v.cost(0, int(v.cum[-1])) if v.cum[-1] else 0.0
-    lo, hi = total / room.size, max(total, 1e-12)
-    best, best_worst, best_target = None, math.inf, lo
+    lo = total / room.size
+    best, rest, top = _two_ended(v, room, lo)
+    best_worst, best_target = max(rest, top), lo
+    # the answer lies between the mean and what the rest then costs (the cuts' extra keys): bisect there
+    hi = min(max(rest, top, lo), _CEILING * lo)
     for _ in range(_BISECT):
+        if hi - lo <= _PRECISION * hi:
+            break
         mid = 0.5 * (lo + hi)
         owner, rest, top = _two_ended(v, room, mid)
         if max(rest, top) < best_worst:
@@ -297,8 +313,6 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
             lo = mid
         else:
             hi = mid
-        if hi - lo <= 1e-3 * hi:
-            break
     assert best is not None
     # the same target once more with runs that end on unit boundaries where that costs little balance
     snapped, rest, top = _two_ended(v, room, best_target, _SNAP)

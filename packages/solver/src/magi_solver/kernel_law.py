@@ -21,7 +21,9 @@ may differ), so the law is a pure function of the mask: every rank and the layou
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -205,7 +207,25 @@ def law_for_mask(
     the layout's re-solve must price alike."""
     if backend != "auto":
         return get_kernel_law(gpu, backend)
-    return get_kernel_law(gpu, *_auto_pair(slices, total_q, gpu))
+    # the pick walks the mask's rows in Python: remembered per mask (a key's layout and plan ask alike)
+    digest = (
+        hashlib.blake2b(np.asarray(slices, dtype=np.int64).tobytes(), digest_size=16).digest(),
+        total_q,
+        gpu,
+    )
+    pair = _AUTO_CACHE.get(digest)
+    if pair is None:
+        pair = _auto_pair(slices, total_q, gpu)
+        _AUTO_CACHE[digest] = pair
+        while len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
+            _AUTO_CACHE.popitem(last=False)
+    else:
+        _AUTO_CACHE.move_to_end(digest)
+    return get_kernel_law(gpu, *pair)
+
+
+_AUTO_CACHE: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
+_AUTO_CACHE_SIZE = 256
 
 
 def _auto_pair(slices: list, total_q: int, gpu: str) -> tuple[str, str]:
