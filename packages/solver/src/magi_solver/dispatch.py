@@ -15,6 +15,7 @@ of its rank: every other chunk starts at `index * chunk_size` of its rank's loca
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -187,6 +188,11 @@ class DispatchPlan:
         inv = np.empty_like(perm)
         inv[perm] = np.arange(perm.size, dtype=np.int64)
         return inv
+
+
+PLACEMENTS: dict[DispatchAlg, Callable[[list, int, int, int, bool], DispatchPlan]] = {}
+"""Algorithms of their own modules built on this one (`documents` registers DOCUMENTS when imported, as
+`import magi_solver` does): `(slices, total_seqlen, cp_size, chunk_size, uneven_shard) -> DispatchPlan`."""
 
 
 def padded_seqlen(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
@@ -660,14 +666,8 @@ def dispatch_slices(
         raise ValueError(f"`alg` must be one of {[a.value for a in DispatchAlg]}, got {alg!r}") from None
     if not affinity_tolerance >= 0.0:
         raise ValueError(f"`affinity_tolerance` must be >= 0, got {affinity_tolerance}")
-    if alg is DispatchAlg.DOCUMENTS:
-        from .documents import documents_plan  # the placement builds on this module
-        from .kernel_law import law_for_mask
-
-        law = law_for_mask(slices, total_seqlen)
-        return documents_plan(
-            slices, total_seqlen, cp_size, law, uneven_shard=uneven_shard, chunk_size=chunk_size
-        )
+    if alg in PLACEMENTS:  # placements of their own modules built on this one (documents)
+        return PLACEMENTS[alg](slices, total_seqlen, cp_size, chunk_size, uneven_shard)
     areas = chunk_areas(slices, total_seqlen, chunk_size).tolist()
     num_chunks = len(areas)
     if alg is DispatchAlg.MIN_HEAP:

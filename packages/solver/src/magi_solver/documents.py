@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .dispatch import (
+    PLACEMENTS,
     DispatchAlg,
     DispatchPlan,
     _key_intervals,
@@ -42,7 +43,7 @@ from .dispatch import (
     dispatch_lower_bound,
     padded_seqlen,
 )
-from .kernel_law import KernelLaw
+from .kernel_law import KernelLaw, law_for_mask
 
 __all__ = ["documents_granularity", "documents_plan", "find_units", "token_units"]
 
@@ -374,3 +375,12 @@ def documents_plan(
         lower_bound=dispatch_lower_bound(areas, cp_size),
         uneven_shard=uneven_shard,
     )
+
+
+def _dispatch_documents(slices: list, total: int, cp: int, chunk_size: int, uneven: bool) -> DispatchPlan:
+    """`solve_dispatch(..., alg="documents")`: priced by the law `auto` would pick for the whole mask."""
+    law = law_for_mask(slices, total)
+    return documents_plan(slices, total, cp, law, uneven_shard=uneven, chunk_size=chunk_size)
+
+
+PLACEMENTS[DispatchAlg.DOCUMENTS] = _dispatch_documents
