@@ -273,8 +273,9 @@ def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int |
     mask and cp size unless `chunk` is given (then min_heap, as `DispatchConfig(chunk_size=chunk)`)."""
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
+    # SCALING_DISPATCH_ALG=affinity: the chunk dispatch of earlier releases beside the default's choice
     options = PlanOptions(
-        dispatch_alg=None if chunk is None else "min_heap",
+        dispatch_alg=(os.environ.get("SCALING_DISPATCH_ALG") or None) if chunk is None else "min_heap",
         overlap_degree=degree,
         min_chunk_size=512 if chunk is None else min(512, chunk),
     )
