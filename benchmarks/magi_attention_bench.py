@@ -382,7 +382,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         calls.append(common.rank_kernel_calls(rp, plan.overlap_degree, k, v, rk, rv))
         area = rp.host_area + sum(s.area for s in rp.stages)
         comm_bytes = [s.num_remote_tokens * 2 * HKV * D * 2 for s in rp.stages]
-        rows.append({"rank": rp.rank, "area": area, "stage_bytes": comm_bytes})
+        own, recv = rp.local_seqlen, rp.num_remote_tokens  # the kernel law's counts (fit_kernel_law.py)
+        rows.append({"rank": rp.rank, "area": area, "stage_bytes": comm_bytes, "local_tokens": own,
+                     "recv_tokens": recv, "tiles": area / 128**2, "key_columns": (own + recv) / 128,
+                     "rows": -(-own // 128)})  # fmt: skip
     _rank_step(q, do, calls[0], kern)  # warm-up: compiles, workspaces
     quick = [quick_step(lambda c=c: _rank_step(q, do, c, kern)) for c in calls]
     timed = pick_ranks(*zip(*quick), [r["area"] for r in rows], [sum(r["stage_bytes"]) for r in rows], top)

@@ -1,17 +1,29 @@
-"""The planner's targets on the CPU: the runtime's chosen chunk size against today's fixed rule.
+"""The planner's targets on the CPU: the default planner (placement chosen per mask) and the chunk dispatch.
 
-For each mask family, cp size and tokens per GPU, `magi-attention-plan --slices FILE --cp N --json` (no
-chunk size: the runtime's choice) is run in this process, and the table gives its `chunk_size`, dispatch
-algorithm, `imbalance` (max / mean of the ranks' mask area), `lower_bound_imbalance`, and the busiest
-rank's remote K/V over what `DispatchConfig()` moved before the choice (chunk `min(2048, ceil(total /
-(8 cp)))`, min_heap: 1024 at 8k tokens per GPU, 256 at 2k). Then the plan time: key normalisation plus the
-runtime's plan (`plan_attention`, dynamic overlap priced by the H200 profile, dispatch cache cleared) at
-`--plan-time-tokens` (1M) and cp 64, best of `--repeat` runs on one core.
+Default planner (no chunk size, no algorithm: `DispatchConfig()`): for each mask family, cp size and
+tokens per GPU, `magi-attention-plan --slices FILE --cp N --json` is run in this process and the table gives
+the placement it chose, its `time_imbalance` (`(max fwd + max bwd) / (mean fwd + mean bwd)` of the ranks'
+kernel times by the kernel law; target <= 1.05), the busiest rank's remote K/V and receive-buffer bytes over
+the chunk dispatch's (`DispatchConfig(alg="affinity")` with a chosen chunk size, the default of earlier
+releases; target <= 1.1), the predicted step (the magi scheme's fwd + bwd ms) and the plan time as a
+fraction of it.
 
-Targets: imbalance <= 1.03 at 8k tokens per GPU and <= 1.05 at 2k; remote K/V ratio <= 1.25; plan time
-<= 1 s. Computed, not measured on GPUs.
+Chunk dispatch asked for by name (`alg="affinity"`, chunk size chosen): the area `imbalance` (target <= 1.03
+at 8k tokens per GPU, <= 1.05 at 2k) and its remote K/V over the fixed rule's (chunk `min(2048, ceil(total
+/ (8 cp)))`, min_heap; target <= 1.25): the targets of earlier releases, which now hold for this dispatch.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets                 # the table in docs/benchmarks/solver.md
+Then the plan time: key normalisation plus the runtime's plan (default planner, dynamic overlap priced by
+the H200 profile and law, dispatch cache cleared) at `--plan-time-tokens` (1M) and cp 64, best of
+`--repeat` runs on one core (target <= 1 s).
+
+`--bounds`: the best E each row allows by the kernel law (`magi_solver.bounds.efficiency_bound`: perfect
+balance, the fewest contiguous cuts, a causal unit's later pieces reading all its earlier keys).
+
+Masks: `benchmarks.magi_attention_bench.make_mask`'s names (the scaling benchmark's), and the names of
+`benchmarks.common.make_mask` where that exists. Computed, not measured on GPUs.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets                 # the tables
+    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets --bounds        # the bounds table
     OMP_NUM_THREADS=1 python -m benchmarks.plan_targets --json out.json
 """
 
@@ -25,64 +37,61 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
-import numpy as np
-
-from magi_solver import (
-    OverlapCostModel,
-    PlanOptions,
-    default_chunk_size,
-    get_profile,
-    long_tailed_cu_seqlens,
-    make_block_causal_mask,
-    make_varlen_causal_mask,
-    make_varlen_full_mask,
-    plan_attention,
-)
+from magi_solver import OverlapCostModel, PlanOptions, default_chunk_size, get_profile, plan_attention
+from magi_solver.bounds import efficiency_bound
 from magi_solver.choice import clear_dispatch_cache
-from magi_solver.cli import lognormal_doc_lens
 from magi_solver.cli import main as plan_cli
+from magi_solver.kernel_law import get_kernel_law, law_for_mask
+from magi_solver.mask import normalize_mask
 
-FRAME_TOKENS = 1560
-"""Tokens of one video frame (not a power of two: frames do not line up with chunks)."""
 TARGET = {8192: 1.03, 2048: 1.05}
 REMOTE_TARGET = 1.25
+TIME_TARGET = 1.05
+DEFAULT_REMOTE_TARGET = 1.1
 PLAN_TIME_TARGET_S = 1.0
+DEFAULT_MASKS = "varlen_causal,varlen_full,video_block_causal,full,causal"
+NEW_MASKS = "docs4k_causal,docs4k_full,short_docs_causal,docs4k_window2048,video_clips"
+"""The mask families defined in tokens, measured when `benchmarks.common.make_mask` knows them."""
 
 
-def _lognormal_cu(total: int) -> list[int]:
-    # the CLI's own `--mask varlen-*` builder: 300 documents with log-normal shares of the total
-    return [0, *np.cumsum(lognormal_doc_lens(total, 300, 0)).tolist()]
+def make_mask(name: str, total: int) -> tuple:
+    """`(q_ranges, k_ranges, types)` of a named mask: `benchmarks.common.make_mask` where it knows the name,
+    else the scaling benchmark's `make_mask` (today's names only: it reads any other name as packed
+    documents)."""
+    from benchmarks import common
+
+    fn = getattr(common, "make_mask", None)
+    if fn is not None:
+        with contextlib.suppress(KeyError, ValueError):
+            q, k, t = fn(name, total)
+            return _lists(q), _lists(k), [int(x) for x in (t.tolist() if hasattr(t, "tolist") else t)]
+    if name not in DEFAULT_MASKS.split(","):
+        raise ValueError(f"unknown mask {name!r}; known here: {DEFAULT_MASKS}")
+    from benchmarks.magi_attention_bench import make_mask as bench_mask
+
+    return bench_mask(name, total)
 
 
-def _video(total: int) -> tuple:
-    """Clips of 4 to 32 whole frames (seeded), block-causal by frame; the last clip takes the remainder."""
-    rng = np.random.default_rng(0)
-    cu = [0]
-    while cu[-1] + FRAME_TOKENS <= total:
-        cu.append(min(total, cu[-1] + int(rng.integers(4, 33)) * FRAME_TOKENS))
-    if cu[-1] < total:
-        cu.append(total)
-    return tuple(make_block_causal_mask(cu, FRAME_TOKENS))
+def _lists(r) -> list[list[int]]:
+    r = r.tolist() if hasattr(r, "tolist") else r
+    return [[int(a), int(b)] for a, b in r]
 
 
-MASKS: dict[str, Callable[[int], tuple]] = {
-    "docs_lognormal_causal": lambda n: tuple(make_varlen_causal_mask(_lognormal_cu(n))),
-    "docs_lognormal_full": lambda n: tuple(make_varlen_full_mask(_lognormal_cu(n))),
-    "docs_long_causal": lambda n: tuple(make_varlen_causal_mask(long_tailed_cu_seqlens(n))),
-    "docs_long_full": lambda n: tuple(make_varlen_full_mask(long_tailed_cu_seqlens(n))),
-    "video_block_causal": _video,
-    "causal": lambda n: tuple(make_varlen_causal_mask([0, n])),
-}
+def _known(name: str) -> bool:
+    try:
+        make_mask(name, 8192 * 8)
+    except (KeyError, ValueError):
+        return False
+    return True
 
 
 def _slices_file(q, k, t, total: int, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(
             {
-                "q_ranges": [[r.start, r.end] for r in q],
-                "k_ranges": [[r.start, r.end] for r in k],
+                "q_ranges": [list(r) for r in q],
+                "k_ranges": [list(r) for r in k],
                 "types": [int(x) for x in t],
                 "total_seqlen": total,
             },
@@ -101,17 +110,16 @@ def _cli_record(path: str, cp: int) -> dict:
 
 
 def _baseline_remote(q, k, t, total: int, cp: int) -> tuple[int, int]:
-    """(chunk, busiest rank's remote K/V) of `DispatchConfig()` before the choice: the fixed rule."""
+    """(chunk, busiest rank's remote K/V) of the fixed rule: chunk `min(2048, ceil(total / (8 cp)))`,
+    min_heap."""
     chunk = default_chunk_size(total, cp)
-    plan = plan_attention(
-        q, k, t, total, cp, chunk_size=chunk, options=PlanOptions(overlap_degree=0)
-    )  # min_heap, as DispatchConfig's default algorithm
+    plan = plan_attention(q, k, t, total, cp, chunk_size=chunk, options=PlanOptions(overlap_degree=0))
     return chunk, max(plan.remote_tokens_per_rank)
 
 
 def _plan_seconds(q, k, t, total: int, cp: int, repeat: int) -> float:
     """Best-of-`repeat` seconds of the runtime's plan (dispatch choice included, cache cleared)."""
-    model = OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128)
+    model = OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128, law=get_kernel_law("h200", "cudnn"))
     options = PlanOptions(dispatch_alg=None, overlap_degree=None, dynamic_max_degree=4, cost_model=model)
     best = float("inf")
     for _ in range(repeat):
@@ -122,59 +130,136 @@ def _plan_seconds(q, k, t, total: int, cp: int, repeat: int) -> float:
     return best
 
 
+def _default_row(name: str, tpg: int, cp: int, q, k, t, path: str) -> dict:
+    """The default planner's record against the chunk dispatch (affinity, chunk size chosen)."""
+    total = tpg * cp
+    rec = _cli_record(path, cp)
+    chunked = plan_attention(
+        q, k, t, total, cp, options=PlanOptions(dispatch_alg="affinity", overlap_degree=0)
+    )
+    base = max(max(chunked.remote_tokens_per_rank), 1)
+    step = rec["schemes"]["magi"]["fwd_ms"] + rec["schemes"]["magi"]["bwd_ms"]
+    return {
+        "mask": name,
+        "tokens_per_gpu": tpg,
+        "cp": cp,
+        "dispatch_alg": rec["dispatch_alg"],
+        "chunk_size": rec["chunk_size"],
+        "time_imbalance": rec["time_imbalance"],
+        "imbalance": rec["imbalance"],
+        "remote_kv_tokens_max": rec["remote_kv_tokens_max"],
+        "recv_buffer_bytes_max": rec["recv_buffer_bytes_max"],
+        "chunk_dispatch_remote_kv_tokens_max": base,
+        "remote_ratio": rec["remote_kv_tokens_max"] / base,
+        "recv_buffer_ratio": rec["recv_buffer_bytes_max"] / (base * rec["kv_bytes_per_token"]),
+        "predicted_step_ms": step,
+        "predicted_fwd_ms": max(rec["rank_fwd_ms"]),
+        "predicted_bwd_ms": max(rec["rank_bwd_ms"]),
+        "plan_seconds": rec["plan_seconds"],
+        "plan_fraction_of_step": rec["plan_seconds"] * 1e3 / step if step else 0.0,
+    }
+
+
+def _chunked_row(name: str, tpg: int, cp: int, q, k, t) -> dict:
+    """The chunk dispatch asked for by name: area balance and remote K/V against the fixed rule."""
+    total = tpg * cp
+    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="affinity", overlap_degree=0))
+    base_chunk, base_remote = _baseline_remote(q, k, t, total, cp)
+    remote = max(plan.remote_tokens_per_rank)
+    return {
+        "mask": name,
+        "tokens_per_gpu": tpg,
+        "cp": cp,
+        "chunk_size": plan.dispatch.chunk_size,
+        "imbalance": plan.imbalance,
+        "lower_bound_imbalance": plan.dispatch.lower_bound_imbalance,
+        "remote_kv_tokens_max": remote,
+        "baseline_chunk_size": base_chunk,
+        "baseline_remote_kv_tokens_max": base_remote,
+        "remote_ratio": remote / base_remote if base_remote else 1.0,
+    }
+
+
+def bounds_rows(names: list[str], rows: list[tuple[int, int]]) -> list[dict]:
+    """The law's best E for each mask and (tokens per GPU, cp)."""
+    out = []
+    for name in names:
+        for tpg, cp in rows:
+            total = tpg * cp
+            sl = normalize_mask(*make_mask(name, total), total, total)
+            law = law_for_mask(sl, total)
+            b = efficiency_bound(sl, total, cp, law)
+            out.append({"mask": name, "tokens_per_gpu": tpg, "cp": cp, "law": law.backend, "E_fwd": b.fwd,
+                        "E_bwd": b.bwd, "extra_keys": b.extra_keys, "cut_units": b.cut_units})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cps", default="8,16,32,64")
     ap.add_argument("--tokens-per-gpu", default="8192,2048")
-    ap.add_argument("--masks", default=",".join(MASKS))
+    ap.add_argument("--masks", default=None, help=f"default: {DEFAULT_MASKS} (+ {NEW_MASKS} where known)")
     ap.add_argument("--plan-time-tokens", type=int, default=1 << 20)
     ap.add_argument("--plan-time-cp", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bounds", action="store_true", help="only the bounds table (8k: cp 8-64, 2k: cp 8, 32)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
+    names = (args.masks or DEFAULT_MASKS).split(",")
+    if args.masks is None:
+        names += [n for n in NEW_MASKS.split(",") if _known(n)]
+    if args.bounds:
+        grid = [(8192, c) for c in (8, 16, 32, 64)] + [(2048, c) for c in (8, 32)]
+        rows = bounds_rows(names, grid)
+        print("| mask | tokens/GPU | cp | law | E bound fwd | E bound bwd | received keys | cut units |")
+        print("|---|---:|---:|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} | "
+                  f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} |", flush=True)  # fmt: skip
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"bounds": rows}, f, indent=1)
+        return 0
     cps = [int(x) for x in args.cps.split(",")]
     tpgs = [int(x) for x in args.tokens_per_gpu.split(",")]
-    names = args.masks.split(",")
-    rows, misses = [], []
-    print("| mask | tokens/GPU | cp | chunk | alg | imbalance | lower bound | remote K/V max | ratio vs "
-          "DispatchConfig() | degree | plan s (CLI) |")  # fmt: skip
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    defaults, chunked, misses = [], [], []
+    print("Default planner (no chunk size, no algorithm):")
+    print()
+    print("| mask | tok/GPU | cp | placement | chunk | time imbal. | remote K/V max | ratio | recv buf ratio "
+          "| step ms | plan s | plan/step |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             for tpg in tpgs:
                 for cp in cps:
                     total = tpg * cp
-                    q, k, t = MASKS[name](total)
+                    q, k, t = make_mask(name, total)
                     path = os.path.join(tmp, f"{name}_{total}.json")
                     _slices_file(q, k, t, total, path)
-                    rec = _cli_record(path, cp)
-                    base_chunk, base_remote = _baseline_remote(q, k, t, total, cp)
-                    ratio = rec["remote_kv_tokens_max"] / base_remote if base_remote else 1.0
-                    row = {
-                        "mask": name,
-                        "tokens_per_gpu": tpg,
-                        "cp": cp,
-                        "chunk_size": rec["chunk_size"],
-                        "dispatch_alg": rec["dispatch_alg"],
-                        "imbalance": rec["imbalance"],
-                        "lower_bound_imbalance": rec["lower_bound_imbalance"],
-                        "overlap_degree": rec["overlap_degree"],
-                        "remote_kv_tokens_max": rec["remote_kv_tokens_max"],
-                        "baseline_chunk_size": base_chunk,
-                        "baseline_remote_kv_tokens_max": base_remote,
-                        "remote_ratio": ratio,
-                        "plan_seconds": rec["plan_seconds"],
-                    }
-                    rows.append(row)
-                    if rec["imbalance"] > TARGET.get(tpg, 1.05) or ratio > REMOTE_TARGET:
-                        misses.append(f"{name} {tpg}/GPU cp {cp}")
-                    print(
-                        f"| {name} | {tpg} | {cp} | {rec['chunk_size']} | {rec['dispatch_alg']} | "
-                        f"{rec['imbalance']:.3f} | {rec['lower_bound_imbalance']:.3f} | "
-                        f"{rec['remote_kv_tokens_max']:,} | {ratio:.2f} (chunk {base_chunk}: {base_remote:,}) | "
-                        f"{rec['overlap_degree']} | {rec['plan_seconds']:.2f} |",
-                        flush=True,
-                    )
+                    r = _default_row(name, tpg, cp, q, k, t, path)
+                    defaults.append(r)
+                    if r["time_imbalance"] > TIME_TARGET or r["remote_ratio"] > DEFAULT_REMOTE_TARGET:
+                        misses.append(f"default {name} {tpg}/GPU cp {cp}")
+                    print(f"| {name} | {tpg} | {cp} | {r['dispatch_alg']} | {r['chunk_size']} | "
+                          f"{r['time_imbalance']:.3f} | {r['remote_kv_tokens_max']:,} | {r['remote_ratio']:.2f} | "
+                          f"{r['recv_buffer_ratio']:.2f} | {r['predicted_step_ms']:.2f} | {r['plan_seconds']:.3f} | "
+                          f"{r['plan_fraction_of_step']:.1f} |", flush=True)  # fmt: skip
+    print()
+    print('Chunk dispatch asked for by name (alg="affinity", chunk size chosen):')
+    print()
+    print("| mask | tok/GPU | cp | chunk | imbalance | lower bound | remote K/V max | ratio vs fixed rule |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        for tpg in tpgs:
+            for cp in cps:
+                q, k, t = make_mask(name, tpg * cp)
+                r = _chunked_row(name, tpg, cp, q, k, t)
+                chunked.append(r)
+                if r["imbalance"] > TARGET.get(tpg, 1.05) or r["remote_ratio"] > REMOTE_TARGET:
+                    misses.append(f"chunk dispatch {name} {tpg}/GPU cp {cp}")
+                print(f"| {name} | {tpg} | {cp} | {r['chunk_size']} | {r['imbalance']:.3f} | "
+                      f"{r['lower_bound_imbalance']:.3f} | {r['remote_kv_tokens_max']:,} | {r['remote_ratio']:.2f} "
+                      f"(chunk {r['baseline_chunk_size']}: {r['baseline_remote_kv_tokens_max']:,}) |", flush=True)  # fmt: skip
     print()
     n, cp = args.plan_time_tokens, args.plan_time_cp
     print(f"Plan time, {n:,} tokens, cp {cp} (key normalisation + runtime plan, best of {args.repeat}):")
@@ -183,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|")
     timing = []
     for name in names:
-        q, k, t = MASKS[name](n)
+        q, k, t = make_mask(name, n)
         s = _plan_seconds(q, k, t, n, cp, args.repeat)
         timing.append({"mask": name, "tokens": n, "cp": cp, "seconds": s})
         if s > PLAN_TIME_TARGET_S:
@@ -193,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     print("misses: " + (", ".join(misses) if misses else "none"))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows, "plan_time": timing, "misses": misses}, f, indent=1)
+            json.dump({"default": defaults, "chunk_dispatch": chunked, "plan_time": timing, "misses": misses}, f,
+                      indent=1)  # fmt: skip
     return 0
 
 

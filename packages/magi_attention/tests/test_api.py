@@ -184,6 +184,9 @@ def test_config_validation() -> None:
         cfg.DispatchConfig(chunk_size=0)
     with pytest.raises(ValueError, match="alg must be one of"):
         cfg.DispatchConfig(alg="best")
+    # None (the default) chooses; a name is used as given
+    assert cfg.DispatchConfig().alg is None
+    assert cfg.DispatchConfig(alg="documents").alg is cfg.DispatchAlg.DOCUMENTS
     with pytest.raises(ValueError, match="degree"):
         cfg.OverlapConfig(degree=-1)
     assert cfg.OverlapConfig(degree=None).mode == cfg.OverlapMode.DYNAMIC

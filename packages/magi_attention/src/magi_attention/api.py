@@ -442,10 +442,12 @@ def get_kernel_backend(
 
 def get_dispatch_choice(key: DistAttnRuntimeKey) -> DispatchChoice:
     """How `key`'s tokens are dispatched: the chunk size and algorithm, the plan's overlap degree, its
-    balance and the remote K/V of the busiest rank, with a one-sentence reason.
+    balance and the remote K/V of the busiest rank, with a one-sentence reason, and the slowest rank's
+    predicted forward / backward kernel time (`predicted_fwd_ms` / `predicted_bwd_ms`, by the kernel law of
+    `magi_solver.kernel_law`; for a key made after dispatch, its own mask on the inherited placement).
 
-    With `DispatchConfig(chunk_size=None)` (the default) the chunk size, and with the default algorithm the
-    algorithm too, are chosen per mask and cp size (`magi_solver.choice`); an explicit size is used as given.
+    With `DispatchConfig()` (the default) the placement (documents or chunk dispatch) and the chunk size are
+    chosen per mask and cp size (`magi_solver.choice`); an explicit algorithm or size is used as given.
     A pure function of the global mask, the cp size and the config: the same on every rank. Plans the key if
     needed (a collective on first use, as `dispatch`); a key built by `magi_attn_*_key` is already planned.
 
@@ -458,6 +460,7 @@ def get_dispatch_choice(key: DistAttnRuntimeKey) -> DispatchChoice:
         return DispatchChoice(
             layout.chunk_size, "sequential", 0, 1.0, 1.0, 0, "cp 1: one rank holds the whole sequence."
         )
+    own = plan.choice  # this key's own mask on its (possibly inherited) placement
     return DispatchChoice(
         layout.choice.chunk_size,
         layout.choice.algorithm,
@@ -466,6 +469,8 @@ def get_dispatch_choice(key: DistAttnRuntimeKey) -> DispatchChoice:
         plan.dispatch.lower_bound_imbalance,
         max(plan.remote_tokens_per_rank),
         layout.choice.reason,
+        None if own is None else own.predicted_fwd_ms,
+        None if own is None else own.predicted_bwd_ms,
     )
 
 

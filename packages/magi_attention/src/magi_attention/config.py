@@ -40,8 +40,13 @@ class DispatchConfig:
     (`magi_solver.dispatch_choice`: the largest size whose balance bound, fragment cost and remote K/V are
     best, at most min(2048, ceil(total / (8 * cp_size))); `magi_attention.get_dispatch_choice(key)` says what
     it chose and why). The sequence is padded to a multiple of chunk_size * cp_size (unless `uneven_shard`)."""
-    alg: DispatchAlg | str = DispatchAlg.MIN_HEAP
-    """Balancing algorithm, a `DispatchAlg` or its name."""
+    alg: DispatchAlg | str | None = None
+    """Placement algorithm, a `DispatchAlg` or its name, used as given; None (the default) chooses per mask
+    and cp size between the documents placement (`"documents"`: whole documents, clips or window runs on as
+    few ranks as the balance of predicted kernel time allows) and the chunk dispatch, whichever the kernel
+    law predicts faster, communication included (`get_dispatch_choice(key)` says which and why). With an
+    explicit `chunk_size` and no algorithm: the chunk dispatch with `"min_heap"`. `"min_heap"` with no chunk
+    size is the chunk dispatch of earlier releases."""
     uneven_shard: bool = False
     """No padding: the sequence is cut into ceil(total / chunk_size) chunks (the last one possibly shorter),
     ranks' chunk counts differ by at most one, so ranks hold slightly different token counts (never more
@@ -57,6 +62,8 @@ class DispatchConfig:
             raise ValueError(
                 f"DispatchConfig.chunk_size must be a positive int or None, got {self.chunk_size!r}"
             )
+        if self.alg is None:
+            return
         try:
             object.__setattr__(self, "alg", DispatchAlg(self.alg))
         except ValueError:

@@ -1,30 +1,33 @@
-"""The dispatch choice: which chunk size and assignment algorithm a mask is dispatched with.
+"""The dispatch choice: which placement, chunk size and assignment algorithm a mask is dispatched with.
 
-With no explicit chunk size, every candidate size (the old default `min(2048, ceil(total / (8 cp)))` and
-its halvings down to `_MIN_CHUNK`, never with more padding than the default) is judged without planning:
+Every candidate is priced by one law (`kernel_law`, the law of the backend `auto` picks for the whole mask;
+`pricing.price_plan`): each rank's forward and backward kernel time from its mask area, its key columns
+(own tokens plus received keys) and its rows, plus the link time of its received K/V (NVLink inside a
+node, 50 GB/s per GPU across nodes); the step is the slowest forward plus the slowest backward.
+
+With no algorithm and no chunk size (the default) two placements are compared by that predicted step and
+the faster taken: the documents placement (`documents`, whole units on as few ranks as balance of
+predicted time allows) and the chunk dispatch below. Self-attention only for the documents placement: on
+cross-attention the chunk dispatch is taken and the reason says so. An explicit algorithm is used as given
+(`documents` on cross-attention raises ValueError); an explicit chunk size without an algorithm keeps the
+chunk dispatch with `min_heap`.
+
+The chunk dispatch with a chosen chunk size: every candidate size (the old default `min(2048, ceil(total /
+(8 cp)))` and its halvings down to `_MIN_CHUNK`, never with more padding than the default) is judged:
 
 1. **Balance lower bound.** With chunk `c`, no assignment beats `max(mean rank area, the largest chunk plus
-   the m - 1 smallest)` (`dispatch_lower_bound`), computed from the chunk areas (vectorised over the
-   (slice, chunk) pairs). A size whose bound is more than `_BALANCE_SLACK` above the best candidate's is
-   dropped: a few long documents hold most of the area and one chunk of them outweighs a rank's share.
-2. **Assignment.** Each remaining size is assigned by `affinity` (a chunk goes to the rank that already
-   holds the keys its rows need, or whose rows need its keys, while the rank stays within the bound; then
-   swaps restore balance, and further swaps that never raise the maximum load bring a long document's
-   chunks back to the rank fetching the most remote keys), which keeps a document's chunks on as few ranks
-   as balance allows, or by `min_heap` when the chunk count is past `_AFFINITY_CHUNKS` (the affinity table
-   is quadratic).
-3. **Price.** The busiest rank's predicted forward + backward seconds with the H200 cost profile: its
-   kernel time on `area + waste` (the tile-fill term: every (slice, chunk) piece leaves on average half a
-   128-token tile unfilled along its query and its key edge, `64 * (q length + k length)` pairs; the H200
-   kernel tables' tile-fill rows show the rate falling with the filled fraction), plus in the backward a
-   fixed cost per key the rank holds or fetches (`_BWD_PAIRS_PER_KEY`, fitted to measured ranks), against the fetch of its
-   remote K/V (exact: the union of the key ranges its rows need, less its own tokens; past 8 ranks the
-   part from other nodes at 50 GB/s per GPU, the rest over NVLink); with overlap the slower of the two
-   bounds the rank. The two largest sizes kept are priced (up to four while none keeps the busiest rank's
-   remote K/V within `_REMOTE_BUDGET` of what the largest size with min_heap moves: smaller ones only add
-   fragments and remote keys once the balance is reached). Among the candidates within `_BALANCE_SLACK` of
-   the best achieved balance, those within the remote budget come first, and the cheapest wins (ties: the
-   larger chunk); with none within the budget, the least remote K/V.
+   the m - 1 smallest)` (`dispatch_lower_bound`). A size whose bound is more than `_BALANCE_SLACK` above
+   the best candidate's is dropped.
+2. **Assignment.** Each remaining size is assigned by the algorithm asked for (`affinity`: a chunk goes to
+   the rank that already holds the keys its rows need while the rank stays within the bound, swaps then
+   restore balance and lower the busiest fetcher's remote keys; it also tries its tolerances `_TOLERANCES`
+   on small chunk tables), or, in the default's comparison, by `min_heap` (cheap: the documents placement
+   is the one that keeps documents together).
+3. **Price.** The law's predicted step. The two largest sizes kept are priced (up to four while none keeps
+   the busiest rank's remote K/V within `_REMOTE_BUDGET` of what the largest size with min_heap moves).
+   Among the candidates within `_BALANCE_SLACK` of the best achieved balance, those within the remote
+   budget come first, and the cheapest wins (ties: the larger chunk); with none within the budget, the
+   least remote K/V.
 
 The choice is a pure function of the mask, cp size and the request (no communication), so every rank makes
 the same one; `choose_dispatch` caches it (and the `DispatchPlan`) per mask digest, geometry and request,
@@ -41,7 +44,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost_model import OverlapCostModel, get_profile
 from .dispatch import (
     DispatchAlg,
     DispatchPlan,
@@ -51,6 +53,9 @@ from .dispatch import (
     dispatch_slices,
     padded_seqlen,
 )
+from .documents import documents_granularity, documents_plan
+from .kernel_law import KernelLaw, law_for_mask
+from .pricing import PlanPrice, price_plan, rank_traffic, remote_kv_tokens
 
 __all__ = [
     "DispatchChoice",
@@ -58,6 +63,7 @@ __all__ = [
     "clear_dispatch_cache",
     "default_chunk_size",
     "mask_digest",
+    "predicted_choice_times",
     "remote_kv_tokens",
 ]
 
@@ -82,24 +88,8 @@ _TOLERANCES = (0.0, 0.02, 0.05, 0.1)
 _TOLERANCE_CHUNKS = 512
 """Chunk counts up to which every tolerance is tried (each try is one more affinity assignment)."""
 _NODE = 8
-"""GPUs per node: past this many ranks, remote K/V from another node goes over the slower link."""
-_INTERNODE_GBPS = 50.0
-"""Per-GPU bandwidth between nodes (GB/s) the price assumes."""
-_TILE = 128
-_BWD_PAIRS_PER_KEY = 558
-"""The backward's fixed work per key a rank holds or fetches, in (q, k) pairs of attention work: measured on
-an H200 (2026-12-02, cuDNN, 64:8 heads, d 128, 8k tokens per GPU, 600 simulated ranks of five masks at cp
-8-32, `benchmarks/results/2026-12-02_h200_scaling_8k.json`), a rank's backward time fits
-`2.14 us x tiles + 9.33 us x key tiles` (R^2 0.999, median error 2.6 %): each 128-key column of the kernel
-costs 4.36 tiles beyond its tiles (loading K / V, writing dK / dV), 4.36 x 128 x 128 / 128 pairs per key.
-Only the choice's price carries it, to rank candidates of equal balance by the keys they read: the overlap
-cost model's rates were fitted on full masks of 8k-query columns, which already hold the part of this cost
-such columns pay, and adding the term there over-predicted the measured cp 2 backward of packed documents
-by 20-40 % (`docs/benchmarks/cost_model.md`)."""
+"""GPUs per node: past this many ranks, ranks exchanging the most keys are grouped into one."""
 _CHOICE_CACHE_SIZE = 256
-# the shape the choice prices with: the benchmarks' 64:8 heads, head dim 128, bf16 (only ratios of compute
-# to communication matter for the choice, and those scale together with the heads)
-_PRICE_MODEL = OverlapCostModel(get_profile("h200", "fa4"), 64, 8, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +104,9 @@ class DispatchChoice:
         lower_bound_imbalance: no assignment with this chunk size does better.
         remote_kv_tokens_max: K/V tokens the busiest rank fetches from other ranks.
         reason: one sentence saying why this chunk size and algorithm.
+        predicted_fwd_ms, predicted_bwd_ms: the slowest rank's forward / backward kernel time by the kernel
+            law (`kernel_law`, the law of the backend `auto` would pick for the whole mask, at 64:8 heads,
+            head dim 128, bf16; communication not included); None where not computed.
     """
 
     chunk_size: int
@@ -123,18 +116,19 @@ class DispatchChoice:
     lower_bound_imbalance: float
     remote_kv_tokens_max: int
     reason: str
+    predicted_fwd_ms: float | None = None
+    predicted_bwd_ms: float | None = None
 
     def with_plan(self, overlap_degree: int, remote_kv_tokens_max: int) -> DispatchChoice:
         """This choice with the built plan's overlap degree and measured remote K/V."""
-        return DispatchChoice(
-            self.chunk_size,
-            self.algorithm,
-            int(overlap_degree),
-            self.imbalance,
-            self.lower_bound_imbalance,
-            int(remote_kv_tokens_max),
-            self.reason,
+        return dataclasses.replace(
+            self, overlap_degree=int(overlap_degree), remote_kv_tokens_max=int(remote_kv_tokens_max)
         )
+
+
+def predicted_choice_times(price: PlanPrice) -> tuple[float, float]:
+    """`(predicted_fwd_ms, predicted_bwd_ms)` of a `PlanPrice`: its slowest rank's kernel times."""
+    return float(price.fwd_ms.max()), float(price.bwd_ms.max())
 
 
 def default_chunk_size(total_seqlen: int, cp_size: int) -> int:
@@ -147,85 +141,6 @@ def mask_digest(slices: list[tuple[int, int, int, int, int]]) -> str:
     """A digest of validated `(qs, qe, ks, ke, code)` slices (cache keys; equal masks, equal digests)."""
     arr = np.asarray(slices, dtype=np.int64).reshape(-1, 5)
     return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
-
-
-def remote_kv_tokens(
-    owner: np.ndarray,
-    chunk: np.ndarray,
-    kl: np.ndarray,
-    kr: np.ndarray,
-    chunk_size: int,
-    cp_size: int,
-    group_size: int = 1,
-) -> np.ndarray:
-    """int64 `[cp]`: K/V tokens each rank fetches: the union of the key ranges its chunks' rows need
-    (`chunk`, `kl`, `kr` from the (slice, chunk) pieces), less the tokens of its own chunks (`owner`: the
-    rank of each chunk). Self-attention (keys are the query sequence). Exact, vectorised.
-
-    With `group_size` g > 1: less the tokens of every chunk held in the rank's group of g ranks (ranks
-    `g * (r // g)` onwards: a node), i.e. what the rank fetches from outside its node."""
-    out = np.zeros(cp_size, dtype=np.int64)
-    if chunk.size == 0:
-        return out
-    span = int(owner.size) * chunk_size + 1  # ranks' coordinates never overlap after this shift
-    starts, lens, covered = _union_runs(owner, chunk, kl, kr, span)
-    np.add.at(out, starts // span, lens)  # union per rank
-    # minus the rank's own tokens inside its union
-    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
-    ok = members < cp_size
-    holder = members[ok]
-    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
-    a = c * chunk_size + holder * span
-    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
-    return out
-
-
-def _union_runs(owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, span: int):
-    """Per rank, the union of the key ranges its chunks' rows need, as sorted disjoint runs in one shifted
-    coordinate (rank r's keys at `r * span` onwards): `(starts, lens, covered)`, where `covered(x)` counts
-    the union's tokens below each shifted position in `x` (any shape)."""
-    rank = owner[chunk]
-    s = kl + rank * span
-    e = kr + rank * span
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    run_end = np.maximum.accumulate(e)
-    new = np.ones(s.size, dtype=bool)
-    new[1:] = s[1:] > run_end[:-1]  # a gap before this interval: a new merged run starts
-    starts = s[new]
-    lens = np.maximum.reduceat(e, np.flatnonzero(new)) - starts
-    cum = np.concatenate([[0], np.cumsum(lens)])
-
-    def covered(x: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(starts, x, side="right") - 1
-        safe = np.maximum(i, 0)
-        inside = np.clip(x - starts[safe], 0, lens[safe])
-        return np.where(i >= 0, cum[safe] + inside, 0)
-
-    return starts, lens, covered
-
-
-def rank_traffic(
-    owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, chunk_size: int, cp_size: int
-) -> np.ndarray:
-    """int64 `[cp, cp]`: entry `[r, s]` is the K/V tokens rank r fetches from rank s (the tokens of s's chunks
-    inside the union of the key ranges r's rows need); the diagonal is 0. Row sums are `remote_kv_tokens`."""
-    out = np.zeros((cp_size, cp_size), dtype=np.int64)
-    if chunk.size == 0:
-        return out
-    n = int(owner.size)
-    span = n * chunk_size + 1
-    _, _, covered = _union_runs(owner, chunk, kl, kr, span)
-    a = (
-        np.arange(n, dtype=np.int64)[None, :] * chunk_size
-        + np.arange(cp_size, dtype=np.int64)[:, None] * span
-    )
-    per_chunk = covered(a + chunk_size) - covered(a)  # [cp, n]: tokens of chunk c in rank r's union
-    onehot = np.zeros((n, cp_size), dtype=np.int64)
-    onehot[np.arange(n), owner] = 1
-    out = per_chunk @ onehot
-    np.fill_diagonal(out, 0)
-    return out
 
 
 def group_by_node(plan: DispatchPlan, traffic: np.ndarray, node_size: int = _NODE) -> DispatchPlan:
@@ -291,31 +206,11 @@ class _Candidate:
     chunk_size: int
     plan: DispatchPlan
     remote: np.ndarray
-    seconds: float
+    price: PlanPrice
 
-
-def _price(
-    plan: DispatchPlan, waste_per_chunk: np.ndarray, remote: np.ndarray, inter: np.ndarray | None
-) -> float:
-    """The busiest rank's predicted forward + backward seconds (see the module docstring); `inter`: the
-    part of each rank's remote K/V from outside its node (None: one node), fetched at `_INTERNODE_GBPS`
-    while the rest comes over NVLink (the slower link sets the time)."""
-    m = _PRICE_MODEL
-    worst = 0.0
-    # bytes per token there and back: K and V forward, dK and dV in the backward's reduce. The price is
-    # taken before the overlap degree is known and prices the merged schedule's traffic (degree 0), whose
-    # reduce sends the kernel's dK / dV in the input dtype (the owner sums them in fp32)
-    wire = m.kv_bytes_per_token + m.merged_grad_kv_bytes_per_token
-    for r, part in enumerate(plan.partitions):
-        area = plan.rank_areas[r] + float(waste_per_chunk[list(part)].sum())
-        # every key the rank holds or fetches is a column of its backward kernel: remote keys cost compute too
-        keys = plan.shard_seqlens[r] + int(remote[r])
-        comp = m.calc(area) + m.calc(area + _BWD_PAIRS_PER_KEY * keys, backward=True)
-        comm = m.fetch(remote[r]) + m.reduce(remote[r], merged=True) if remote[r] else 0.0
-        if inter is not None and inter[r]:
-            comm = max(comm, float(inter[r]) * wire / (_INTERNODE_GBPS * 1e9))
-        worst = max(worst, comp, comm)
-    return worst
+    @property
+    def seconds(self) -> float:
+        return self.price.step_ms * 1e-3
 
 
 def _assign(
@@ -350,8 +245,9 @@ def choose_dispatch(
         total_seqlen: tokens of the query sequence before padding.
         cp_size: ranks.
         chunk_size: an explicit chunk size (always respected), or None to choose one.
-        alg: an explicit algorithm, or None: `affinity` (or `min_heap` past `_AFFINITY_CHUNKS` chunks, and
-            for cross-attention) with a chosen chunk size, `min_heap` with an explicit one.
+        alg: an explicit algorithm, or None: the documents placement or the chunk dispatch, whichever the
+            law predicts faster (the chunk dispatch for cross-attention), with a chosen chunk size;
+            `min_heap` with an explicit one.
         uneven_shard: no padding (see `solve_dispatch`); otherwise the sequence is padded to a multiple
             of `chunk_size * cp_size` and the returned plan's `total_seqlen` is the padded length.
         cross_attention: keys are another sequence (no affinity; remote K/V then depends on the key layout
@@ -387,31 +283,85 @@ def _choose(
     uneven: bool,
     cross: bool,
 ) -> tuple[DispatchChoice, DispatchPlan]:
-    def geometry(c: int) -> int:
-        return total if uneven else padded_seqlen(total, cp, c)
-
-    def finish(plan: DispatchPlan, remote: np.ndarray, reason: str) -> tuple[DispatchChoice, DispatchPlan]:
-        choice = DispatchChoice(
-            plan.chunk_size,
-            plan.alg.value,
-            -1,
-            plan.imbalance,
-            plan.lower_bound_imbalance,
-            int(remote.max()) if remote.size else 0,
-            reason,
-        )
-        return choice, plan
-
-    def remote_of(plan: DispatchPlan, group: int = 1) -> np.ndarray:
-        if cross:
-            return np.zeros(cp, dtype=np.int64)
-        chunk, _, kl, kr = _key_intervals(slices, plan.chunk_size)
-        return remote_kv_tokens(np.asarray(plan.chunk_owner), chunk, kl, kr, plan.chunk_size, cp, group)
-
+    if alg is DispatchAlg.DOCUMENTS and cross:
+        raise ValueError("alg='documents' keeps units of one sequence together: not for cross-attention")
+    law = law_for_mask(slices, total)
+    if alg is DispatchAlg.DOCUMENTS:
+        best = _documents_candidate(slices, total, cp, chunk_size, uneven, law)
+        how = "given" if chunk_size is not None else "chosen by the placement"
+        why = f"the documents placement was asked for (chunk {best.chunk_size}, {how})."
+        return _finish(best, why)
     if chunk_size is not None:
         a = alg or DispatchAlg.MIN_HEAP
-        plan = _assign(slices, geometry(chunk_size), cp, chunk_size, a, uneven)
-        return finish(plan, remote_of(plan), f"chunk size {chunk_size} and algorithm {a.value} were given.")
+        geo = total if uneven else padded_seqlen(total, cp, chunk_size)
+        plan = _assign(slices, geo, cp, chunk_size, a, uneven)
+        cand = _priced(slices, plan, cp, law, cross)
+        return _finish(cand, f"chunk size {chunk_size} and algorithm {a.value} were given.")
+    chunked, why = _choose_chunked(slices, total, cp, alg, uneven, cross, law)
+    if alg is not None:
+        return _finish(chunked, why)
+    # the default: the documents placement against the chunk dispatch, by the predicted step
+    if cross:
+        return _finish(chunked, why[:-1] + "; the documents placement needs self-attention.")
+    docs = _documents_candidate(slices, total, cp, None, uneven, law)
+    lead = (
+        f"predicted step {docs.seconds * 1e3:.3g} ms (documents, chunk {docs.chunk_size}) against "
+        f"{chunked.seconds * 1e3:.3g} ms (chunk dispatch, chunk {chunked.chunk_size} {chunked.plan.alg.value})"
+    )
+    if docs.seconds < chunked.seconds:
+        return _finish(docs, f"the documents placement is faster: {lead}.")
+    return _finish(chunked, f"the chunk dispatch is not slower: {lead}; {why}")
+
+
+def _finish(best: _Candidate, reason: str) -> tuple[DispatchChoice, DispatchPlan]:
+    plan = best.plan
+    fwd, bwd = predicted_choice_times(best.price)
+    choice = DispatchChoice(
+        plan.chunk_size,
+        plan.alg.value,
+        -1,
+        plan.imbalance,
+        plan.lower_bound_imbalance,
+        int(best.remote.max()) if best.remote.size else 0,
+        reason,
+        fwd,
+        bwd,
+    )
+    return choice, plan
+
+
+def _priced(slices: list, plan: DispatchPlan, cp: int, law: KernelLaw, cross: bool) -> _Candidate:
+    """`plan` (ranks renumbered by node past one node) with its law price."""
+    pieces = _key_intervals(slices, plan.chunk_size)
+    if not cross and cp > _NODE:  # past one node: ranks that exchange most keys share one
+        chunk, _, kl, kr = pieces
+        owner = np.asarray(plan.chunk_owner)
+        plan = group_by_node(plan, rank_traffic(owner, chunk, kl, kr, plan.chunk_size, cp))
+    price = price_plan(plan, slices, law, cross=cross, pieces=pieces)
+    return _Candidate(plan.chunk_size, plan, price.remote, price)
+
+
+def _documents_candidate(
+    slices: list, total: int, cp: int, chunk_size: int | None, uneven: bool, law: KernelLaw
+) -> _Candidate:
+    c = chunk_size or documents_granularity(total, cp)
+    if chunk_size is None and not uneven:  # never pad more than the chunk dispatch's default size does
+        most = padded_seqlen(total, cp, default_chunk_size(total, cp))
+        while c > 1 and padded_seqlen(total, cp, c) > most:
+            c //= 2
+    plan = documents_plan(slices, total, cp, law, uneven_shard=uneven, chunk_size=c)
+    return _priced(slices, plan, cp, law, False)
+
+
+def _choose_chunked(
+    slices: list, total: int, cp: int, alg: DispatchAlg | None, uneven: bool, cross: bool, law: KernelLaw
+) -> tuple[_Candidate, str]:
+    """The chunk dispatch with a chosen chunk size (see the module docstring): the best candidate and why.
+    With `alg` None (the default's comparison against the documents placement) every size is assigned by
+    `min_heap`, which keeps a new mask's key cheap."""
+
+    def geometry(c: int) -> int:
+        return total if uneven else padded_seqlen(total, cp, c)
 
     c0 = default_chunk_size(total, cp)
     sizes = [c0]
@@ -432,11 +382,13 @@ def _choose(
     keep = [c for c in sizes if bounds[c] <= best_lb * (1.0 + _BALANCE_SLACK)]
     dropped = [c for c in sizes if c not in keep]
     # the remote K/V budget: what the fixed rule (the largest size, min_heap) moves, times _REMOTE_BUDGET
-    fixed = _assign(slices, geometry(c0), cp, c0, DispatchAlg.MIN_HEAP, uneven)
-    budget = _REMOTE_BUDGET * max(int(remote_of(fixed).max()), 1)
+    fixed = _priced(
+        slices, _assign(slices, geometry(c0), cp, c0, DispatchAlg.MIN_HEAP, uneven), cp, law, cross
+    )
+    budget = _REMOTE_BUDGET * max(int(fixed.remote.max(initial=0)), 1)
     # smaller chunks only add fragments and remote keys once the balance is reached: price the largest sizes
     # that balance, two at least, more while none keeps within the budget
-    cands: list[_Candidate] = []
+    cands: list[_Candidate] = [fixed] if c0 in keep and alg in (None, DispatchAlg.MIN_HEAP) else []
     priced = []
     for c in keep[:_PRICED_MAX]:
         more = len(priced) >= _PRICED
@@ -444,20 +396,17 @@ def _choose(
             break  # past the first sizes, only small chunk tables are worth another try
         priced.append(c)
         n = -(-geometry(c) // c)
-        a = alg or (DispatchAlg.AFFINITY if not cross and n <= _AFFINITY_CHUNKS else DispatchAlg.MIN_HEAP)
-        chunk, qlen, kl, kr = _key_intervals(slices, c)
-        waste = np.zeros(n, dtype=np.float64)
-        np.add.at(waste, chunk, (_TILE // 2) * (qlen + (kr - kl)).astype(np.float64))
+        # the default's comparison assigns by min_heap (cheap: a new mask every step pays for its key); the
+        # chunk dispatch of earlier releases, affinity, is there by name
+        a = alg or DispatchAlg.MIN_HEAP
+        if a is DispatchAlg.MIN_HEAP and c == c0 and cands and cands[0] is fixed:
+            continue  # the fixed rule's assignment, already priced
         # affinity may also let a rank run a little over the bound while it collects a document's chunks
-        # (the swaps then restore the balance): tried where the chunk table is small
-        tolerances = _TOLERANCES if a is DispatchAlg.AFFINITY and n <= _TOLERANCE_CHUNKS else (0.0,)
-        for tol in tolerances:
+        # (the swaps then restore the balance): tried where the chunk table is small, when asked for
+        many = a is DispatchAlg.AFFINITY and alg is not None and n <= _TOLERANCE_CHUNKS
+        for tol in _TOLERANCES if many else (0.0,):
             plan = _assign(slices, geometry(c), cp, c, a, uneven, tol)
-            if not cross and cp > _NODE:  # past one node: ranks that exchange most keys share one
-                plan = group_by_node(plan, rank_traffic(np.asarray(plan.chunk_owner), chunk, kl, kr, c, cp))
-            remote = remote_of(plan)
-            inter = None if cross or cp <= _NODE else remote_of(plan, _NODE)
-            cands.append(_Candidate(c, plan, remote, _price(plan, waste, remote, inter)))
+            cands.append(_priced(slices, plan, cp, law, cross))
     # the price weighs balance against fragments and communication; the balance itself stays near the best,
     # and the remote K/V within the budget where a candidate can
     balanced = min(x.plan.imbalance for x in cands) + _BALANCE_SLACK
@@ -467,11 +416,11 @@ def _choose(
         best = min(within, key=lambda x: (round(x.seconds, 9), -x.chunk_size))
     else:
         best = min(ok, key=lambda x: (int(x.remote.max(initial=0)), round(x.seconds, 9), -x.chunk_size))
-    keep = priced
     why = (
-        f"chunk {best.chunk_size} ({best.plan.alg.value}) has the lowest predicted time of the busiest rank "
-        f"({best.seconds * 1e3:.3g} ms fwd+bwd on the H200 profile) among {', '.join(map(str, keep))}"
+        f"chunk {best.chunk_size} ({best.plan.alg.value}) has the lowest predicted step "
+        f"({best.seconds * 1e3:.3g} ms by the {law.gpu} {law.backend} kernel law) among "
+        f"{', '.join(map(str, priced))}"
     )
     if dropped:
         why += f"; {', '.join(map(str, dropped))} cannot balance below {min(bounds[c] for c in dropped):.3f}"
-    return finish(best.plan, best.remote, why + ".")
+    return best, why + "."

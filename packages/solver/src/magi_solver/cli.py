@@ -427,8 +427,9 @@ def _render(records: list[dict[str, Any]], header: str, console: Any, wide: bool
         title = (
             f"cp {rec['cp']}: {'up to ' if rec['uneven_shard'] else ''}{rec['tokens_per_rank']:,} tokens per "
             f"rank{' (uneven shards)' if rec['uneven_shard'] else ''}, chunk {rec['chunk_size']}, "
-            f"overlap degree {degree}, imbalance {rec['imbalance']:.3f} "
-            f"(lower bound {rec['lower_bound_imbalance']:.3f}), planned in {rec['plan_seconds']:.2f} s"
+            f"overlap degree {degree}, {rec['dispatch_alg']}, time imbalance {rec['time_imbalance']:.3f}, "
+            f"area imbalance {rec['imbalance']:.3f} (lower bound {rec['lower_bound_imbalance']:.3f}), "
+            f"planned in {rec['plan_seconds']:.2f} s"
         )
         groups = _column_groups(rec, console, wide)
         for n, cols in enumerate(groups):
@@ -444,7 +445,9 @@ def _render(records: list[dict[str, Any]], header: str, console: Any, wide: bool
             else:
                 console.print(table)
     console.print(
-        "[dim]Predicted by magi-solver's overlap cost model (slowest rank; TF/s/GPU = FLOP / (time x cp)). "
+        "[dim]Predicted by magi-solver's overlap cost model, kernels by its kernel law where fitted (slowest "
+        "rank; TF/s/GPU = FLOP / (time x cp)); time imbalance = (max fwd + max bwd) / (mean fwd + mean bwd) "
+        "of the ranks' kernel times. "
         "vs magi = the scheme's fwd + bwd time over magi's. Ring and all-gather use zigzag shards; "
         "Ulysses needs both head counts divisible by cp.[/dim]"
     )

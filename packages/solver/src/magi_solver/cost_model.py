@@ -7,8 +7,10 @@ Notation for one rank: `A_h` host area (local q x local k pairs), `A_i` / `T_i` 
 of remote stage i, `A_r = sum A_i`, `T_r = sum T_i`, `L` local tokens (q rows, and local K/V tokens: this
 is self-attention), `Hq`, `Hkv`, `D` heads and head dim. Building blocks (`p` = the `CostProfile`):
 
-* compute `calc(A) = 4 * A * Hq * D / (p.fwd_tflops * 1e12)`, backward `2.5 * 4 * A * Hq * D /
-  (p.bwd_tflops * 1e12)`; a kernel call adds `p.kernel_fixed_s` (launch, and the tail of a grid that no
+* compute: with a kernel law (`OverlapCostModel.law`, the one law of `kernel_law`) a call's time is the
+  law's on its area, its key columns (the call's keys: `L` for the host call, `T_i` for stage i, `L + T_r`
+  for the merged call) and its `L` rows; without one, `calc(A) = 4 * A * Hq * D / (p.fwd_tflops * 1e12)`,
+  backward `2.5 * 4 * A * Hq * D / (p.bwd_tflops * 1e12)`; a kernel call adds `p.kernel_fixed_s` (launch, and the tail of a grid that no
   longer fills the GPU). A call with no area is skipped by the runtime, so it costs nothing.
 * fetch of `T` tokens of K and V: `p.comm_latency_s + T * 2 * Hkv * D * bytes_per_elem / (p.comm_gbps *
   1e9)`; the backward's dK/dV reduce is the same with `grad_reduce_bytes_per_elem` (each stage's fp32
@@ -48,6 +50,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+
+from .kernel_law import KernelLaw
 
 __all__ = [
     "PROFILES",
@@ -227,11 +231,19 @@ class OverlapCostModel:
     head_dim: int
     bytes_per_elem: int = 2
     grad_reduce_bytes_per_elem: int = 4
+    law: KernelLaw | None = None
+    """The kernel law (`kernel_law`, fitted at 64:8 heads, d 128; scaled here to this model's shape): when
+    set, a kernel call's time comes from its area, its key columns and its rows instead of the profile's
+    TFLOP/s (`p.kernel_fixed_s` still counts per call); the profile keeps the links and memory terms."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.profile, CostProfile):
             raise TypeError(f"`profile` must be a CostProfile, got {type(self.profile).__name__}")
-        for f in fields(self)[1:]:
+        if self.law is not None:
+            if not isinstance(self.law, KernelLaw):
+                raise TypeError(f"`law` must be a KernelLaw or None, got {type(self.law).__name__}")
+            object.__setattr__(self, "law", self.law.scaled(self.num_heads_q, self.head_dim))
+        for f in fields(self)[1:-1]:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"OverlapCostModel `{f.name}` must be an int >= 1, got {v!r}")
@@ -254,16 +266,29 @@ class OverlapCostModel:
         into its fp32 sum), so they cost what K and V cost, `kv_bytes_per_token`."""
         return self.kv_bytes_per_token
 
-    def calc(self, area: float, backward: bool = False) -> float:
-        """Seconds of kernel throughput for `area` (q, k) pairs, without the per-call fixed cost."""
+    def calc(
+        self, area: float, backward: bool = False, *, keys: float | None = None, rows: float | None = None
+    ) -> float:
+        """Seconds of kernel throughput for `area` (q, k) pairs, without the per-call fixed cost. With a
+        `law` and the call's `keys` (its key tokens) and `rows` (its query tokens): the law's time."""
+        if self.law is not None and keys is not None and rows is not None:
+            if area <= 0:
+                return 0.0
+            ms = self.law.bwd_ms(area, keys, rows) if backward else self.law.fwd_ms(area, keys, rows)
+            return float(ms) * 1e-3
         flops = 4.0 * area * self.num_heads_q * self.head_dim
         if backward:
             return BWD_FLOP_RATIO * flops / (self.profile.bwd_tflops * 1e12)
         return flops / (self.profile.fwd_tflops * 1e12)
 
-    def kernel(self, area: float, backward: bool = False) -> float:
-        """Seconds of one kernel call over `area` pairs (0 for no area: the runtime skips the call)."""
-        return self.profile.kernel_fixed_s + self.calc(area, backward) if area > 0 else 0.0
+    def kernel(
+        self, area: float, backward: bool = False, *, keys: float | None = None, rows: float | None = None
+    ) -> float:
+        """Seconds of one kernel call over `area` pairs (0 for no area: the runtime skips the call); `keys`,
+        `rows`: see `calc`."""
+        return (
+            self.profile.kernel_fixed_s + self.calc(area, backward, keys=keys, rows=rows) if area > 0 else 0.0
+        )
 
     def fetch(self, tokens: float) -> float:
         """Seconds of one K/V fetch collective moving `tokens` tokens to this rank."""
@@ -320,11 +345,16 @@ class OverlapCostModel:
         if degree == 0:
             remote = stage_tokens[0]
             t = self.fetch(remote) + self.copy(local_q_tokens + remote)
-            t += self.kernel(host_area + stage_areas[0], backward)
+            L = local_q_tokens
+            t += self.kernel(host_area + stage_areas[0], backward, keys=L + remote, rows=L)
             return t + (self.reduce(remote, merged=True) if backward else 0.0)
-        host = self.kernel(host_area, backward)
+        L = local_q_tokens
+        host = self.kernel(host_area, backward, keys=L, rows=L)
         over = self.stage_overhead(local_q_tokens, backward)
-        kernels = [self.calc(a, backward) + over if a > 0 else 0.0 for a in stage_areas]
+        kernels = [
+            self.calc(a, backward, keys=t, rows=L) + over if a > 0 else 0.0
+            for a, t in zip(stage_areas, stage_tokens)
+        ]
         fetches = [self.fetch(t) for t in stage_tokens]
         reduces = [self.reduce(t) for t in stage_tokens] if backward else None
         return _pipeline(host, kernels, fetches, reduces)

@@ -15,6 +15,7 @@ of its rank: every other chunk starts at `index * chunk_size` of its rank's loca
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -47,12 +48,15 @@ class DispatchAlg(StrEnum):
     then MIN_HEAP's swaps restore the balance, then swaps that never raise the maximum load lower the remote
     keys of the rank fetching the most; falls back to MIN_HEAP's assignment when that one needs no more
     (estimated) communication.
+    DOCUMENTS: whole units (packed documents, clips, runs of windows) on as few ranks as balance of
+    predicted kernel time allows (`magi_solver.documents`); self-attention only.
     """
 
     MIN_HEAP = "min_heap"
     SEQUENTIAL = "sequential"
     ZIGZAG = "zigzag"
     AFFINITY = "affinity"
+    DOCUMENTS = "documents"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,11 @@ class DispatchPlan:
         inv = np.empty_like(perm)
         inv[perm] = np.arange(perm.size, dtype=np.int64)
         return inv
+
+
+PLACEMENTS: dict[DispatchAlg, Callable[[list, int, int, int, bool], DispatchPlan]] = {}
+"""Algorithms of their own modules built on this one (`documents` registers DOCUMENTS when imported, as
+`import magi_solver` does): `(slices, total_seqlen, cp_size, chunk_size, uneven_shard) -> DispatchPlan`."""
 
 
 def padded_seqlen(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
@@ -609,7 +618,7 @@ def solve_dispatch(
             (any length with `uneven_shard`).
         cp_size: number of ranks; must divide the chunk count (at most the chunk count with `uneven_shard`).
         chunk_size: tokens per chunk.
-        alg: a `DispatchAlg` value ("min_heap", "sequential", "zigzag", "affinity").
+        alg: a `DispatchAlg` value ("min_heap", "sequential", "zigzag", "affinity", "documents").
         affinity_tolerance: for "affinity", how far above the balance lower bound (as a fraction) a rank's
             load may grow when it is chosen for affinity rather than for being least loaded.
         total_seqlen_k: cross-attention: length of the key sequence `k_ranges` index (None: self-attention,
@@ -623,8 +632,10 @@ def solve_dispatch(
     total_seqlen, cp_size, chunk_size = validate_geometry(
         total_seqlen, cp_size, chunk_size, uneven_shard=uneven_shard
     )
-    if total_seqlen_k is not None and DispatchAlg(alg) is DispatchAlg.AFFINITY:
-        raise ValueError("alg='affinity' pairs query and key chunks of one sequence: not for cross-attention")
+    if total_seqlen_k is not None and DispatchAlg(alg) in (DispatchAlg.AFFINITY, DispatchAlg.DOCUMENTS):
+        raise ValueError(
+            f"alg={DispatchAlg(alg).value!r} pairs query and key chunks of one sequence: not for cross-attention"
+        )
     total_k = total_seqlen if total_seqlen_k is None else _check_int(total_seqlen_k, "total_seqlen_k")
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
     return dispatch_slices(
@@ -655,6 +666,8 @@ def dispatch_slices(
         raise ValueError(f"`alg` must be one of {[a.value for a in DispatchAlg]}, got {alg!r}") from None
     if not affinity_tolerance >= 0.0:
         raise ValueError(f"`affinity_tolerance` must be >= 0, got {affinity_tolerance}")
+    if alg in PLACEMENTS:  # placements of their own modules built on this one (documents)
+        return PLACEMENTS[alg](slices, total_seqlen, cp_size, chunk_size, uneven_shard)
     areas = chunk_areas(slices, total_seqlen, chunk_size).tolist()
     num_chunks = len(areas)
     if alg is DispatchAlg.MIN_HEAP:

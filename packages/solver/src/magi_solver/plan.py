@@ -21,13 +21,15 @@ from typing import Any
 import numpy as np
 
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
-from .choice import DispatchChoice, choose_dispatch, default_chunk_size
+from .choice import DispatchChoice, choose_dispatch, default_chunk_size, predicted_choice_times
 from .comm import GroupCastArgs, GroupReduceArgs, build_cast_args
 from .cost_model import OverlapCostModel
 from .dispatch import DispatchAlg, DispatchPlan, padded_seqlen, redispatch_areas, validate_geometry
+from .kernel_law import law_for_mask
 from .kv_layout import KVLayout
 from .mask import SliceList, normalize_mask, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
+from .pricing import price_plan
 from .ranges import AttnRange, AttnRanges, _check_int, _check_positive, merge_pairs, subtract_pairs
 
 __all__ = [
@@ -444,9 +446,10 @@ def _dispatch_choice(
                 f"`dispatch_alg` must be one of {[a.value for a in DispatchAlg]} or None, got {dispatch_alg!r}"
             ) from None
     cross = total_seqlen_k is not None
-    if cross and dispatch_alg is DispatchAlg.AFFINITY:
+    if cross and dispatch_alg in (DispatchAlg.AFFINITY, DispatchAlg.DOCUMENTS):
         raise ValueError(
-            "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
+            f"dispatch_alg={dispatch_alg.value!r} pairs query and key chunks of one sequence: not for "
+            "cross-attention"
         )
     total_k = total_seqlen if total_seqlen_k is None else _check_int(total_seqlen_k, "total_seqlen_k")
     slices = normalize_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen, total_k)
@@ -519,9 +522,10 @@ def plan_attention(
                 f"`kv_layout` has (cp_size, uneven_shard) = {(kv_layout.cp_size, kv_layout.uneven_shard)}, "
                 f"the plan {(cp_size, uneven)}"
             )
-        if options.dispatch_alg is DispatchAlg.AFFINITY and dispatch is None:
+        if options.dispatch_alg in (DispatchAlg.AFFINITY, DispatchAlg.DOCUMENTS) and dispatch is None:
             raise ValueError(
-                "dispatch_alg='affinity' pairs query and key chunks of one sequence: not for cross-attention"
+                f"dispatch_alg={options.dispatch_alg.value!r} pairs query and key chunks of one sequence: not "
+                "for cross-attention"
             )
     total_k = None if kv_layout is None else kv_layout.total_seqlen
     if dispatch is None:
@@ -548,6 +552,8 @@ def plan_attention(
         again = redispatch_areas(dispatch, slices)
         # the same mask's dispatch (the runtime's root key) is used as it is: solved once
         dispatch = dispatch if again.chunk_areas == dispatch.chunk_areas else again
+        # this mask's own predicted times on the given placement (a derived key's, not its root's)
+        price = price_plan(dispatch, slices, law_for_mask(slices, padded), cross=kv_layout is not None)
         choice = DispatchChoice(
             dispatch.chunk_size,
             dispatch.alg.value,
@@ -556,6 +562,7 @@ def plan_attention(
             dispatch.lower_bound_imbalance,
             0,
             f"the dispatch of chunk {dispatch.chunk_size} ({dispatch.alg.value}) was given.",
+            *predicted_choice_times(price),
         )
     plan = _plan(
         dispatch,

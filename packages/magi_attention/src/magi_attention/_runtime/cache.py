@@ -32,6 +32,7 @@ from magi_solver import (
     plan_attention,
 )
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
+from magi_solver.kernel_law import find_kernel_law
 
 from .._layout import DispatchLayout, build_layout, remember_lengths
 from ..config import OverlapMode
@@ -257,8 +258,18 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
             f"cost profile {name!r} is neither a JSON file nor one of {sorted(PROFILES)} "
             "(OverlapConfig.cost_profile / MAGI_ATTENTION_COST_PROFILE)"
         )
+    # the shipped profile's kernel part is the kernel law where one was fitted (magi_solver.kernel_law): the
+    # same law the dispatch choice priced with; a configured profile is used as it is
+    law = None
+    if name is None:
+        bwd = None if choice.backward is None else choice.backward.value
+        law = find_kernel_law(choice.gpu_kind, choice.backend.value, bwd)
     return OverlapCostModel(
-        profile=profile, num_heads_q=key.num_heads_q, num_heads_kv=key.num_heads_kv, head_dim=key.head_dim
+        profile=profile,
+        num_heads_q=key.num_heads_q,
+        num_heads_kv=key.num_heads_kv,
+        head_dim=key.head_dim,
+        law=law,
     )
 
 

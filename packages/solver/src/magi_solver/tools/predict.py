@@ -1,5 +1,9 @@
 """Predicted cost of one mask at one cp size: magi's plan against ring, all-gather K/V and Ulysses, all
-priced by one cost model (`OverlapCostModel`, the one the runtime's dynamic overlap uses).
+priced by one cost model (`OverlapCostModel`, the one the runtime's dynamic overlap uses). Its kernel calls
+are priced by the kernel law (`kernel_law`: tiles, key columns and rows of each call; the law `auto` would
+pick for the whole mask) where one was fitted for the GPU kind, else by the profile's TFLOP/s; the record's
+`rank_fwd_ms` / `rank_bwd_ms` are every rank's kernel time by that law (its H200 constants for a GPU kind
+without one), the numbers the dispatch choice balances.
 
 Per rank and per scheme (`L` = tokens per rank, `T` = remote K/V tokens, areas in (q, k) pairs):
 
@@ -9,14 +13,15 @@ Per rank and per scheme (`L` = tokens per rank, `T` = remote K/V tokens, areas i
   the inter-node link for the others, both running at once.
 * **ring** (zigzag shards): `cp - 1` steps, each passing one shard of K/V to the next rank while the
   previous step computes; the slowest link of the ring (inter-node once the ring spans nodes) sets the pace.
-  Priced as `cp - 1` stages of `L` tokens each with the rank's area against that shard.
+  Priced as `cp - 1` stages of `L` tokens each with the rank's area against that shard (each stage's call
+  has `L` key columns under the law).
 * **all-gather** (zigzag shards): one blocking all-gather of all other shards' K/V, one kernel, and a
   reduce-scatter of dK/dV in the backward: the cost model's degree-0 schedule with `T = total - L`, except
   that the reduce-scatter sums on the wire, so its dK/dV travel as the fp32 accumulator (a stage's reduce,
   `grad_reduce_bytes_per_elem`), where magi's degree-0 GroupReduce sends the kernel's dtype.
 * **ulysses**: an all-to-all of q, k, v to head shards of the whole sequence, one kernel over the whole mask
-  with `heads / cp` heads, an all-to-all of the output back (backward: dout in, dq, dk, dv back); needs both
-  head counts divisible by cp.
+  with `heads / cp` heads (under the law: every token a key column and a row of that call), an all-to-all of
+  the output back (backward: dout in, dq, dk, dv back); needs both head counts divisible by cp.
 
 TFLOP/s per GPU = FLOP / (slowest rank's time x cp) with FLOP(fwd) = 4 x area x heads_q x head_dim and
 FLOP(bwd) = 2.5 x FLOP(fwd), as in the benchmarks.
@@ -34,8 +39,10 @@ import numpy as np
 from .._slicing import clip_rows, host_area_of
 from ..cost_model import BWD_FLOP_RATIO, OverlapCostModel
 from ..dispatch import DispatchPlan, dispatch_slices, padded_seqlen
+from ..kernel_law import KernelLaw, find_kernel_law, law_for_mask
 from ..mask import normalize_mask, total_area
 from ..plan import DistAttnPlan, PlanOptions, plan_attention
+from ..pricing import price_plan
 from .hardware import HardwareProfile, MaskFamily
 
 __all__ = ["SCHEMES", "Workload", "padded_seqlen", "predict_cp"]
@@ -82,15 +89,22 @@ class Workload:
             raise TypeError(f"`uneven_shard` must be a bool, got {self.uneven_shard!r}")
 
     def model(
-        self, hw: HardwareProfile, family: MaskFamily, comm_gbps: float | None = None, heads_div: int = 1
+        self,
+        hw: HardwareProfile,
+        family: MaskFamily,
+        comm_gbps: float | None = None,
+        heads_div: int = 1,
+        law: KernelLaw | None = None,
     ):
-        """The cost model for this shape (heads divided by `heads_div`, for Ulysses' head shards)."""
+        """The cost model for this shape (heads divided by `heads_div`, for Ulysses' head shards); `law`: the
+        kernel law its kernel calls are priced with (None: the profile's TFLOP/s)."""
         return OverlapCostModel(
             hw.cost_profile(family, comm_gbps),
             self.num_heads_q // heads_div,
             max(1, self.num_heads_kv // heads_div),
             self.head_dim,
             bytes_per_elem=self.bytes_per_elem,
+            law=law,
         )
 
 
@@ -166,9 +180,14 @@ def predict_cp(
     cp = int(cp_size)
     t0 = time.perf_counter()
     hw = hardware
-    nvl_model = w.model(hw, fam)
+    # one law prices every scheme's kernel calls: the one `auto` would pick for the whole mask on this GPU
+    # kind, where one was fitted (else the profile's TFLOP/s)
+    whole = normalize_mask(q_ranges, k_ranges, attn_mask_type, int(total_seqlen), int(total_seqlen))
+    mask_law = law_for_mask(whole, int(total_seqlen), hw.name)
+    law = mask_law if find_kernel_law(hw.name, mask_law.fwd.backend, mask_law.bwd.backend) else None
+    nvl_model = w.model(hw, fam, law=law)
     options = PlanOptions(
-        # a chosen chunk size comes with a chosen algorithm, as in the runtime
+        # a chosen chunk size comes with a chosen placement and algorithm, as in the runtime
         dispatch_alg=None if w.chunk_size is None else "min_heap",
         overlap_degree=w.overlap_degree,
         overlap_mode="dynamic" if w.overlap_degree is None else "static",
@@ -194,7 +213,7 @@ def predict_cp(
     split = _source_split(plan, hw) if cp > 1 else [(0, 0)]
     eff = [_effective_gbps(a, b, hw) for a, b in split]
     if cp > hw.gpus_per_node:  # re-price the degree choice with the inter-node links (same dispatch)
-        model = w.model(hw, fam, min(eff))
+        model = w.model(hw, fam, min(eff), law=law)
         choice = plan.choice
         plan = plan_attention(
             q_ranges, k_ranges, attn_mask_type, magi_total, cp, chunk_size=chunk,
@@ -212,7 +231,7 @@ def predict_cp(
     # magi: every rank's own schedule at its own effective bandwidth
     fwd = bwd = 0.0
     for r, rp in enumerate(plan.ranks):
-        m = w.model(hw, fam, eff[r])
+        m = w.model(hw, fam, eff[r], law=law)
         args = (
             plan.overlap_degree,
             rp.host_area,
@@ -236,8 +255,11 @@ def predict_cp(
         for name in SCHEMES[1:]:
             schemes[name] = dict(schemes["magi"])
     else:
-        _baselines(schemes, slices, padded, cp, shard, area, flop_fwd, hw, fam, w, kv_tok)
+        _baselines(schemes, slices, padded, cp, shard, area, flop_fwd, hw, fam, w, kv_tok, law)
 
+    # every rank's kernel time by the law (the numbers the dispatch choice balances), and its key columns
+    price = price_plan(plan.dispatch, slices, mask_law.scaled(w.num_heads_q, w.head_dim), cross=False)
+    fwd_r, bwd_r = price.fwd_ms, price.bwd_ms
     record = {
         "cp": cp,
         "total_seqlen": int(total_seqlen),
@@ -260,6 +282,14 @@ def predict_cp(
         "remote_kv_internode_tokens_max": max(b for _, b in split),
         "remote_kv_tokens_mean": sum(remote) / cp,
         "remote_kv_bytes_max": max(remote) * kv_tok,
+        # the receive buffers of the busiest rank: the K and V of every token it fetches
+        "recv_buffer_bytes_max": max(remote) * kv_tok,
+        "rank_fwd_ms": [float(x) for x in fwd_r],
+        "rank_bwd_ms": [float(x) for x in bwd_r],
+        "time_imbalance": price.time_imbalance,
+        "key_columns_max": float(np.max((np.asarray(magi_shards) + np.asarray(remote)) / 128)),
+        "kernel_law": f"{mask_law.gpu} {mask_law.backend}"
+        + ("" if law else " (ranks only; schemes by profile)"),
         # the baselines' geometry: the padded sequence in equal shards, every other shard moves
         "ring_kv_tokens_per_rank": padded - shard,
         "all_gather_kv_tokens_per_rank": padded - shard,
@@ -282,12 +312,13 @@ def _baselines(
     fam: MaskFamily,
     w: Workload,
     kv_tok: int,
+    law: KernelLaw | None,
 ) -> None:
     spans_nodes = cp > hw.gpus_per_node
     link = hw.internode_gbps if spans_nodes else hw.nvlink_gbps
     zig = dispatch_slices(slices, padded, cp, padded // (2 * cp), "zigzag")
     am = _area_matrix(zig, slices)
-    m = w.model(hw, fam, link)
+    m = w.model(hw, fam, link, law=law)
     others = padded - shard
 
     ring_f = ring_b = ag_f = ag_b = 0.0
@@ -326,7 +357,7 @@ def _baselines(
             "imbalance": 1.0,
         }
         return
-    um = w.model(hw, fam, heads_div=cp)
+    um = w.model(hw, fam, heads_div=cp, law=law)
     peers_intra = min(hw.gpus_per_node, cp) - 1
     peers_inter = cp - 1 - peers_intra
     per_peer = shard / cp * w.head_dim * w.bytes_per_elem  # bytes of one head's piece to one peer
@@ -336,8 +367,9 @@ def _baselines(
         return hw.base.comm_latency_s + _link_time(b * peers_intra, b * peers_inter, hw)
 
     hq, hkv = w.num_heads_q, w.num_heads_kv
-    fwd = a2a(hq + 2 * hkv) + um.kernel(area, False) + a2a(hq)
-    bwd = a2a(hq) + um.kernel(area, True) + a2a(hq + 2 * hkv)
+    # one call over the whole (padded) sequence with heads / cp heads: every key a column, every row a row
+    fwd = a2a(hq + 2 * hkv) + um.kernel(area, False, keys=padded, rows=padded) + a2a(hq)
+    bwd = a2a(hq) + um.kernel(area, True, keys=padded, rows=padded) + a2a(hq + 2 * hkv)
     sent_fwd = per_peer * (peers_intra + peers_inter) * (2 * hq + 2 * hkv)
     schemes["ulysses"] = _scheme(
         fwd, bwd, flop_fwd, cp, imbalance=1.0, comm_tokens_per_rank=None, comm_bytes_per_rank=int(sent_fwd)

@@ -1,0 +1,100 @@
+"""The best scaling efficiency a mask allows at a cp size, by the kernel law (a go / no-go bound).
+
+E at cp N is the one-GPU time of the whole mask over N times the slowest rank's time. By the law
+(`kernel_law`), the one-GPU time of a direction is `a * tiles + b * columns + c * rows` of the whole mask
+(every key a column once, every query a row once). Split over N ranks, the tiles and rows only move between
+ranks, but a rank holding part of a unit (a packed document, a clip, a run of windows) also reads the keys
+its rows need from outside its part: every such key is one more column. The bound assumes the best any
+placement could do:
+
+* perfect balance: the slowest rank costs the mean, `sum over ranks / N`;
+* the fewest cuts: a unit no longer than a rank's tokens (`total / N`) stays whole; a longer one is cut into
+  `ceil(length / (total / N))` contiguous pieces of equal length (the fewest ranks that hold it);
+* every piece reads exactly the keys its rows need and does not hold: for a causal unit the piece holding
+  its last rows needs all its earlier keys.
+
+So `E_bound = W / (W + b * extra / 128)` per direction, with `W` the whole mask's law time and `extra` the
+received keys of those pieces; it is the same for every placement with these cuts, and no placement that
+keeps every rank's tokens equal can beat it by the law.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .documents import token_units
+from .kernel_law import TILE, KernelLaw
+from .mask import clip_region, region_of, total_area
+
+__all__ = ["EfficiencyBound", "efficiency_bound"]
+
+
+@dataclass(frozen=True, slots=True)
+class EfficiencyBound:
+    """The bound of one mask at one cp size.
+
+    Attributes:
+        fwd, bwd: the best E of each direction (1.0: no received keys at all).
+        whole_fwd_ms, whole_bwd_ms: the law's one-GPU time of the whole mask.
+        extra_keys: keys received by all ranks together under the fewest cuts.
+        cut_units: units longer than a rank (cut into pieces).
+    """
+
+    fwd: float
+    bwd: float
+    whole_fwd_ms: float
+    whole_bwd_ms: float
+    extra_keys: int
+    cut_units: int
+
+
+def _needed_outside(slices: list, a: int, b: int) -> int:
+    """Keys outside [a, b) that rows [a, b) need (the union over slices)."""
+    spans = []
+    for s in slices:
+        r = clip_region(region_of(*s), a, b, 0, 1 << 62)
+        if r is not None:
+            spans.append((r[2], r[3]))  # the tightened region's columns: the keys those rows see
+    spans.sort()
+    out, end = 0, -1
+    for kl, kr in spans:
+        kl = max(kl, end)
+        if kr <= kl:
+            continue
+        out += (kr - kl) - max(0, min(kr, b) - max(kl, a))  # the piece holds the keys inside [a, b)
+        end = kr
+    return out
+
+
+def efficiency_bound(slices: list, total: int, cp: int, law: KernelLaw) -> EfficiencyBound:
+    """The best E of validated self-attention `slices` over `total` tokens at `cp` ranks (module docstring).
+
+    Raises ValueError for `cp` < 1 or `total` < `cp`."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"`cp` must be an int >= 1, got {cp!r}")
+    if total < cp:
+        raise ValueError(f"`total` ({total}) must be at least `cp` ({cp})")
+    share = total / cp
+    area = total_area(slices)
+    whole_f = float(law.fwd_ms(area, total, total))
+    whole_b = float(law.bwd_ms(area, total, total))
+    extra, cut = 0, 0
+    for a, b in token_units(slices):
+        if b - a <= share:
+            continue
+        cut += 1
+        k = -(-(b - a) // int(share)) if share >= 1 else b - a
+        edges = [a + (b - a) * i // k for i in range(k + 1)]
+        members = [s for s in slices if s[0] < b and s[1] > a]
+        extra += sum(_needed_outside(members, x, y) for x, y in itertools.pairwise(edges))
+    col_f = law.fwd.key_columns * law.scale * 1e-3 * extra / TILE
+    col_b = law.bwd.key_columns * law.scale * 1e-3 * extra / TILE
+    return EfficiencyBound(
+        fwd=whole_f / (whole_f + col_f) if whole_f > 0 else 1.0,
+        bwd=whole_b / (whole_b + col_b) if whole_b > 0 else 1.0,
+        whole_fwd_ms=whole_f,
+        whole_bwd_ms=whole_b,
+        extra_keys=int(extra),
+        cut_units=cut,
+    )

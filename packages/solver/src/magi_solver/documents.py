@@ -1,0 +1,386 @@
+"""The documents placement (`DispatchAlg.DOCUMENTS`): keep a mask's units whole, balance predicted time.
+
+A *unit* is a connected group of slices: rows together with the keys they need (a packed document, a video
+clip, a document of sliding windows). A rank that holds part of a unit must fetch the keys that part needs,
+and every fetched key is a key column of its backward kernel (`kernel_law`); a unit kept on one rank costs
+no received keys at all. So the placement:
+
+1. cuts the sequence into equal chunks of `granularity` tokens (128, or 256 past 8,192 chunks) and finds
+   the units: slices whose rows or keys overlap form one unit; a chunk shared by the end of one unit and
+   the start of the next goes to the side where the two cost less (`find_units`);
+2. prices any contiguous run of a unit's chunks by the kernel law (its area, its own tokens and the keys
+   its rows need, its rows), and lays the units end to end, cheapest per chunk first (`_Virtual`); a unit
+   longer than a rank is laid as two segments, before and after the point that halves its cost, so its
+   cheap first rows sit among the cheap units and its costly last rows among the costly ones;
+3. gives rank 0, 1, ... in turn its chunk count from the two ends of that sequence: a run from the cheap
+   end and a run from the costly end, split so the rank's predicted time is a common target, which is
+   bisected until the last rank's rest costs the same (`_balanced_two_ended`).
+
+So a unit that fits a rank's share stays whole; a unit costlier than a rank's share is cut into contiguous
+pieces on neighbouring ranks at points where each rank's time balances (a causal unit's later pieces are
+shorter); a mask that is one unit is cut like zigzag, at balanced points; each rank cuts at most the two
+units at the ends of its two runs. Past one node, `choice` renumbers the ranks so those exchanging the most
+keys share a node.
+
+Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
+so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
+computes the same placement); about linear in the chunks. Self-attention only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from .dispatch import (
+    PLACEMENTS,
+    DispatchAlg,
+    DispatchPlan,
+    _key_intervals,
+    chunk_areas,
+    dispatch_lower_bound,
+    padded_seqlen,
+)
+from .kernel_law import KernelLaw, law_for_mask
+
+__all__ = ["documents_granularity", "documents_plan", "find_units", "token_units"]
+
+_GRANULARITY = 128
+_MAX_CHUNKS = 8192
+"""Past this many 128-token chunks the placement uses 256-token chunks (its tables stay small)."""
+_RANK_TOKENS = 8192
+"""Past this many tokens per rank, 256-token chunks too (a rank's plan walks its chunks: fewer, faster)."""
+NODE = 8
+"""Ranks per node: a unit's pieces stay inside one when they fit."""
+
+
+def documents_granularity(total_seqlen: int, cp_size: int) -> int:
+    """The chunk size of the documents placement: 128 tokens, 256 past `_MAX_CHUNKS` chunks or past
+    `_RANK_TOKENS` tokens per rank, smaller only
+    when a rank would hold less than one chunk (a power of two down to 1)."""
+    per_rank = total_seqlen / max(cp_size, 1)
+    c = (
+        _GRANULARITY
+        if total_seqlen <= _GRANULARITY * _MAX_CHUNKS and per_rank <= _RANK_TOKENS
+        else 2 * _GRANULARITY
+    )
+    while c > 1 and total_seqlen < c * cp_size:
+        c //= 2
+    return c
+
+
+def _chunk_tables(slices: list, n: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+    """Per chunk: mask area, and the lowest / highest key its rows need (its own start / end if none)."""
+    starts = np.arange(n, dtype=np.int64) * c
+    klo, khi = starts.copy(), starts + c
+    pieces = _key_intervals(slices, c)
+    chunk, _, kl, kr = pieces
+    if chunk.size:
+        np.minimum.at(klo, chunk, kl)
+        np.maximum.at(khi, chunk, kr)
+    return chunk_areas(slices, n * c, c), klo, khi, pieces
+
+
+class _Costs:
+    """Predicted microseconds (forward + backward, by the law) of contiguous chunk ranges."""
+
+    def __init__(self, area: np.ndarray, klo: np.ndarray, khi: np.ndarray, c: int, law: KernelLaw) -> None:
+        self.c, self.klo, self.khi = c, klo, khi
+        self.cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
+        f, b = law.fwd, law.bwd
+        s = law.scale
+        self.per_tile = (f.tiles + b.tiles) * s / (128 * 128)  # per (q, k) pair
+        self.per_col = (f.key_columns + b.key_columns) * s / 128  # per key token
+        self.per_row = (f.rows + b.rows) * s / 128  # per query token (rows are whole tiles per chunk)
+
+    def range_cost(self, a: int, b: int) -> float:
+        """Chunks [a, b) on one rank: its area, its own tokens and the keys its rows need."""
+        c = self.c
+        keys = max(b * c, int(self.khi[a:b].max())) - min(a * c, int(self.klo[a:b].min()))
+        return (self.cum[b] - self.cum[a]) * self.per_tile + keys * self.per_col + (b - a) * c * self.per_row
+
+    def prefix_costs(self, a: int, end: int) -> np.ndarray:
+        """Costs of [a, b) for b = a+1 .. end (nondecreasing in b)."""
+        c = self.c
+        hi = np.maximum.accumulate(self.khi[a:end])
+        lo = np.minimum.accumulate(self.klo[a:end])
+        b = np.arange(a + 1, end + 1, dtype=np.int64)
+        keys = np.maximum(b * c, hi) - np.minimum(a * c, lo)
+        area = self.cum[a + 1 : end + 1] - self.cum[a]
+        return area * self.per_tile + keys * self.per_col + (b - a) * c * self.per_row
+
+
+def token_units(slices: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int]]:
+    """Sorted disjoint `[start, end)` token intervals of the units: slices whose rows or keys overlap (as
+    intervals of the sequence) belong to one unit; tokens of no slice belong to none."""
+    spans = sorted((min(qs, ks), max(qe, ke)) for qs, qe, ks, ke, _ in slices if qe > qs and ke > ks)
+    out: list[list[int]] = []
+    for a, b in spans:
+        if out and a < out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def find_units(slices: list, costs: _Costs, n: int) -> np.ndarray:
+    """int64 `[u + 1]`: chunk boundaries of the chunk-level units (0, ..., n).
+
+    Units rarely start on a chunk boundary: the chunk shared by the end of unit A and the start of unit B
+    goes to the side where the two ranges cost less together (for causal documents usually A's: B's first
+    rows need only the few keys beside them); a unit inside one chunk joins its neighbours."""
+    c = costs.c
+    units = token_units(slices)
+    cuts = {0, n}
+    for (sa, ea), (sb, eb) in itertools.pairwise(units):
+        lo, hi = -(-ea // c), sb // c  # chunk boundaries in the gap between A and B, if any
+        if lo <= hi:
+            cuts.add(lo)
+            continue
+        j = ea // c  # the shared chunk
+        a0, b1 = sa // c, min(n, -(-eb // c))
+        to_a = costs.range_cost(a0, j + 1) + (costs.range_cost(j + 1, b1) if j + 1 < b1 else 0.0)
+        to_b = (costs.range_cost(a0, j) if a0 < j else 0.0) + costs.range_cost(j, b1)
+        cuts.add(j + 1 if to_a <= to_b else j)
+    return np.asarray(sorted(x for x in cuts if 0 <= x <= n), dtype=np.int64)
+
+
+class _Virtual:
+    """The units laid end to end, cheapest per chunk first, as the sequence the ranks take from (both ends).
+
+    A unit longer than `split` chunks is laid as two segments, its chunks before and after the point that
+    halves its cost: its first rows are cheap (a causal unit's rows see fewer keys), its last costly, so its
+    front segment sits among the cheap ones and its back among the costly ones; a unit alone is then cut
+    like zigzag. Segments of equal density keep sequence order."""
+
+    def __init__(self, costs: _Costs, units: np.ndarray, whole: np.ndarray, split: int) -> None:
+        fronts, backs = [], []  # (density, start, end, cost)
+        for u in range(units.size - 1):
+            a, b = int(units[u]), int(units[u + 1])
+            if b - a <= split:
+                fronts.append((whole[u] / (b - a), a, b, whole[u], u))
+                continue
+            pc = costs.prefix_costs(a, b)
+            m = a + 1 + int(np.searchsorted(pc, 0.5 * pc[-1]))
+            m = min(max(m, a + 1), b - 1)
+            cf, cb = costs.range_cost(a, m), costs.range_cost(m, b)
+            fronts.append((cf / (m - a), a, m, cf, u))
+            backs.append((cb / (b - m), m, b, cb, u))
+        segs = sorted(fronts) + sorted(backs)
+        self.costs = costs
+        self.a = np.asarray([x[1] for x in segs], dtype=np.int64)
+        self.b = np.asarray([x[2] for x in segs], dtype=np.int64)
+        self.cum = np.concatenate([[0], np.cumsum(self.b - self.a)])  # V positions of the segments
+        self.cost_cum = np.concatenate([[0.0], np.cumsum([x[3] for x in segs])])
+        self.unit = np.asarray([x[4] for x in segs], dtype=np.int64)
+
+    def seg(self, x: int) -> int:
+        """The segment of V position x."""
+        return int(np.searchsorted(self.cum, x, side="right")) - 1
+
+    def pair_cost(self, x1: int, y1: int, x2: int, y2: int) -> float:
+        """Cost of V runs [x1, y1) and [x2, y2) on one rank: when both lie inside one unit (its front and
+        back), the keys they need are counted once (a causal unit's late rows need its early keys)."""
+        if y1 <= x1 or y2 <= x2:
+            return self.cost(x1, y1) + self.cost(x2, y2)
+        i, j = self.seg(x1), self.seg(y1 - 1)
+        k, l = self.seg(x2), self.seg(y2 - 1)
+        if not (i == j and k == l and self.unit[i] == self.unit[k]):
+            return self.cost(x1, y1) + self.cost(x2, y2)
+        co = self.costs
+        a1 = int(self.a[i] + x1 - self.cum[i])
+        b1 = a1 + (y1 - x1)
+        a2 = int(self.a[k] + x2 - self.cum[k])
+        b2 = a2 + (y2 - x2)
+        c = co.c
+        lo = min(a1 * c, a2 * c, int(co.klo[a1:b1].min()), int(co.klo[a2:b2].min()))
+        hi = max(b1 * c, b2 * c, int(co.khi[a1:b1].max()), int(co.khi[a2:b2].max()))
+        area = co.cum[b1] - co.cum[a1] + co.cum[b2] - co.cum[a2]
+        own = (b1 - a1 + b2 - a2) * c
+        # keys: the union of the runs' needs and their own tokens, one interval inside the unit
+        return area * co.per_tile + (hi - lo) * co.per_col + own * co.per_row
+
+    def _part(self, i: int, x: int, y: int) -> float:
+        """Cost of V positions [x, y) inside segment i."""
+        a = int(self.a[i] + x - self.cum[i])
+        return self.costs.range_cost(a, a + (y - x)) if y > x else 0.0
+
+    def cost(self, x: int, y: int) -> float:
+        """Predicted cost of V positions [x, y) (each segment's part priced alone)."""
+        if y <= x:
+            return 0.0
+        i = int(np.searchsorted(self.cum, x, side="right")) - 1
+        j = int(np.searchsorted(self.cum, y, side="left")) - 1
+        if i == j:
+            return self._part(i, x, y)
+        head = self._part(i, x, int(self.cum[i + 1]))
+        tail = self._part(j, int(self.cum[j]), y)
+        return head + float(self.cost_cum[j] - self.cost_cum[i + 1]) + tail
+
+    def chunks(self, x: int, y: int) -> np.ndarray:
+        """Global chunk ids of V positions [x, y)."""
+        pos = np.arange(x, y, dtype=np.int64)
+        seg = np.searchsorted(self.cum, pos, side="right") - 1
+        return self.a[seg] + pos - self.cum[seg]
+
+
+def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> int:
+    """Among `d` and the splits whose runs end on segment boundaries, the one of least `score(x, cuts
+    inside segments)`."""
+    bounds = v.cum
+    ends = bounds[(bounds >= front) & (bounds <= front + m)]
+    starts = bounds[(bounds >= back - m) & (bounds <= back)]
+    cands = {d} | {front + m - int(e) for e in ends} | {back - int(x) for x in starts}
+    cands = sorted(x for x in cands if 0 <= x <= m and front + m - x <= back - x)
+    on = set(bounds.tolist())
+
+    def inside(x: int) -> int:
+        return int(front + m - x not in on) + int(back - x not in on)
+
+    return min(cands, key=lambda x: (score(x, inside(x)), abs(x - d)))
+
+
+def _two_ended(
+    v: _Virtual, room: np.ndarray, target: float, snap: float = 0.0
+) -> tuple[np.ndarray, float, float]:
+    """int64 `[n]`: the rank of each chunk. Rank r, in order, takes `room[r]` chunks: a run from the cheap
+    end of the virtual sequence and a run from its costly end, the split chosen so its predicted time is the
+    `target` (bisection on the costly run's length; with `snap`, a run may end on a unit boundary instead,
+    see `_snapped`); the last rank takes the rest. Returns the owners, the rest's cost and the costliest
+    other rank's. A causal unit alone is
+    cut like zigzag, at balanced points; a unit costlier per chunk than the mean spreads over as many ranks
+    as its cost needs; a cheap unit fills the ranks' remaining chunks."""
+    cp = room.size
+    n = int(v.cum[-1])
+    owner = np.full(n, -1, dtype=np.int64)
+    front, back = 0, n
+    worst = 0.0
+    for r in range(cp):
+        m = int(room[r])
+        if r == cp - 1 or m >= back - front:
+            owner[v.chunks(front, back)] = r
+            return owner, v.cost(front, back), worst
+
+        def f(d: int, front: int = front, back: int = back, m: int = m) -> float:
+            return v.pair_cost(front, front + m - d, back - d, back)
+
+        lo, hi = 0, m  # smallest d with f(d) >= target (f grows with d: the back is costlier per chunk)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if f(mid) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        d = lo if lo == 0 or abs(f(lo) - target) <= abs(f(lo - 1) - target) else lo - 1
+        if snap > 0:  # a cut inside a unit is worth `snap` of the target
+            d = _snapped(v, front, back, m, d, lambda x, cuts: abs(f(x) - target) + snap * target * cuts)
+        worst = max(worst, f(d))
+        owner[v.chunks(front, front + m - d)] = r
+        owner[v.chunks(back - d, back)] = r
+        front, back = front + m - d, back - d
+    return owner, 0.0, worst  # pragma: no cover - the last rank returns
+
+
+_BISECT = 8
+"""Bisection steps on the per-rank target at most (each one pass over the ranks)."""
+_PRECISION = 2e-3
+"""The bisection stops once its bracket is this narrow (relative)."""
+_CEILING = 2.0
+"""The highest target tried, over the mean: a placement worse than this loses to the chunk dispatch."""
+_SNAP = 0.02
+"""A rank's run may end on a unit boundary instead of inside a unit when that moves its predicted time by at
+most this share of the target (and the slowest rank by at most this share)."""
+
+
+def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
+    """`_two_ended` at the target where the last rank's rest costs what the others take: the mean cost is
+    a floor (cuts add key columns, so the rest would be costlier), the whole cost a ceiling."""
+    total = v.cost(0, int(v.cum[-1])) if v.cum[-1] else 0.0
+    lo = total / room.size
+    best, rest, top = _two_ended(v, room, lo)
+    best_worst, best_target = max(rest, top), lo
+    # the answer lies between the mean and what the rest then costs (the cuts' extra keys): bisect there
+    hi = min(max(rest, top, lo), _CEILING * lo)
+    for _ in range(_BISECT):
+        if hi - lo <= _PRECISION * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        owner, rest, top = _two_ended(v, room, mid)
+        if max(rest, top) < best_worst:
+            best, best_worst, best_target = owner, max(rest, top), mid
+        if rest > mid:
+            lo = mid
+        else:
+            hi = mid
+    assert best is not None
+    # the same target once more with runs that end on unit boundaries where that costs little balance
+    snapped, rest, top = _two_ended(v, room, best_target, _SNAP)
+    if max(rest, top) <= best_worst * (1.0 + _SNAP):
+        return snapped
+    return best
+
+
+def documents_plan(
+    slices: list[tuple[int, int, int, int, int]],
+    total_seqlen: int,
+    cp_size: int,
+    law: KernelLaw,
+    *,
+    uneven_shard: bool = False,
+    chunk_size: int | None = None,
+) -> DispatchPlan:
+    """The documents placement of validated self-attention `slices` over `total_seqlen` tokens (see the
+    module docstring).
+
+    Args:
+        slices: `(qs, qe, ks, ke, code)` over the unpadded sequence (self-attention: keys index it too).
+        total_seqlen: tokens before padding; padded to a multiple of `chunk_size * cp_size` unless
+            `uneven_shard`.
+        cp_size: ranks.
+        law: the kernel law the pieces are priced with.
+        uneven_shard: no padding; chunk counts within one of each other.
+        chunk_size: the granularity (None: `documents_granularity`).
+
+    Returns:
+        A `DispatchPlan` with `alg=DispatchAlg.DOCUMENTS`.
+    """
+    c = chunk_size or documents_granularity(total_seqlen, cp_size)
+    total = total_seqlen if uneven_shard else padded_seqlen(total_seqlen, cp_size, c)
+    n = -(-total // c)
+    if cp_size > n:
+        raise ValueError(f"`cp_size` = {cp_size} is larger than the chunk count {n} at chunk size {c}")
+    base, extra = divmod(n, cp_size)
+    cap_chunks = np.full(cp_size, base, dtype=np.int64)
+    cap_chunks[:extra] += 1
+    area, klo, khi, _ = _chunk_tables(slices, n, c)
+    costs = _Costs(area, klo, khi, c, law)
+    units = find_units(slices, costs, n)
+    nu = units.size - 1
+    whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
+    owner = _balanced_two_ended(_Virtual(costs, units, whole, base), cap_chunks)
+    parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
+    areas = area.tolist()
+    partitions = tuple(tuple(int(x) for x in p) for p in parts)
+    return DispatchPlan(
+        total_seqlen=total,
+        cp_size=cp_size,
+        chunk_size=c,
+        num_chunks=n,
+        partitions=partitions,
+        chunk_areas=tuple(areas),
+        rank_areas=tuple(int(area[p].sum()) for p in parts),
+        alg=DispatchAlg.DOCUMENTS,
+        lower_bound=dispatch_lower_bound(areas, cp_size),
+        uneven_shard=uneven_shard,
+    )
+
+
+def _dispatch_documents(slices: list, total: int, cp: int, chunk_size: int, uneven: bool) -> DispatchPlan:
+    """`solve_dispatch(..., alg="documents")`: priced by the law `auto` would pick for the whole mask."""
+    law = law_for_mask(slices, total)
+    return documents_plan(slices, total, cp, law, uneven_shard=uneven, chunk_size=chunk_size)
+
+
+PLACEMENTS[DispatchAlg.DOCUMENTS] = _dispatch_documents

@@ -1,0 +1,179 @@
+"""The documents placement (`DispatchAlg.DOCUMENTS`) and its place in the default dispatch choice."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from magi_solver import (
+    PlanOptions,
+    dispatch_choice,
+    make_block_causal_mask,
+    make_varlen_causal_mask,
+    plan_attention,
+)
+from magi_solver.choice import choose_dispatch, clear_dispatch_cache
+from magi_solver.cli import lognormal_doc_lens
+from magi_solver.dispatch import DispatchAlg, solve_dispatch
+from magi_solver.documents import documents_granularity, documents_plan, token_units
+from magi_solver.kernel_law import get_kernel_law
+from magi_solver.mask import normalize_mask
+from magi_solver.pricing import price_plan
+
+LAW = get_kernel_law("h200", "cudnn")
+
+
+def _slices(q, k, t, total: int) -> list:
+    return normalize_mask(q, k, t, total, total)
+
+
+def _ranks_of(plan, a: int, b: int) -> set[int]:
+    """Ranks holding tokens [a, b)."""
+    owner = np.asarray(plan.chunk_owner)
+    c = plan.chunk_size
+    return set(owner[a // c : -(-b // c)].tolist())
+
+
+def test_units_that_fit_stay_whole() -> None:
+    # 16 causal documents of 512 tokens at cp 4: four whole documents per rank, nothing received
+    total, cp = 8192, 4
+    sl = _slices(*make_varlen_causal_mask(list(range(0, total + 1, 512))), total)
+    plan = documents_plan(sl, total, cp, LAW)
+    assert plan.alg is DispatchAlg.DOCUMENTS
+    assert all(len(_ranks_of(plan, a, a + 512)) == 1 for a in range(0, total, 512))
+    assert price_plan(plan, sl, LAW).remote.max() == 0
+
+
+def test_a_single_causal_unit_is_cut_at_balanced_points() -> None:
+    total, cp = 32768, 8
+    sl = _slices([[0, total]], [[0, total]], "causal", total)
+    plan = documents_plan(sl, total, cp, LAW)
+    price = price_plan(plan, sl, LAW)
+    assert price.time_imbalance < 1.06
+    for part in plan.partitions:  # each rank: a cheap early run and a costly late run (zigzag-like)
+        runs = np.split(np.asarray(part), np.flatnonzero(np.diff(part) != 1) + 1)
+        assert len(runs) <= 2
+    # the later run is the shorter one: later rows cost more
+    last = [np.split(np.asarray(p), np.flatnonzero(np.diff(p) != 1) + 1) for p in plan.partitions]
+    two = [r for r in last if len(r) == 2]
+    assert two and all(len(r[1]) <= len(r[0]) for r in two[: len(two) // 2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cuts_are_few_and_pieces_contiguous(seed: int) -> None:
+    total, cp = 8192 * 8, 8
+    cu = [0, *np.cumsum(lognormal_doc_lens(total, 40, seed)).tolist()]
+    sl = _slices(*make_varlen_causal_mask(cu), total)
+    plan = documents_plan(sl, total, cp, LAW)
+    owner = np.asarray(plan.chunk_owner)
+    c = plan.chunk_size
+    extra, long_units = 0, 0
+    for a, b in token_units(sl):
+        chunks = owner[a // c : -(-b // c)]
+        extra += len(set(chunks.tolist())) - 1
+        long_units += (b - a) > total // cp
+        # a cut unit's piece on each rank is a run of the unit's chunks (at most two: front and back)
+        for r in set(chunks.tolist()):
+            idx = np.flatnonzero(chunks == r)
+            assert len(np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)) <= 2
+    # each rank but the last ends two runs of the laid-out units; a long unit is laid as two segments
+    assert extra <= 2 * (cp - 1) + long_units + len(cu)  # doc boundaries inside a chunk: one more each
+    assert price_plan(plan, sl, LAW).time_imbalance < 1.25
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_equal_chunk_counts_and_a_valid_permutation(uneven: bool) -> None:
+    rng = np.random.default_rng(3)
+    for cp in (2, 3, 8):
+        total = int(rng.integers(4000, 9000)) if uneven else 1024 * cp
+        cu = sorted({0, total, *rng.integers(1, total, 6).tolist()})
+        for mask in (make_varlen_causal_mask(cu), make_block_causal_mask(cu, 100)):
+            plan = solve_dispatch(*mask, total, cp, 128, "documents", uneven_shard=uneven)
+            counts = [len(p) for p in plan.partitions]
+            assert max(counts) - min(counts) <= (1 if uneven else 0)
+            perm = plan.permutation
+            assert np.array_equal(np.sort(perm), np.arange(plan.total_seqlen))
+
+
+def _random_mask(rng: np.random.Generator, total: int) -> tuple:
+    """Random slices of all four types (full, causal, inverse causal, bidirectional causal)."""
+    q, k, t = [], [], []
+    for _ in range(int(rng.integers(1, 12))):
+        qs, ks = (int(x) for x in rng.integers(0, total - 1, 2))
+        qe = int(rng.integers(qs + 1, min(total, qs + total // 2) + 1))
+        ke = int(rng.integers(ks + 1, min(total, ks + total // 2) + 1))
+        q.append([qs, qe])
+        k.append([ks, ke])
+        t.append(int(rng.integers(0, 4)))
+    return q, k, t
+
+
+def test_random_masks_of_every_type_dispatch_to_a_permutation() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        cp = int(rng.choice([2, 4, 8]))
+        total = 256 * cp * int(rng.integers(1, 4))
+        q, k, t = _random_mask(rng, total)
+        for alg in ("documents", None):
+            clear_dispatch_cache()
+            choice, plan = dispatch_choice(q, k, t, total, cp, dispatch_alg=alg)
+            perm = plan.permutation
+            assert np.array_equal(np.sort(perm), np.arange(plan.total_seqlen))
+            assert len({len(p) for p in plan.partitions}) == 1
+            assert choice.predicted_fwd_ms is not None and choice.predicted_bwd_ms is not None
+
+
+def test_the_choice_is_a_pure_function() -> None:
+    total, cp = 8192 * 4, 4
+    cu = [0, *np.cumsum(lognormal_doc_lens(total, 20, 5)).tolist()]
+    sl = _slices(*make_varlen_causal_mask(cu), total)
+    clear_dispatch_cache()
+    a = choose_dispatch(sl, total, cp)
+    clear_dispatch_cache()
+    b = choose_dispatch(list(sl), total, cp)
+    assert a[0] == b[0] and a[1].partitions == b[1].partitions
+
+
+def test_explicit_settings_are_respected() -> None:
+    total, cp = 8192, 4
+    q, k, t = make_varlen_causal_mask([0, 3000, 5000, total])
+    c, d = dispatch_choice(q, k, t, total, cp, dispatch_alg="documents", chunk_size=256)
+    assert (c.algorithm, c.chunk_size, d.chunk_size) == ("documents", 256, 256)
+    c, _ = dispatch_choice(q, k, t, total, cp, dispatch_alg="min_heap")
+    assert c.algorithm == "min_heap"
+    c, _ = dispatch_choice(q, k, t, total, cp, chunk_size=512)  # a chunk size alone: the chunk dispatch
+    assert (c.algorithm, c.chunk_size) == ("min_heap", 512)
+    c, _ = dispatch_choice(q, k, t, total, cp)  # chosen: the reason compares both placements
+    assert "documents" in c.reason and "chunk dispatch" in c.reason
+
+
+def test_cross_attention_is_refused_or_falls_back() -> None:
+    q, k, t = [[0, 4096]], [[0, 1024]], "full"
+    with pytest.raises(ValueError, match="documents"):
+        dispatch_choice(q, k, t, 4096, 4, dispatch_alg="documents", total_seqlen_k=1024)
+    with pytest.raises(ValueError, match="documents"):
+        solve_dispatch(q, k, t, 4096, 4, 256, "documents", total_seqlen_k=1024)
+    c, _ = dispatch_choice(q, k, t, 4096, 4, total_seqlen_k=1024)
+    assert c.algorithm != "documents" and "self-attention" in c.reason
+
+
+def test_a_derived_mask_reports_its_own_times_on_the_placement() -> None:
+    total, cp = 8192, 4
+    q, k, t = make_varlen_causal_mask([0, 3000, 5000, total])
+    root = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="documents"))
+    full = plan_attention(q, k, [0] * len(q), root.dispatch.total_seqlen, cp, dispatch=root.dispatch)
+    assert full.dispatch.partitions == root.dispatch.partitions  # the tokens stay where they are
+    assert full.choice.predicted_bwd_ms > root.choice.predicted_bwd_ms  # full documents cost more
+
+
+def test_placement_time_at_1m_tokens_cp64() -> None:
+    total, cp = 1 << 20, 64
+    cu = [0, *np.cumsum(lognormal_doc_lens(total, 400, 0)).tolist()]
+    sl = _slices(*make_varlen_causal_mask(cu), total)
+    t0 = time.process_time()
+    plan = documents_plan(sl, total, cp, LAW)
+    assert time.process_time() - t0 <= 3.0  # the 1 s target is benchmarks/plan_targets.py's
+    assert plan.chunk_size == documents_granularity(total, cp) == 256  # 16k tokens per rank: 256-token chunks
+    assert plan.num_chunks == total // 256
