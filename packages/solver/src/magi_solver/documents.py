@@ -147,77 +147,129 @@ def find_units(slices: list, costs: _Costs, n: int) -> np.ndarray:
     return np.asarray(sorted(x for x in cuts if 0 <= x <= n), dtype=np.int64)
 
 
+def _time_pieces(
+    costs: _Costs, a: int, b: int, room: int, tau: float, filler: float
+) -> list[tuple[int, int]]:
+    """Contiguous pieces of the unit of chunks [a, b), each sized by time: from the unit's start, a piece
+    grows while it has at most `room` chunks and its cost plus the rest of a rank at the fillers' density
+    (`filler` per chunk) stays within the per-rank target `tau`, so the rank that takes it can fill its
+    other chunks with cheaper units. A causal unit's later pieces (which need all its earlier keys) come out
+    shorter; a unit of equal chunks (a full document) comes out in rank-sized pieces."""
+    out = []
+    s = a
+    while s < b:
+        e = min(b, s + room)
+        pc = costs.prefix_costs(s, e)
+        fits = pc + (room - np.arange(1, e - s + 1)) * filler <= tau
+        k = int(np.flatnonzero(fits)[-1]) + 1 if fits.any() else 1
+        out.append((s, s + k))
+        s += k
+    return out
+
+
 class _Virtual:
     """The units laid end to end, cheapest per chunk first, as the sequence the ranks take from (both ends).
 
-    A unit longer than `split` chunks is laid as two segments, its chunks before and after the point that
-    halves its cost: its first rows are cheap (a causal unit's rows see fewer keys), its last costly, so its
-    front segment sits among the cheap ones and its back among the costly ones; a unit alone is then cut
-    like zigzag. Segments of equal density keep sequence order."""
+    A unit that cannot sit on one rank (more chunks than a rank holds, or costlier than a rank's target once
+    the rank's other chunks are filled at the fillers' density) is laid as its time-sized pieces
+    (`_time_pieces`): a causal unit's first rows are cheap, its last costly, so its early pieces sit among
+    the cheap units and its late ones among the costly ones; a unit alone is then cut like zigzag. Segments
+    of equal density keep sequence order."""
 
-    def __init__(self, costs: _Costs, units: np.ndarray, whole: np.ndarray, split: int) -> None:
-        fronts, backs = [], []  # (density, start, end, cost)
+    def __init__(self, costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float) -> None:
+        n_u = np.diff(units)
+        dens = whole / np.maximum(n_u, 1)
+        light = (n_u <= room) & (whole <= tau)
+        # the fillers' density: what a heavy piece's rank fills its other chunks with
+        filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
+        heavy = (n_u > room) | (whole + (room - n_u) * filler > tau * (1.0 + _SNAP))
+        segs = []  # (density, start, end, cost, unit)
         for u in range(units.size - 1):
             a, b = int(units[u]), int(units[u + 1])
-            if b - a <= split:
-                fronts.append((whole[u] / (b - a), a, b, whole[u], u))
+            if not heavy[u]:
+                segs.append((dens[u], a, b, whole[u], u))
                 continue
-            pc = costs.prefix_costs(a, b)
-            m = a + 1 + int(np.searchsorted(pc, 0.5 * pc[-1]))
-            m = min(max(m, a + 1), b - 1)
-            cf, cb = costs.range_cost(a, m), costs.range_cost(m, b)
-            fronts.append((cf / (m - a), a, m, cf, u))
-            backs.append((cb / (b - m), m, b, cb, u))
-        segs = sorted(fronts) + sorted(backs)
+            for x, y in _time_pieces(costs, a, b, room, tau, filler):
+                cst = costs.range_cost(x, y)
+                segs.append((cst / (y - x), x, y, cst, u))
+        segs.sort()
         self.costs = costs
         self.a = np.asarray([x[1] for x in segs], dtype=np.int64)
         self.b = np.asarray([x[2] for x in segs], dtype=np.int64)
         self.cum = np.concatenate([[0], np.cumsum(self.b - self.a)])  # V positions of the segments
-        self.cost_cum = np.concatenate([[0.0], np.cumsum([x[3] for x in segs])])
         self.unit = np.asarray([x[4] for x in segs], dtype=np.int64)
+        c = costs.c
+        lo_tab = np.minimum(costs.klo, np.arange(costs.klo.size, dtype=np.int64) * c)
+        hi_tab = np.maximum(costs.khi, (np.arange(costs.khi.size, dtype=np.int64) + 1) * c)
+        # the segments tile the chunks: reduce over them in chunk order, then back to V order
+        by_start = np.argsort(self.a, kind="stable")
+        self.seg_lo = np.empty_like(self.a)
+        self.seg_hi = np.empty_like(self.a)
+        if self.a.size:
+            self.seg_lo[by_start] = np.minimum.reduceat(lo_tab, self.a[by_start])
+            self.seg_hi[by_start] = np.maximum.reduceat(hi_tab, self.a[by_start])
+        self.area_cum = np.concatenate([[0.0], np.cumsum(costs.cum[self.b] - costs.cum[self.a])])
 
     def seg(self, x: int) -> int:
         """The segment of V position x."""
         return int(np.searchsorted(self.cum, x, side="right")) - 1
 
-    def pair_cost(self, x1: int, y1: int, x2: int, y2: int) -> float:
-        """Cost of V runs [x1, y1) and [x2, y2) on one rank: when both lie inside one unit (its front and
-        back), the keys they need are counted once (a causal unit's late rows need its early keys)."""
-        if y1 <= x1 or y2 <= x2:
-            return self.cost(x1, y1) + self.cost(x2, y2)
-        i, j = self.seg(x1), self.seg(y1 - 1)
-        k, l = self.seg(x2), self.seg(y2 - 1)
-        if not (i == j and k == l and self.unit[i] == self.unit[k]):
-            return self.cost(x1, y1) + self.cost(x2, y2)
-        co = self.costs
-        a1 = int(self.a[i] + x1 - self.cum[i])
-        b1 = a1 + (y1 - x1)
-        a2 = int(self.a[k] + x2 - self.cum[k])
-        b2 = a2 + (y2 - x2)
-        c = co.c
-        lo = min(a1 * c, a2 * c, int(co.klo[a1:b1].min()), int(co.klo[a2:b2].min()))
-        hi = max(b1 * c, b2 * c, int(co.khi[a1:b1].max()), int(co.khi[a2:b2].max()))
-        area = co.cum[b1] - co.cum[a1] + co.cum[b2] - co.cum[a2]
-        own = (b1 - a1 + b2 - a2) * c
-        # keys: the union of the runs' needs and their own tokens, one interval inside the unit
-        return area * co.per_tile + (hi - lo) * co.per_col + own * co.per_row
-
-    def _part(self, i: int, x: int, y: int) -> float:
-        """Cost of V positions [x, y) inside segment i."""
-        a = int(self.a[i] + x - self.cum[i])
-        return self.costs.range_cost(a, a + (y - x)) if y > x else 0.0
-
-    def cost(self, x: int, y: int) -> float:
-        """Predicted cost of V positions [x, y) (each segment's part priced alone)."""
+    def _runs(self, x: int, y: int, spans: list, arrays: list) -> float:
+        """Area of V positions [x, y); appends the key intervals its segment parts need (own tokens
+        included): `(lo, hi)` pairs of the partial segments to `spans`, arrays of whole segments' to
+        `arrays`."""
         if y <= x:
             return 0.0
+        co, c = self.costs, self.costs.c
         i = int(np.searchsorted(self.cum, x, side="right")) - 1
         j = int(np.searchsorted(self.cum, y, side="left")) - 1
-        if i == j:
-            return self._part(i, x, y)
-        head = self._part(i, x, int(self.cum[i + 1]))
-        tail = self._part(j, int(self.cum[j]), y)
-        return head + float(self.cost_cum[j] - self.cost_cum[i + 1]) + tail
+        area = 0.0
+        for k, px, py in ((i, x, min(y, int(self.cum[i + 1]))), (j, max(x, int(self.cum[j])), y)):
+            if py <= px:
+                continue
+            a = int(self.a[k] + px - self.cum[k])
+            b = a + (py - px)
+            spans.append((min(a * c, int(co.klo[a:b].min())), max(b * c, int(co.khi[a:b].max()))))
+            area += float(co.cum[b] - co.cum[a])
+            if i == j:
+                break
+        if j > i + 1:  # whole segments between: their precomputed intervals and areas
+            arrays.append((self.seg_lo[i + 1 : j], self.seg_hi[i + 1 : j]))
+            area += float(self.area_cum[j] - self.area_cum[i + 1])
+        return area
+
+    def pair_cost(self, x1: int, y1: int, x2: int, y2: int) -> float:
+        """Cost by the law of V runs [x1, y1) and [x2, y2) on one rank: their areas, their rows, and the
+        union of the keys their parts need (a causal unit's pieces on one rank share its early keys)."""
+        spans: list = []
+        arrays: list = []
+        area = self._runs(x1, y1, spans, arrays) + self._runs(x2, y2, spans, arrays)
+        if not spans and not arrays:
+            return 0.0
+        if arrays:
+            lo = np.concatenate([np.asarray([s[0] for s in spans], dtype=np.int64), *(a for a, _ in arrays)])
+            hi = np.concatenate([np.asarray([s[1] for s in spans], dtype=np.int64), *(b for _, b in arrays)])
+            order = np.argsort(lo, kind="stable")
+            lo, hi = lo[order], hi[order]
+            reach = np.maximum.accumulate(hi)
+            keys = float(reach[-1] - lo[0] - np.maximum(lo[1:] - reach[:-1], 0).sum())
+        else:  # at most four intervals: their union by hand
+            spans.sort()
+            keys, reach = 0.0, None
+            for lo_, hi_ in spans:
+                if reach is None or lo_ > reach:
+                    keys += hi_ - lo_
+                    reach = hi_
+                elif hi_ > reach:
+                    keys += hi_ - reach
+                    reach = hi_
+        co = self.costs
+        own = (max(y1 - x1, 0) + max(y2 - x2, 0)) * co.c
+        return area * co.per_tile + keys * co.per_col + own * co.per_row
+
+    def cost(self, x: int, y: int) -> float:
+        """Predicted cost of V positions [x, y) on one rank."""
+        return self.pair_cost(x, y, y, y)
 
     def chunks(self, x: int, y: int) -> np.ndarray:
         """Global chunk ids of V positions [x, y)."""
@@ -301,6 +353,8 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
     lo = total / room.size
     best, rest, top = _two_ended(v, room, lo)
     best_worst, best_target = max(rest, top), lo
+    if abs(rest - lo) <= _PRECISION * lo and top <= lo * (1.0 + _PRECISION):  # balanced at the floor
+        return best
     # the answer lies between the mean and what the rest then costs (the cuts' extra keys): bisect there
     hi = min(max(rest, top, lo), _CEILING * lo)
     for _ in range(_BISECT):
@@ -359,7 +413,7 @@ def documents_plan(
     units = find_units(slices, costs, n)
     nu = units.size - 1
     whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
-    owner = _balanced_two_ended(_Virtual(costs, units, whole, base), cap_chunks)
+    owner = _balanced_two_ended(_Virtual(costs, units, whole, base, float(whole.sum()) / cp_size), cap_chunks)
     parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
     areas = area.tolist()
     partitions = tuple(tuple(int(x) for x in p) for p in parts)
