@@ -30,6 +30,7 @@ computes the same placement); about linear in the chunks. Self-attention only.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ from .dispatch import (
     padded_seqlen,
 )
 from .kernel_law import KernelLaw, law_for_mask
+from .pricing import remote_kv_tokens
 
 __all__ = ["documents_granularity", "documents_plan", "find_units", "token_units"]
 
@@ -53,6 +55,8 @@ _MAX_CHUNKS = 8192
 _RANK_TOKENS = 8192
 """Past this many tokens per rank, 256-token chunks too (a rank's plan walks its chunks: fewer, faster)."""
 NODE = 8
+_DENSITY_STEP = 0.02
+"""Relative width of the density buckets the virtual sequence is sorted by."""
 """Ranks per node: a unit's pieces stay inside one when they fit."""
 
 
@@ -167,47 +171,77 @@ def _time_pieces(
     return out
 
 
+def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float) -> list[tuple]:
+    """Segments `(density, start, end, cost, unit)` of the two-ended layout: a unit that cannot sit on one
+    rank (more chunks than a rank holds, or costlier than a rank's target once the rank's other chunks are
+    filled at the fillers' density) as its time-sized pieces (`_time_pieces`), any other whole."""
+    n_u = np.diff(units)
+    dens = whole / np.maximum(n_u, 1)
+    light = (n_u <= room) & (whole <= tau)
+    # the fillers' density: what a heavy piece's rank fills its other chunks with
+    filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
+    heavy = (n_u > room) | (whole + (room - n_u) * filler > tau * (1.0 + _SNAP))
+    segs = []
+    for u in range(units.size - 1):
+        a, b = int(units[u]), int(units[u + 1])
+        if not heavy[u]:
+            segs.append((dens[u], a, b, whole[u], u))
+            continue
+        for x, y in _time_pieces(costs, a, b, room, tau, filler):
+            cst = costs.range_cost(x, y)
+            segs.append((cst / (y - x), x, y, cst, u))
+    return segs
+
+
+def _halved(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int) -> list[tuple]:
+    """Segments `(density, start, end, cost, unit, back half)` of the fewest-cuts layout: a unit longer than a rank
+    as two segments, before and after the point that halves its cost (its cheap first rows among the cheap
+    units, its costly last rows among the costly ones), any other whole."""
+    segs = []
+    for u in range(units.size - 1):
+        a, b = int(units[u]), int(units[u + 1])
+        if b - a <= room:
+            segs.append((whole[u] / (b - a), a, b, whole[u], u))
+            continue
+        pc = costs.prefix_costs(a, b)
+        h = min(max(a + 1 + int(np.searchsorted(pc, 0.5 * pc[-1])), a + 1), b - 1)
+        for x, y in ((a, h), (h, b)):
+            cst = costs.range_cost(x, y)
+            segs.append((cst / (y - x), x, y, cst, u, int(x == h)))
+    return segs
+
+
 class _Virtual:
-    """The units laid end to end, cheapest per chunk first, as the sequence the ranks take from (both ends).
+    """Segments (whole units or pieces of units, disjoint chunk ranges) laid end to end, cheapest per chunk
+    first, as the sequence the ranks take from (both ends): a causal unit's early pieces sit among the cheap
+    units and its late ones among the costly ones (a unit alone is then cut like zigzag). Densities are
+    compared in buckets of `_DENSITY_STEP`, inside which a unit's pieces keep sequence order, so pieces of
+    about equal density (a document of windows, a full document) lie side by side and a rank takes them as
+    one run."""
 
-    A unit that cannot sit on one rank (more chunks than a rank holds, or costlier than a rank's target once
-    the rank's other chunks are filled at the fillers' density) is laid as its time-sized pieces
-    (`_time_pieces`): a causal unit's first rows are cheap, its last costly, so its early pieces sit among
-    the cheap units and its late ones among the costly ones; a unit alone is then cut like zigzag. Segments
-    of equal density keep sequence order."""
-
-    def __init__(self, costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float) -> None:
-        n_u = np.diff(units)
-        dens = whole / np.maximum(n_u, 1)
-        light = (n_u <= room) & (whole <= tau)
-        # the fillers' density: what a heavy piece's rank fills its other chunks with
-        filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
-        heavy = (n_u > room) | (whole + (room - n_u) * filler > tau * (1.0 + _SNAP))
-        segs = []  # (density, start, end, cost, unit)
-        for u in range(units.size - 1):
-            a, b = int(units[u]), int(units[u + 1])
-            if not heavy[u]:
-                segs.append((dens[u], a, b, whole[u], u))
-                continue
-            for x, y in _time_pieces(costs, a, b, room, tau, filler):
-                cst = costs.range_cost(x, y)
-                segs.append((cst / (y - x), x, y, cst, u))
-        segs.sort()
+    def __init__(self, costs: _Costs, segs: list[tuple], union: bool = True) -> None:
+        self.union = union  # False: a run's segments priced alone (their keys summed), a cruder price
+        if union:
+            segs = sorted(segs, key=lambda x: (round(math.log(max(x[0], 1e-30)) / _DENSITY_STEP), x[4], x[1]))
+        else:  # the crude price's layout: by density, the back halves of long units after all the rest
+            segs = sorted(segs, key=lambda x: (x[5] if len(x) > 5 else 0, x[0], x[1]))
         self.costs = costs
         self.a = np.asarray([x[1] for x in segs], dtype=np.int64)
         self.b = np.asarray([x[2] for x in segs], dtype=np.int64)
         self.cum = np.concatenate([[0], np.cumsum(self.b - self.a)])  # V positions of the segments
         self.unit = np.asarray([x[4] for x in segs], dtype=np.int64)
         c = costs.c
-        lo_tab = np.minimum(costs.klo, np.arange(costs.klo.size, dtype=np.int64) * c)
-        hi_tab = np.maximum(costs.khi, (np.arange(costs.khi.size, dtype=np.int64) + 1) * c)
-        # the segments tile the chunks: reduce over them in chunk order, then back to V order
+        n = costs.klo.size
+        lo_tab = np.minimum(costs.klo, np.arange(n, dtype=np.int64) * c)
+        hi_tab = np.maximum(costs.khi, (np.arange(n, dtype=np.int64) + 1) * c)
+        # each segment's key interval: reduce over [start, end) pairs in chunk order, then back to V order
         by_start = np.argsort(self.a, kind="stable")
         self.seg_lo = np.empty_like(self.a)
         self.seg_hi = np.empty_like(self.a)
         if self.a.size:
-            self.seg_lo[by_start] = np.minimum.reduceat(lo_tab, self.a[by_start])
-            self.seg_hi[by_start] = np.maximum.reduceat(hi_tab, self.a[by_start])
+            idx = np.stack([self.a[by_start], self.b[by_start]], axis=1).ravel()
+            self.seg_lo[by_start] = np.minimum.reduceat(np.append(lo_tab, 0), idx)[::2]
+            self.seg_hi[by_start] = np.maximum.reduceat(np.append(hi_tab, 0), idx)[::2]
         self.area_cum = np.concatenate([[0.0], np.cumsum(costs.cum[self.b] - costs.cum[self.a])])
 
     def seg(self, x: int) -> int:
@@ -238,15 +272,30 @@ class _Virtual:
             area += float(self.area_cum[j] - self.area_cum[i + 1])
         return area
 
-    def pair_cost(self, x1: int, y1: int, x2: int, y2: int) -> float:
+    def _one_unit(self, x1: int, y1: int, x2: int, y2: int) -> bool:
+        """Whether the two nonempty runs lie inside one segment each, of one unit."""
+        if y1 <= x1 or y2 <= x2:
+            return False
+        i, j, k, l = (self.seg(x) for x in (x1, y1 - 1, x2, y2 - 1))
+        return i == j and k == l and self.unit[i] == self.unit[k]
+
+    def pair_cost(self, x1: int, y1: int, x2: int, y2: int, anchor: tuple | None = None) -> float:
         """Cost by the law of V runs [x1, y1) and [x2, y2) on one rank: their areas, their rows, and the
-        union of the keys their parts need (a causal unit's pieces on one rank share its early keys)."""
+        union of the keys their parts need (a causal unit's pieces on one rank share its early keys).
+        `anchor`: `(area, key lo, key hi, chunks)` of a piece outside the sequence the rank also holds."""
         spans: list = []
         arrays: list = []
         area = self._runs(x1, y1, spans, arrays) + self._runs(x2, y2, spans, arrays)
+        extra = 0
+        if anchor is not None and anchor[3] > 0:
+            area += anchor[0]
+            spans.append((anchor[1], anchor[2]))
+            extra = anchor[3]
         if not spans and not arrays:
             return 0.0
-        if arrays:
+        if not self.union and not (len(spans) == 2 and not arrays and self._one_unit(x1, y1, x2, y2)):
+            keys = float(sum(h - l for l, h in spans) + sum(int((b - a).sum()) for a, b in arrays))
+        elif arrays:
             lo = np.concatenate([np.asarray([s[0] for s in spans], dtype=np.int64), *(a for a, _ in arrays)])
             hi = np.concatenate([np.asarray([s[1] for s in spans], dtype=np.int64), *(b for _, b in arrays)])
             order = np.argsort(lo, kind="stable")
@@ -264,7 +313,7 @@ class _Virtual:
                     keys += hi_ - reach
                     reach = hi_
         co = self.costs
-        own = (max(y1 - x1, 0) + max(y2 - x2, 0)) * co.c
+        own = (max(y1 - x1, 0) + max(y2 - x2, 0) + extra) * co.c
         return area * co.per_tile + keys * co.per_col + own * co.per_row
 
     def cost(self, x: int, y: int) -> float:
@@ -335,45 +384,167 @@ def _two_ended(
     return owner, 0.0, worst  # pragma: no cover - the last rank returns
 
 
+def _anchored(
+    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray, tau: float
+) -> tuple[np.ndarray, float, float] | None:
+    """int64 `[n]`: the rank of each chunk when every costly piece sits alone on a rank of its own, or None
+    when they need more ranks than there are. A unit that cannot sit on one rank is cut into time-sized
+    pieces (`_time_pieces` at target `tau`); a piece costing at least `_ANCHOR` of `tau` is an *anchor*:
+    anchors go one per rank, in sequence order (a unit's pieces on neighbouring ranks). Every other unit
+    and piece is a filler, laid cheapest per chunk first (`_Virtual`); each rank fills the chunks its
+    anchor leaves with a run from the fillers' cheap end and one from their costly end, split so its
+    predicted time is `tau` (the last rank takes the rest). Returns the owners, the rest's cost and the
+    costliest other rank's."""
+    cp = room.size
+    m = int(room.min())
+    n_u = np.diff(units)
+    dens = whole / np.maximum(n_u, 1)
+    light = (n_u <= m) & (whole <= tau)
+    filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
+    heavy = (n_u > m) | (whole + (m - n_u) * filler > tau * (1.0 + _SNAP))
+    anchors, segs = [], []
+    for u in range(units.size - 1):
+        a, b = int(units[u]), int(units[u + 1])
+        if not heavy[u]:
+            segs.append((dens[u], a, b, whole[u], u))
+            continue
+        for x, y in _time_pieces(costs, a, b, m, tau, filler):
+            cst = costs.range_cost(x, y)
+            alone = cst + (m - (y - x)) * filler >= _ANCHOR * tau  # its rank has little time left
+            (anchors if alone else segs).append((cst / (y - x), x, y, cst, u))
+    if len(anchors) > cp or not anchors:
+        return None
+    v = _Virtual(costs, segs)
+    c = costs.c
+    n = int(costs.klo.size)
+    owner = np.full(n, -1, dtype=np.int64)
+    front, back, worst = 0, int(v.cum[-1]), 0.0
+    for r in range(cp):
+        anchor = None
+        m_r = int(room[r])
+        if r < len(anchors):
+            _, x, y, _, _ = anchors[r]
+            owner[x:y] = r
+            lo = min(x * c, int(costs.klo[x:y].min()))
+            hi = max(y * c, int(costs.khi[x:y].max()))
+            anchor = (float(costs.cum[y] - costs.cum[x]), lo, hi, y - x)
+            m_r -= y - x
+        if r == cp - 1 or m_r >= back - front:
+            if r < cp - 1 or m_r != back - front:  # the fillers do not match the rooms: not this target
+                return None
+            owner[v.chunks(front, back)] = r
+            return owner, v.pair_cost(front, back, back, back, anchor), worst
+        if m_r <= 0:
+            worst = max(worst, v.pair_cost(front, front, back, back, anchor))
+            continue
+
+        def f(
+            d: int, front: int = front, back: int = back, m_r: int = m_r, anchor: tuple | None = anchor
+        ) -> float:
+            return v.pair_cost(front, front + m_r - d, back - d, back, anchor)
+
+        lo_d, hi_d = 0, m_r  # the smallest costly run that reaches the target
+        while lo_d < hi_d:
+            mid = (lo_d + hi_d) // 2
+            if f(mid) >= tau:
+                hi_d = mid
+            else:
+                lo_d = mid + 1
+        d = lo_d if lo_d == 0 or abs(f(lo_d) - tau) <= abs(f(lo_d - 1) - tau) else lo_d - 1
+        d = _snapped(v, front, back, m_r, d, lambda x, cuts, f=f: abs(f(x) - tau) + _SNAP * tau * cuts)
+        worst = max(worst, f(d))
+        owner[v.chunks(front, front + m_r - d)] = r
+        owner[v.chunks(back - d, back)] = r
+        front, back = front + m_r - d, back - d
+    return None  # pragma: no cover - the last rank returns
+
+
+def _balanced_anchored(
+    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray
+) -> list[np.ndarray]:
+    """`_anchored` at targets from the mean whole-unit cost upwards, bisected towards the one where the last
+    rank's rest costs what the others take: the assignments found, best predicted first."""
+    lo = float(whole.sum()) / room.size
+    hi = _CEILING * lo
+    tried = []
+    for i in range(_BISECT + 1):
+        mid = lo if i == 0 else 0.5 * (lo + hi)
+        got = _anchored(costs, units, whole, room, mid)
+        if got is None:  # more anchors than ranks, or the fill ran out: a higher target
+            if i == 0:
+                continue
+            lo = mid
+            continue
+        owner, rest, top = got
+        tried.append((max(rest, top), i, owner))
+        if hi - lo <= _PRECISION * hi:
+            break
+        if rest > mid:
+            lo = mid
+        else:
+            hi = mid
+    tried.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in tried]
+
+
 _BISECT = 8
 """Bisection steps on the per-rank target at most (each one pass over the ranks)."""
 _PRECISION = 2e-3
 """The bisection stops once its bracket is this narrow (relative)."""
 _CEILING = 2.0
 """The highest target tried, over the mean: a placement worse than this loses to the chunk dispatch."""
+_JUDGED = 4
+"""Assignments of each fill (the predicted best first) judged by the law's exact per-rank times."""
+_ANCHOR = 0.8
+"""A piece that with fillers of the mean density costs at least this share of a rank's target sits on a
+rank of its own (`_anchored`)."""
+"""Assignments (the predicted best first) judged by the law's exact per-rank times."""
 _SNAP = 0.02
 """A rank's run may end on a unit boundary instead of inside a unit when that moves its predicted time by at
 most this share of the target (and the slowest rank by at most this share)."""
 
 
-def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> np.ndarray:
-    """`_two_ended` at the target where the last rank's rest costs what the others take: the mean cost is
-    a floor (cuts add key columns, so the rest would be costlier), the whole cost a ceiling."""
+def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> list[np.ndarray]:
+    """`_two_ended` at targets bisected towards the one where the last rank's rest costs what the others
+    take (the mean cost is a floor: cuts add key columns, so the rest would be costlier), the best of them
+    once more with runs snapped to unit boundaries: every assignment tried, best predicted first (the
+    caller judges them by the law's exact per-rank times)."""
     total = v.cost(0, int(v.cum[-1])) if v.cum[-1] else 0.0
     lo = total / room.size
-    best, rest, top = _two_ended(v, room, lo)
-    best_worst, best_target = max(rest, top), lo
-    if abs(rest - lo) <= _PRECISION * lo and top <= lo * (1.0 + _PRECISION):  # balanced at the floor
-        return best
-    # the answer lies between the mean and what the rest then costs (the cuts' extra keys): bisect there
-    hi = min(max(rest, top, lo), _CEILING * lo)
-    for _ in range(_BISECT):
-        if hi - lo <= _PRECISION * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        owner, rest, top = _two_ended(v, room, mid)
-        if max(rest, top) < best_worst:
-            best, best_worst, best_target = owner, max(rest, top), mid
-        if rest > mid:
-            lo = mid
-        else:
-            hi = mid
-    assert best is not None
-    # the same target once more with runs that end on unit boundaries where that costs little balance
-    snapped, rest, top = _two_ended(v, room, best_target, _SNAP)
-    if max(rest, top) <= best_worst * (1.0 + _SNAP):
-        return snapped
-    return best
+    owner, rest, top = _two_ended(v, room, lo)
+    tried = [(max(rest, top), 0, owner, lo)]
+    if not (
+        abs(rest - lo) <= _PRECISION * lo and top <= lo * (1.0 + _PRECISION)
+    ):  # else balanced at the floor
+        hi = min(max(rest, top, lo), _CEILING * lo)
+        for i in range(_BISECT):
+            if hi - lo <= _PRECISION * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            owner, rest, top = _two_ended(v, room, mid)
+            tried.append((max(rest, top), i + 1, owner, mid))
+            if rest > mid:
+                lo = mid
+            else:
+                hi = mid
+    tried.sort(key=lambda x: (x[0], x[1]))
+    # the best target once more with runs that end on unit boundaries where that costs little balance
+    snapped, rest, top = _two_ended(v, room, tried[0][3], _SNAP)
+    out = [snapped] if max(rest, top) <= tried[0][0] * (1.0 + _SNAP) else []
+    return out + [x[2] for x in tried]
+
+
+def _exact_worst(
+    owner: np.ndarray, pieces: tuple, area: np.ndarray, c: int, cp: int, law: KernelLaw
+) -> float:
+    """The slowest forward plus the slowest backward of an assignment by the law (the ranks' exact key
+    columns: their own tokens and the union of the keys their rows need)."""
+    chunk, _, kl, kr = pieces
+    remote = remote_kv_tokens(owner, chunk, kl, kr, c, cp)
+    own = np.bincount(owner, minlength=cp).astype(np.float64) * c
+    rank_area = np.bincount(owner, weights=area, minlength=cp)
+    keys = own + remote
+    return float(law.fwd_ms(rank_area, keys, own).max() + law.bwd_ms(rank_area, keys, own).max())
 
 
 def documents_plan(
@@ -408,12 +579,20 @@ def documents_plan(
     base, extra = divmod(n, cp_size)
     cap_chunks = np.full(cp_size, base, dtype=np.int64)
     cap_chunks[:extra] += 1
-    area, klo, khi, _ = _chunk_tables(slices, n, c)
+    area, klo, khi, pieces = _chunk_tables(slices, n, c)
     costs = _Costs(area, klo, khi, c, law)
     units = find_units(slices, costs, n)
     nu = units.size - 1
     whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
-    owner = _balanced_two_ended(_Virtual(costs, units, whole, base, float(whole.sum()) / cp_size), cap_chunks)
+    tried = _balanced_two_ended(
+        _Virtual(costs, _laid_out(costs, units, whole, base, float(whole.sum()) / cp_size)), cap_chunks
+    )
+    # the predicted best first: judged by the exact law (the slowest forward plus the slowest backward)
+    halves = _halved(costs, units, whole, base)
+    halved = _balanced_two_ended(_Virtual(costs, halves), cap_chunks)[:_JUDGED]
+    halved += _balanced_two_ended(_Virtual(costs, halves, union=False), cap_chunks)[:_JUDGED]
+    tried = tried[:_JUDGED] + halved + _balanced_anchored(costs, units, whole, cap_chunks)[:_JUDGED]
+    owner = min(tried, key=lambda o: _exact_worst(o, pieces, area, c, cp_size, law))
     parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
     areas = area.tolist()
     partitions = tuple(tuple(int(x) for x in p) for p in parts)
