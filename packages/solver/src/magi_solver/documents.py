@@ -243,6 +243,25 @@ class _Virtual:
             self.seg_lo[by_start] = np.minimum.reduceat(np.append(lo_tab, 0), idx)[::2]
             self.seg_hi[by_start] = np.maximum.reduceat(np.append(hi_tab, 0), idx)[::2]
         self.area_cum = np.concatenate([[0.0], np.cumsum(costs.cum[self.b] - costs.cum[self.a])])
+        # per V position: its segment, its chunk's key interval, the area before it, and each segment's
+        # running min / max of the intervals from its start (prefix) and to its end (suffix); the runs are
+        # priced from these by scalar look-ups
+        nv = int(self.cum[-1])
+        pos = np.arange(nv, dtype=np.int64)
+        seg_of = np.searchsorted(self.cum, pos, side="right") - 1
+        chunk = self.a[seg_of] + pos - self.cum[seg_of]
+        self.lo_v, self.hi_v = lo_tab[chunk], hi_tab[chunk]
+        big = np.int64(1) << 42  # past any key index: offsets that restart the running min / max per segment
+        off = seg_of * big
+        pre_lo = np.minimum.accumulate(self.lo_v - off) + off
+        pre_hi = np.maximum.accumulate(self.hi_v + off) - off
+        suf_lo = (np.minimum.accumulate((self.lo_v + off)[::-1]) - off[::-1])[::-1]
+        suf_hi = (np.maximum.accumulate((self.hi_v - off)[::-1]) + off[::-1])[::-1]
+        self.seg_of = seg_of.tolist()
+        self.cum_list = self.cum.tolist()
+        self.pre_lo, self.pre_hi = pre_lo.tolist(), pre_hi.tolist()
+        self.suf_lo, self.suf_hi = suf_lo.tolist(), suf_hi.tolist()
+        self.area_v = np.concatenate([[0.0], np.cumsum(costs.cum[chunk + 1] - costs.cum[chunk])]).tolist()
 
     def seg(self, x: int) -> int:
         """The segment of V position x."""
@@ -251,32 +270,30 @@ class _Virtual:
     def _runs(self, x: int, y: int, spans: list, arrays: list) -> float:
         """Area of V positions [x, y); appends the key intervals its segment parts need (own tokens
         included): `(lo, hi)` pairs of the partial segments to `spans`, arrays of whole segments' to
-        `arrays`."""
+        `arrays`. Scalar look-ups in the per-position tables (a segment's prefix and suffix reach)."""
         if y <= x:
             return 0.0
-        co, c = self.costs, self.costs.c
-        i = int(np.searchsorted(self.cum, x, side="right")) - 1
-        j = int(np.searchsorted(self.cum, y, side="left")) - 1
-        area = 0.0
-        for k, px, py in ((i, x, min(y, int(self.cum[i + 1]))), (j, max(x, int(self.cum[j])), y)):
-            if py <= px:
-                continue
-            a = int(self.a[k] + px - self.cum[k])
-            b = a + (py - px)
-            spans.append((min(a * c, int(co.klo[a:b].min())), max(b * c, int(co.khi[a:b].max()))))
-            area += float(co.cum[b] - co.cum[a])
-            if i == j:
-                break
-        if j > i + 1:  # whole segments between: their precomputed intervals and areas
-            arrays.append((self.seg_lo[i + 1 : j], self.seg_hi[i + 1 : j]))
-            area += float(self.area_cum[j] - self.area_cum[i + 1])
-        return area
+        seg, cum = self.seg_of, self.cum_list
+        i, j = seg[x], seg[y - 1]
+        if i == j:
+            if x == cum[i]:
+                spans.append((self.pre_lo[y - 1], self.pre_hi[y - 1]))
+            elif y == cum[i + 1]:
+                spans.append((self.suf_lo[x], self.suf_hi[x]))
+            else:
+                spans.append((int(self.lo_v[x:y].min()), int(self.hi_v[x:y].max())))
+        else:
+            spans.append((self.suf_lo[x], self.suf_hi[x]))
+            spans.append((self.pre_lo[y - 1], self.pre_hi[y - 1]))
+            if j > i + 1:  # whole segments between: their precomputed intervals
+                arrays.append((self.seg_lo[i + 1 : j], self.seg_hi[i + 1 : j]))
+        return self.area_v[y] - self.area_v[x]
 
     def _one_unit(self, x1: int, y1: int, x2: int, y2: int) -> bool:
         """Whether the two nonempty runs lie inside one segment each, of one unit."""
         if y1 <= x1 or y2 <= x2:
             return False
-        i, j, k, l = (self.seg(x) for x in (x1, y1 - 1, x2, y2 - 1))
+        i, j, k, l = (self.seg_of[x] for x in (x1, y1 - 1, x2, y2 - 1))
         return i == j and k == l and self.unit[i] == self.unit[k]
 
     def pair_cost(self, x1: int, y1: int, x2: int, y2: int, anchor: tuple | None = None) -> float:
@@ -295,14 +312,16 @@ class _Virtual:
             return 0.0
         if not self.union and not (len(spans) == 2 and not arrays and self._one_unit(x1, y1, x2, y2)):
             keys = float(sum(h - l for l, h in spans) + sum(int((b - a).sum()) for a, b in arrays))
-        elif arrays:
+        elif arrays and sum(a.size for a, _ in arrays) > _UNION_BY_HAND:
             lo = np.concatenate([np.asarray([s[0] for s in spans], dtype=np.int64), *(a for a, _ in arrays)])
             hi = np.concatenate([np.asarray([s[1] for s in spans], dtype=np.int64), *(b for _, b in arrays)])
             order = np.argsort(lo, kind="stable")
             lo, hi = lo[order], hi[order]
             reach = np.maximum.accumulate(hi)
             keys = float(reach[-1] - lo[0] - np.maximum(lo[1:] - reach[:-1], 0).sum())
-        else:  # at most four intervals: their union by hand
+        else:  # a few intervals: their union by hand
+            for a_, b_ in arrays:
+                spans.extend(zip(a_.tolist(), b_.tolist()))
             spans.sort()
             keys, reach = 0.0, None
             for lo_, hi_ in spans:
@@ -331,11 +350,14 @@ def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> 
     """Among `d` and the splits whose runs end on segment boundaries, the one of least `score(x, cuts
     inside segments)`."""
     bounds = v.cum
-    ends = bounds[(bounds >= front) & (bounds <= front + m)]
-    starts = bounds[(bounds >= back - m) & (bounds <= back)]
-    cands = {d} | {front + m - int(e) for e in ends} | {back - int(x) for x in starts}
+    # the nearest segment boundaries on either side of each run's end (the runs move together with d)
+    near = []
+    for at in (front + m - d, back - d):
+        k = int(np.searchsorted(bounds, at))
+        near += [int(bounds[i]) for i in range(max(k - _SNAP_NEAR, 0), min(k + _SNAP_NEAR, bounds.size))]
+    cands = {d} | {front + m - e for e in near} | {back - e for e in near}
     cands = sorted(x for x in cands if 0 <= x <= m and front + m - x <= back - x)
-    on = set(bounds.tolist())
+    on = set(near)
 
     def inside(x: int) -> int:
         return int(front + m - x not in on) + int(back - x not in on)
@@ -500,6 +522,12 @@ _ANCHOR = 0.8
 rank of its own (`_anchored`)."""
 """Assignments (the predicted best first) judged by the law's exact per-rank times."""
 _SNAP = 0.02
+_SNAP_NEAR = 2
+"""Segment boundaries tried on each side of each run's end when snapping."""
+_UNION_BY_HAND = 24
+"""Up to this many whole segments in a rank's runs, their keys' union is taken in Python (numpy's calls
+cost more on so few)."""
+"""Segment boundaries tried on each side of each run's end when snapping."""
 """A rank's run may end on a unit boundary instead of inside a unit when that moves its predicted time by at
 most this share of the target (and the slowest rank by at most this share)."""
 
