@@ -518,6 +518,8 @@ _CEILING = 2.0
 _JUDGED = 4
 """Assignments of each fill (the predicted best first) judged by the law's exact per-rank times."""
 _ANCHOR = 0.8
+_GOOD = 0.01
+"""A fill within this share of the floor (`_best_fill`) ends the search."""
 """A piece that with fillers of the mean density costs at least this share of a rank's target sits on a
 rank of its own (`_anchored`)."""
 """Assignments (the predicted best first) judged by the law's exact per-rank times."""
@@ -532,11 +534,48 @@ cost more on so few)."""
 most this share of the target (and the slowest rank by at most this share)."""
 
 
+def _split_two(v: _Virtual, room: np.ndarray) -> np.ndarray:
+    """Two ranks: rank 0 takes a run from each end of the virtual sequence, rank 1 the middle; the split of
+    least predicted slower rank among the balanced one and those ending on the nearest segment boundaries
+    (ties: fewer cuts inside segments, then the shorter costly run)."""
+    n = int(v.cum[-1])
+    m = int(room[0])
+    on = set(v.cum_list)
+
+    def sides(d: int) -> tuple[float, float]:
+        return v.pair_cost(0, m - d, n - d, n), v.cost(m - d, n - d)
+
+    def score(d: int) -> tuple:
+        return max(sides(d)), int(m - d not in on) + int(n - d not in on), d
+
+    lo, hi = 0, m  # the smallest d where rank 0 costs at least the rest (rank 0's part grows with d)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        a, b = sides(mid)
+        if a >= b:
+            hi = mid
+        else:
+            lo = mid + 1
+    cands = {lo, max(lo - 1, 0)}
+    for at in (m - lo, n - lo):  # the nearest segment boundaries: a split there cuts nothing
+        k = int(np.searchsorted(v.cum, at))
+        for i in range(max(k - _SNAP_NEAR, 0), min(k + _SNAP_NEAR, v.cum.size)):
+            e = int(v.cum[i])
+            cands |= {m - e, n - e}
+    d = min((x for x in cands if 0 <= x <= m), key=score)
+    owner = np.ones(n, dtype=np.int64)
+    owner[v.chunks(0, m - d)] = 0
+    owner[v.chunks(n - d, n)] = 0
+    return owner
+
+
 def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> list[np.ndarray]:
     """`_two_ended` at targets bisected towards the one where the last rank's rest costs what the others
     take (the mean cost is a floor: cuts add key columns, so the rest would be costlier), the best of them
     once more with runs snapped to unit boundaries: every assignment tried, best predicted first (the
     caller judges them by the law's exact per-rank times)."""
+    if room.size == 2:  # one split to choose: every one tried
+        return [_split_two(v, room)]
     total = v.cost(0, int(v.cum[-1])) if v.cum[-1] else 0.0
     lo = total / room.size
     owner, rest, top = _two_ended(v, room, lo)
@@ -573,6 +612,49 @@ def _exact_worst(
     rank_area = np.bincount(owner, weights=area, minlength=cp)
     keys = own + remote
     return float(law.fwd_ms(rank_area, keys, own).max() + law.bwd_ms(rank_area, keys, own).max())
+
+
+def _best_fill(
+    costs: _Costs,
+    units: np.ndarray,
+    whole: np.ndarray,
+    room: np.ndarray,
+    pieces: tuple,
+    area: np.ndarray,
+    law: KernelLaw,
+) -> np.ndarray:
+    """The assignment of least slowest forward plus slowest backward by the exact law among the fills:
+    the fewest-cuts layout (long units halved; crude and exact run prices), time-sized pieces, costly
+    pieces anchored one per rank. The fills run in that order and stop once one comes within `_GOOD` of
+    the floor no placement beats (each direction's mean over the ranks with no received keys)."""
+    cp = room.size
+    c = costs.c
+    own = float(room.sum()) * c / cp
+    mean_area = float(area.sum()) / cp
+    floor = float(law.fwd_ms(mean_area, own, own) + law.bwd_ms(mean_area, own, own))
+    base = int(room.min())
+    tau = float(whole.sum()) / cp
+    halves = _halved(costs, units, whole, base)
+    fills = (
+        lambda: _balanced_two_ended(_Virtual(costs, halves, union=False), room),
+        lambda: _balanced_two_ended(_Virtual(costs, halves), room),
+        lambda: _balanced_two_ended(_Virtual(costs, _laid_out(costs, units, whole, base, tau)), room),
+        lambda: _balanced_anchored(costs, units, whole, room),
+    )
+    best, best_cost, seen = None, float("inf"), set()
+    for fill in fills:
+        for owner in fill()[:_JUDGED]:
+            key = owner.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            cost = _exact_worst(owner, pieces, area, c, cp, law)
+            if cost < best_cost:
+                best, best_cost = owner, cost
+        if best_cost <= floor * (1.0 + _GOOD):
+            break
+    assert best is not None
+    return best
 
 
 def documents_plan(
@@ -612,15 +694,7 @@ def documents_plan(
     units = find_units(slices, costs, n)
     nu = units.size - 1
     whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
-    tried = _balanced_two_ended(
-        _Virtual(costs, _laid_out(costs, units, whole, base, float(whole.sum()) / cp_size)), cap_chunks
-    )
-    # the predicted best first: judged by the exact law (the slowest forward plus the slowest backward)
-    halves = _halved(costs, units, whole, base)
-    halved = _balanced_two_ended(_Virtual(costs, halves), cap_chunks)[:_JUDGED]
-    halved += _balanced_two_ended(_Virtual(costs, halves, union=False), cap_chunks)[:_JUDGED]
-    tried = tried[:_JUDGED] + halved + _balanced_anchored(costs, units, whole, cap_chunks)[:_JUDGED]
-    owner = min(tried, key=lambda o: _exact_worst(o, pieces, area, c, cp_size, law))
+    owner = _best_fill(costs, units, whole, cap_chunks, pieces, area, law)
     parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
     areas = area.tolist()
     partitions = tuple(tuple(int(x) for x in p) for p in parts)
