@@ -8,23 +8,31 @@ no received keys at all. So the placement:
 1. cuts the sequence into equal chunks of `granularity` tokens (128, or 256 past 8,192 chunks) and finds
    the units: slices whose rows or keys overlap form one unit; a chunk shared by the end of one unit and
    the start of the next goes to the side where the two cost less (`find_units`);
-2. prices any contiguous run of a unit's chunks by the kernel law (its area, its own tokens and the keys
-   its rows need, its rows), and lays the units end to end, cheapest per chunk first (`_Virtual`); a unit
-   longer than a rank is laid as two segments, before and after the point that halves its cost, so its
-   cheap first rows sit among the cheap units and its costly last rows among the costly ones;
-3. gives rank 0, 1, ... in turn its chunk count from the two ends of that sequence: a run from the cheap
-   end and a run from the costly end, split so the rank's predicted time is a common target, which is
-   bisected until the last rank's rest costs the same (`_balanced_two_ended`).
+2. prices any set of chunk runs on one rank by the kernel law: their area, their rows, and the union of the
+   keys they need with their own tokens (a causal unit's pieces on one rank share its early keys);
+3. fills the ranks in a few ways and keeps the assignment whose slowest forward plus slowest backward, by
+   the law's exact per-rank times, is least (`_best_fill`):
 
-So a unit that fits a rank's share stays whole; a unit costlier than a rank's share is cut into contiguous
-pieces on neighbouring ranks at points where each rank's time balances (a causal unit's later pieces are
-shorter); a mask that is one unit is cut like zigzag, at balanced points; each rank cuts at most the two
-units at the ends of its two runs. Past one node, `choice` renumbers the ranks so those exchanging the most
-keys share a node.
+   * *two-ended* (`_two_ended`): the units (and pieces of units) laid end to end, cheapest per chunk first;
+     rank 0, 1, ... takes its chunk count as a run from the cheap end and a run from the costly end, split
+     so its predicted time is a common target, bisected until the last rank's rest costs the same. The
+     layout either keeps long units as two halves of equal cost (the fewest cuts; `_halved`) or cuts a unit
+     that cannot sit on one rank into *time-sized* pieces (`_time_pieces`: a piece grows while it and the
+     rest of its rank at the fillers' density stay within the target, so a causal unit's later pieces,
+     which need all its earlier keys, are shorter);
+   * *anchored* (`_anchored`): each costly time-sized piece sits alone on a rank of its own, the pieces of
+     one unit on neighbouring ranks, and every rank fills the chunks its piece leaves from both ends of the
+     other units laid cheapest first, to the target.
+
+So a unit that fits a rank's share stays whole where balance allows; a unit costlier than a rank's share is
+cut into contiguous pieces on as many ranks as its time needs; a mask that is one unit (a causal document) is
+cut like zigzag (each rank an early, cheap run and a late, costly run, paired so their times balance; a
+full mask into equal runs); each rank boundary cuts at most the two units at the ends of a rank's runs. Past
+one node, `choice` renumbers the ranks so those exchanging the most keys share a node.
 
 Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
 so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
-computes the same placement); about linear in the chunks. Self-attention only.
+computes the same placement); about linear in the chunks times a few bisection passes. Self-attention only.
 """
 
 from __future__ import annotations
