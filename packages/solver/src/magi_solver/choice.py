@@ -53,7 +53,7 @@ from .dispatch import (
     dispatch_slices,
     padded_seqlen,
 )
-from .documents import documents_granularity, documents_plan
+from .documents import documents_granularity, documents_plans
 from .kernel_law import KernelLaw, law_for_mask
 from .pricing import PlanPrice, price_plan, rank_traffic, remote_kv_tokens
 
@@ -92,6 +92,8 @@ _PRUNE = 0.05
 share faster than its fixed rule (on the mask families the best size gains at most 2.4 % over that rule)."""
 _NODE = 8
 """GPUs per node: past this many ranks, ranks exchanging the most keys are grouped into one."""
+_NODE_PRICED = 3
+"""Past one node, the documents placement's best few assignments are priced after renumbering by node."""
 _CHOICE_CACHE_SIZE = 256
 
 
@@ -365,8 +367,11 @@ def _documents_candidate(
         most = padded_seqlen(total, cp, default_chunk_size(total, cp))
         while c > 1 and padded_seqlen(total, cp, c) > most:
             c //= 2
-    plan = documents_plan(slices, total, cp, law, uneven_shard=uneven, chunk_size=c)
-    return _priced(slices, plan, cp, law, False)
+    # past one node the ranks are renumbered by node before pricing: the best few assignments are priced so
+    plans = documents_plans(
+        slices, total, cp, law, uneven_shard=uneven, chunk_size=c, keep=_NODE_PRICED if cp > _NODE else 1
+    )
+    return min((_priced(slices, p, cp, law, False) for p in plans), key=lambda x: x.seconds)
 
 
 def _choose_chunked(

@@ -53,9 +53,10 @@ from .dispatch import (
     padded_seqlen,
 )
 from .kernel_law import KernelLaw, law_for_mask
-from .pricing import remote_kv_tokens
+from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN, remote_kv_tokens
+from .pricing import NODE as PRICING_NODE
 
-__all__ = ["documents_granularity", "documents_plan", "find_units", "token_units"]
+__all__ = ["documents_granularity", "documents_plan", "documents_plans", "find_units", "token_units"]
 
 _GRANULARITY = 128
 _MAX_CHUNKS = 8192
@@ -612,14 +613,22 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> list[np.ndarray]:
 def _exact_worst(
     owner: np.ndarray, pieces: tuple, area: np.ndarray, c: int, cp: int, law: KernelLaw
 ) -> float:
-    """The slowest forward plus the slowest backward of an assignment by the law (the ranks' exact key
-    columns: their own tokens and the union of the keys their rows need)."""
+    """The predicted step of an assignment as `pricing.PlanPrice.step_ms` prices it: the slowest forward
+    (K/V fetch + kernel) plus the slowest backward (kernel + dK/dV reduce), by the law on the ranks' exact key
+    columns (their own tokens and the union of the keys their rows need), the links as `pricing` prices
+    them (past one node on this numbering; the choice's renumbering by node only lowers it)."""
     chunk, _, kl, kr = pieces
     remote = remote_kv_tokens(owner, chunk, kl, kr, c, cp)
+    inter = remote_kv_tokens(owner, chunk, kl, kr, c, cp, PRICING_NODE) if cp > PRICING_NODE else 0 * remote
     own = np.bincount(owner, minlength=cp).astype(np.float64) * c
     rank_area = np.bincount(owner, weights=area, minlength=cp)
     keys = own + remote
-    return float(law.fwd_ms(rank_area, keys, own).max() + law.bwd_ms(rank_area, keys, own).max())
+    nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
+    ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
+    comm = np.maximum(nv, ib) * 1e3
+    fwd = law.fwd_ms(rank_area, keys, own) + comm
+    bwd = law.bwd_ms(rank_area, keys, own) + comm
+    return float(fwd.max() + bwd.max())
 
 
 def _best_fill(
@@ -630,8 +639,10 @@ def _best_fill(
     pieces: tuple,
     area: np.ndarray,
     law: KernelLaw,
-) -> np.ndarray:
-    """The assignment of least slowest forward plus slowest backward by the exact law among the fills:
+    keep: int = 1,
+) -> list[np.ndarray]:
+    """The `keep` assignments of least predicted step (`_exact_worst`: the law's exact per-rank times and the links)
+    among the fills:
     the fewest-cuts layout (long units halved; crude and exact run prices), time-sized pieces, costly
     pieces anchored one per rank. The fills run in that order and stop once one comes within `_GOOD` of
     the floor no placement beats (each direction's mean over the ranks with no received keys)."""
@@ -649,23 +660,22 @@ def _best_fill(
         lambda: _balanced_two_ended(_Virtual(costs, _laid_out(costs, units, whole, base, tau)), room),
         lambda: _balanced_anchored(costs, units, whole, room),
     )
-    best, best_cost, seen = None, float("inf"), set()
+    judged: list[tuple[float, int, np.ndarray]] = []
+    seen: set[bytes] = set()
     for fill in fills:
         for owner in fill()[:_JUDGED]:
             key = owner.tobytes()
             if key in seen:
                 continue
             seen.add(key)
-            cost = _exact_worst(owner, pieces, area, c, cp, law)
-            if cost < best_cost:
-                best, best_cost = owner, cost
-        if best_cost <= floor * (1.0 + _GOOD):
+            judged.append((_exact_worst(owner, pieces, area, c, cp, law), len(judged), owner))
+        if min(x[0] for x in judged) <= floor * (1.0 + _GOOD):
             break
-    assert best is not None
-    return best
+    judged.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in judged[:keep]]
 
 
-def documents_plan(
+def documents_plans(
     slices: list[tuple[int, int, int, int, int]],
     total_seqlen: int,
     cp_size: int,
@@ -673,8 +683,9 @@ def documents_plan(
     *,
     uneven_shard: bool = False,
     chunk_size: int | None = None,
-) -> DispatchPlan:
-    """The documents placement of validated self-attention `slices` over `total_seqlen` tokens (see the
+    keep: int = 1,
+) -> list[DispatchPlan]:
+    """The `keep` best documents placements (by the predicted step, best first) of validated self-attention `slices` over `total_seqlen` tokens (see the
     module docstring).
 
     Args:
@@ -686,8 +697,11 @@ def documents_plan(
         uneven_shard: no padding; chunk counts within one of each other.
         chunk_size: the granularity (None: `documents_granularity`).
 
+        keep: how many of the best assignments found to return (the caller may price them further, e.g.
+            after renumbering ranks by node).
+
     Returns:
-        A `DispatchPlan` with `alg=DispatchAlg.DOCUMENTS`.
+        Up to `keep` `DispatchPlan`s with `alg=DispatchAlg.DOCUMENTS`, the best predicted first.
     """
     c = chunk_size or documents_granularity(total_seqlen, cp_size)
     total = total_seqlen if uneven_shard else padded_seqlen(total_seqlen, cp_size, c)
@@ -702,22 +716,43 @@ def documents_plan(
     units = find_units(slices, costs, n)
     nu = units.size - 1
     whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
-    owner = _best_fill(costs, units, whole, cap_chunks, pieces, area, law)
-    parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
     areas = area.tolist()
-    partitions = tuple(tuple(int(x) for x in p) for p in parts)
-    return DispatchPlan(
-        total_seqlen=total,
-        cp_size=cp_size,
-        chunk_size=c,
-        num_chunks=n,
-        partitions=partitions,
-        chunk_areas=tuple(areas),
-        rank_areas=tuple(int(area[p].sum()) for p in parts),
-        alg=DispatchAlg.DOCUMENTS,
-        lower_bound=dispatch_lower_bound(areas, cp_size),
-        uneven_shard=uneven_shard,
-    )
+    lower = dispatch_lower_bound(areas, cp_size)
+    plans = []
+    for owner in _best_fill(costs, units, whole, cap_chunks, pieces, area, law, keep):
+        parts = [np.flatnonzero(owner == r) for r in range(cp_size)]
+        plans.append(
+            DispatchPlan(
+                total_seqlen=total,
+                cp_size=cp_size,
+                chunk_size=c,
+                num_chunks=n,
+                partitions=tuple(tuple(int(x) for x in p) for p in parts),
+                chunk_areas=tuple(areas),
+                rank_areas=tuple(int(area[p].sum()) for p in parts),
+                alg=DispatchAlg.DOCUMENTS,
+                lower_bound=lower,
+                uneven_shard=uneven_shard,
+            )
+        )
+    return plans
+
+
+def documents_plan(
+    slices: list[tuple[int, int, int, int, int]],
+    total_seqlen: int,
+    cp_size: int,
+    law: KernelLaw,
+    *,
+    uneven_shard: bool = False,
+    chunk_size: int | None = None,
+) -> DispatchPlan:
+    """The documents placement of validated self-attention `slices` (the best of `documents_plans`; see the
+    module docstring). Arguments as `documents_plans`; returns a `DispatchPlan` with
+    `alg=DispatchAlg.DOCUMENTS`."""
+    return documents_plans(
+        slices, total_seqlen, cp_size, law, uneven_shard=uneven_shard, chunk_size=chunk_size
+    )[0]
 
 
 def _dispatch_documents(slices: list, total: int, cp: int, chunk_size: int, uneven: bool) -> DispatchPlan:
