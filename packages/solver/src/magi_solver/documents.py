@@ -108,6 +108,15 @@ class _Costs:
         self.per_col = (f.key_columns + b.key_columns) * s / 128  # per key token
         self.per_row = (f.rows + b.rows) * s / 128  # per query token (rows are whole tiles per chunk)
 
+    def tiling_costs(self, bounds: np.ndarray) -> np.ndarray:
+        """`range_cost` of every range `[bounds[i], bounds[i + 1])` of a tiling of the chunks (vectorised)."""
+        a, b = bounds[:-1], bounds[1:]
+        c = self.c
+        lo = np.minimum(np.minimum.reduceat(self.klo, a), a * c)
+        hi = np.maximum(np.maximum.reduceat(self.khi, a), b * c)
+        area = self.cum[b] - self.cum[a]
+        return area * self.per_tile + (hi - lo) * self.per_col + (b - a) * c * self.per_row
+
     def range_cost(self, a: int, b: int) -> float:
         """Chunks [a, b) on one rank: its area, its own tokens and the keys its rows need."""
         c = self.c
@@ -715,7 +724,7 @@ def documents_plans(
     costs = _Costs(area, klo, khi, c, law)
     units = find_units(slices, costs, n)
     nu = units.size - 1
-    whole = np.asarray([costs.range_cost(int(units[u]), int(units[u + 1])) for u in range(nu)])
+    whole = costs.tiling_costs(units) if nu else np.zeros(0)
     areas = area.tolist()
     lower = dispatch_lower_bound(areas, cp_size)
     plans = []
