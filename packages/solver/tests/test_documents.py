@@ -177,3 +177,39 @@ def test_placement_time_at_1m_tokens_cp64() -> None:
     assert time.process_time() - t0 <= 3.0  # the 1 s target is benchmarks/plan_targets.py's
     assert plan.chunk_size == documents_granularity(total, cp) == 256  # 16k tokens per rank: 256-token chunks
     assert plan.num_chunks == total // 256
+
+
+def _family(name: str, total: int, seed: int) -> list:
+    from magi_solver import make_family_mask
+
+    spec = make_family_mask(name, total, seed)
+    q = [list(r) for r in spec.q_ranges.to_tuples()]
+    k = [list(r) for r in spec.k_ranges.to_tuples()]
+    return normalize_mask(q, k, [t.code for t in spec.types], total, total)
+
+
+@pytest.mark.parametrize("name", ["docs4k_full", "video_clips", "docs4k_window2048"])
+@pytest.mark.parametrize("cp", [8, 16])
+def test_time_balance_by_the_law_on_seeded_families(name: str, cp: int) -> None:
+    # every rank's predicted kernel time (the law, exact per rank) near the mean, with every unit's pieces
+    # contiguous runs of it: a rank holds one or two runs of each unit it touches
+    total = 8192 * cp
+    sl = _family(name, total, seed=2)
+    from magi_solver.kernel_law import law_for_mask
+
+    law = law_for_mask(sl, total)
+    plan = documents_plan(sl, total, cp, law)
+    assert price_plan(plan, sl, law).time_imbalance <= 1.07
+    owner = np.asarray(plan.chunk_owner)
+    c = plan.chunk_size
+    cut, long_units = 0, 0
+    for a, b in token_units(sl):
+        long_units += (b - a) > total // cp
+        chunks = owner[a // c : -(-b // c)]
+        ranks = set(chunks.tolist())
+        cut += len(ranks) > 1
+        for r in ranks:  # a rank holds a unit's pieces as a few runs (an early one and late ones)
+            idx = np.flatnonzero(chunks == r)
+            assert len(np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)) <= 3
+    # beyond the long units, each rank's two runs (cheap end, costly end) cut at most two units
+    assert cut <= long_units + 2 * (cp - 1)

@@ -123,6 +123,36 @@ def _row_bounds(qs: int, qe: int, ks: int, ke: int, t: int, a: int, b: int) -> t
     return max(lo, ks), min(hi, ke)
 
 
+def _tiles(sl: np.ndarray) -> int:
+    """128 x 128 tiles the slices ``[n, 5]`` touch (a tile two slices share counts once): per 128-row block
+    of each slice, the key tiles its rows see (`_row_bounds`, vectorised), merged per block."""
+    if sl.shape[0] == 0:
+        return 0
+    qs, qe, ks, ke, t = sl.T
+    first, last = qs // TILE, (qe - 1) // TILE
+    count = last - first + 1
+    idx = np.repeat(np.arange(sl.shape[0]), count)
+    m = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count) + first[idx]
+    a = np.maximum(qs[idx], m * TILE)
+    b = np.minimum(qe[idx], (m + 1) * TILE)
+    lo = np.where(t[idx] & 2, ks[idx] + (a - qs[idx]), ks[idx])
+    hi = np.where(t[idx] & 1, ke[idx] - (qe[idx] - b), ke[idx])
+    lo, hi = np.maximum(lo, ks[idx]), np.minimum(hi, ke[idx])
+    ok = lo < hi
+    m, lo, hi = m[ok], lo[ok] // TILE, -(-hi[ok] // TILE)
+    if m.size == 0:
+        return 0
+    span = int(hi.max()) + 1  # blocks' tile coordinates never overlap after this shift
+    lo, hi = lo + m * span, hi + m * span
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    gaps = np.maximum(lo[1:] - reach[:-1], 0).sum()
+    # the shifted intervals' union: from the first start to the last reach, less the gaps (between blocks
+    # too, which the shift makes gaps)
+    return int(reach[-1] - lo[0] - gaps)
+
+
 def mask_features(slices: Iterable[AttnSlice | tuple], total_q: int) -> MaskFeatures:
     """Features of the mask made of ``slices`` over ``total_q`` query rows (slices as ``AttnSlice`` or
     ``(q_start, q_end, k_start, k_end, type)``; overlapping slices count their shared area twice)."""
@@ -134,7 +164,7 @@ def mask_features(slices: Iterable[AttnSlice | tuple], total_q: int) -> MaskFeat
     ]
     area, rows_in_slices = 0, 0
     covered = np.zeros(max(total_q, 1), dtype=bool)
-    per_block: dict[int, list[tuple[int, int]]] = {}
+    kept = []
     for qs, qe, ks, ke, t in raw:
         if qe <= qs or ke <= ks:
             continue
@@ -144,17 +174,8 @@ def mask_features(slices: Iterable[AttnSlice | tuple], total_q: int) -> MaskFeat
         area += a
         rows_in_slices += qe - qs
         covered[qs:qe] = True
-        for m in range(qs // TILE, (qe - 1) // TILE + 1):
-            lo, hi = _row_bounds(qs, qe, ks, ke, t, max(qs, m * TILE), min(qe, (m + 1) * TILE))
-            if lo < hi:
-                per_block.setdefault(m, []).append((lo // TILE, -(-hi // TILE)))
-    tiles = 0
-    for ranges in per_block.values():
-        end = -1
-        for lo, hi in sorted(ranges):
-            if hi > end:
-                tiles += hi - max(lo, end)
-                end = hi
+        kept.append((qs, qe, ks, ke, t))
+    tiles = _tiles(np.asarray(kept, dtype=np.int64).reshape(-1, 5))
     rows = int(covered[:total_q].sum())
     return MaskFeatures(
         tokens=total_q,
