@@ -416,16 +416,20 @@ def events_median_ms(fn: Callable[[], object], n: int, warmup: int = 0) -> float
 
 
 def environment() -> dict:
-    """The header of a kernel result file: date, GPU, torch, triton, commit."""
+    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import triton
 
-    return dict(
-        date=datetime.date.today().isoformat(),
-        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        git=git_sha(),
-    )
+    versions = []
+    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            versions.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return dict(date=datetime.date.today().isoformat(),
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
 
 
 def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
