@@ -459,18 +459,28 @@ def add_arguments(ap) -> None:
     add_common(ap, masks="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random", seqlens="8192,32768",
                heads="64:8", repeats=5, out_dir=None, tag="kernel_backends")  # fmt: skip
     ap.add_argument("--head-dims", default="128", help="comma-separated head dimensions")
-    ap.add_argument("--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="time each runtime backend's backward in deterministic mode against its default")
+    ap.add_argument(
+        "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
+    )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="time each runtime backend's backward in deterministic mode against its default",
+    )
     ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
     ap.add_argument("--sim-masks", default="varlen_causal,full", help="`sim` case masks for --sim-cp")
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
-    ap.add_argument("--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)")
-    ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "
-                    "(`sim` case JSON at --degree 0)")
+    ap.add_argument(
+        "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
+    )
+    ap.add_argument(
+        "--sim-sources",
+        default="",
+        help="for --write-table: simulated cp runs, backend=path,... (`sim` case JSON at --degree 0)",
+    )
     ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip
 
 
