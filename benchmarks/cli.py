@@ -2,7 +2,7 @@
 benchmarks`` lists them, ``python -m benchmarks <case> --help`` gives a case's arguments.
 
 Every case is a module of this package with ``add_arguments(parser)`` (its options; the shared ones through
-`add_common`) and ``run(args) -> int | None`` (the exit status). Result files go under ``--out-dir``, by
+`add_common`) and ``main(args) -> int | None`` (the exit status). Result files go under ``--out-dir``, by
 default `RESULTS` (``benchmarks/results/``), never the current directory. Under ``torchrun`` the same
 command line runs on every rank: ``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``.
 """
@@ -91,6 +91,12 @@ def heads(text: str) -> tuple[int, int]:
     return hq, hk
 
 
+def usage_error(message: str) -> None:
+    """Stop on a bad argument as argparse does: the message on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def write_results(out_dir: str | Path, tag: str, data: dict, text: str | None = None) -> Path:
     """``<out_dir>/<tag>.json`` (and ``<tag>.md`` with ``text``), folders made as needed; returns the JSON path."""
     out = Path(out_dir)
@@ -132,4 +138,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown case {argv[0]!r}; choose from {', '.join(by_name)}", file=sys.stderr)
         return 2
     parser, module = case_parser(by_name[argv[0]])
-    return module.run(parser.parse_args(argv[1:])) or 0
+    return module.main(parser.parse_args(argv[1:])) or 0

@@ -26,9 +26,9 @@ from benchmarks.common import (
     environment,
     flex_setup,
     kernel_runners,
-    kernel_slices,
     time_fwd_bwd,
 )
+from magi_attention.simulate import kernel_launchers
 
 DEFAULT_KERNELS = (
     "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
@@ -69,9 +69,6 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     import os
     from unittest import mock
 
-    from magi_attention._runtime.kernels import attn_kernel
-    from magi_attention.config import KernelBackend
-
     q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -83,7 +80,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
             if name not in kernels:
                 continue
             try:
-                kernel = attn_kernel(KernelBackend(b))
+                kernel = kernel_launchers(b)
             except Exception as e:  # not installed here: reported, not hidden
                 print(f"# {name} unavailable: {e!r}"[:200])
                 continue
@@ -157,9 +154,7 @@ def sim_det_rows(args) -> list[dict]:
     """The busiest rank of a simulated cp ``--sim-cp`` plan (overlap degree 0: its host call and one remote
     call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
     ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
-    from magi_attention._runtime.kernels import attn_kernel
-    from magi_attention.config import KernelBackend
-    from magi_attention.simulate import rank_calls, token_index
+    from magi_attention.simulate import checked_slices, rank_calls, token_index
 
     cp = args.sim_cp
     hq, hk = heads(names(args.heads)[0])
@@ -182,10 +177,10 @@ def sim_det_rows(args) -> list[dict]:
             q_index = token_index(rank_plan.host_token_ranges, q.device)
             lq = q[q_index].contiguous()
             ldo = torch.randn_like(lq)
-            calls = [(kernel_slices(*t), kk, vv) for t, kk, vv in rc.calls if t[0].shape[0]]
+            calls = [(checked_slices(*t), kk, vv) for t, kk, vv in rc.calls if t[0].shape[0]]
             for b in DET_BACKENDS:
                 try:
-                    kern = attn_kernel(KernelBackend(b))
+                    kern = kernel_launchers(b)
                 except Exception as e:
                     print(f"# sim {b} unavailable: {e!r}"[:200])
                     continue
@@ -484,7 +479,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip
 
 
-def run(args) -> None:
+def main(args) -> None:
     if args.write_table:
         table = write_table(args.write_table, args.sources, args.sim_sources, args.base)
         print(f"{len(table['rows'])} rows for {table['gpu_kind']} -> {args.write_table}")

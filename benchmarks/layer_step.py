@@ -287,7 +287,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the torch path at toy sizes (fp32)")
 
 
-def run(args) -> None:
+def main(args) -> None:
     """The rows of every ``--seqlens`` size, written as ``<tag>.json`` and ``<tag>.md``."""
     rows = []
     for total in ints(args.seqlens):
