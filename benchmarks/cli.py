@@ -24,11 +24,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @dataclass(frozen=True)
 class Case:
-    """One registered benchmark: its command name, the module that runs it and what it measures."""
+    """One registered benchmark: its command name, the module that runs it and what it measures.
+    ``own_parser``: the module parses its own command line (``main(argv)``) instead of ``add_arguments``."""
 
     name: str
     module: str
     measures: str
+    own_parser: bool = False
 
 
 CASES = (
@@ -45,8 +47,16 @@ CASES = (
     Case("fit-law", "fit_kernel_law", "the kernel law refitted from scaling runs (no GPU)"),
     Case("mask-loop", "mask_loop_bench", "a training loop's new mask every step: step times and compiles"),
     Case("first-step", "first_step", "the first step of a fresh process against the steady step, cold and warm"),
-    Case("plan-targets", "plan_targets", "the planner's targets: balance, communication and bounds (no GPU)"),
-    Case("key-step", "key_step_bench", "the host cost of a new key + dispatch per step (gloo ranks)"),
+    Case("plan-targets", "plan_targets", "the planner's targets: balance, communication and bounds (no GPU)",
+         own_parser=True),
+    Case("key-step", "key_step_bench", "the host cost of a new key + dispatch per step (gloo ranks)",
+         own_parser=True),
+    *(Case(name, f"integration_runs.{module}", f"{what}: magi against the model's own attention, world 1",
+           own_parser=True)
+      for name, module, what in (("hf", "hf_run", "Hugging Face models"),
+                                 ("hf-deterministic", "hf_deterministic_run", "a Hugging Face model, deterministic"),
+                                 ("fsdp", "fsdp_run", "FSDP"), ("megatron", "megatron_run", "Megatron-Core"),
+                                 ("torchtitan", "torchtitan_run", "torchtitan"))),
 )  # fmt: skip
 """The registry: one entry per case (``python -m benchmarks`` lists it)."""
 
@@ -137,5 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] not in by_name:
         print(f"unknown case {argv[0]!r}; choose from {', '.join(by_name)}", file=sys.stderr)
         return 2
-    parser, module = case_parser(by_name[argv[0]])
+    case = by_name[argv[0]]
+    if case.own_parser:  # a model run's report: exit status 1 on a MISS
+        status = importlib.import_module(f"benchmarks.{case.module}").main(argv[1:])
+        return (0 if status["passed"] else 1) if isinstance(status, dict) else status or 0
+    parser, module = case_parser(case)
     return module.main(parser.parse_args(argv[1:])) or 0

@@ -13,7 +13,6 @@ in the forward and backward, fp32 gradient reduction).
 
 from __future__ import annotations
 
-import sys
 from itertools import pairwise
 
 import torch
@@ -129,7 +128,3 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

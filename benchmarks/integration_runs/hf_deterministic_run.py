@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import json
-import sys
 
 import torch
 
@@ -90,7 +89,3 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(report, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,6 @@ sliding-window) mask itself.
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 
 import torch
@@ -92,7 +91,3 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, lambda cfg, group: [run_family(f, cfg, group) for f in FAMILIES])
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

@@ -14,7 +14,6 @@ training) run on every document alone, the loss the token mean over the pack. Me
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from itertools import pairwise
 from unittest import mock
@@ -137,7 +136,3 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))
