@@ -2,7 +2,7 @@
 throughput and per-call cost (a least-squares line over FULL masks of growing key length), the per-stage
 merge costs (at the measured copy bandwidth) and, with two or more ranks, the all-to-all bandwidth.
 
-``torchrun --standalone --nproc-per-node {1,2} -m benchmarks.calibrate_overlap --out DIR`` writes
+``torchrun --standalone --nproc-per-node {1,2} -m benchmarks calibrate --out DIR`` writes
 ``DIR/<gpu>_<backend>.json`` (``CostProfile.to_dict``; ``OverlapConfig(cost_profile=path)`` loads one).
 """
 

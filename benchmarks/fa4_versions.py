@@ -6,7 +6,7 @@ and writes (``fa4_versions.md`` / ``.json`` there) a cell per kernel, mask and s
 rounds of each release's forward / backward milliseconds, and b40 / b36 as a speed ratio (TFLOP/s, > 1:
 faster on 4.0.0b40).
 
-    python -m benchmarks.fa4_versions OUT_DIR/fa4_versions [--old b36 --new b40]
+    python -m benchmarks fa4-versions OUT_DIR/fa4_versions [--old b36 --new b40]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Fit the kernel law (`magi_solver.kernel_law`) to per-rank times of scaling runs and write the law file.
 
-    python -m benchmarks.fit_kernel_law benchmarks/results/<scaling>.json [...] \
+    python -m benchmarks fit-law benchmarks/results/<scaling>.json [...] \
         --out packages/solver/src/magi_solver/kernel_tables/h200_law.json
 
-Input: JSON files of `python -m benchmarks.magi_attention_bench --scaling --json FILE` (their "sim" records,
+Input: JSON files of `python -m benchmarks sim --scaling --json FILE` (their "sim" records,
 one per mask and cp, each with per-rank times). A rank's counts are read from its record (`tiles`,
 `key_columns`, `rows`) or, in files written before those fields, derived the way the law defines them:
 tiles = area / 128^2, key columns = (own + received keys) / 128 (received = the stage bytes over the bytes of

@@ -2,9 +2,9 @@
 all-gather K/V (CPU), and the GroupCast / GroupReduce bandwidth on GPUs (a2av and native beside
 ``all_to_all_single``; GB/s = bytes each rank sends / time of one call, the slowest rank).
 
-    .venv/bin/python -m benchmarks.group_collective_bench                 # the bytes table (docs/benchmarks)
-    .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \\
+    .venv/bin/python -m benchmarks grpcoll                 # the bytes table (docs/benchmarks)
+    .venv/bin/python -m benchmarks grpcoll --json out.json # also JSON rows (git SHA, machine)
+    torchrun --standalone --nproc-per-node 2 -m benchmarks grpcoll --gpu-bandwidth \\
         --sizes-mb 8,64,512 [--json out.json]
 """
 

@@ -10,10 +10,10 @@
    measured once per mask and size); ``--simulate-explicit`` also runs the ranks on it, and the table then
    gives ``auto`` over the fastest explicit backend.
 
-    python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python -m benchmarks.magi_attention_bench --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
+    python -m benchmarks sim [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python -m benchmarks sim --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
         --kernel-backend auto --single-backend fa4 --degree 0 --no-cp1 --scaling   # a row per dispatch
-    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
+    python -m benchmarks sim --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
         --degree 0 --no-single --no-cp1
 """
 

@@ -7,8 +7,8 @@ and with `get_gpt_layer_local_spec()` (Megatron's `DotProductAttention` with the
 training) run on every document alone, the loss the token mean over the pack. Megatron's own parallel sizes stay 1. Transformer Engine is not needed
 (and its specs are not exercised here).
 
-    python -m benchmarks.integration_runs.megatron_run                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks.integration_runs.megatron_run --device cpu   # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks megatron                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks megatron --device cpu   # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
