@@ -2,27 +2,25 @@
 throughput and per-call cost (a least-squares line over FULL masks of growing key length), the per-stage
 merge costs (at the measured copy bandwidth) and, with two or more ranks, the all-to-all bandwidth.
 
-``torchrun --standalone --nproc-per-node {1,2} -m benchmarks.calibrate_overlap --out DIR`` writes
+``torchrun --standalone --nproc-per-node {1,2} -m benchmarks calibrate --out DIR`` writes
 ``DIR/<gpu>_<backend>.json`` (``CostProfile.to_dict``; ``OverlapConfig(cost_profile=path)`` loads one).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import triton.testing
 
+from benchmarks.cli import add_common, heads, ints, names, write_results
 from benchmarks.common import events_loop_ms, no_multicast
-from magi_attention._runtime.kernels import attn_kernel
 from magi_attention.config import KernelBackend
+from magi_attention.simulate import kernel_launchers
 from magi_solver import CostProfile, get_profile, gpu_kind
 
 no_multicast()
@@ -39,7 +37,7 @@ def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
 
 
 def kernel_fit(backend: KernelBackend, tq: int, key_lens: list[int], hq: int, hkv: int, d: int, dev) -> dict:
-    kern = attn_kernel(backend)
+    kern = kernel_launchers(backend)
     q = torch.randn(tq, hq, d, device=dev, dtype=torch.bfloat16)
     do = torch.randn_like(q)
     areas, fwd_s, bwd_s = [], [], []
@@ -108,28 +106,25 @@ def comm_fit(dev, hkv: int, d: int) -> tuple[float, float] | None:
     return 1.0 / s_per_byte / 1e9, lat
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
+    add_common(ap, heads="64:8", head_dim=128, out_dir=None)
     ap.add_argument("--backends", default="fa4,triton")
-    ap.add_argument("--heads", default="64:8")
-    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--q-tokens", type=int, default=8192)
     ap.add_argument("--key-lens", default="1024,4096,16384")
-    ap.add_argument("--out", default=None, help="directory for the JSON profiles")
-    a = ap.parse_args()
+
+
+def main(a) -> int:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     dev = torch.device("cuda", torch.cuda.current_device())
-    hq, hkv = (int(x) for x in a.heads.split(":"))
+    hq, hkv = heads(a.heads)
     kind = gpu_kind(torch.cuda.get_device_name(dev))
     mem = copy_gbps(dev)
     comm = comm_fit(dev, hkv, a.head_dim)
     profiles = {}
-    for name in a.backends.split(","):
+    for name in names(a.backends):
         backend = KernelBackend(name)
-        fit = kernel_fit(
-            backend, a.q_tokens, [int(x) for x in a.key_lens.split(",")], hq, hkv, a.head_dim, dev
-        )
+        fit = kernel_fit(backend, a.q_tokens, ints(a.key_lens), hq, hkv, a.head_dim, dev)
         shipped = get_profile(kind, backend.value)
         profile = CostProfile(
             name=f"{kind}/{backend.value}",
@@ -145,13 +140,9 @@ def main() -> int:
         )
         profiles[profile.name] = {"profile": profile.to_dict(), "fit": fit}
     if dist.get_rank() == 0:
-        if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            for pname, p in profiles.items():
-                (Path(a.out) / (pname.replace("/", "_") + ".json")).write_text(
-                    json.dumps(p["profile"], indent=1)
-                )
-            (Path(a.out) / "calibration_fit.json").write_text(json.dumps(profiles, indent=1))
+        for pname, p in profiles.items():
+            write_results(a.out_dir, pname.replace("/", "_"), p["profile"])
+        write_results(a.out_dir, "calibration_fit", profiles)
         for pname, p in profiles.items():
             f = p["fit"]
             print(
@@ -163,7 +154,3 @@ def main() -> int:
             print(json.dumps(p["profile"]))
     dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -416,39 +416,20 @@ def events_median_ms(fn: Callable[[], object], n: int, warmup: int = 0) -> float
 
 
 def environment() -> dict:
-    """The header of a kernel result file: date, GPU, torch, triton, commit."""
+    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import triton
 
-    return dict(
-        date=datetime.date.today().isoformat(),
-        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        git=git_sha(),
-    )
-
-
-def auto_kernel(q_ranges, k_ranges, types, rows, kv_layout, head_dim: int):
-    """The launchers ``kernel_backend="auto"`` picks for a plan on this GPU, by the runtime's rule (every
-    backend this process can run is a candidate; the backward's backend may differ): ``(attn_kernel,
-    choice)``. ``rows``: each rank's global query ids; ``kv_layout``: the plan's (None: keys dispatched as the
-    queries are)."""
-    from magi_attention._runtime.auto_kernel import choose_auto
-    from magi_attention._runtime.kernels import attn_kernel, probe_local, resolve
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
-
-    keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
-    choice = choose_auto(resolve("auto", head_dim, [probe_local()]), head_dim,
-                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
-    return attn_kernel(choice.backend, choice.backward), choice
-
-
-def kernel_slices(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor):
-    """One kernel call's slices as the runtime hands them to the launchers (``KernelSlices``: int32 host
-    tables, checked on first use and never again), for ``AttnKernel.fwd_slices`` / ``bwd_slices``."""
-    from magi_attention._runtime.cache import KernelSlices
-
-    return KernelSlices(q_ranges, k_ranges, types, int(types.shape[0]))
+    versions = []
+    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            versions.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return dict(date=datetime.date.today().isoformat(),
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
 
 
 def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
@@ -456,10 +437,10 @@ def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
     degree 0 one merged call, else the host call and one per remote stage) on stand-in keys: ``k`` / ``v`` the
     rank's shard, ``rk`` / ``rv`` one buffer shared by every rank whose leading rows stand in for the received
     keys, and at degree 0 for the merged call's own and received keys (at least shard + received rows: no
-    copy per rank). Each call ``(slices, k, v)``, ``slices`` a ``KernelSlices`` (`kernel_slices`) for the
+    copy per rank). Each call ``(slices, k, v)``, ``slices`` from ``magi_attention.simulate.checked_slices`` for the
     launchers' runtime entry (``AttnKernel.fwd_slices``: slice values checked once, as the runtime does, not
     per call); calls without slices left out."""
-    from magi_attention.simulate import call_slices, kernel_ranges
+    from magi_attention.simulate import call_slices, checked_slices, kernel_ranges
 
     if overlap_degree == 0:
         n = k.shape[0] + rank_plan.num_remote_tokens
@@ -468,7 +449,7 @@ def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
         keys = [(k, v)] + [(rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages]
     slices = call_slices(rank_plan, merged=overlap_degree == 0)
     return [
-        (kernel_slices(*kernel_ranges(sl)), kk, vv)
+        (checked_slices(*kernel_ranges(sl)), kk, vv)
         for sl, (kk, vv) in zip(slices, keys, strict=True)
         if len(sl.types)
     ]

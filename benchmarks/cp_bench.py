@@ -2,8 +2,8 @@
 entry) against the same-kernel baselines (baselines/same_kernel.py) and what a user would pick today
 (baselines/user.py), on the same inputs; a system that cannot run a case gets a "skipped: <reason>" row.
 
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --tokens-per-gpu 16384 --out /tmp/cp_bench
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.cp_bench --device cpu --tokens-per-gpu 64 \\
+    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --tokens-per-gpu 16384 --out /tmp/cp_bench
+    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --device cpu --tokens-per-gpu 64 \\
         --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
 
 Per case: one checked step (rel diff against the first magi row), ``--warmup`` more, ``--iters`` timed (the
@@ -18,7 +18,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -31,10 +30,18 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
+from benchmarks.cli import usage_error
 from benchmarks.common import mask_area
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
-from magi_attention._runtime import cache as magi_runtime
-from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
+from magi_attention.api import (
+    calc_attn,
+    clear_cache,
+    dispatch,
+    get_dispatch_choice,
+    get_kernel_backend,
+    magi_attn_flex_key,
+    undispatch,
+)  # fmt: skip
 from magi_attention.env import native_grpcoll
 
 
@@ -245,24 +252,9 @@ def _grpcoll_label(cfg: BenchConfig) -> str:
     return "native" if native_grpcoll() else "a2av"
 
 
-def _magi_runtime(key):
-    """The key's runtime on this rank (None if this magi_attention does not expose its runtime cache)."""
-    cache = getattr(magi_runtime, "RUNTIME_CACHE", None)
-    try:
-        return None if cache is None else cache.get(key)
-    except Exception:  # a private API: never let it break the benchmark
-        return None
-
-
-def _magi_backend(key, dtype: torch.dtype, head_dim: int) -> str | None:
-    """The kernel backend the runtime resolved for this key and dtype (None if it does not say)."""
-    choice = getattr(_magi_runtime(key), "kernel_choice", None)
-    try:
-        backend = choice.backend_for(dtype, head_dim) if hasattr(choice, "backend_for") else None
-    except Exception:  # a private API: never let it break the benchmark
-        backend = None
-    backend = backend or getattr(choice, "backend", None)
-    return None if backend is None else str(getattr(backend, "value", backend))
+def _magi_backend(key, dtype: torch.dtype) -> str:
+    """The kernel backend the runtime resolved for this key and dtype (`get_kernel_backend`)."""
+    return str(get_kernel_backend(key, dtype)[0])
 
 
 def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
@@ -274,7 +266,7 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
     def step() -> torch.Tensor:
         return calc_attn(*inputs, key)[0]
 
-    backend = _magi_backend(key, q.dtype, d) or kernel_backend
+    backend = _magi_backend(key, q.dtype)
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
     return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
 
@@ -388,8 +380,7 @@ def run_case(
                     rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
                 )
             del out_g, dq_g
-            plan = getattr(_magi_runtime(case.key), "plan", None)
-            row["degree_used"] = getattr(plan, "overlap_degree", None)
+            row["degree_used"] = get_dispatch_choice(case.key).overlap_degree
         elif ref:
             idx = case.token_index
             if (
@@ -555,8 +546,7 @@ def _parse_degrees(text: str) -> tuple[int | str, ...]:
     return tuple(out)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tokens-per-gpu", default="8192,16384", help="comma-separated")
     ap.add_argument("--masks", default=",".join(MASKS))
@@ -600,26 +590,36 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         "--tokens-per-gpu)",
     )
     ap.add_argument("--out", default=None, help="path prefix: writes <out>.json and <out>.md")
-    a = ap.parse_args(argv)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
+    """``(config, --out)`` of a command line (``python -m benchmarks cp``'s arguments)."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    return config(ap.parse_args(argv))
+
+
+def config(a) -> tuple[BenchConfig, str | None]:
+    """``(config, --out)`` of parsed arguments; a bad value exits with status 2 (`usage_error`)."""
     try:
         hq, hkv = (int(x) for x in a.heads.split(":"))
         systems = tuple(System(s) for s in a.systems.split(","))
     except ValueError as exc:
-        ap.error(f"--heads must be Q:KV ints and --systems from {[s.value for s in System]}: {exc}")
+        usage_error(f"--heads must be Q:KV ints and --systems from {[s.value for s in System]}: {exc}")
     masks = tuple(a.masks.split(","))
     if bad := [m for m in masks if m not in MASKS]:
-        ap.error(f"--masks: unknown {bad}, choose from {MASKS}")
+        usage_error(f"--masks: unknown {bad}, choose from {MASKS}")
     if a.degrees is not None and a.degree is not None:
-        ap.error("give --degrees or its alias --degree, not both")
+        usage_error("give --degrees or its alias --degree, not both")
     try:
         degrees = _parse_degrees(a.degrees or a.degree or DYNAMIC)
     except ValueError as exc:
-        ap.error(f"--degrees: {exc}")
+        usage_error(f"--degrees: {exc}")
     backends = tuple(b.strip() for b in a.kernel_backend.split(","))
     if bad := [b for b in backends if b not in KERNEL_BACKENDS]:
-        ap.error(f"--kernel-backend: unknown {bad}, choose from {KERNEL_BACKENDS}")
+        usage_error(f"--kernel-backend: unknown {bad}, choose from {KERNEL_BACKENDS}")
     if a.block_size <= 0:
-        ap.error(f"--block-size must be a positive int, got {a.block_size}")
+        usage_error(f"--block-size must be a positive int, got {a.block_size}")
     parsed = dict(tokens_per_gpu=tuple(int(x) for x in a.tokens_per_gpu.split(",")), masks=masks, systems=systems,
                   heads_q=hq, heads_kv=hkv, degrees=degrees, kernel_backends=backends)  # fmt: skip
     # every other field is the option of the same name
@@ -679,8 +679,9 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg, out = parse_args(argv)
+def main(args) -> int:
+    """``python -m benchmarks cp``: the process group (torchrun's environment) joined if not yet, then `run`."""
+    cfg, out = config(args)
     common.no_multicast()
     own_group = not dist.is_initialized()
     if own_group:  # torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
@@ -694,7 +695,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if own_group:
             dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,24 +10,23 @@
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
 #           layer-step (a 32-layer attention-only step: kernel API and calc_attn beside FA4's and cuDNN's own
 #           calls, same mask and a new mask every step; LAYER_SEQLENS, default 8192,32768)
-#           dq-order (cuDNN's deterministic backward: its dQ write order against the one magi_ffa_cudnn writes)
 #           fa4-versions (magi_ffa_fa4 and FA4 native on flash-attn-4 4.0.0b36, installed, against 4.0.0b40,
-#           carried as a wheel in .fa4/b40: 3 interleaved rounds of kernel_backends_bench per release at 8k and
-#           32k on packed documents / causal / window, the table of benchmarks/fa4_versions.py, then the
+#           carried as a wheel in .fa4/b40: 3 interleaved rounds of the kernels case per release at 8k and
+#           32k on packed documents / causal / window, the table of the fa4-versions case, then the
 #           package's GPU tests on 4.0.0b40 unless FA4_VERSIONS_TESTS=0; prepare here: pip download --no-deps
 #           -d .fa4/b40 flash-attn-4==4.0.0b40), fa4-b40-tests (those tests alone, for a second call)
 # Runtime:  mask-loop (a new mask every step), mask-loop-profile (the slow steps' torch.profiler tables;
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm;
 #           the breakdown of a fresh process from launch for auto, fa4, cudnn)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
-#           TOKENS, SCALING_MASKS, SINGLE, DISPATCH_ALGS override), rank-ncu (Nsight Compute of the busiest
-#           cp 8 rank's backward against the whole mask's; NCU_MASKS, NCU_BACKEND), det-ncu (the same of the whole mask's
-#           deterministic backward against the default one; TOKENS, default 32k)
-#           cp (cp_bench over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
+#           TOKENS, SCALING_MASKS, SINGLE, DISPATCH_ALGS override)
+#           cp (the cp case over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
 #           calibrate (the overlap cost model's profile per kernel backend, on every GPU, to $OUT/calibration)
 # Models:   hf | hf-deterministic | fsdp | megatron | torchtitan (benchmarks/integration_runs, bf16, world 1)
+# Every phase runs `python -m benchmarks <case>` (python -m benchmarks lists them); the probes of one
+# investigation (rank-ncu, det-ncu, dq-order) are kept at git tag benchmark-probes-2026-12-03.
 # Results go to $OUT (each phase its files), every command's output to $OUT/device.log; the integration runs'
 # reports close a call that ran one, as a table. Exits 1 if a phase failed.
 set -uo pipefail
@@ -83,21 +82,16 @@ phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest deci
 phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
 
 phase_kernels() {
-  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --seqlens "${SEQLENS:-8192,32768}" --d "${HEAD_DIMS:-128}" \
+  run "${BENCH_S:-560}" python3 -m benchmarks kernels --seqlens "${SEQLENS:-8192,32768}" --head-dims "${HEAD_DIMS:-128}" \
     --masks "${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}" --rep "${REP:-25}" \
     ${KERNELS:+--kernels "$KERNELS"} --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
 }
 phase_layer-step() {
-  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --layer-step --seqlens "${LAYER_SEQLENS:-8192,32768}" \
+  run "${BENCH_S:-560}" python3 -m benchmarks layer-step --seqlens "${LAYER_SEQLENS:-8192,32768}" \
     --out-dir "$OUT" --tag "${TAG:-layer_step}"
 }
 phase_kernels-det() {
-  run "${BENCH_S:-560}" python3 -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
-}
-
-phase_dq-order() {
-  run "${BENCH_S:-400}" python3 -m benchmarks.cudnn_dq_order_bench --seqlens "${SEQLENS:-32768}" --sim-cp 8 \
-    --json "$OUT/dq_order.json"
+  run "${BENCH_S:-560}" python3 -m benchmarks kernels --deterministic --sim-cp 8 --repeats 3 --out-dir "$OUT" --tag det
 }
 
 FA4_B40=/tmp/fa4_b40  # flash-attn-4 4.0.0b40 (pure Python): its own --target folder, first on PYTHONPATH
@@ -116,12 +110,12 @@ print('$v:', f.installed(), flash_attn.cute.__file__)"
   done
   for r in 1 2 3; do
     for v in b36 b40; do
-      run "${BENCH_S:-500}" env PYTHONPATH="${path[$v]}" python3 -m benchmarks.kernel_backends_bench \
+      run "${BENCH_S:-500}" env PYTHONPATH="${path[$v]}" python3 -m benchmarks kernels \
         --seqlens 8192,32768 --masks varlen_causal,causal,swa_causal_w2048 --kernels ffa_fa4,fa4 \
         --repeats "${REPEATS:-3}" --out-dir "$dir" --tag "${v}_r$r"
     done
   done
-  run 60 python3 -m benchmarks.fa4_versions "$dir"
+  run 60 python3 -m benchmarks fa4-versions "$dir"
   [ "${FA4_VERSIONS_TESTS:-1}" = 0 ] || phase_fa4-b40-tests
 }
 phase_fa4-b40-tests() {
@@ -131,44 +125,25 @@ phase_fa4-b40-tests() {
 }
 
 phase_mask-loop() {  # the seven kinds in turn, then a training loop's packs (one kind, the same area)
-  run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --out "$OUT"
+  run "${BENCH_S:-500}" python3 -m benchmarks mask-loop --out-dir "$OUT"
   local kind
   for kind in docs_causal random; do
-    run "${BENCH_S:-500}" python3 -m benchmarks.mask_loop_bench --kinds "$kind" --same-area --literal \
-      --out "$OUT/same_area_$kind"
+    run "${BENCH_S:-500}" python3 -m benchmarks mask-loop --kinds "$kind" --same-area --literal \
+      --out-dir "$OUT/same_area_$kind"
   done
 }
 phase_mask-loop-profile() {  # the steps that miss 1.5x the median, profiled (FA4 at simulated cp 8 by default)
-  run "${BENCH_S:-400}" python3 -m benchmarks.mask_loop_bench --backends "${LOOP_BACKENDS:-fa4}" --cps "${LOOP_CPS:-8}" \
-    --kinds docs_causal --same-area --literal --profile "$OUT/mask_loop_profile.txt" --out "$OUT/mask_loop_profile"
+  run "${BENCH_S:-400}" python3 -m benchmarks mask-loop --backends "${LOOP_BACKENDS:-fa4}" --cps "${LOOP_CPS:-8}" \
+    --kinds docs_causal --same-area --literal --profile "$OUT/mask_loop_profile.txt" --out-dir "$OUT/mask_loop_profile"
 }
-phase_rank-ncu() {  # Nsight Compute of the busiest cp 8 rank's backward against the whole mask's (NCU_MASKS)
-  run "${BENCH_S:-400}" ncu --clock-control none --profile-from-start off --nvtx --target-processes all \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis -f -o "$OUT/rank_ncu" \
-    python3 -m benchmarks.rank_problem_probes ncu-target --backends "${NCU_BACKEND:-cudnn}" \
-    --masks "${NCU_MASKS:-varlen_causal}"
-  ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page details > "$OUT/rank_ncu.csv" 2>>"$LOG"
-  ncu --import "$OUT/rank_ncu.ncu-rep" --csv --page raw > "$OUT/rank_ncu_raw.csv" 2>>"$LOG"
-  run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/rank_ncu_raw.csv" \
-    --json "$OUT/rank_ncu_summary.json"
-}
-phase_det-ncu() {  # Nsight Compute of the deterministic backward against the default one (the whole mask, cuDNN)
-  run "${BENCH_S:-400}" ncu --clock-control none --profile-from-start off --target-processes all \
-    --kernel-name regex:bwd --section SpeedOfLight --section WarpStateStats --section LaunchStats \
-    --section Occupancy -f -o "$OUT/det_ncu" python3 -m benchmarks.rank_problem_probes det-ncu-target \
-    --backends "${NCU_BACKEND:-cudnn}" --masks "${NCU_MASKS:-varlen_causal}" --tokens "${TOKENS:-32768}"
-  ncu --import "$OUT/det_ncu.ncu-rep" --csv --page raw > "$OUT/det_ncu_raw.csv" 2>>"$LOG"
-  run 60 python3 -m benchmarks.rank_problem_probes ncu-summary --csv "$OUT/det_ncu_raw.csv" --json "$OUT/det_ncu.json"
-}
-phase_first-step() { run "${BENCH_S:-590}" python3 -m benchmarks.first_step --out "$OUT"; }
+phase_first-step() { run "${BENCH_S:-590}" python3 -m benchmarks first-step --out-dir "$OUT"; }
 phase_sim() {
-  run "${BENCH_S:-560}" python3 -m benchmarks.magi_attention_bench --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
+  run "${BENCH_S:-560}" python3 -m benchmarks sim --kernel-backend "${SIM_BACKENDS:-auto,fa4,cudnn}" \
     --simulate-explicit --tokens-per-gpu 8192 --cps "${SIM_CPS:-8,32}" --masks "${SIM_MASKS:-varlen_causal,varlen_full}" \
     --degree 0 --no-single --no-cp1 --json "$OUT/sim.json"
 }
 phase_scaling() {
-  run "${BENCH_S:-590}" python3 -m benchmarks.magi_attention_bench --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
+  run "${BENCH_S:-590}" python3 -m benchmarks sim --tokens-per-gpu "${TOKENS:-8192}" --cps 8,16,32,64 \
     --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend auto \
     --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json" \
     --dispatch-algs "${DISPATCH_ALGS:-default}" \
@@ -177,12 +152,12 @@ phase_scaling() {
 phase_cp() {
   local extra=()
   read -r -a extra <<< "${CP_ARGS:-}"
-  run "${BENCH_S:-560}" torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.cp_bench \
+  run "${BENCH_S:-560}" torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks cp \
     --tokens-per-gpu 16384 --heads 64:8 --iters 10 --warmup 3 --out "$OUT/cp_bench" "${extra[@]}"
 }
 phase_grpcoll() {
   [ "$NGPU" -ge 2 ] || { say "grpcoll needs 2+ GPUs; skipped"; return; }
-  run 240 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.group_collective_bench --gpu-bandwidth \
+  run 240 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks grpcoll --gpu-bandwidth \
     --sizes-mb 8,64,512 --json "$OUT/bandwidth.json"
 }
 
@@ -190,21 +165,21 @@ phase_checks-overhead() {
   local n
   for n in 2 1; do
     [ "$NGPU" -ge "$n" ] || continue
-    run 400 torchrun --standalone --nproc-per-node "$n" -m benchmarks.failure_checks_overhead --agreement \
+    run 400 torchrun --standalone --nproc-per-node "$n" -m benchmarks checks-overhead --agreement \
       --heads 32 --dtype bf16 --iters 20 --rounds 5
   done
 }
 
 phase_calibrate() {
-  run 300 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks.calibrate_overlap --out "$OUT/calibration"
+  run 300 torchrun --standalone --nproc-per-node "$NGPU" -m benchmarks calibrate --out-dir "$OUT/calibration"
 }
 
-integration() { run "${PHASE_S:-150}" python3 -m "benchmarks.integration_runs.$1"; INTEGRATIONS=1; }
-phase_hf() { integration hf_run; }
-phase_hf-deterministic() { CUBLAS_WORKSPACE_CONFIG=:4096:8 integration hf_deterministic_run; }
-phase_fsdp() { integration fsdp_run; }
-phase_megatron() { integration megatron_run; }
-phase_torchtitan() { integration torchtitan_run; }
+integration() { run "${PHASE_S:-150}" python3 -m benchmarks "$1"; INTEGRATIONS=1; }
+phase_hf() { integration hf; }
+phase_hf-deterministic() { CUBLAS_WORKSPACE_CONFIG=:4096:8 integration hf-deterministic; }
+phase_fsdp() { integration fsdp; }
+phase_megatron() { integration megatron; }
+phase_torchtitan() { integration torchtitan; }
 integration_table() {
   python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import json, sys

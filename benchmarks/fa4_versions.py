@@ -6,16 +6,17 @@ and writes (``fa4_versions.md`` / ``.json`` there) a cell per kernel, mask and s
 rounds of each release's forward / backward milliseconds, and b40 / b36 as a speed ratio (TFLOP/s, > 1:
 faster on 4.0.0b40).
 
-    python -m benchmarks.fa4_versions OUT_DIR/fa4_versions [--old b36 --new b40]
+    python -m benchmarks fa4-versions OUT_DIR/fa4_versions [--old b36 --new b40]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
 from pathlib import Path
+
+from benchmarks.cli import write_results
 
 
 def collect(folder: Path, release: str) -> tuple[dict[tuple, list[tuple[float, float]]], str]:
@@ -73,18 +74,16 @@ def render(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", type=Path, help="the folder of <release>_r<round>.json runs")
+def add_arguments(ap) -> None:
+    ap.add_argument(
+        "folder", type=Path, help="the folder of <release>_r<round>.json runs (the table goes there)"
+    )
     ap.add_argument("--old", default="b36", help="the release tag to compare against (default b36)")
     ap.add_argument("--new", default="b40", help="the release tag compared (default b40)")
-    args = ap.parse_args()
+
+
+def main(args) -> None:
     table = compare(args.folder, args.old, args.new)
     text = render(table)
-    (args.folder / "fa4_versions.json").write_text(json.dumps(table, indent=1) + "\n")
-    (args.folder / "fa4_versions.md").write_text(text)
+    write_results(args.folder, "fa4_versions", table, text)
     print(text)
-
-
-if __name__ == "__main__":
-    main()

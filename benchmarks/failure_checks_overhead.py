@@ -2,9 +2,9 @@
 fingerprint all-gather, the table check at plan construction, calc_attn's extra local checks, and
 (``--agreement``) the status agreement of every collective call, alone and in a calc_attn step.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead                  # CPU, gloo, world 2
-    OMP_NUM_THREADS=1 python -m benchmarks.failure_checks_overhead --agreement
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.failure_checks_overhead --agreement \
+    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead                  # CPU, gloo, world 2
+    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead --agreement
+    torchrun --standalone --nproc-per-node 2 -m benchmarks checks-overhead --agreement \
         --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
 
 Prints one table on rank 0.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 import magi_attention._runtime.checks._key_agreement as fp
 import magi_attention.api as api
+from benchmarks.cli import add_common
 from benchmarks.common import host_median_ms, sync
 from magi_attention import config as cfg
 from magi_attention._runtime.cache import RUNTIME_CACHE
@@ -213,17 +213,13 @@ def _print_agreement(rows: list[dict]) -> None:
               + ", ".join(f"rank {i}: {w:.3f} / {wo:.3f}" for i, (w, wo) in enumerate(b2b)))  # fmt: skip
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
+    add_common(p, tokens=TOTAL, head_dim=128, dtype="fp64")
     p.add_argument("--agreement", action="store_true", help="measure the per-call status agreement")
-    p.add_argument("--tokens", type=int, default=TOTAL)
     p.add_argument("--heads", type=int, default=1, help="heads (q = kv); the CPU torch kernel is slow")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp64")
     p.add_argument("--iters", type=int, default=1, help="timed steps per round (GPU: e.g. 20)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds with / without the agreement")
     p.add_argument("--agree-iters", type=int, default=500, help="agreements timed alone")
-    return p.parse_args(argv)
 
 
 def _torchrun_main(args: argparse.Namespace) -> None:
@@ -241,13 +237,12 @@ def _torchrun_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__" and "--agreement" in sys.argv:
-    _args = _parse(sys.argv[1:])
-    if "RANK" in os.environ:
-        _torchrun_main(_args)
-    else:
-        _print_agreement(run_distributed(_agreement_worker, 2, _args, timeout=3600))
-elif __name__ == "__main__":
+def main(args) -> None:
+    """Under torchrun: the agreement on the launched ranks; else 2 gloo ranks started here."""
+    if args.agreement and "RANK" in os.environ:
+        return _torchrun_main(args)
+    if args.agreement:
+        return _print_agreement(run_distributed(_agreement_worker, 2, args, timeout=3600))
     results = run_distributed(_worker, 2, timeout=600)
     for r, res in enumerate(results):
         print(

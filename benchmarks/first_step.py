@@ -15,10 +15,10 @@ them; ``ours_s`` is our imports + the first key + the first forward and backward
 ``MAGI_ATTENTION_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` below it) on a fresh directory: ``cp1`` cold, ``cp1``
 warm, ``cp1_warmup`` (``magi_attention.warmup(key)`` first), then ``sim8`` / ``sim8_warmup`` (the simulated
 cp 8 loop) on a second fresh directory. The cache's size is recorded after each run;
-results in ``first_step.json`` under ``--out`` (default ``$OUT``, else ``benchmarks/results/``).
+results in ``first_step.json`` under ``--out-dir`` (default ``benchmarks/results/``).
 
-    python -m benchmarks.first_step --out $OUT     # on one GPU, about 2-4 minutes
-    python -m benchmarks.first_step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
+    python -m benchmarks first-step --out-dir $OUT     # on one GPU, about 2-4 minutes
+    python -m benchmarks first-step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 # no torch at module level: the breakdown's child times `import torch` itself (benchmarks.common imports it)
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.cli import ROOT, add_common, usage_error, write_results
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
@@ -118,11 +117,8 @@ def child_sim8(warm: bool) -> dict:
     import numpy as np
     import torch
 
-    from magi_attention._runtime.auto_kernel import choose_auto
-    from magi_attention._runtime.kernels import probe_local, resolve
-    from magi_attention.simulate import simulate_dist_attn
+    from magi_attention.simulate import auto_launchers, simulate_dist_attn
     from magi_solver import PlanOptions, plan_attention
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
     _start()
     m = _mask()
@@ -133,16 +129,14 @@ def child_sim8(warm: bool) -> dict:
     options = PlanOptions(overlap_degree=2, min_chunk_size=min(256, chunk))
     plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
-    keys = kernel_key_ids(rows, plan.kv_layout)
-    choice = choose_auto(resolve("auto", d, [probe_local()]), d,
-                         lambda: busiest_rank_features(qr, kr, types, rows, rank_keys=keys))  # fmt: skip
+    kern, reason = auto_launchers(qr, kr, types, rows, plan.kv_layout, d)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
                    for h in (hq, hk, hk, hq))  # fmt: skip
-    out = {"backend": str(choice.backend), "reason": choice.reason}
+    out = {"backend": str(kern.backend), "reason": reason}
     # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
-    return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=choice.backend),
-                        (lambda: simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=choice.backend))
+    return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=kern.backend),
+                        (lambda: simulate_dist_attn(q * 0.5, k, v, do, plan, kernel_backend=kern.backend))
                         if warm else None)  # fmt: skip
 
 
@@ -240,7 +234,7 @@ def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
         env.pop(name, None)  # ours decide: the point is the default
     t0 = time.perf_counter()
     env["MAGI_FIRST_STEP_LAUNCH"] = repr(time.time())
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.first_step", "--child", kind, *shape], env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "first-step", "--child", kind, *shape], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -250,15 +244,11 @@ def run_child(kind: str, cache: str, timeout: int, shape: list[str]) -> dict:
     return result
 
 
-def main() -> None:
-    global TOKENS, HEADS, DEVICE
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser) -> None:
+    add_common(parser, tokens=TOKENS, out_dir=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"),
-                        help="folder of first_step.json (default $OUT, else benchmarks/results)")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=300, help="seconds per child process")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (fp32)")
-    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"mask length (default {TOKENS})")
     parser.add_argument("--heads", default=",".join(map(str, HEADS)), help="heads_q,heads_kv,head_dim")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"runs in order (default {','.join(RUNS)}; "
                         "'' for none)")  # fmt: skip
@@ -269,15 +259,18 @@ def main() -> None:
         default="cudnn.flex_attention",
         help="module whose import after torch's is timed in a fresh process ('' for none)",
     )
-    args = parser.parse_args()
+
+
+def main(args) -> None:
+    global TOKENS, HEADS, DEVICE
     TOKENS, DEVICE = args.tokens, args.device
     HEADS = tuple(int(x) for x in args.heads.split(","))
     if len(HEADS) != 3 or TOKENS % 128:
-        parser.error("--heads needs three integers and --tokens a multiple of 128")
+        usage_error("--heads needs three integers and --tokens a multiple of 128")
     shape = ["--device", DEVICE, "--tokens", str(TOKENS), "--heads", args.heads]
     runs = [r for r in args.runs.split(",") if r]
     if any(r not in RUNS for r in runs):
-        parser.error(f"--runs takes names among {sorted(set(RUNS))}")
+        usage_error(f"--runs takes names among {sorted(set(RUNS))}")
     breakdown = [b for b in args.breakdown.split(",") if b]
     if args.child:
         kind, _, arg = args.child.partition(":")
@@ -309,9 +302,7 @@ def main() -> None:
         "runs": runs_out,
         **breakdown_out,
     }
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / "first_step.json"
-    path.write_text(json.dumps(doc, indent=1))
+    path = write_results(args.out_dir, "first_step", doc)
     print(
         f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
     )
@@ -382,7 +373,3 @@ def _print_breakdown(doc: dict) -> None:
     for r in doc["imports"]:
         t = f"{r['launch_to_imported_s']:.2f} s" if "error" not in r else "error"
         print(f"fresh process, launch to `import {r['modules'].replace(',', '` + `import ')}`: {t}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Fit the kernel law (`magi_solver.kernel_law`) to per-rank times of scaling runs and write the law file.
 
-    python -m benchmarks.fit_kernel_law benchmarks/results/<scaling>.json [...] \
+    python -m benchmarks fit-law benchmarks/results/<scaling>.json [...] \
         --out packages/solver/src/magi_solver/kernel_tables/h200_law.json
 
-Input: JSON files of `python -m benchmarks.magi_attention_bench --scaling --json FILE` (their "sim" records,
+Input: JSON files of `python -m benchmarks sim --scaling --json FILE` (their "sim" records,
 one per mask and cp, each with per-rank times). A rank's counts are read from its record (`tiles`,
 `key_columns`, `rows`) or, in files written before those fields, derived the way the law defines them:
 tiles = area / 128^2, key columns = (own + received keys) / 128 (received = the stage bytes over the bytes of
@@ -20,7 +20,6 @@ seeded from the documentation) and reports its error on the data instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -89,13 +88,14 @@ def fit(recs: list[dict], direction: str) -> dict[str, float]:
         terms.pop(int(np.argmin(sol)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("files", nargs="+", help="scaling JSON files")
     ap.add_argument("--out", required=True, help="law file to write (kernel_tables/<gpu>_law.json)")
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--keep", action="append", default=[], help="DIRECTION/BACKEND entry of --out to keep")
-    args = ap.parse_args(argv)
+
+
+def main(args) -> int:
     recs = rank_records(args.files)
     if not recs:
         print("no fully timed ranks in the files", file=sys.stderr)
@@ -142,7 +142,3 @@ def main(argv: list[str] | None = None) -> int:
         f.write("\n")
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,15 +2,14 @@
 all-gather K/V (CPU), and the GroupCast / GroupReduce bandwidth on GPUs (a2av and native beside
 ``all_to_all_single``; GB/s = bytes each rank sends / time of one call, the slowest rank).
 
-    .venv/bin/python -m benchmarks.group_collective_bench                 # the bytes table (docs/benchmarks)
-    .venv/bin/python -m benchmarks.group_collective_bench --json out.json # also JSON rows (git SHA, machine)
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.group_collective_bench --gpu-bandwidth \\
+    .venv/bin/python -m benchmarks grpcoll                 # the bytes table (docs/benchmarks)
+    .venv/bin/python -m benchmarks grpcoll --json out.json # also JSON rows (git SHA, machine)
+    torchrun --standalone --nproc-per-node 2 -m benchmarks grpcoll --gpu-bandwidth \\
         --sizes-mb 8,64,512 [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -242,8 +241,7 @@ def gpu_bandwidth(args) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
     p.add_argument("--total", type=int, default=1 << 20, help="tokens for the bytes table")
     p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--chunk", type=int, default=2048)
@@ -252,7 +250,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write JSON rows here")
     p.add_argument("--gpu-bandwidth", action="store_true", help="under torchrun on GPUs: native vs a2av GB/s")
     p.add_argument("--sizes-mb", default="8,64,512", help="--gpu-bandwidth: MiB each rank sends")
-    args = p.parse_args()
+
+
+def main(args) -> int:
     if args.gpu_bandwidth:
         return gpu_bandwidth(args)
     brows = bytes_rows(args.total, args.cp, args.chunk)
@@ -274,7 +274,3 @@ def main() -> int:
             json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows], "args": vars(args)},
                       f, indent=1)  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,14 +2,10 @@
 medians): magi-ffa-cudnn / -fa4 / Triton, cuDNN's flex_attention, FA4's native calls, FlexAttention and
 ``calc_attn`` at cp = 1 (``auto``, ``calc_*``). A cell is the median over the rounds; TFLOP/s from the area.
 
-    python -m benchmarks.kernel_backends_bench --seqlens 8192,32768 --d 128,256 --out-dir /tmp/kb
-    python -m benchmarks.kernel_backends_bench --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
-    python -m benchmarks.kernel_backends_bench --layer-step --seqlens 8192,32768 --out-dir $OUT --tag layer_step
+    python -m benchmarks kernels --seqlens 8192,32768 --head-dims 128,256 --out-dir /tmp/kb
+    python -m benchmarks kernels --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
 
-``--layer-step``: an attention-only step of 32 layers on packed causal documents, the kernel API and
-``calc_attn`` beside each vendor's own call, same mask every step and a new mask every step
-(``benchmarks/layer_step.py``). Results (``<tag>.json``, ``<tag>.md``) go to ``--out-dir``, by default
-``benchmarks/results/``.
+Results (``<tag>.json``, ``<tag>.md``) go to ``--out-dir``, by default ``benchmarks/results/``.
 
 ``--write-table OUT --sources A.json[:mask+mask],... [--sim-sources fa4=A.json,...] [--base TABLE]`` writes
 the table ``kernel_backend="auto"`` reads from such runs.
@@ -17,23 +13,22 @@ the table ``kernel_backend="auto"`` reads from such runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_common, heads, ints, names, write_results
 from benchmarks.common import (
-    ROOT,
     build_mask,
     calc_attn_runner,
     environment,
     flex_setup,
     kernel_runners,
-    kernel_slices,
     time_fwd_bwd,
 )
+from magi_attention.simulate import kernel_launchers
 
 DEFAULT_KERNELS = (
     "auto,calc_cudnn,calc_fa4,calc_triton,ffa_cudnn,cudnn_flex,cudnn_varlen,ffa_fa4,fa4,flex,ffa"
@@ -74,9 +69,6 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     import os
     from unittest import mock
 
-    from magi_attention._runtime.kernels import attn_kernel
-    from magi_attention.config import KernelBackend
-
     q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -88,7 +80,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
             if name not in kernels:
                 continue
             try:
-                kernel = attn_kernel(KernelBackend(b))
+                kernel = kernel_launchers(b)
             except Exception as e:  # not installed here: reported, not hidden
                 print(f"# {name} unavailable: {e!r}"[:200])
                 continue
@@ -162,16 +154,14 @@ def sim_det_rows(args) -> list[dict]:
     """The busiest rank of a simulated cp ``--sim-cp`` plan (overlap degree 0: its host call and one remote
     call), timed per backend with ``deterministic`` False and True (``launch_<backend>[_det]`` rows, mask
     ``"<mask> cp <cp>"``, S = tokens per GPU), with the rank's features as the runtime computes them."""
-    from magi_attention._runtime.kernels import attn_kernel
-    from magi_attention.config import KernelBackend
-    from magi_attention.simulate import rank_calls, token_index
+    from magi_attention.simulate import checked_slices, rank_calls, token_index
 
     cp = args.sim_cp
-    hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
-    d = int(args.d.split(",")[0])
+    hq, hk = heads(names(args.heads)[0])
+    d = ints(args.head_dims)[0]
     rows = []
-    for mask in filter(None, args.sim_masks.split(",")):
-        for tpg in (int(x) for x in args.sim_tokens_per_gpu.split(",")):
+    for mask in names(args.sim_masks):
+        for tpg in ints(args.sim_tokens_per_gpu):
             total, plan, f = _planned(mask, cp, tpg)
 
             def area(rp) -> int:
@@ -187,10 +177,10 @@ def sim_det_rows(args) -> list[dict]:
             q_index = token_index(rank_plan.host_token_ranges, q.device)
             lq = q[q_index].contiguous()
             ldo = torch.randn_like(lq)
-            calls = [(kernel_slices(*t), kk, vv) for t, kk, vv in rc.calls if t[0].shape[0]]
+            calls = [(checked_slices(*t), kk, vv) for t, kk, vv in rc.calls if t[0].shape[0]]
             for b in DET_BACKENDS:
                 try:
-                    kern = attn_kernel(KernelBackend(b))
+                    kern = kernel_launchers(b)
                 except Exception as e:
                     print(f"# sim {b} unavailable: {e!r}"[:200])
                     continue
@@ -244,11 +234,10 @@ def bench(args) -> list[dict]:
     kernels = set((args.kernels or (DET_KERNELS if args.deterministic else DEFAULT_KERNELS)).split(","))
     flex_tools = flex_setup() if "flex" in kernels else None
     rows = []
-    for d in (int(x) for x in args.d.split(",")):
-        for S in (int(s) for s in args.seqlens.split(",")):
-            for heads in args.heads.split(","):
-                hq, hk = (int(x) for x in heads.split(":"))
-                for name in args.masks.split(","):
+    for d in ints(args.head_dims):
+        for S in ints(args.seqlens):
+            for hq, hk in map(heads, names(args.heads)):
+                for name in names(args.masks):
                     m = build_mask(name, S)
                     flops = 4 * m.area * hq * d
                     if args.deterministic:
@@ -461,38 +450,21 @@ def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -
     return table
 
 
-def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = []
-    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
-        try:
-            out.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            pass
-    return ", ".join(out)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--masks", default="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random")
-    ap.add_argument("--seqlens", default="8192,32768")
-    ap.add_argument("--heads", default="64:8")
-    ap.add_argument("--d", default="128")
+def add_arguments(ap) -> None:
+    add_common(ap, masks="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random", seqlens="8192,32768",
+               heads="64:8", repeats=5, out_dir=None, tag="kernel_backends")  # fmt: skip
+    ap.add_argument("--head-dims", default="128", help="comma-separated head dimensions")
     ap.add_argument(
         "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
     )
     ap.add_argument(
-        "--deterministic", action="store_true",
-        help="time each runtime backend's backward in deterministic mode against its default (see above)",
-    )  # fmt: skip
-    ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
-    ap.add_argument(
-        "--sim-masks", default="varlen_causal,full", help="magi_attention_bench.py masks for --sim-cp"
+        "--deterministic",
+        action="store_true",
+        help="time each runtime backend's backward in deterministic mode against its default",
     )
+    ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
+    ap.add_argument("--sim-masks", default="varlen_causal,full", help="`sim` case masks for --sim-cp")
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
-    ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the cell is their median)")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
@@ -500,72 +472,21 @@ def main() -> None:
         "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
     )
     ap.add_argument(
-        "--sim-sources", default="",
-        help="for --write-table: simulated cp runs, backend=path,... (magi_attention_bench.py --degree 0 JSON)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--layer-step", action="store_true",
-        help="the attention-only step of --layers layers (benchmarks/layer_step.py); runners: --kernels",
-    )  # fmt: skip
-    ap.add_argument("--layers", type=int, default=32, help="--layer-step: layers per step")
-    ap.add_argument("--steps", type=int, default=8, help="--layer-step: timed steps per runner (median)")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="--layer-step: untimed steps first")
-    ap.add_argument("--modes", default="same,new", help="--layer-step: same mask every step, a new one")
-    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--tag", default="kernel_backends")
-    args = ap.parse_args()
+        "--sim-sources",
+        default="",
+        help="for --write-table: simulated cp runs, backend=path,... (`sim` case JSON at --degree 0)",
+    )
+    ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip
+
+
+def main(args) -> None:
     if args.write_table:
         table = write_table(args.write_table, args.sources, args.sim_sources, args.base)
         print(f"{len(table['rows'])} rows for {table['gpu_kind']} -> {args.write_table}")
         return
-    env = environment()
-    env["versions"] = _versions()
-    data = dict(env=env)
-    if args.layer_step:
-        _layer_step_main(args, data)
-        return
-    data["rows"] = bench(args)
+    data = dict(env=environment(), rows=bench(args))
     if args.deterministic and args.sim_cp:
         data["rows"] += sim_det_rows(args)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
     text = render(data)
-    (out / f"{args.tag}.md").write_text(text)
+    write_results(args.out_dir, args.tag, data, text)
     print(text)
-
-
-def _layer_step_main(args, data: dict) -> None:
-    """``--layer-step``: the rows of every ``--seqlens`` size, written as ``<tag>.json`` and ``<tag>.md``."""
-    import os
-
-    from benchmarks import layer_step
-
-    device = os.environ.get("MAGI_BENCH_DEVICE", "cuda")  # "cpu": the torch path at toy sizes (the CPU test)
-    hq, hk = (int(x) for x in args.heads.split(",")[0].split(":"))
-    names = [n for n in (args.kernels or ",".join(layer_step.DEFAULT_RUNNERS)).split(",") if n]
-    rows = []
-    for total in (int(s) for s in args.seqlens.split(",")):
-        rows += layer_step.layer_step(
-            names, total, heads=(hq, hk), head_dim=int(args.d.split(",")[0]), layers=args.layers,
-            steps=args.steps, warmup=args.warmup_steps, modes=[m for m in args.modes.split(",") if m],
-            device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        )  # fmt: skip
-    data["rows"] = rows
-    env = data["env"]
-    text = "\n".join([
-        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, commit {env['git']}"
-        f"{', ' + env['versions'] if env.get('versions') else ''}; `kernel_backends_bench.py --layer-step`, "
-        "runners interleaved, median and spread (max - min) of the timed steps; ratios: speed, the second "
-        "runner's median over the first's.",
-        *layer_step.render(rows),
-    ]) + "\n"  # fmt: skip
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
-    (out / f"{args.tag}.md").write_text(text)
-    print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -6,8 +6,8 @@ two trees (baseline first in odd rounds) so a drift of the machine's load touche
 its slowest rank's; per tree and token count the median and spread of the steps, and the ratio of the medians
 this checkout / baseline.
 
-    python -m benchmarks.key_step_bench                        # 2k and 64k tokens, cp 2, against 1861836
-    python -m benchmarks.key_step_bench --tokens 2048 --steps 5 --rounds 1 --no-baseline --json /tmp/k.json
+    python -m benchmarks key-step                        # 2k and 64k tokens, cp 2, against 1861836
+    python -m benchmarks key-step --tokens 2048 --steps 5 --rounds 1 --no-baseline --json /tmp/k.json
 
 The baseline tree is `git archive <commit> packages` unpacked into a temporary folder (this checkout must be a
 git clone holding that commit); each rank is a fresh interpreter whose PYTHONPATH is that tree's
@@ -255,7 +255,7 @@ def _positive_ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.key_step_bench", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks key-step", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--tokens", type=_positive_ints, default=[2048, 65536], help="total tokens (comma-separated)"

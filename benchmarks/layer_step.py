@@ -1,7 +1,7 @@
 """An attention-only training step of many layers on one mask: what a model pays for attention per step,
 through our kernel API, through ``calc_attn`` and through each vendor's own call.
 
-``python -m benchmarks.kernel_backends_bench --layer-step`` runs it. A step is ``--layers`` (32) layers, each
+``python -m benchmarks layer-step`` runs it. A step is ``--layers`` (32) layers, each
 a new q / k / v (packed ``[tokens, heads, head_dim]``, 64:8 heads, head_dim 128, bfloat16), forward through
 every layer, then one backward through all of them, timed on the host clock with the device synchronized
 before and after. Runners are interleaved (each step starts one runner later), and a runner's cell is the
@@ -30,6 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from benchmarks.cli import add_common, heads, ints, names, write_results
+from benchmarks.common import environment, sync
 
 DEFAULT_RUNNERS = (
     "ffa_fa4",
@@ -154,11 +157,6 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_step(runner: Runner, mask: Mask, layers: Sequence[Sequence[torch.Tensor]], do: torch.Tensor,
              prepared: object = None) -> None:  # fmt: skip
     """One step: the per-mask work (unless ``prepared`` is given), every layer's forward on fresh leaves of
@@ -219,10 +217,10 @@ def layer_step(names: Sequence[str], total: int, *, heads: tuple[int, int] = (64
                 if name in errors:
                     continue
                 try:
-                    _sync(dev)
+                    sync(dev)
                     t0 = time.perf_counter()
                     run_step(runners[name], mask, qkvs, do, prepared.get(name))
-                    _sync(dev)
+                    sync(dev)
                     ms = (time.perf_counter() - t0) * 1e3
                 except Exception as e:  # a runner that fails is reported, the others go on
                     errors[name] = repr(e)[:300]
@@ -277,3 +275,31 @@ def render(rows: list[dict]) -> list[str]:
             lines += ["", "| ratio (speed) | runners | x |", "|---|---|---|"]
             lines += [f"| {kind} | {pair} | {x} |" for kind, pair, x in ratios]
     return lines
+
+
+def add_arguments(ap) -> None:
+    add_common(ap, seqlens="8192,32768", heads="64:8", head_dim=128, out_dir=None, tag="layer_step")
+    ap.add_argument("--runners", default=",".join(DEFAULT_RUNNERS), help="comma-separated runners")
+    ap.add_argument("--layers", type=int, default=32, help="layers per step")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per runner (median)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--modes", default="same,new", help="same mask every step, a new one")
+    ap.add_argument("--device", default="cuda", help="cpu: the torch path at toy sizes (fp32)")
+
+
+def main(args) -> None:
+    """The rows of every ``--seqlens`` size, written as ``<tag>.json`` and ``<tag>.md``."""
+    rows = []
+    for total in ints(args.seqlens):
+        rows += layer_step(names(args.runners), total, heads=heads(args.heads), head_dim=args.head_dim,
+                           layers=args.layers, steps=args.steps, warmup=args.warmup_steps, modes=names(args.modes),
+                           device=args.device, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)  # fmt: skip
+    env = environment()
+    text = "\n".join([
+        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, commit {env['git']}, {env['versions']}; "
+        "`python -m benchmarks layer-step`, runners interleaved, median and spread (max - min) of the timed "
+        "steps; ratios: speed, the second runner's median over the first's.",
+        *render(rows),
+    ]) + "\n"  # fmt: skip
+    write_results(args.out_dir, args.tag, dict(env=env, rows=rows), text)
+    print(text)

@@ -10,23 +10,21 @@
    measured once per mask and size); ``--simulate-explicit`` also runs the ranks on it, and the table then
    gives ``auto`` over the fastest explicit backend.
 
-    python -m benchmarks.magi_attention_bench [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python -m benchmarks.magi_attention_bench --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
+    python -m benchmarks sim [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
+    python -m benchmarks sim --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
         --kernel-backend auto --single-backend fa4 --degree 0 --no-cp1 --scaling   # a row per dispatch
-    python -m benchmarks.magi_attention_bench --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
+    python -m benchmarks sim --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
         --degree 0 --no-single --no-cp1
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import itertools
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -34,11 +32,12 @@ import torch
 import triton
 
 from benchmarks import common
+from benchmarks.cli import usage_error
 from benchmarks.common import SCALING_MASKS, kv_total, make_mask
 from magi_attention import DispatchConfig, DistAttnConfig
-from magi_attention._runtime.kernels import AttnKernel, attn_kernel
 from magi_attention.api import calc_attn, magi_attn_flex_key
 from magi_attention.config import KernelBackend
+from magi_attention.simulate import auto_launchers, checked_slices, kernel_launchers
 from magi_solver import DispatchAlg, PlanOptions, plan_attention
 
 HQ, HKV, D = 64, 8, 128
@@ -117,7 +116,7 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
 def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[float, float]:
     """The backend's throughput on the WHOLE mask in one call (fwd, bwd TFLOP/s): the simulated-cp yardstick."""
     (q, k, v, do), tables = _whole_mask(mask, total)
-    kern, sl = attn_kernel(backend), common.kernel_slices(*tables)  # the runtime's entry, as the ranks'
+    kern, sl = kernel_launchers(backend), checked_slices(*tables)  # the runtime's entry, as the ranks'
     out, lse = kern.fwd_slices(q, k, v, sl)
     t_f = _events_ms(lambda: kern.fwd_slices(q, k, v, sl), warmup=1, iters=3)
     t_b = _events_ms(lambda: kern.bwd_slices(do, q, k, v, out, lse, sl), warmup=1, iters=3)
@@ -139,9 +138,9 @@ def _once_ms(fn) -> tuple[float, object]:
     return start.elapsed_time(end), out
 
 
-def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel) -> tuple[float, float]:
+def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[float, float]:
     """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
-    launchers (`attn_kernel`) through their runtime entry (slices checked once), as the runtime: one call
+    launchers (`magi_attention.simulate.kernel_launchers`) through their runtime entry (slices checked once), as the runtime: one call
     (the merged stage at degree 0) writes out / lse and the gradients itself, with the runtime's K/V
     concatenation before it and the dK/dV it reduces after; more calls: the first writes the accumulator,
     later stages merge, the gradients accumulate in fp32."""
@@ -187,9 +186,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel)
     return t_f, _once_ms(bwd)[0]
 
 
-def _profile_rank(
-    q: torch.Tensor, do: torch.Tensor, calls: list, kern: AttnKernel, path: str, title: str
-) -> None:
+def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern, path: str, title: str) -> None:
     """torch.profiler over three forward + backward steps of one rank: its kernels and host ops by device
     time, appended to ``path`` under ``title`` (one file for every row: the device runner returns few files)."""
     from torch.profiler import ProfilerActivity, profile
@@ -266,8 +263,8 @@ def auto_kernel(mask: str, total: int, plan):
     import numpy as np
 
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(plan.cp_size)]
-    kern, choice = common.auto_kernel(*make_mask(mask, total), rows, plan.kv_layout, D)
-    print(f"# auto on {mask} cp{plan.cp_size}: {choice.backend.value} ({choice.reason})", flush=True)
+    kern, reason = auto_launchers(*make_mask(mask, total), rows, plan.kv_layout, D)
+    print(f"# auto on {mask} cp{plan.cp_size}: {kern.backend} ({reason})", flush=True)
     return kern
 
 
@@ -373,7 +370,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     # one buffer of stand-in keys for every rank (at degree 0 the merged call's own and received keys)
     rk = torch.randn(kv_shard + max_remote, HKV, D, device=dev, dtype=torch.bfloat16)
     rv = torch.randn_like(rk)
-    kern = auto_kernel(mask, total, plan) if backend == KernelBackend.AUTO else attn_kernel(backend)
+    kern = auto_kernel(mask, total, plan) if backend == KernelBackend.AUTO else kernel_launchers(backend)
     resolved = kern.backend.value
     if kern.backward_backend != kern.backend:
         resolved += "/" + kern.backward_backend.value
@@ -458,8 +455,7 @@ def auto_over_fastest(row: dict, rows: list[dict]) -> str:
     return " / ".join(f"{min(o[t] for o in same) / row[t]:.2f}" for t in ("slowest_fwd_ms", "slowest_bwd_ms"))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap) -> None:
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--cps", default="8,16,32,64")
     ap.add_argument(
@@ -503,26 +499,28 @@ def main() -> int:
         help="also print the scaling table: E = T_one_gpu / (cp x T_slowest_rank), remote K/V per rank, the "
         "cost model's predicted step per GPU beside MagiAttention's published H100 curve",
     )
-    args = ap.parse_args()
+
+
+def main(args) -> int:
     masks = [m.strip() for m in args.masks.split(",") if m.strip()]
     if bad := [m for m in masks if m not in SCALING_MASKS]:
-        ap.error(f"--masks: unknown {bad}, choose from {SCALING_MASKS}")
+        usage_error(f"--masks: unknown {bad}, choose from {SCALING_MASKS}")
     algs = [a.strip() for a in args.dispatch_algs.split(",") if a.strip()]
     for a in algs:
         try:
             dispatch_alg(a)
         except ValueError as e:
-            ap.error(f"--dispatch-algs: {a!r}: {e} (or '{DEFAULT_ALG}')")
+            usage_error(f"--dispatch-algs: {a!r}: {e} (or '{DEFAULT_ALG}')")
     names = [b.strip() for b in args.kernel_backend.split(",")]
     singles = [b.strip() for b in args.single_backend.split(",") if b.strip()]
     if bad := [b for b in names + singles if b not in BACKENDS]:
-        ap.error(f"--kernel-backend: unknown {bad}, choose from {BACKENDS}")
+        usage_error(f"--kernel-backend: unknown {bad}, choose from {BACKENDS}")
     backends = [KernelBackend(b) for b in names]
     if KernelBackend.AUTO in backends and not args.simulate_explicit:
         backends = [KernelBackend.AUTO]
     explicit = [KernelBackend(b) for b in dict.fromkeys(names + singles) if b != "auto"]
     if not explicit and not (args.no_single and args.no_cp1):
-        ap.error(
+        usage_error(
             "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
         )
     if args.plan_only:
@@ -657,7 +655,3 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
             f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')} | "
             f"{','.join(map(str, r['timed_ranks'] or []))} |"
         )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,22 +6,19 @@ step compiles (a cache grows, or a rank's step takes more than ``COMPILE_S`` lon
 also holds every step within 1.5x the median. For FA4 it lists the steps that bring a compile key the warm-up
 did not have.
 
-    python -m benchmarks.mask_loop_bench                                   # fa4,cudnn,triton,auto; cp 1 and 8
-    python -m benchmarks.mask_loop_bench --backends fa4 --cps 1 --check    # the GPU test's run
-    python -m benchmarks.mask_loop_bench --kinds docs_causal --same-area --literal --check  # training packs
-    python -m benchmarks.mask_loop_bench --backends fa4 --cps 8 --kinds docs_causal --same-area --profile slow.txt
-    python -m benchmarks.mask_loop_bench --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
+    python -m benchmarks mask-loop                                   # fa4,cudnn,triton,auto; cp 1 and 8
+    python -m benchmarks mask-loop --backends fa4 --cps 1 --check    # the GPU test's run
+    python -m benchmarks mask-loop --kinds docs_causal --same-area --literal --check  # training packs
+    python -m benchmarks mask-loop --backends fa4 --cps 8 --kinds docs_causal --same-area --profile slow.txt
+    python -m benchmarks mask-loop --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
 
-Writes ``mask_loop.json`` under ``--out`` (default ``$OUT``, else the current directory) and prints a table.
+Writes ``mask_loop.json`` under ``--out-dir`` (default ``benchmarks/results/``) and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -30,7 +27,9 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import auto_kernel, host_times_ms, kernel_slices, rank_kernel_calls
+from benchmarks.cli import add_common, heads, write_results
+from benchmarks.common import host_times_ms, rank_kernel_calls
+from magi_attention.simulate import auto_launchers, checked_slices, kernel_launchers
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -166,20 +165,17 @@ def fa4_keys(calls, q, dtype) -> set:
 
 # -------------------------------------------------------------------------------------------- steps
 def _kernel(backend: str, mask, rows: list[np.ndarray], head_dim: int):
-    """``attn_kernel`` of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
+    """The launchers of ``backend``; ``auto``: what the runtime picks for this mask and ranks (``rows``:
     each rank's global query ids)."""
-    from magi_attention._runtime.kernels import attn_kernel
-    from magi_attention.config import KernelBackend
-
     if backend != "auto":
-        return attn_kernel(KernelBackend(backend))
-    return auto_kernel(*mask[1:], rows, None, head_dim)[0]
+        return kernel_launchers(backend)
+    return auto_launchers(*mask[1:], rows, None, head_dim)[0]
 
 
 def _calls_cp1(mask, q, k, v):
     _, qr, kr, tm = mask
     t = [torch.tensor(x, dtype=torch.int32) for x in (qr, kr, tm)]
-    return [(kernel_slices(*t), k, v)], [np.arange(q.shape[0])], 0.0
+    return [(checked_slices(*t), k, v)], [np.arange(q.shape[0])], 0.0
 
 
 def _calls_sim(mask, q, k, v, rk, rv, cp: int):
@@ -349,11 +345,10 @@ def _available(backend: str) -> str:
     return ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p) -> None:
+    add_common(p, tokens=16384, heads="32:8", head_dim=128, out_dir=None)
     p.add_argument("--backends", default="fa4,cudnn,triton,auto", help="comma-separated kernel backends")
     p.add_argument("--cps", default="1,8", help="cp sizes (1: one call; >1: simulated ranks)")
-    p.add_argument("--tokens", type=int, default=16384, help="total tokens of every mask")
     p.add_argument("--steps", type=int, default=20, help="timed steps, one new mask each")
     p.add_argument(
         "--kinds",
@@ -373,11 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         default=(1, 2, 4, 8, 16),
         help="and magi_ffa_fa4's warm-up masks up to these interval counts per row ('none': without)",
     )
-    p.add_argument("--heads-q", type=int, default=32)
-    p.add_argument("--heads-kv", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of mask_loop.json")
     p.add_argument("--check", action="store_true", help="exit 1 when a run misses a target")
     p.add_argument(
         "--profile",
@@ -389,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the target is every step after the first within 1.5x the median (fair on masks of equal work)",
     )
-    args = p.parse_args(argv)
+
+
+def main(args) -> int:
+    args.heads_q, args.heads_kv = heads(args.heads)
     dev = torch.device(args.device)
     rows = []
     for backend, cp in itertools.product(args.backends.split(","), map(int, args.cps.split(","))):
@@ -411,9 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "mask_loop.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_results(args.out_dir, "mask_loop", {"meta": meta, "rows": rows})
     print(
         f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}"
     )
@@ -437,7 +429,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     failed = [r for r in rows if not r.get("passed", True)]
     return 1 if args.check and failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

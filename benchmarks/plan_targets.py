@@ -22,9 +22,9 @@ balance, the fewest contiguous cuts, a causal unit's later pieces reading all it
 Masks: `benchmarks.magi_attention_bench.make_mask`'s names (the scaling benchmark's), and the names of
 `benchmarks.common.make_mask` where that exists. Computed, not measured on GPUs.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets                 # the tables
-    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets --bounds        # the bounds table
-    OMP_NUM_THREADS=1 python -m benchmarks.plan_targets --json out.json
+    OMP_NUM_THREADS=1 python -m benchmarks plan-targets                 # the tables
+    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --bounds        # the bounds table
+    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --json out.json
 """
 
 from __future__ import annotations

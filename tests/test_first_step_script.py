@@ -1,4 +1,4 @@
-"""`python -m benchmarks.first_step` runs end to end on the CPU (tiny shapes, two fresh child processes), so the
+"""`python -m benchmarks first-step` runs end to end on the CPU (tiny shapes, two fresh child processes), so the
 script the GPU measurement uses cannot rot between GPU sessions."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_first_step_smoke_on_cpu(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "benchmarks.first_step", "--device", "cpu", "--tokens", "256",
+    cmd = [sys.executable, "-m", "benchmarks", "first-step", "--device", "cpu", "--tokens", "256",
            "--heads", "2,1,16", "--runs", "cp1,sim8_warmup", "--breakdown", "auto", "--vendor-baseline", "",
-           "--out", str(tmp_path)]  # fmt: skip
+           "--out-dir", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -41,5 +41,5 @@ def test_first_step_smoke_on_cpu(tmp_path: Path) -> None:
         "launch_to_imported_s"
     ] > 0
     assert "from process launch" in res.stdout
-    bad = subprocess.run([*cmd[:3], "--runs", "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    bad = subprocess.run([*cmd[:4], "--runs", "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--runs" in bad.stderr

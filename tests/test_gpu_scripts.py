@@ -33,10 +33,10 @@ def test_native_check_needs_cuda_and_device_scripts_parse() -> None:
 
 
 def test_simulated_cp_bench_runs_each_backend_on_the_same_plan(tmp_path: Path) -> None:
-    """`python -m benchmarks.magi_attention_bench` on the CPU (torch path, toy sizes): one row per backend for each
+    """`python -m benchmarks sim` on the CPU (torch path, toy sizes): one row per backend for each
     (mask, cp) with the same plan, `auto` resolved and compared with the explicit backend; bad names refused."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MAGI_BENCH_DEVICE": "cpu"}
-    script = [sys.executable, "-m", "benchmarks.magi_attention_bench"]
+    script = [sys.executable, "-m", "benchmarks", "sim"]
     args = ["--tokens-per-gpu", "32", "--cps", "2", "--masks", "varlen_causal", "--degree", "0",
             "--cp1-tokens", "64", "--single-max-tokens", "64", "--json", str(tmp_path / "sim.json")]  # fmt: skip
     res = subprocess.run([*script, *args, "--kernel-backend", "torch,auto", "--simulate-explicit"],

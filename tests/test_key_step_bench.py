@@ -1,4 +1,4 @@
-"""`python -m benchmarks.key_step_bench`: a new key + dispatch per step on gloo ranks started with a tree's
+"""`python -m benchmarks key-step`: a new key + dispatch per step on gloo ranks started with a tree's
 packages on PYTHONPATH (this checkout only here: the baseline's run is the same launch on another tree)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_key_step_on_this_checkout(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    res = subprocess.run([sys.executable, "-m", "benchmarks.key_step_bench", *args],
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "key-step", *args],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -1,17 +1,17 @@
-"""`python -m benchmarks.kernel_backends_bench --layer-step` on the CPU (the torch path, toy sizes): every mode
+"""`python -m benchmarks layer-step` on the CPU (the torch path, toy sizes): every mode
 gives each runner its timed steps, the per-mask work runs once with the same mask and every step with a new
 one, a runner this machine lacks is reported, and the ratios are the vendors' medians over ours."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import kernel_backends_bench, layer_step
+from benchmarks import layer_step
+from benchmarks.cli import main
 
 
 def test_layer_step_runs_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
@@ -28,16 +28,13 @@ def test_layer_step_runs_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
         return layer_step.Runner(prepare, r.layer)
 
     monkeypatch.setattr(layer_step, "make_runner", counting)
-    monkeypatch.setenv("MAGI_BENCH_DEVICE", "cpu")
-    argv = ["kernel_backends_bench", "--layer-step", "--seqlens", "384", "--heads", "2:1", "--d", "16",
-            "--layers", "2", "--steps", "2", "--warmup-steps", "1", "--kernels", "ffa,calc_torch,cudnn_flex",
+    argv = ["layer-step", "--device", "cpu", "--seqlens", "384", "--heads", "2:1", "--head-dim", "16",
+            "--layers", "2", "--steps", "2", "--warmup-steps", "1", "--runners", "ffa,calc_torch,cudnn_flex",
             "--out-dir", str(tmp_path), "--tag", "ls", "--modes", "same"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    kernel_backends_bench.main()
+    assert main(argv) == 0
     same = {r["runner"]: r for r in json.loads((tmp_path / "ls.json").read_text())["rows"]}
     assert prepared == {"ffa": 1, "calc_torch": 1}  # the same mask: its per-mask work once, before the timing
-    monkeypatch.setattr(sys, "argv", [*argv[:-1], "new"])
-    kernel_backends_bench.main()
+    assert main([*argv[:-1], "new"]) == 0
     new = {r["runner"]: r for r in json.loads((tmp_path / "ls.json").read_text())["rows"]}
     assert prepared == {"ffa": 1 + 3, "calc_torch": 1 + 3}  # a new mask: every step (1 warm-up + 2 timed)
     for rows, mode in ((same, "same"), (new, "new")):

@@ -36,10 +36,12 @@ def test_profile_appends_the_tables_of_the_steps_that_miss(tmp_path, monkeypatch
 
     monkeypatch.setattr(mask_loop_bench, "SLOW_RATIO", 0.0)
     prof = tmp_path / "prof.txt"
-    argv = ["--device", "cpu", "--backends", "torch", "--cps", "1,2", "--tokens", "256", "--steps", "3",
-            "--warmup", "1", "--warmup-widths", "none", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "16",
-            "--out", str(tmp_path), "--profile", str(prof)]  # fmt: skip
-    assert mask_loop_bench.main(argv) == 0
+    from benchmarks.cli import main
+
+    argv = ["mask-loop", "--device", "cpu", "--backends", "torch", "--cps", "1,2", "--tokens", "256", "--steps",
+            "3", "--warmup", "1", "--warmup-widths", "none", "--heads", "2:1", "--head-dim", "16",
+            "--out-dir", str(tmp_path), "--profile", str(prof)]  # fmt: skip
+    assert main(argv) == 0
     text = prof.read_text()
     for cp in (1, 2):
         for i in (1, 2):

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.magi_attention_bench --scaling` on the CPU (torch path, toy sizes): the scaling table's
+"""`python -m benchmarks sim --scaling` on the CPU (torch path, toy sizes): the scaling table's
 efficiency, the plan's remote K/V and the cost model's prediction for every simulated row."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_scaling_table_on_cpu(tmp_path: Path, degree: int, mask: str, algs: str)
             "--no-cp1", "--single-max-tokens", "128", "--kernel-backend", "auto", "--single-backend", "torch",
             "--scaling", "--profile", str(tmp_path / "prof.txt"), "--dispatch-algs", algs,
             "--json", str(tmp_path / "s.json")]  # fmt: skip
-    res = subprocess.run([sys.executable, "-m", "benchmarks.magi_attention_bench", *args],
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "sim", *args],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "s.json").read_text())["scaling"]

@@ -7,13 +7,12 @@ and `F.scaled_dot_product_attention(..., is_causal=True)` on every document alon
 GPU both sides compute in bf16 through FSDP2's `MixedPrecisionPolicy` (fp32 master weights, bf16 parameters
 in the forward and backward, fp32 gradient reduction).
 
-    python -m benchmarks.integration_runs.fsdp_run                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks.integration_runs.fsdp_run --device cpu   # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks fsdp                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks fsdp --device cpu   # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
 
-import sys
 from itertools import pairwise
 
 import torch
@@ -129,7 +128,3 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

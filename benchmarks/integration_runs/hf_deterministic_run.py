@@ -6,8 +6,8 @@ trained `--steps` AdamW steps on the same packed batch twice, from the same seed
 `CUBLAS_WORKSPACE_CONFIG=:4096:8`. The losses of every step and every parameter afterwards must be
 bitwise identical between the two trainings. The report (JSON) goes to `--out` or `$OUT/hf_deterministic.json`.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m benchmarks.integration_runs.hf_deterministic_run   # GPU, bf16
-    python -m benchmarks.integration_runs.hf_deterministic_run --device cpu                      # CPU smoke run
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m benchmarks hf-deterministic   # GPU, bf16
+    python -m benchmarks hf-deterministic --device cpu                      # CPU smoke run
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import json
-import sys
 
 import torch
 
@@ -90,7 +89,3 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(report, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

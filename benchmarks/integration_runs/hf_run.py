@@ -7,14 +7,13 @@ batch of documents: Llama, and Qwen2 with one sliding-window layer (`layer_types
 whole pack with per-document `position_ids`, from which Transformers builds the per-document causal (and
 sliding-window) mask itself.
 
-    python -m benchmarks.integration_runs.hf_run                  # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks.integration_runs.hf_run --device cpu     # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks hf                  # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks hf --device cpu     # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 
 import torch
@@ -92,7 +91,3 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, lambda cfg, group: [run_family(f, cfg, group) for f in FAMILIES])
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

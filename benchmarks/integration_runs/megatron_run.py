@@ -7,14 +7,13 @@ and with `get_gpt_layer_local_spec()` (Megatron's `DotProductAttention` with the
 training) run on every document alone, the loss the token mean over the pack. Megatron's own parallel sizes stay 1. Transformer Engine is not needed
 (and its specs are not exercised here).
 
-    python -m benchmarks.integration_runs.megatron_run                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks.integration_runs.megatron_run --device cpu   # CPU smoke run: float64, gloo, a toy model
+    python -m benchmarks megatron                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks megatron --device cpu   # CPU smoke run: float64, gloo, a toy model
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from itertools import pairwise
 from unittest import mock
@@ -137,7 +136,3 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

@@ -7,8 +7,8 @@ loss on a packed batch in torchtitan's format (`positions` restarting at each do
 `dispatch_batch`, the reference the same weights with torchtitan's `ScaledDotProductAttention` inner attention
 (causal) run on every document alone.
 
-    python -m benchmarks.integration_runs.torchtitan_run                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks.integration_runs.torchtitan_run --device cpu   # CPU smoke run: float64, a tiny Llama 3
+    python -m benchmarks torchtitan                # GPU: bf16, NCCL world 1, 12288 tokens
+    python -m benchmarks torchtitan --device cpu   # CPU smoke run: float64, a tiny Llama 3
 
 If torchtitan (or one of its dependencies) does not import with this torch, the script says why and exits 3.
 """
@@ -117,7 +117,3 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
-
-
-if __name__ == "__main__":
-    sys.exit(harness.exit_code(main()))

@@ -1,6 +1,6 @@
 """A loop that hands the kernels a new mask every step compiles nothing after its warm-up.
 
-The GPU tests run ``python -m benchmarks.mask_loop_bench --check`` (20 timed steps of 16k tokens, each a new mask of
+The GPU tests run ``python -m benchmarks mask-loop --check`` (20 timed steps of 16k tokens, each a new mask of
 one of seven kinds, after a warm-up of other masks and of one mask per FA4 interval-width bucket) for the
 FA4, cuDNN and Triton backends at cp 1: it exits 1 when a compiled-kernel cache (FA4's and cuDNN's JIT
 caches, magi_ffa's Triton kernels) grows during the timed steps or a step compiles where no cache shows it
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(args: list[str], out: Path, timeout: float, env: dict | None = None) -> tuple[int, str, dict]:
-    cmd = [sys.executable, "-m", "benchmarks.mask_loop_bench", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks", "mask-loop", *args, "--out-dir", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     report = json.loads((out / "mask_loop.json").read_text()) if (out / "mask_loop.json").exists() else {}
@@ -56,7 +56,7 @@ def test_script_runs_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("magi_attention")
     pytest.importorskip("magi_solver")
     args = ["--device", "cpu", "--backends", "torch", "--cps", "1,2", "--tokens", "512", "--steps", "3"]
-    args += ["--warmup", "1", "--warmup-widths", "3", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "16"]
+    args += ["--warmup", "1", "--warmup-widths", "3", "--heads", "2:1", "--head-dim", "16"]
     rc, log, report = _run(args, tmp_path, timeout=300)
     assert rc == 0, log[-4000:]
     rows = report["rows"]

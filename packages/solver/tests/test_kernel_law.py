@@ -67,7 +67,7 @@ def test_price_counts_received_keys_as_columns() -> None:
 
 
 def test_fit_script_recovers_known_constants(tmp_path) -> None:
-    from benchmarks.fit_kernel_law import main as fit
+    from benchmarks.cli import main
 
     rng = np.random.default_rng(0)
     ranks = []
@@ -83,7 +83,7 @@ def test_fit_script_recovers_known_constants(tmp_path) -> None:
     src = tmp_path / "scaling.json"
     src.write_text(json.dumps({"sim": sims}))
     out = tmp_path / "law.json"
-    assert fit([str(src), "--out", str(out)]) == 0
+    assert main(["fit-law", str(src), "--out", str(out)]) == 0
     laws = json.loads(out.read_text())["laws"]
     assert laws["cudnn"]["bwd"]["tiles"] == pytest.approx(2.0, abs=1e-3)
     assert laws["cudnn"]["bwd"]["key_columns"] == pytest.approx(10.0, abs=1e-3)

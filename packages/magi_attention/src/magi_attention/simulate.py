@@ -14,8 +14,21 @@ import torch
 from magi_ffa.validation import acc_dtype
 from magi_solver import AttnRanges, DistAttnPlan, RankPlan, SliceList
 
-from ._runtime.kernels import attn_kernel
+from ._runtime.cache import KernelSlices
+from ._runtime.kernels import AttnKernel, attn_kernel
 from .config import KernelBackend
+
+__all__ = [
+    "RankCalls",
+    "auto_launchers",
+    "call_slices",
+    "checked_slices",
+    "kernel_launchers",
+    "kernel_ranges",
+    "rank_calls",
+    "simulate_dist_attn",
+    "token_index",
+]
 
 
 def token_index(ranges: AttnRanges, device: torch.device) -> torch.Tensor:
@@ -32,6 +45,38 @@ def kernel_ranges(slices: SliceList) -> tuple[torch.Tensor, torch.Tensor, torch.
         torch.tensor(slices.k_ranges, dtype=torch.int32).reshape(n, 2),
         torch.tensor(slices.types, dtype=torch.int32).reshape(n),
     )
+
+
+def kernel_launchers(backend: KernelBackend | str, backward: KernelBackend | str | None = None) -> AttnKernel:
+    """The launchers `calc_attn` runs for kernel backend `backend` (any registered name; the backward on
+    `backward` when given): `fwd` / `bwd` take range tables (checked every call), `fwd_slices` /
+    `bwd_slices` take `checked_slices` (checked once, as the runtime's calls). Raises ValueError for an
+    unknown name."""
+    return attn_kernel(str(backend), None if backward is None else str(backward))
+
+
+def checked_slices(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> KernelSlices:
+    """One kernel call's slices (`[n, 2]`, `[n, 2]` and `[n]` int32 host tensors) as the runtime hands them to
+    the launchers' `fwd_slices` / `bwd_slices`: checked on first use, never again."""
+    return KernelSlices(q_ranges, k_ranges, types, int(types.shape[0]))
+
+
+def auto_launchers(
+    q_ranges: list, k_ranges: list, types: list, rows: list, kv_layout: object, head_dim: int
+) -> tuple[AttnKernel, str]:
+    """The launchers `kernel_backend="auto"` picks on this GPU for a plan of the global mask (`[start, end)`
+    range lists, int type codes), by the runtime's rule with every backend this process can run as a
+    candidate (the backward's backend may differ), and the reason. `rows`: each rank's global query ids
+    (`plan.dispatch.position_ids(rank)`); `kv_layout`: the plan's (None: keys dispatched as the queries)."""
+    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+
+    from ._runtime.auto_kernel import choose_auto
+    from ._runtime.kernels import probe_local, resolve
+
+    keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
+    choice = choose_auto(resolve("auto", head_dim, [probe_local()]), head_dim,
+                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    return attn_kernel(choice.backend, choice.backward), choice.reason
 
 
 @dataclass
