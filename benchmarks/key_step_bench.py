@@ -254,9 +254,7 @@ def _positive_ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks key-step", description=__doc__.split("\n\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m benchmarks key-step", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--tokens", type=_positive_ints, default=[2048, 65536], help="total tokens (comma-separated)"
     )
