@@ -163,9 +163,9 @@ def fold_main(a) -> list[dict]:
 def aligned_layout(clipped, host_map, runs, kv_shard) -> tuple[list, np.ndarray]:
     """The merged call's slices with its keys in global order, each run at a buffer offset congruent to its
     global start mod TILE, and the gather index of that buffer into ``cat([own] + recv buffers)`` (-1: pad).
-    Arguments: what ``magi_solver.plan._rank_plan`` receives."""
+    Arguments: what ``magi_solver._assemble._rank_plan`` receives."""
+    from magi_solver._assemble import _key_map
     from magi_solver._slicing import merge_full, slice_over
-    from magi_solver.plan import _key_map
 
     kmap, bufs = _key_map(host_map, runs)
     stage_off = np.cumsum([kv_shard, *bufs])
@@ -185,7 +185,7 @@ def aligned_layout(clipped, host_map, runs, kv_shard) -> tuple[list, np.ndarray]
 
 def capture_plan(mask: str, cp: int, tokens: int):
     """The runtime's plan, with each rank's ``_rank_plan`` arguments kept (for :func:`aligned_layout`)."""
-    import magi_solver.plan as planner
+    import magi_solver._assemble as planner
 
     captured, original = {}, planner._rank_plan
 
