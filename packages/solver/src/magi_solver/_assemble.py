@@ -10,9 +10,8 @@ each stage fetches only keys the rank's rows need and does not hold (zero redund
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ._plan_types import DistAttnPlan, RankPlan, StagePlan
+from ._plan_types import DistAttnPlan, PlanOptions, RankPlan, StagePlan
 from ._slicing import clip_rows, host_area_of, merge_full, slice_over
 from .choice import DispatchChoice
 from .comm import GroupCastArgs, build_cast_args
@@ -21,9 +20,6 @@ from .kv_layout import KVLayout
 from .mask import SliceList, total_area
 from .overlap import FactorCostModel, OverlapMode, cut_tokens, stage_layouts
 from .ranges import AttnRange, AttnRanges, merge_pairs, subtract_pairs
-
-if TYPE_CHECKING:  # a type only: plan.py imports this module
-    from .plan import PlanOptions
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,4 +1,4 @@
-"""What a distributed-attention plan is: per rank its host slices, its remote stages (the K/V each stage
+"""The planner's types: how a mask is planned (`PlanOptions`) and what a plan is: per rank its host slices, its remote stages (the K/V each stage
 fetches, with the GroupCast/GroupReduce arguments) and the slices of every stage; built by `plan_attention`.
 
 Coordinates:
@@ -10,6 +10,7 @@ Coordinates:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,12 +18,14 @@ import numpy as np
 
 from .choice import DispatchChoice
 from .comm import GroupCastArgs, GroupReduceArgs
-from .dispatch import DispatchPlan
+from .cost_model import OverlapCostModel
+from .dispatch import DispatchAlg, DispatchPlan
 from .kv_layout import KVLayout
 from .mask import SliceList
-from .ranges import AttnRanges
+from .overlap import OverlapMode
+from .ranges import AttnRanges, _check_int
 
-__all__ = ["DistAttnPlan", "RankPlan", "StagePlan"]
+__all__ = ["DistAttnPlan", "PlanOptions", "RankPlan", "StagePlan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,3 +165,123 @@ class DistAttnPlan:
                 len(r.host_slices) + sum(len(s.remote_slices) for s in r.stages) for r in self.ranks
             ),
         }
+
+
+def _parse_alg(value: Any) -> DispatchAlg | None:
+    """`value` as a `DispatchAlg` (its value or the member), or None."""
+    if value is None:
+        return None
+    try:
+        return DispatchAlg(value)
+    except ValueError:
+        raise ValueError(
+            f"`dispatch_alg` must be one of {[a.value for a in DispatchAlg]} or None, got {value!r}"
+        ) from None
+
+
+def _check_uneven(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`uneven_shard` must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _validate_overlap(
+    overlap_degree: Any,
+    overlap_mode: Any,
+    min_chunk_size: Any,
+    max_num_chunks: Any,
+    dynamic_max_degree: Any,
+    calc_cost_factor: Any,
+    comm_cost_factor: Any,
+) -> tuple[int | None, OverlapMode]:
+    try:
+        mode = OverlapMode(overlap_mode)
+    except ValueError:
+        raise ValueError(
+            f"`overlap_mode` must be one of {[m.value for m in OverlapMode]}, got {overlap_mode!r}"
+        ) from None
+    if overlap_degree is not None:
+        overlap_degree = _check_int(overlap_degree, "overlap_degree")
+        if overlap_degree < 0:
+            raise ValueError(
+                f"`overlap_degree` must be >= 0 (0 = one merged stage) or None, got {overlap_degree}"
+            )
+    for name, v in (
+        ("min_chunk_size", min_chunk_size),
+        ("max_num_chunks", max_num_chunks),
+        ("dynamic_max_degree", dynamic_max_degree),
+    ):
+        if _check_int(v, name) < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {v}")
+    for name, v in (("calc_cost_factor", calc_cost_factor), ("comm_cost_factor", comm_cost_factor)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
+    if overlap_degree is None:
+        mode = OverlapMode.DYNAMIC
+    return overlap_degree, mode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """How a mask is planned, apart from the mask and the sequence geometry; checked once, when built
+    (`ValueError` or `TypeError` naming the field), enums given as members or their values.
+
+    A `None` `overlap_degree` makes `overlap_mode` dynamic; `cost_model` None prices schedules with the cost
+    factors.
+    """
+
+    dispatch_alg: DispatchAlg | str | None = DispatchAlg.MIN_HEAP
+    """A `DispatchAlg`; None: the choice's algorithm when the chunk size is chosen, else min_heap. Ignored
+    when a dispatch is given."""
+    overlap_degree: int | None = 1
+    """0 = one merged stage (all remote K/V at once); N >= 1 = N remote stages; None = dynamic."""
+    overlap_mode: OverlapMode | str = OverlapMode.STATIC
+    """"static" (use `overlap_degree`) or "dynamic" (the degree in 0..`dynamic_max_degree` minimising the
+    slowest rank's predicted time; ties go to the smaller degree)."""
+    min_chunk_size: int = 512
+    """Smallest overlap chunk: remote K/V is cut into overlap chunks before they are grouped into stages."""
+    max_num_chunks: int = 64
+    """Most overlap chunks per rank."""
+    dynamic_max_degree: int = 8
+    """Largest degree the dynamic mode considers."""
+    calc_cost_factor: float = 1.0
+    """Cost per mask pair of the factor-only estimate (see `estimate_cost_factors`), used when
+    `cost_model` is None; only its ratio to `comm_cost_factor` matters."""
+    comm_cost_factor: float = 1.0
+    """Cost per remote K/V token of the factor-only estimate."""
+    cost_model: OverlapCostModel | None = None
+    """Price schedules in seconds of forward + backward with this model (fixed per-stage, merge and
+    collective costs included) instead of the cost factors."""
+    uneven_shard: bool = False
+    """The sequences are not padded: any length with at least `cp_size` chunks; the last chunk may be short
+    and ranks hold slightly different token counts (`DispatchPlan.shard_seqlens`). A given dispatch must
+    have been made the same way."""
+
+    def __post_init__(self) -> None:
+        alg = _parse_alg(self.dispatch_alg)
+        _check_uneven(self.uneven_shard)
+        if self.cost_model is not None and not isinstance(self.cost_model, OverlapCostModel):
+            raise TypeError(
+                f"`cost_model` must be an OverlapCostModel or None, got {type(self.cost_model).__name__}"
+            )
+        degree, mode = _validate_overlap(
+            self.overlap_degree,
+            self.overlap_mode,
+            self.min_chunk_size,
+            self.max_num_chunks,
+            self.dynamic_max_degree,
+            self.calc_cost_factor,
+            self.comm_cost_factor,
+        )
+        # frozen: the checked, normalised values replace the given ones once, while it is built
+        for name, value in (
+            ("dispatch_alg", alg),
+            ("overlap_degree", degree),
+            ("overlap_mode", mode),
+            ("min_chunk_size", int(self.min_chunk_size)),
+            ("max_num_chunks", int(self.max_num_chunks)),
+            ("dynamic_max_degree", int(self.dynamic_max_degree)),
+            ("calc_cost_factor", float(self.calc_cost_factor)),
+            ("comm_cost_factor", float(self.comm_cost_factor)),
+        ):
+            object.__setattr__(self, name, value)
