@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from magi_solver import (
+    PlanOptions,
     lognormal_doc_lengths,
     long_tailed_cu_seqlens,
     make_block_causal_mask,
@@ -30,7 +31,7 @@ from magi_solver import (
     make_sliding_window_mask,
     make_varlen_causal_mask,
     make_varlen_full_mask,
-    plan_dist_attn,
+    plan_attention,
 )
 from magi_solver.tools import plot as mplot
 from magi_solver.tools.hardware import MaskFamily, get_hardware
@@ -71,7 +72,7 @@ def gallery(out: Path) -> list[Path]:
         path = out / "gallery" / f"mask_{name}.png"
         written.append(Path(mplot.save_mask_png(path, img, name.replace("_", " "), 4096, inches=2.4)))
     spec = make_varlen_causal_mask(cu)
-    plan = plan_dist_attn(*spec, 4096, 4, 128, overlap_degree=1)
+    plan = plan_attention(*spec, 4096, 4, chunk_size=128, options=PlanOptions(overlap_degree=1))
     img = mplot.mask_image(*spec, 4096, size=128)
     g = out / "gallery"
     written.append(Path(mplot.save_dispatch_png(g / "dispatch_varlen_causal_cp4.png", plan, img, mask=spec)))

@@ -27,7 +27,7 @@ from magi_attention.api import calc_attn, clear_cache, get_kernel_backend, magi_
 from magi_attention.config import KernelBackend as B
 from magi_attention.simulate import rank_calls, token_index
 from magi_ffa.validation import check_slices
-from magi_solver import plan_dist_attn
+from magi_solver import PlanOptions, plan_attention
 from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
 
 pytestmark = [
@@ -186,7 +186,15 @@ def test_simulated_cp8_every_rank_is_bitwise_repeatable(mask: str, backend: str)
     cp, d, per_rank = 8, 128, 1024
     total = cp * per_rank
     q_ranges, k_ranges, types = _mask(mask, total)
-    plan = plan_dist_attn(q_ranges, k_ranges, types, total, cp, 256, overlap_degree=2, min_chunk_size=256)
+    plan = plan_attention(
+        q_ranges,
+        k_ranges,
+        types,
+        total,
+        cp,
+        chunk_size=256,
+        options=PlanOptions(overlap_degree=2, min_chunk_size=256),
+    )
     try:
         choice, ok = _sim_backend(backend, d, plan, q_ranges, k_ranges, types, total)
     except ValueError as exc:

@@ -10,10 +10,11 @@ import torch
 from magi_attention.simulate import simulate_dist_attn
 from magi_ffa.testing import make_attn_mask, ref_attn
 from magi_solver import (
+    PlanOptions,
     make_block_causal_mask,
     make_sliding_window_mask,
     make_varlen_causal_mask,
-    plan_dist_attn,
+    plan_attention,
 )
 
 TOTAL, HQ, HKV, D = 384, 4, 2, 16
@@ -32,8 +33,14 @@ MASKS = {
 def test_simulated_ranks_match_dense(mask_name: str, cp: int, degree: int) -> None:
     mask = MASKS[mask_name]
     chunk = 16
-    plan = plan_dist_attn(
-        mask.q_ranges, mask.k_ranges, mask.types, TOTAL, cp, chunk, overlap_degree=degree, min_chunk_size=8
+    plan = plan_attention(
+        mask.q_ranges,
+        mask.k_ranges,
+        mask.types,
+        TOTAL,
+        cp,
+        chunk_size=chunk,
+        options=PlanOptions(overlap_degree=degree, min_chunk_size=8),
     )
     gen = torch.Generator().manual_seed(cp * 10 + degree)
     q, k, v = (torch.randn(TOTAL, h, D, dtype=torch.float64, generator=gen) for h in (HQ, HKV, HKV))

@@ -23,7 +23,7 @@ from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig, _layou
 from magi_attention.simulate import simulate_dist_attn
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn, ref_max_logits
-from magi_solver import plan_dist_attn
+from magi_solver import PlanOptions, plan_attention
 
 HQ, HKV, D = 4, 2, 8
 RTOL = 1e-9
@@ -313,8 +313,14 @@ def test_simulated_uneven_plan_matches_dense() -> None:
     """The runtime's decomposition of an uneven plan with the real kernel, every rank in one process."""
     total = 149
     q_ranges, k_ranges, types = _masks(total)["random"]
-    plan = plan_dist_attn(
-        q_ranges, k_ranges, types, total, 3, 8, overlap_degree=2, min_chunk_size=4, uneven_shard=True
+    plan = plan_attention(
+        q_ranges,
+        k_ranges,
+        types,
+        total,
+        3,
+        chunk_size=8,
+        options=PlanOptions(overlap_degree=2, min_chunk_size=4, uneven_shard=True),
     )
     assert len(set(plan.dispatch.shard_seqlens)) > 1
     gen = torch.Generator().manual_seed(0)

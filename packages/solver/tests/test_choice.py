@@ -26,7 +26,6 @@ from magi_solver import (
     make_varlen_causal_mask,
     make_varlen_full_mask,
     plan_attention,
-    plan_dist_attn,
 )
 from magi_solver.choice import (
     _key_intervals,
@@ -181,9 +180,6 @@ def test_explicit_chunk_size_and_algorithm_win() -> None:
     # a chosen chunk with an explicit algorithm keeps the algorithm
     plan = plan_attention(q, k, t, total, cp, options=PlanOptions(dispatch_alg="sequential"))
     assert plan.choice.algorithm == "sequential"
-    # plan_dist_attn: the padded geometry, min_heap by default, as before
-    old = plan_dist_attn(q, k, t, total, cp, 256)
-    assert old.dispatch.chunk_size == 256 and old.dispatch.alg.value == "min_heap"
 
 
 def test_chosen_chunk_never_pads_more_than_the_fixed_rule() -> None:

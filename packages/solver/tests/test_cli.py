@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from magi_solver import make_varlen_causal_mask, plan_dist_attn
+from magi_solver import PlanOptions, make_varlen_causal_mask, plan_attention
 from magi_solver.cli import main
 from magi_solver.tools.hardware import HARDWARE, MaskFamily, get_hardware
 from magi_solver.tools.predict import Workload, predict_cp
@@ -66,14 +66,14 @@ def test_json_records_match_the_planner(capsys: pytest.CaptureFixture[str]) -> N
     assert "skipped" in recs[1]["schemes"]["ulysses"]
 
 
-def test_remote_tokens_equal_plan_dist_attn() -> None:
+def test_remote_tokens_equal_the_plan() -> None:
     from magi_solver.cli import lognormal_doc_lens
 
     lens = lognormal_doc_lens(32768, 12, 0)
     cu = [0, *np.cumsum(lens).tolist()]
     q, k, t = make_varlen_causal_mask(cu)
     rec, _ = predict_cp(q, k, t, 32768, 4, hardware=get_hardware("h200"), workload=Workload(chunk_size=512))
-    ref = plan_dist_attn(q, k, t, 32768, 4, 512, overlap_degree=0)
+    ref = plan_attention(q, k, t, 32768, 4, chunk_size=512, options=PlanOptions(overlap_degree=0))
     assert rec["remote_kv_tokens_max"] == max(ref.remote_tokens_per_rank)
     assert rec["imbalance"] == pytest.approx(ref.imbalance)
 

@@ -17,11 +17,12 @@ from magi_solver import (
     CostProfile,
     DistAttnPlan,
     OverlapCostModel,
+    PlanOptions,
     estimate_cost_factors,
     get_profile,
     gpu_kind,
     load_profile,
-    plan_dist_attn,
+    plan_attention,
 )
 from magi_solver.testing import check_plan, dense_mask, random_mask
 
@@ -279,7 +280,9 @@ def test_empty_stages_pay_latency_but_no_kernel() -> None:
 
 
 def _full(n: int, cp: int, model: OverlapCostModel | None, **kw) -> DistAttnPlan:
-    return plan_dist_attn([[0, n]], [[0, n]], "full", n, cp, 1024, cost_model=model, **kw)
+    return plan_attention(
+        [[0, n]], [[0, n]], "full", n, cp, chunk_size=1024, options=PlanOptions(cost_model=model, **kw)
+    )
 
 
 def test_degree_zero_wins_when_stage_costs_outweigh_the_hidden_fetch() -> None:
@@ -335,7 +338,9 @@ def test_forward_and_backward_are_both_priced() -> None:
     model = OverlapCostModel(H200_FA4, **GQA)
     n, cp = 16384, 4
     q = [[0, n]]
-    plan = plan_dist_attn(q, q, "causal", n, cp, 512, overlap_mode="dynamic", cost_model=model)
+    plan = plan_attention(
+        q, q, "causal", n, cp, chunk_size=512, options=PlanOptions(overlap_mode="dynamic", cost_model=model)
+    )
     shard = plan.dispatch.shard_seqlen
     for rp, t in zip(plan.ranks, plan.predicted_times):
         args = (plan.overlap_degree, rp.host_area, [s.area for s in rp.stages])
@@ -350,7 +355,15 @@ def test_plan_is_deterministic() -> None:
     model = OverlapCostModel(PROFILES["h200/triton"], **GQA)
     q, k, t = random_mask(np.random.default_rng(7), 1024, max_cells=12, raw_slices=6)
     a, b = (
-        plan_dist_attn(q, k, t, 1024, 4, 64, overlap_degree=None, min_chunk_size=32, cost_model=model)
+        plan_attention(
+            q,
+            k,
+            t,
+            1024,
+            4,
+            chunk_size=64,
+            options=PlanOptions(overlap_degree=None, min_chunk_size=32, cost_model=model),
+        )
         for _ in range(2)
     )
     assert a == b and hash(a) == hash(b)
@@ -379,8 +392,19 @@ def _plans(seed: int, geom: tuple[int, int, int], regime: dict, max_degree: int)
     q, k, t = random_mask(np.random.default_rng(seed), n)
     model = _unit_model(**regime)
     kw = {"min_chunk_size": 2, "max_num_chunks": 6, "cost_model": model}
-    dyn = plan_dist_attn(q, k, t, n, cp, chunk, overlap_mode="dynamic", dynamic_max_degree=max_degree, **kw)
-    static = {d: plan_dist_attn(q, k, t, n, cp, chunk, overlap_degree=d, **kw) for d in range(max_degree + 1)}
+    dyn = plan_attention(
+        q,
+        k,
+        t,
+        n,
+        cp,
+        chunk_size=chunk,
+        options=PlanOptions(overlap_mode="dynamic", dynamic_max_degree=max_degree, **kw),
+    )
+    static = {
+        d: plan_attention(q, k, t, n, cp, chunk_size=chunk, options=PlanOptions(overlap_degree=d, **kw))
+        for d in range(max_degree + 1)
+    }
     return (q, k, t, n), model, dyn, static
 
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from magi_solver import KVLayout, plan_dist_attn
+from magi_solver import KVLayout, PlanOptions, plan_attention
 from magi_solver.testing import dense_mask, plan_coverage, simulate_group_cast
 
 
@@ -32,8 +32,15 @@ def test_cross_plan_covers_the_mask_once(cp: int, degree, seed: int) -> None:
     cq, ck = rng.choice([2, 3, 4]), rng.choice([2, 3, 5])
     tq, tk = cq * cp * rng.randint(2, 5), ck * cp * rng.randint(1, 6)
     qr, kr, tm = _random_cross_mask(rng, tq, tk, rng.randint(1, 7))
-    plan = plan_dist_attn(
-        qr, kr, tm, tq, cp, cq, overlap_degree=degree, min_chunk_size=2, total_seqlen_k=tk, kv_chunk_size=ck
+    plan = plan_attention(
+        qr,
+        kr,
+        tm,
+        tq,
+        cp,
+        chunk_size=cq,
+        options=PlanOptions(overlap_degree=degree, min_chunk_size=2),
+        kv_layout=KVLayout(tk, cp, ck),
     )
     dense = (dense_mask(qr, kr, tm, tq, tk) > 0).astype(np.int64)  # the union of the slices
     assert (plan_coverage(plan) == dense).all()
@@ -57,10 +64,19 @@ def test_cross_plan_covers_the_mask_once(cp: int, degree, seed: int) -> None:
 
 def test_cross_plan_rejects_bad_geometry() -> None:
     with pytest.raises(ValueError):
-        plan_dist_attn([[0, 8]], [[0, 10]], [0], 8, 2, 2, total_seqlen_k=10, kv_chunk_size=3)  # 10 % 6
+        plan_attention([[0, 8]], [[0, 10]], [0], 8, 2, chunk_size=2, kv_layout=KVLayout(10, 2, 3))  # 10 % 6
     with pytest.raises(ValueError, match="affinity"):
-        plan_dist_attn([[0, 8]], [[0, 12]], [0], 8, 2, 2, total_seqlen_k=12, dispatch_alg="affinity")
-    with pytest.raises(ValueError, match="kv_chunk_size"):
-        plan_dist_attn([[0, 8]], [[0, 8]], [0], 8, 2, 2, kv_chunk_size=2)
+        plan_attention(
+            [[0, 8]],
+            [[0, 12]],
+            [0],
+            8,
+            2,
+            chunk_size=2,
+            options=PlanOptions(dispatch_alg="affinity"),
+            kv_layout=KVLayout(12, 2, 2),
+        )
     with pytest.raises(ValueError):
-        plan_dist_attn([[0, 8]], [[0, 13]], [0], 8, 2, 2, total_seqlen_k=12)  # key range past total_k
+        plan_attention(
+            [[0, 8]], [[0, 13]], [0], 8, 2, chunk_size=2, kv_layout=KVLayout(12, 2, 2)
+        )  # key range past total_k

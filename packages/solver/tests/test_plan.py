@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from magi_solver import DistAttnPlan, estimate_cost_factors, plan_dist_attn
+from magi_solver import DistAttnPlan, PlanOptions, estimate_cost_factors, plan_attention
 from magi_solver.overlap import group_chunks, overlap_chunk_bounds, predicted_time
 from magi_solver.testing import check_plan, dense_mask, random_mask
 
@@ -42,19 +42,21 @@ def test_plan_exact_on_random_masks(
     cp, chunk, per = geom
     n = cp * chunk * per
     q, k, t = random_mask(np.random.default_rng(seed), n)
-    plan = plan_dist_attn(
+    plan = plan_attention(
         q,
         k,
         t,
         n,
         cp,
-        chunk,
-        dispatch_alg=alg,
-        overlap_degree=degree,
-        min_chunk_size=min_chunk,
-        max_num_chunks=4,
-        dynamic_max_degree=3,
-        comm_cost_factor=0.5,
+        chunk_size=chunk,
+        options=PlanOptions(
+            dispatch_alg=alg,
+            overlap_degree=degree,
+            min_chunk_size=min_chunk,
+            max_num_chunks=4,
+            dynamic_max_degree=3,
+            comm_cost_factor=0.5,
+        ),
     )
     assert plan.num_stages == (max(plan.overlap_degree, 1))
     if degree is not None:
@@ -76,14 +78,16 @@ def test_plan_single_type_documents(mask_type: int, cp: int) -> None:
     cu = [0, 7, 30, 31, 55, n]
     q = [[a, b] for a, b in itertools.pairwise(cu)]
     k = [[max(0, a - 3), b] for a, b in q]  # k ranges reach 3 keys into the previous document: they overlap
-    plan = plan_dist_attn(q, k, mask_type, n, cp, 6, overlap_degree=2, min_chunk_size=4)
+    plan = plan_attention(
+        q, k, mask_type, n, cp, chunk_size=6, options=PlanOptions(overlap_degree=2, min_chunk_size=4)
+    )
     check_plan(plan, dense_mask(q, k, mask_type, n, n))
 
 
 def test_plan_slices_are_few_for_varlen_causal() -> None:
     cu = [0, 3000, 3100, 9000, 16384]
     q = [[a, b] for a, b in itertools.pairwise(cu)]
-    plan = plan_dist_attn(q, q, "causal", 16384, 4, 256, overlap_degree=2)
+    plan = plan_attention(q, q, "causal", 16384, 4, chunk_size=256, options=PlanOptions(overlap_degree=2))
     for rp in plan.ranks:
         # each rank has 16 chunks; a clipped causal document piece needs at most a few slices
         assert len(rp.host_slices) <= 3 * 16
@@ -91,7 +95,9 @@ def test_plan_slices_are_few_for_varlen_causal() -> None:
 
 
 def test_full_mask_merges_into_one_host_slice() -> None:
-    plan = plan_dist_attn([[0, 64]], [[0, 64]], "full", 64, 2, 8, overlap_degree=0)
+    plan = plan_attention(
+        [[0, 64]], [[0, 64]], "full", 64, 2, chunk_size=8, options=PlanOptions(overlap_degree=0)
+    )
     for rp in plan.ranks:
         assert len(rp.host_slices) == 1 and rp.host_slices.q_ranges[0] == (0, 32)
         assert len(rp.merged_slices) == 1 and rp.merged_slices.k_ranges[0] == (0, 64)
@@ -119,22 +125,27 @@ def test_dynamic_degree_minimises_the_slowest_rank() -> None:
     q = [[0, n]]
     # degree 0 (one merged stage) is a dynamic candidate too, so it is part of the minimum
     plans = {
-        d: plan_dist_attn(
-            q, q, "causal", n, 4, 128, overlap_degree=d, min_chunk_size=128, comm_cost_factor=1000.0
+        d: plan_attention(
+            q,
+            q,
+            "causal",
+            n,
+            4,
+            chunk_size=128,
+            options=PlanOptions(overlap_degree=d, min_chunk_size=128, comm_cost_factor=1000.0),
         )
         for d in range(0, 5)
     }
-    dyn = plan_dist_attn(
+    dyn = plan_attention(
         q,
         q,
         "causal",
         n,
         4,
-        128,
-        overlap_mode="dynamic",
-        min_chunk_size=128,
-        dynamic_max_degree=4,
-        comm_cost_factor=1000.0,
+        chunk_size=128,
+        options=PlanOptions(
+            overlap_mode="dynamic", min_chunk_size=128, dynamic_max_degree=4, comm_cost_factor=1000.0
+        ),
     )
     best = min(max(plans[d].predicted_times) for d in plans)
     assert max(dyn.predicted_times) == pytest.approx(best)
@@ -150,8 +161,15 @@ def test_dynamic_degree_is_zero_when_no_rank_needs_remote_keys() -> None:
     # factor estimate and the tie goes to degree 0 (before degree 0 was a candidate this picked 1).
     cu = [0, 16, 32, 48, 64]
     q = [[a, b] for a, b in itertools.pairwise(cu)]
-    plan = plan_dist_attn(q, q, "causal", 64, 4, 8, dispatch_alg="sequential", overlap_degree=None,
-                          dynamic_max_degree=3)  # fmt: skip
+    plan = plan_attention(
+        q,
+        q,
+        "causal",
+        64,
+        4,
+        chunk_size=8,
+        options=PlanOptions(dispatch_alg="sequential", overlap_degree=None, dynamic_max_degree=3),
+    )
     assert plan.remote_tokens_per_rank == (0, 0, 0, 0)
     assert plan.overlap_degree == 0 and plan.num_stages == 1
     assert plan.degree_costs == {0: 136.0, 1: 136.0, 2: 136.0, 3: 136.0}  # one 16-token causal document
@@ -177,14 +195,14 @@ def _times(plan: DistAttnPlan, comm_f: float) -> list[float]:
         pytest.param({"comm_cost_factor": float("nan")}, "comm_cost_factor", id="nan-cost"),
         pytest.param({"calc_cost_factor": -1.0}, "calc_cost_factor", id="negative-cost"),
         pytest.param({"dispatch_alg": "best"}, "alg", id="bad-alg"),
-        pytest.param({"chunk_size": 7}, "chunk_size", id="chunk"),
+        pytest.param({"chunk_size": 0}, "chunk_size", id="chunk"),
     ],
 )
 def test_plan_rejects(kwargs: dict, match: str) -> None:
     args = {"chunk_size": 8} | kwargs
     chunk = args.pop("chunk_size")
     with pytest.raises(ValueError, match=match):
-        plan_dist_attn([[0, 64]], [[0, 64]], "causal", 64, 2, chunk, **args)
+        plan_attention([[0, 64]], [[0, 64]], "causal", 64, 2, chunk_size=chunk, options=PlanOptions(**args))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -193,6 +211,19 @@ def test_plan_exact_on_larger_random_masks(seed: int, cp: int, chunk: int) -> No
     n = 192
     q, k, t = random_mask(np.random.default_rng(1000 + seed), n, max_cells=14, raw_slices=10)
     for degree in (0, 2, None):
-        plan = plan_dist_attn(q, k, t, n, cp, chunk, overlap_degree=degree, min_chunk_size=5, max_num_chunks=6,
-                              dynamic_max_degree=4, comm_cost_factor=3.0)  # fmt: skip
+        plan = plan_attention(
+            q,
+            k,
+            t,
+            n,
+            cp,
+            chunk_size=chunk,
+            options=PlanOptions(
+                overlap_degree=degree,
+                min_chunk_size=5,
+                max_num_chunks=6,
+                dynamic_max_degree=4,
+                comm_cost_factor=3.0,
+            ),
+        )
         check_plan(plan, dense_mask(q, k, t, n, n))

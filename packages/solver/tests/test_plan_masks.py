@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import magi_solver
-from magi_solver import plan_dist_attn, solve_dispatch
+from magi_solver import PlanOptions, plan_attention, solve_dispatch
 from magi_solver.builders import (
     make_block_causal_mask,
     make_global_window_mask,
@@ -40,21 +40,37 @@ MASKS = {
 def test_plan_on_builder_masks(name: str, cp: int, chunk: int, degree: int) -> None:
     q, k, t = MASKS[name]
     n = 105
-    plan = plan_dist_attn(q, k, t, n, cp, chunk, overlap_degree=degree, min_chunk_size=4, max_num_chunks=5)
+    plan = plan_attention(
+        q,
+        k,
+        t,
+        n,
+        cp,
+        chunk_size=chunk,
+        options=PlanOptions(overlap_degree=degree, min_chunk_size=4, max_num_chunks=5),
+    )
     check_plan(plan, dense_mask(q, k, t, n, n))
 
 
 def test_plan_with_zigzag_and_affinity_dispatch() -> None:
     q, k, t = make_sliding_window_mask([0, 13, 40, 90, 120], (6, 0))  # 120 = 3 ranks x 8 chunks x 5
     for alg in ("zigzag", "affinity", "sequential"):
-        plan = plan_dist_attn(q, k, t, 120, 3, 5, dispatch_alg=alg, overlap_degree=2, min_chunk_size=2)
+        plan = plan_attention(
+            q,
+            k,
+            t,
+            120,
+            3,
+            chunk_size=5,
+            options=PlanOptions(dispatch_alg=alg, overlap_degree=2, min_chunk_size=2),
+        )
         assert plan.dispatch.alg == alg
         check_plan(plan, dense_mask(q, k, t, 120, 120))
 
 
 def test_cp1_plan_has_only_empty_stages() -> None:
     q, k, t = MASKS["prefix-lm"]
-    plan = plan_dist_attn(q, k, t, 105, 1, 5, overlap_degree=2)
+    plan = plan_attention(q, k, t, 105, 1, chunk_size=5, options=PlanOptions(overlap_degree=2))
     assert plan.num_stages == 2 and plan.ranks[0].num_remote_tokens == 0
     assert all(
         s.cast.input_split_sizes == (105,) and s.cast.dst_indices == ((),) for s in plan.ranks[0].stages
@@ -64,7 +80,9 @@ def test_cp1_plan_has_only_empty_stages() -> None:
 
 def test_more_stages_than_overlap_chunks_gives_empty_stages() -> None:
     q, k, t = MASKS["varlen-causal"]
-    plan = plan_dist_attn(q, k, t, 105, 3, 5, overlap_degree=6, min_chunk_size=1000)
+    plan = plan_attention(
+        q, k, t, 105, 3, chunk_size=5, options=PlanOptions(overlap_degree=6, min_chunk_size=1000)
+    )
     for rp in plan.ranks:
         sizes = [s.num_remote_tokens for s in rp.stages]
         assert len(sizes) == 6 and sizes[1:] == [0] * 5  # one overlap chunk: everything in stage 0
@@ -73,9 +91,18 @@ def test_more_stages_than_overlap_chunks_gives_empty_stages() -> None:
 
 def test_plan_is_a_pure_hashable_value() -> None:
     q, k, t = MASKS["global-window"]
-    a = plan_dist_attn(q, k, t, 105, 5, 7, overlap_mode="dynamic", dynamic_max_degree=3)
-    b = plan_dist_attn(q.to_list(), k.to_list(), [int(x) for x in t], 105, 5, 7, overlap_degree=None,
-                       dynamic_max_degree=3)  # fmt: skip
+    a = plan_attention(
+        q, k, t, 105, 5, chunk_size=7, options=PlanOptions(overlap_mode="dynamic", dynamic_max_degree=3)
+    )
+    b = plan_attention(
+        q.to_list(),
+        k.to_list(),
+        [int(x) for x in t],
+        105,
+        5,
+        chunk_size=7,
+        options=PlanOptions(overlap_degree=None, dynamic_max_degree=3),
+    )
     assert a == b and hash(a) == hash(b)
     assert a.transfer_matrix(0).sum() == sum(rp.stages[0].num_remote_tokens for rp in a.ranks)
 
@@ -87,7 +114,7 @@ def test_numpy_inputs_are_accepted() -> None:
     assert plan.rank_areas and sum(plan.chunk_areas) == 50 * 51 // 2 + 55 * 55
 
 
-@pytest.mark.parametrize("fn", [magi_solver.solve_dispatch, magi_solver.plan_dist_attn])
+@pytest.mark.parametrize("fn", [magi_solver.solve_dispatch, magi_solver.plan_attention])
 def test_public_docstrings_name_every_parameter(fn) -> None:
     doc = fn.__doc__ or ""
     for name in inspect.signature(fn).parameters:
@@ -106,11 +133,13 @@ def test_plan_reuses_a_given_dispatch() -> None:
     q1, k1, t1 = MASKS["varlen-causal"]
     q2, k2, t2 = MASKS["swa"]
     d1 = solve_dispatch(q1, k1, t1, 105, 5, 7)
-    plan = plan_dist_attn(q2, k2, t2, 105, 5, 7, dispatch=d1, overlap_degree=2, min_chunk_size=3)
+    plan = plan_attention(
+        q2, k2, t2, 105, 5, chunk_size=7, options=PlanOptions(overlap_degree=2, min_chunk_size=3), dispatch=d1
+    )
     assert plan.dispatch.partitions == d1.partitions
     assert plan.dispatch.rank_areas != d1.rank_areas  # the new mask's costs
     check_plan(plan, dense_mask(q2, k2, t2, 105, 105))
     with pytest.raises(ValueError, match="dispatch"):
-        plan_dist_attn(q2, k2, t2, 105, 3, 7, dispatch=d1)
+        plan_attention(q2, k2, t2, 105, 3, chunk_size=7, dispatch=d1)
     with pytest.raises(TypeError, match="dispatch"):
-        plan_dist_attn(q2, k2, t2, 105, 5, 7, dispatch=d1.partitions)  # type: ignore[arg-type]
+        plan_attention(q2, k2, t2, 105, 5, chunk_size=7, dispatch=d1.partitions)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from magi_solver import DispatchAlg, KVLayout, plan_dist_attn, solve_dispatch
+from magi_solver import DispatchAlg, KVLayout, PlanOptions, plan_attention, solve_dispatch
 from magi_solver.dispatch import _refine_swaps
 from magi_solver.testing import check_plan, dense_mask, plan_coverage, random_mask, simulate_group_cast
 
@@ -112,10 +112,22 @@ GEOMS = [(1, 5, 13), (2, 4, 30), (3, 4, 50), (3, 7, 61), (4, 3, 31), (5, 2, 23),
 def test_uneven_plan_is_exact(seed: int, geom: tuple[int, int, int], degree, alg: str) -> None:
     cp, chunk, total = geom
     q, k, t = random_mask(np.random.default_rng(seed), total)
-    plan = plan_dist_attn(
-        q, k, t, total, cp, chunk, dispatch_alg=alg, overlap_degree=degree, min_chunk_size=3,
-        max_num_chunks=4, dynamic_max_degree=2, uneven_shard=True,
-    )  # fmt: skip
+    plan = plan_attention(
+        q,
+        k,
+        t,
+        total,
+        cp,
+        chunk_size=chunk,
+        options=PlanOptions(
+            dispatch_alg=alg,
+            overlap_degree=degree,
+            min_chunk_size=3,
+            max_num_chunks=4,
+            dynamic_max_degree=2,
+            uneven_shard=True,
+        ),
+    )
     check_plan(plan, dense_mask(q, k, t, total, total))
     for rp, n in zip(plan.ranks, plan.dispatch.shard_seqlens):
         assert rp.local_seqlen == n
@@ -123,7 +135,16 @@ def test_uneven_plan_is_exact(seed: int, geom: tuple[int, int, int], degree, alg
             assert sum(s.cast.input_split_sizes) == n
     # a second mask over the same (uneven) dispatch
     q2, k2, t2 = random_mask(np.random.default_rng(seed + 1), total)
-    again = plan_dist_attn(q2, k2, t2, total, cp, chunk, dispatch=plan.dispatch, uneven_shard=True)
+    again = plan_attention(
+        q2,
+        k2,
+        t2,
+        total,
+        cp,
+        chunk_size=chunk,
+        options=PlanOptions(uneven_shard=True),
+        dispatch=plan.dispatch,
+    )
     assert again.dispatch.partitions == plan.dispatch.partitions
     check_plan(again, dense_mask(q2, k2, t2, total, total))
 
@@ -143,10 +164,16 @@ def test_uneven_cross_plan(cp: int, seed: int) -> None:
             qr.append([a, b]), kr.append([c, d]), tm.append(int(rng.integers(4)))
     if not qr:
         qr, kr, tm = [[0, tq]], [[0, tk]], [0]
-    plan = plan_dist_attn(
-        qr, kr, tm, tq, cp, cq, overlap_degree=1, min_chunk_size=2, total_seqlen_k=tk, kv_chunk_size=ck,
-        uneven_shard=True,
-    )  # fmt: skip
+    plan = plan_attention(
+        qr,
+        kr,
+        tm,
+        tq,
+        cp,
+        chunk_size=cq,
+        options=PlanOptions(overlap_degree=1, min_chunk_size=2, uneven_shard=True),
+        kv_layout=KVLayout(tk, cp, ck, True),
+    )
     dense = (dense_mask(qr, kr, tm, tq, tk) > 0).astype(np.int64)
     assert (plan_coverage(plan) == dense).all() and (plan_coverage(plan, merged=True) == dense).all()
     kv = plan.kv_layout
@@ -188,7 +215,16 @@ def test_uneven_rejects(args: tuple[int, int, int], match: str) -> None:
 def test_uneven_flag_must_match_a_given_dispatch() -> None:
     padded = solve_dispatch([[0, 32]], [[0, 32]], 1, 32, 2, 4)
     with pytest.raises(ValueError, match="uneven_shard"):
-        plan_dist_attn([[0, 32]], [[0, 32]], 1, 32, 2, 4, dispatch=padded, uneven_shard=True)
+        plan_attention(
+            [[0, 32]],
+            [[0, 32]],
+            1,
+            32,
+            2,
+            chunk_size=4,
+            options=PlanOptions(uneven_shard=True),
+            dispatch=padded,
+        )
     with pytest.raises(TypeError, match="uneven_shard"):
         solve_dispatch([[0, 32]], [[0, 32]], 1, 32, 2, 4, uneven_shard=1)
 

@@ -1,9 +1,8 @@
 """magi_solver: pure-Python planning for distributed attention (no torch).
 
 Mask algebra (`AttnRange`, `AttnRanges`, `AttnMaskType`, `AttnSlice`), mask builders, the dispatch solver
-(`solve_dispatch`), and the full plan (`plan_attention`, which also chooses the chunk size per mask;
-`plan_dist_attn` is its keyword wrapper): per-rank host/remote slices, GroupCast/GroupReduce
-arguments and overlap stages, with the overlap degree priced by a cost model (`OverlapCostModel`, `CostProfile`,
+(`solve_dispatch`), and the full plan (`plan_attention`, the one door to the planner, which also chooses
+the chunk size per mask): per-rank host/remote slices, GroupCast/GroupReduce arguments and overlap stages, with the overlap degree priced by a cost model (`OverlapCostModel`, `CostProfile`,
 `get_profile`).
 """
 

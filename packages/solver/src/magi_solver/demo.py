@@ -16,7 +16,7 @@ import numpy as np
 
 from .builders import lognormal_doc_lengths, make_varlen_causal_mask
 from .dispatch import solve_dispatch
-from .plan import plan_dist_attn
+from .plan import PlanOptions, plan_attention
 
 __all__ = ["main", "varlen_doc_lengths"]
 
@@ -58,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("-" * len(head))
     for cp in args.cp:
         t0 = time.perf_counter()
-        plan = plan_dist_attn(q, k, t, args.total, cp, args.chunk, overlap_degree=2)
+        plan = plan_attention(
+            q, k, t, args.total, cp, chunk_size=args.chunk, options=PlanOptions(overlap_degree=2)
+        )
         ms = (time.perf_counter() - t0) * 1e3
         s = plan.summary()
         zig = solve_dispatch(q, k, t, args.total, cp, args.chunk, alg="zigzag").imbalance

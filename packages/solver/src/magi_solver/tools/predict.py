@@ -29,13 +29,13 @@ FLOP(bwd) = 2.5 x FLOP(fwd), as in the benchmarks.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._assemble import Dispatched, build_plan
 from .._slicing import clip_rows, host_area_of
 from ..cost_model import BWD_FLOP_RATIO, OverlapCostModel
 from ..dispatch import DispatchPlan, dispatch_slices, padded_seqlen
@@ -107,6 +107,34 @@ class Workload:
             law=law,
         )
 
+    def plan_options(self, cost_model: OverlapCostModel) -> PlanOptions:
+        """The planner options of this workload, its schedules priced by `cost_model`."""
+        return PlanOptions(
+            # a chosen chunk size comes with a chosen placement and algorithm, as in the runtime
+            dispatch_alg=None if self.chunk_size is None else "min_heap",
+            overlap_degree=self.overlap_degree,
+            overlap_mode="dynamic" if self.overlap_degree is None else "static",
+            dynamic_max_degree=self.max_degree,
+            min_chunk_size=self.min_chunk_size,
+            max_num_chunks=self.max_num_chunks,
+            cost_model=cost_model,
+            uneven_shard=self.uneven_shard,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Pricing:
+    """What prices every scheme of one prediction: the hardware, the kernel family, the workload and the
+    kernel law (None: the profile's TFLOP/s)."""
+
+    hw: HardwareProfile
+    family: MaskFamily
+    workload: Workload
+    law: KernelLaw | None
+
+    def model(self, comm_gbps: float | None = None, heads_div: int = 1) -> OverlapCostModel:
+        return self.workload.model(self.hw, self.family, comm_gbps, heads_div, law=self.law)
+
 
 def _link_time(intra_bytes: float, inter_bytes: float, hw: HardwareProfile) -> float:
     return max(intra_bytes / (hw.nvlink_gbps * 1e9), inter_bytes / (hw.internode_gbps * 1e9))
@@ -164,7 +192,7 @@ def predict_cp(
     """Plan the mask at one cp size and price magi, ring, all-gather and Ulysses with one cost model.
 
     Args:
-        q_ranges, k_ranges, attn_mask_type: the mask, as in `plan_dist_attn`.
+        q_ranges, k_ranges, attn_mask_type: the mask, as in `plan_attention`.
         total_seqlen: tokens of the mask; padded up to a multiple of `chunk_size * cp_size` (padding rows
             attend to nothing), except for magi's own plan when `workload.uneven_shard`.
         cp_size: number of ranks.
@@ -185,21 +213,17 @@ def predict_cp(
     whole = normalize_mask(q_ranges, k_ranges, attn_mask_type, int(total_seqlen), int(total_seqlen))
     mask_law = law_for_mask(whole, int(total_seqlen), hw.name)
     law = mask_law if find_kernel_law(hw.name, mask_law.fwd.backend, mask_law.bwd.backend) else None
-    nvl_model = w.model(hw, fam, law=law)
-    options = PlanOptions(
-        # a chosen chunk size comes with a chosen placement and algorithm, as in the runtime
-        dispatch_alg=None if w.chunk_size is None else "min_heap",
-        overlap_degree=w.overlap_degree,
-        overlap_mode="dynamic" if w.overlap_degree is None else "static",
-        dynamic_max_degree=w.max_degree,
-        min_chunk_size=w.min_chunk_size,
-        max_num_chunks=w.max_num_chunks,
-        cost_model=nvl_model,
-        uneven_shard=w.uneven_shard,
-    )
+    pricing = _Pricing(hw, fam, w, law)
+    nvl_model = pricing.model()
     # magi's plan: the runtime's one path (the chunk size chosen unless the workload gives one)
     plan = plan_attention(
-        q_ranges, k_ranges, attn_mask_type, int(total_seqlen), cp, chunk_size=w.chunk_size, options=options
+        q_ranges,
+        k_ranges,
+        attn_mask_type,
+        int(total_seqlen),
+        cp,
+        chunk_size=w.chunk_size,
+        options=w.plan_options(nvl_model),
     )
     chunk = plan.dispatch.chunk_size
     padded = padded_seqlen(int(total_seqlen), cp, chunk)
@@ -212,16 +236,9 @@ def predict_cp(
     magi_shards = plan.dispatch.shard_seqlens
     split = _source_split(plan, hw) if cp > 1 else [(0, 0)]
     eff = [_effective_gbps(a, b, hw) for a, b in split]
-    if cp > hw.gpus_per_node:  # re-price the degree choice with the inter-node links (same dispatch)
-        model = w.model(hw, fam, min(eff), law=law)
-        choice = plan.choice
-        plan = plan_attention(
-            q_ranges, k_ranges, attn_mask_type, magi_total, cp, chunk_size=chunk,
-            options=dataclasses.replace(options, cost_model=model), dispatch=plan.dispatch,
-        )  # fmt: skip
-        object.__setattr__(
-            plan, "choice", choice.with_plan(plan.overlap_degree, max(plan.remote_tokens_per_rank))
-        )
+    if cp > hw.gpus_per_node:  # re-price the degree choice with the inter-node links (same dispatch, choice)
+        step = Dispatched(plan.dispatch, slices, plan.choice)
+        plan = build_plan(step, w.plan_options(pricing.model(min(eff))))
     plan_s = time.perf_counter() - t0
 
     kv_tok = nvl_model.kv_bytes_per_token
@@ -231,7 +248,7 @@ def predict_cp(
     # magi: every rank's own schedule at its own effective bandwidth
     fwd = bwd = 0.0
     for r, rp in enumerate(plan.ranks):
-        m = w.model(hw, fam, eff[r], law=law)
+        m = pricing.model(eff[r])
         args = (
             plan.overlap_degree,
             rp.host_area,
@@ -255,7 +272,7 @@ def predict_cp(
         for name in SCHEMES[1:]:
             schemes[name] = dict(schemes["magi"])
     else:
-        _baselines(schemes, slices, padded, cp, shard, area, flop_fwd, hw, fam, w, kv_tok, law)
+        schemes.update(_baselines(pricing, slices, padded, cp))
 
     # every rank's kernel time by the law (the numbers the dispatch choice balances), and its key columns
     price = price_plan(plan.dispatch, slices, mask_law.scaled(w.num_heads_q, w.head_dim), cross=False)
@@ -301,24 +318,21 @@ def predict_cp(
 
 
 def _baselines(
-    schemes: dict[str, dict[str, Any]],
-    slices: list[tuple[int, int, int, int, int]],
-    padded: int,
-    cp: int,
-    shard: int,
-    area: int,
-    flop_fwd: float,
-    hw: HardwareProfile,
-    fam: MaskFamily,
-    w: Workload,
-    kv_tok: int,
-    law: KernelLaw | None,
-) -> None:
+    pricing: _Pricing, slices: list[tuple[int, int, int, int, int]], padded: int, cp: int
+) -> dict[str, dict[str, Any]]:
+    """Ring, all-gather and Ulysses on the padded sequence (`padded` tokens, zigzag shards over `cp > 1`
+    ranks), by scheme name."""
+    hw, w = pricing.hw, pricing.workload
+    shard = padded // cp
+    area = total_area(slices)
+    flop_fwd = 4.0 * area * w.num_heads_q * w.head_dim
+    schemes: dict[str, dict[str, Any]] = {}
     spans_nodes = cp > hw.gpus_per_node
     link = hw.internode_gbps if spans_nodes else hw.nvlink_gbps
     zig = dispatch_slices(slices, padded, cp, padded // (2 * cp), "zigzag")
     am = _area_matrix(zig, slices)
-    m = w.model(hw, fam, link, law=law)
+    m = pricing.model(link)
+    kv_tok = m.kv_bytes_per_token
     others = padded - shard
 
     ring_f = ring_b = ag_f = ag_b = 0.0
@@ -356,8 +370,8 @@ def _baselines(
             "skipped": f"heads {w.num_heads_q}:{w.num_heads_kv} not divisible by cp {cp}",
             "imbalance": 1.0,
         }
-        return
-    um = w.model(hw, fam, heads_div=cp, law=law)
+        return schemes
+    um = pricing.model(heads_div=cp)
     peers_intra = min(hw.gpus_per_node, cp) - 1
     peers_inter = cp - 1 - peers_intra
     per_peer = shard / cp * w.head_dim * w.bytes_per_elem  # bytes of one head's piece to one peer
@@ -374,3 +388,4 @@ def _baselines(
     schemes["ulysses"] = _scheme(
         fwd, bwd, flop_fwd, cp, imbalance=1.0, comm_tokens_per_rank=None, comm_bytes_per_rank=int(sent_fwd)
     )
+    return schemes
