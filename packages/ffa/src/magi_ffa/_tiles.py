@@ -17,6 +17,7 @@ block_n2`` for those that own a q block (``block_m2`` rows held, keys walked ``b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -59,23 +60,33 @@ class BwdTiles:
 _F, _B = FwdTiles, BwdTiles
 
 # arch -> dtype class -> head_dim -> tiles. A head_dim between rows takes the next larger row.
+# fp32 (a correctness path, not measured; see above): Hopper and Blackwell datacenter share their rows
+_FWD_FP32_SM90 = {64: _F(128, 32, 4, 3), 128: _F(32, 64, 4, 3), 256: _F(32, 32, 4, 3)}
+_FWD_SM80 = {
+    "16bit": {64: _F(128, 64, 4, 3), 128: _F(128, 64, 8, 3), 256: _F(32, 64, 4, 3)},
+    "fp32": {64: _F(128, 32, 4, 3), 128: _F(128, 32, 4, 3), 256: _F(64, 16, 4, 3)},
+}
+
+
+def _with_stages(rows: dict[str, dict[int, FwdTiles]], num_stages: int) -> dict[str, dict[int, FwdTiles]]:
+    """The same tiles with another pipeline depth."""
+    return {
+        c: {d: dataclasses.replace(t, num_stages=num_stages) for d, t in r.items()} for c, r in rows.items()
+    }
+
+
 _FWD: dict[str, dict[str, dict[int, FwdTiles]]] = {
     "sm90": {
         "16bit": {64: _F(128, 64, 4, 3), 128: _F(128, 128, 8, 3), 256: _F(64, 32, 4, 2)},
-        "fp32": {64: _F(128, 32, 4, 3), 128: _F(32, 64, 4, 3), 256: _F(32, 32, 4, 3)},
+        "fp32": _FWD_FP32_SM90,
     },
-    "sm80": {
-        "16bit": {64: _F(128, 64, 4, 3), 128: _F(128, 64, 8, 3), 256: _F(32, 64, 4, 3)},
-        "fp32": {64: _F(128, 32, 4, 3), 128: _F(128, 32, 4, 3), 256: _F(64, 16, 4, 3)},
-    },
+    "sm80": _FWD_SM80,
     "sm100": {
         "16bit": {64: _F(128, 128, 4, 3), 128: _F(128, 64, 8, 3), 256: _F(64, 32, 4, 3)},
-        "fp32": {64: _F(128, 32, 4, 3), 128: _F(32, 64, 4, 3), 256: _F(32, 32, 4, 3)},
+        "fp32": _FWD_FP32_SM90,
     },
-    "sm120": {
-        "16bit": {64: _F(128, 64, 4, 2), 128: _F(128, 64, 8, 2), 256: _F(32, 64, 4, 2)},
-        "fp32": {64: _F(128, 32, 4, 2), 128: _F(128, 32, 4, 2), 256: _F(64, 16, 4, 2)},
-    },
+    # Blackwell consumer: Ampere's tiles two stages deep (less shared memory per SM than sm90 / sm100)
+    "sm120": _with_stages(_FWD_SM80, 2),
 }
 # fp32 (a correctness path, not measured; see above): the same small backward tiles on every architecture
 _BWD_FP32 = {d: _B(16, 16, 16, 16, 4, 1) for d in (64, 128, 256)}

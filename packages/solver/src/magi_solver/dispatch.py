@@ -14,6 +14,7 @@ of its rank: every other chunk starts at `index * chunk_size` of its rank's loca
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -700,15 +701,9 @@ def redispatch_areas(plan: DispatchPlan, slices: list[tuple[int, int, int, int, 
     where they are, only the costs change.
     """
     areas = chunk_areas(slices, plan.total_seqlen, plan.chunk_size).tolist()
-    return DispatchPlan(
-        total_seqlen=plan.total_seqlen,
-        cp_size=plan.cp_size,
-        chunk_size=plan.chunk_size,
-        num_chunks=plan.num_chunks,
-        partitions=plan.partitions,
+    return dataclasses.replace(
+        plan,
         chunk_areas=tuple(areas),
         rank_areas=tuple(sum(areas[c] for c in p) for p in plan.partitions),
-        alg=plan.alg,
         lower_bound=dispatch_lower_bound(areas, plan.cp_size),
-        uneven_shard=plan.uneven_shard,
     )
