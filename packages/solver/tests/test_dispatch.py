@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magi_solver import DispatchAlg, dispatch_lower_bound, solve_dispatch
-from magi_solver.dispatch import _comm_swaps, _estimated_comm, _key_need_matrix, _min_heap, chunk_areas
+from magi_solver.chunk_assignment import _comm_swaps, _estimated_comm, _min_heap
+from magi_solver.chunk_geometry import _key_need_matrix, chunk_areas
 from magi_solver.mask import normalize_mask
 from magi_solver.testing import dense_mask, random_mask
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magi_solver import DispatchAlg, KVLayout, PlanOptions, plan_attention, solve_dispatch
-from magi_solver.dispatch import _refine_swaps
+from magi_solver.chunk_assignment import _refine_swaps
 from magi_solver.testing import check_plan, dense_mask, plan_coverage, random_mask, simulate_group_cast
 
 ALGS = [a.value for a in DispatchAlg]
