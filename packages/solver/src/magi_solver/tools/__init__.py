@@ -3,7 +3,9 @@ gallery use, and the runtime never does.
 
 - `hardware`: GPU profiles (kernel TFLOP/s per mask family, link bandwidths) for the predictions.
 - `predict`: one mask's predicted cost at one cp size, magi's plan against ring, all-gather and Ulysses.
+- `cli_input`: a command line's mask, model shapes and hardware as the planner's inputs.
+- `cli_report`: the command's tables and PNGs.
 - `plot`: pictures of masks and plans (matplotlib, the `plot` extra, imported only when drawing).
 """
 
-__all__ = ["hardware", "plot", "predict"]
+__all__ = ["cli_input", "cli_report", "hardware", "plot", "predict"]
