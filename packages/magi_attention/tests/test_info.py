@@ -52,8 +52,9 @@ def test_a_wrong_backend_fails_the_check(monkeypatch, capsys) -> None:
 
         return bad_fwd, bwd
 
-    monkeypatch.setattr(info, "kernel_fns", wrong)
-    monkeypatch.setattr(info, "BACKENDS", ("torch",))
+    # --check looks both up in its own module
+    monkeypatch.setattr(info.check, "kernel_fns", wrong)
+    monkeypatch.setattr(info.check, "BACKENDS", ("torch",))
     code = info.main(["--check"])
     text = capsys.readouterr().out
     assert code == 1
@@ -98,25 +99,25 @@ def test_a_package_imported_from_the_source_tree_shows_its_version(monkeypatch) 
     """A clone on PYTHONPATH has no distribution metadata: the module's version, marked, not "not installed"."""
 
     def missing(dist: str) -> str:
-        raise info.metadata.PackageNotFoundError(dist)
+        raise info.report.metadata.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(info.metadata, "version", missing)
+    monkeypatch.setattr(info.report.metadata, "version", missing)
     import magi_solver
 
-    assert info._version("magi-solver") == f"{magi_solver.__version__} (source)"
-    assert info._version("magi-no-such-package") is None
-    assert info._version("numpy") is None
+    assert info.report._version("magi-solver") == f"{magi_solver.__version__} (source)"
+    assert info.report._version("magi-no-such-package") is None
+    assert info.report._version("numpy") is None
 
 
 def test_a_long_path_stands_whole_on_its_own_line() -> None:
     path = "/root/.cache/magi_attention/" + "a_rather_long_directory_name_" * 3 + "fa4_compiled_kernels"
-    lines = info._wrap("fa4    ", f"12.5 MiB, {path} (MAGI_ATTENTION_CACHE_DIR)")
+    lines = info.text._wrap("fa4    ", f"12.5 MiB, {path} (MAGI_ATTENTION_CACHE_DIR)")
     assert path in lines, lines  # the path is a line by itself, not split
     assert all(len(line) <= 80 for line in lines if line != path), lines
     assert " ".join(" ".join(lines).split()) == f"fa4 12.5 MiB, {path} (MAGI_ATTENTION_CACHE_DIR)"
-    short = info._wrap("root   ", "1.0 KiB, /tmp/x (default)")
+    short = info.text._wrap("root   ", "1.0 KiB, /tmp/x (default)")
     assert short == ["  root   1.0 KiB, /tmp/x (default)"]
-    assert info._fit(path) == path and info._fit("x " * 50).endswith("...")
+    assert info.text._fit(path) == path and info.text._fit("x " * 50).endswith("...")
 
 
 def test_bench_builds_calc_attn_keys_at_cp_1() -> None:
@@ -127,5 +128,5 @@ def test_bench_builds_calc_attn_keys_at_cp_1() -> None:
     q = torch.zeros(256, 4, 32)
     k = torch.zeros(256, 2, 32)
     for mask in standard_masks(256, window=64):
-        key = info._key(mask, q, k, "torch")
-        assert info._pick(key) == ["torch", "torch"]
+        key = info.bench._key(mask, q, k, "torch")
+        assert info.bench._pick(key) == ["torch", "torch"]
