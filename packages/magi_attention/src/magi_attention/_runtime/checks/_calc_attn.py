@@ -46,7 +46,8 @@ class CalcAttnCall:
 
 def check_tensors(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) -> None:
     """q, k, v against the key: tensors `[local_tokens, heads, head_dim]` of this rank's shard, the key's
-    head counts and head_dim, one dtype, one device, a dtype the key's kernel backend takes."""
+    head counts and head_dim, one dtype, one device (the dtype itself: `check_dtype`, then the kernel
+    backend's refinement, in `validate_calc_attn`)."""
     q_shard, kv_shard = runtime.local_seqlen, runtime.kv_local_seqlen
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -70,7 +71,6 @@ def check_tensors(q, k, v, key: DistAttnRuntimeKey, runtime: DistAttnRuntime) ->
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    runtime.kernel_choice.backend_for(q.dtype, key.head_dim)  # an explicit backend that cannot take q's dtype
 
 
 def validate_calc_attn(
