@@ -1,13 +1,6 @@
-"""Distributed context-parallel benchmark: magi-attention (once per ``--kernel-backend`` and ``--degrees``
-entry) against the same-kernel baselines (baselines/same_kernel.py) and what a user would pick today
-(baselines/user.py), on the same inputs; a system that cannot run a case gets a "skipped: <reason>" row.
+"""Distributed context-parallel benchmark: magi-attention against the baselines on the same inputs.
 
-    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --tokens-per-gpu 16384 --out /tmp/cp_bench
-    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --device cpu --tokens-per-gpu 64 \\
-        --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
-
-Per case: one checked step (rel diff against the first magi row), ``--warmup`` more, ``--iters`` timed (the
-slowest rank per iteration; median and p25-p75). Writes ``<out>.json`` and ``<out>.md`` (rank 0).
+What it measures and how to run it: docs/benchmarks/cases.md (cp).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Cost of the always-on failure checks (docs/failure_modes.md): key creation with and without the
-fingerprint all-gather, the table check at plan construction, calc_attn's extra local checks, and
-(``--agreement``) the status agreement of every collective call, alone and in a calc_attn step.
+"""Cost of the always-on failure checks (docs/failure_modes.md).
 
-    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead                  # CPU, gloo, world 2
-    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead --agreement
-    torchrun --standalone --nproc-per-node 2 -m benchmarks checks-overhead --agreement \
-        --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
-
-Prints one table on rank 0.
+What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead).
 """
 
 from __future__ import annotations

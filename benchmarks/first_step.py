@@ -1,24 +1,6 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
 
-Each run is a fresh child process. ``first_step_s``: the clock starts at the first ``calc_attn`` call and
-stops when its backward has finished (compiles included); steps 2-3 give the steady state.
-
-The breakdown (``--breakdown auto,fa4,cudnn``, each backend cold then warm on its own fresh cache directory)
-follows one fresh process from its launch: the interpreter's start, ``import torch``, our imports
-(``import magi_attention``), CUDA's start, the first key, the first forward + backward, then a second, new
-mask's key and step. The vendors' imports (``flash_attn``, ``cudnn``, ``cutlass``, ``quack``, wherever they
-happen: the key imports those of its chosen backend) are timed apart and taken out of the stage that made
-them; ``ours_s`` is our imports + the first key + the first forward and backward without them. Beside it,
-``import torch`` alone and ``import torch`` + ``import cudnn.flex_attention``, each in a fresh process
-(what a user of cuDNN's own call pays before its first step). ``kernel_backend="auto"``, a
-16k-token packed causal documents mask, heads 64:8, head_dim 128, bf16. Runs, all with
-``MAGI_ATTENTION_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` below it) on a fresh directory: ``cp1`` cold, ``cp1``
-warm, ``cp1_warmup`` (``magi_attention.warmup(key)`` first), then ``sim8`` / ``sim8_warmup`` (the simulated
-cp 8 loop) on a second fresh directory. The cache's size is recorded after each run;
-results in ``first_step.json`` under ``--out-dir`` (default ``benchmarks/results/``).
-
-    python -m benchmarks first-step --out-dir $OUT     # on one GPU, about 2-4 minutes
-    python -m benchmarks first-step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
+What it measures and how to run it: docs/benchmarks/cases.md (first-step).
 """
 
 from __future__ import annotations

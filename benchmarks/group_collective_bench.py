@@ -1,11 +1,6 @@
-"""GroupCast benchmark (magi-group-collective): bytes per rank of magi-solver's comm plans against ring /
-all-gather K/V (CPU), and the GroupCast / GroupReduce bandwidth on GPUs (a2av and native beside
-``all_to_all_single``; GB/s = bytes each rank sends / time of one call, the slowest rank).
+"""GroupCast benchmark: comm-plan bytes against ring / all-gather K/V, and GroupCast / GroupReduce bandwidth.
 
-    .venv/bin/python -m benchmarks grpcoll                 # the bytes table (docs/benchmarks)
-    .venv/bin/python -m benchmarks grpcoll --json out.json # also JSON rows (git SHA, machine)
-    torchrun --standalone --nproc-per-node 2 -m benchmarks grpcoll --gpu-bandwidth \\
-        --sizes-mb 8,64,512 [--json out.json]
+What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
 """
 
 from __future__ import annotations

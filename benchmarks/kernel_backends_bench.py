@@ -1,14 +1,6 @@
-"""The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds (``do_bench``
-medians): magi-ffa-cudnn / -fa4 / Triton, cuDNN's flex_attention, FA4's native calls, FlexAttention and
-``calc_attn`` at cp = 1 (``auto``, ``calc_*``). A cell is the median over the rounds; TFLOP/s from the area.
+"""The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds.
 
-    python -m benchmarks kernels --seqlens 8192,32768 --head-dims 128,256 --out-dir /tmp/kb
-    python -m benchmarks kernels --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
-
-Results (``<tag>.json``, ``<tag>.md``) go to ``--out-dir``, by default ``benchmarks/results/``.
-
-``--write-table OUT --sources A.json[:mask+mask],... [--sim-sources fa4=A.json,...] [--base TABLE]`` writes
-the table ``kernel_backend="auto"`` reads from such runs.
+What it measures and how to run it: docs/benchmarks/cases.md (kernels).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Runtime measurements on one GPU.
+"""Runtime measurements on one GPU: cp = 1 overhead and simulated context parallelism.
 
-1. cp=1 overhead: `calc_attn` (cp group of one) against a raw `flex_flash_attn_func` call on the same mask.
-2. Simulated context parallelism: for cp 8/16/32/64, plan the mask, then run every rank's share of the
-   work (FFA on its host slices and on each remote stage's slices, forward and backward) on this GPU: every
-   rank once, then interleaved ``--rounds`` of the few candidates for the slowest rank (`pick_ranks`). Report
-   the slowest rank's compute time, the compute balance, the TFLOP/s/GPU it implies when communication is
-   hidden, and the time each stage's remote K/V would take on a 450 GB/s NVLink and a 50 GB/s inter-node link.
-   Beside ``auto`` an explicit ``--kernel-backend`` entry is the one-GPU yardstick (the whole mask in one call,
-   measured once per mask and size); ``--simulate-explicit`` also runs the ranks on it, and the table then
-   gives ``auto`` over the fastest explicit backend.
-
-    python -m benchmarks sim [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python -m benchmarks sim --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
-        --kernel-backend auto --single-backend fa4 --degree 0 --no-cp1 --scaling   # a row per dispatch
-    python -m benchmarks sim --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
-        --degree 0 --no-single --no-cp1
+What it measures and how to run it: docs/benchmarks/cases.md (sim).
 """
 
 from __future__ import annotations

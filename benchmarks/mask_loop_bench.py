@@ -1,18 +1,6 @@
-"""A training loop's view of the kernels: a new mask every step, forward + backward timed per step, per kernel
-backend, at cp 1 and in the simulated cp 8 loop, with the compiled-kernel caches (FA4, cuDNN flex_attention,
-magi_ffa's Triton) counted after every step. A warm-up (masks of other seeds, then
-``magi_ffa_fa4._launch_meta.warmup_masks``; ``--warmup-widths``) runs first. ``--check`` exits 1 when a timed
-step compiles (a cache grows, or a rank's step takes more than ``COMPILE_S`` longer than its re-run); ``--literal``
-also holds every step within 1.5x the median. For FA4 it lists the steps that bring a compile key the warm-up
-did not have.
+"""A training loop's view of the kernels: a new mask every step, step times and compiled-kernel caches.
 
-    python -m benchmarks mask-loop                                   # fa4,cudnn,triton,auto; cp 1 and 8
-    python -m benchmarks mask-loop --backends fa4 --cps 1 --check    # the GPU test's run
-    python -m benchmarks mask-loop --kinds docs_causal --same-area --literal --check  # training packs
-    python -m benchmarks mask-loop --backends fa4 --cps 8 --kinds docs_causal --same-area --profile slow.txt
-    python -m benchmarks mask-loop --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
-
-Writes ``mask_loop.json`` under ``--out-dir`` (default ``benchmarks/results/``) and prints a table.
+What it measures and how to run it: docs/benchmarks/cases.md (mask-loop).
 """
 
 from __future__ import annotations

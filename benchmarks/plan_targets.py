@@ -1,30 +1,6 @@
 """The planner's targets on the CPU: the default planner (placement chosen per mask) and the chunk dispatch.
 
-Default planner (no chunk size, no algorithm: `DispatchConfig()`): for each mask family, cp size and
-tokens per GPU, `magi-attention-plan --slices FILE --cp N --json` is run in this process and the table gives
-the placement it chose, its `time_imbalance` (`(max fwd + max bwd) / (mean fwd + mean bwd)` of the ranks'
-kernel times by the kernel law; target <= 1.05), the busiest rank's remote K/V and receive-buffer bytes over
-the chunk dispatch's (`DispatchConfig(alg="affinity")` with a chosen chunk size, the default of earlier
-releases; target <= 1.1), the predicted step (the magi scheme's fwd + bwd ms) and the plan time as a
-fraction of it.
-
-Chunk dispatch asked for by name (`alg="affinity"`, chunk size chosen): the area `imbalance` (target <= 1.03
-at 8k tokens per GPU, <= 1.05 at 2k) and its remote K/V over the fixed rule's (chunk `min(2048, ceil(total
-/ (8 cp)))`, min_heap; target <= 1.25): the targets of earlier releases, which now hold for this dispatch.
-
-Then the plan time: key normalisation plus the runtime's plan (default planner, dynamic overlap priced by
-the H200 profile and law, dispatch cache cleared) at `--plan-time-tokens` (1M) and cp 64, best of
-`--repeat` runs on one core (target <= 1 s).
-
-`--bounds`: the best E each row allows by the kernel law (`magi_solver.bounds.efficiency_bound`: perfect
-balance, the fewest contiguous cuts, a causal unit's later pieces reading all its earlier keys).
-
-Masks: `benchmarks.magi_attention_bench.make_mask`'s names (the scaling benchmark's), and the names of
-`benchmarks.common.make_mask` where that exists. Computed, not measured on GPUs.
-
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets                 # the tables
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --bounds        # the bounds table
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --json out.json
+What it measures and how to run it: docs/benchmarks/cases.md (plan-targets).
 """
 
 from __future__ import annotations
