@@ -69,8 +69,8 @@ def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], objec
 
     device = torch.device(DEVICE)
     if warm is not None:
-        out["warmup_s"] = common.host_times_ms(warm, 1, device=device)[0] / 1e3
-    steps = [t / 1e3 for t in common.host_times_ms(step, 3, device=device)]
+        out["warmup_s"] = common.times_ms(warm, 1, device=device)[0] / 1e3
+    steps = [t / 1e3 for t in common.times_ms(step, 3, device=device)]
     out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
     return out
 

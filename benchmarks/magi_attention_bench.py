@@ -60,7 +60,11 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
 
 def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median ms of `fn` by CUDA events (per-rank timing in the simulation: cheap enough for 64 ranks)."""
-    return common.events_median_ms(fn, iters, warmup) if DEVICE == "cuda" else _bench(fn)
+    return (
+        statistics.median(common.times_ms(fn, iters, events=True, warmup=warmup))
+        if DEVICE == "cuda"
+        else _bench(fn)
+    )
 
 
 def _whole_mask(mask: str, total: int, requires_grad: bool = False):

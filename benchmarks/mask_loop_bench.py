@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from benchmarks.cli import add_common, heads, write_results
-from benchmarks.common import host_times_ms, rank_kernel_calls
+from benchmarks.common import rank_kernel_calls, times_ms
 from magi_attention.simulate import auto_launchers, checked_slices, kernel_launchers
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
@@ -239,11 +239,11 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
                 _run_rank(kern, q, do, c)
 
         if profiled is None:
-            seconds, rerun = (ms / 1e3 for ms in host_times_ms(run, 2, device=dev))
+            seconds, rerun = (ms / 1e3 for ms in times_ms(run, 2, device=dev))
         else:  # the first run under torch.profiler: what a slow new mask spends its time on, host and device
             with profile(activities=activities) as prof:
-                seconds = host_times_ms(run, 1, device=dev)[0] / 1e3
-            rerun = host_times_ms(run, 1, device=dev)[0] / 1e3
+                seconds = times_ms(run, 1, device=dev)[0] / 1e3
+            rerun = times_ms(run, 1, device=dev)[0] / 1e3
             profiled.append(
                 prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
             )
