@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+from benchmarks.cli import write_json
+
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
 TERMS = ("tiles", "key_columns", "rows")
 
@@ -122,8 +124,6 @@ def main(args) -> int:
                 }
     out = {"gpu_kind": args.gpu, "unit": "us per tile (128^2 pairs), key column (128 keys), row (128 queries), call",
            "shape": "64:8 heads, head dim 128, bf16", "data": sorted({r["file"] for r in recs}), "laws": laws}  # fmt: skip
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_json(args.out, out)
     print(f"wrote {args.out}")
     return 0

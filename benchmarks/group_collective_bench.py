@@ -5,13 +5,14 @@ What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from benchmarks.cli import write_json
 
 BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head_dim 128, bf16
 RANKS_PER_NODE = 8
@@ -200,8 +201,6 @@ def gpu_bandwidth(args) -> int:
         results.append(_bandwidth_row(mb, world, rank, dev, row, token_bytes, timed))
         torch.cuda.empty_cache()
     if rank == 0:
-        import json
-
         import triton
 
         gbs = lambda r, k: r["bytes_sent"] / r[k] / 1e9  # noqa: E731
@@ -224,10 +223,9 @@ def gpu_bandwidth(args) -> int:
                     f"{n / a:.2f} | {checks} |"
                 )
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {"device": name, "world": world, "torch": torch.__version__, "rows": results}, f, indent=1
-                )
+            write_json(
+                args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results}
+            )
     ok = all(
         r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results
     )
@@ -265,7 +263,6 @@ def main(args) -> int:
     )
     print(bytes_table(brows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows], "args": vars(args)},
-                      f, indent=1)  # fmt: skip
+        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
+                                "args": vars(args)})  # fmt: skip
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
-import json
 import os
 import statistics
 import time
@@ -18,7 +17,7 @@ import torch
 import triton
 
 from benchmarks import common
-from benchmarks.cli import table, usage_error
+from benchmarks.cli import table, usage_error, write_json
 from benchmarks.common import SCALING_MASKS, kv_total, make_mask
 from magi_attention import DispatchConfig, DistAttnConfig
 from magi_attention.api import calc_attn, magi_attn_flex_key
@@ -590,8 +589,7 @@ def main(args) -> int:
 
 def _save(path: str | None, results: dict) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(path, results)
 
 
 def _alg_cell(r: dict) -> str:
