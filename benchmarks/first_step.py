@@ -41,10 +41,6 @@ class _Docs:
         self.types = [1] * len(lengths)
 
 
-def _mask() -> _Docs:
-    return _Docs()
-
-
 def _dtype():
     import torch
 
@@ -81,7 +77,7 @@ def child_cp1(warm: bool) -> dict:
     from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
 
     _start()
-    m = _mask()
+    m = _Docs()
     hq, hk, d = HEADS
     key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
                              DistAttnConfig(kernel_backend="auto"))  # fmt: skip
@@ -103,7 +99,7 @@ def child_sim8(warm: bool) -> dict:
     from magi_solver import PlanOptions, plan_attention
 
     _start()
-    m = _mask()
+    m = _Docs()
     hq, hk, d = HEADS
     cp = 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)

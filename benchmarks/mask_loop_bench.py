@@ -88,6 +88,9 @@ def loop_masks(steps: int, total: int, seed: int, kinds=KINDS, same_area: bool =
 
 
 # ------------------------------------------------------------------------------------------- caches
+_CACHE_MODULES = (("flash_attn.cute", "fa4"), ("cudnn.flex_attention", "cudnn"), ("magi_ffa", "triton"))
+
+
 def cache_entries() -> dict[str, int]:
     """Compiled kernels held in this process: FA4's and cuDNN's JIT caches (every ``*Cache`` object with a
     ``cache`` dict their modules hold, directly or as a function's ``compile_cache``), and the Triton kernels
@@ -95,15 +98,7 @@ def cache_entries() -> dict[str, int]:
     out = {"fa4": 0, "cudnn": 0, "triton": 0}
     seen: set[int] = set()
     for name, mod in list(sys.modules.items()):
-        group = (
-            "fa4"
-            if name.startswith("flash_attn.cute")
-            else "cudnn"
-            if name.startswith("cudnn.flex_attention")
-            else "triton"
-            if name.startswith("magi_ffa")
-            else None
-        )
+        group = next((g for prefix, g in _CACHE_MODULES if name.startswith(prefix)), None)
         if group is None or mod is None:
             continue
         try:
