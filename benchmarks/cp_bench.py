@@ -22,7 +22,7 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
-from benchmarks.cli import table, usage_error, write_results
+from benchmarks.cli import add_common, table, usage_error, write_results
 from benchmarks.common import mask_area
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention.api import (
@@ -538,10 +538,8 @@ def _parse_degrees(text: str) -> tuple[int | str, ...]:
 def add_arguments(ap) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tokens-per-gpu", default="8192,16384", help="comma-separated")
-    ap.add_argument("--masks", default=",".join(MASKS))
+    add_common(ap, masks=",".join(MASKS), heads="64:8", head_dim=128)
     ap.add_argument("--systems", default=",".join(s.value for s in System))
-    ap.add_argument("--heads", default="64:8", help="heads_q:heads_kv")
-    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
