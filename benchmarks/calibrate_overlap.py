@@ -1,9 +1,6 @@
-"""Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend: kernel
-throughput and per-call cost (a least-squares line over FULL masks of growing key length), the per-stage
-merge costs (at the measured copy bandwidth) and, with two or more ranks, the all-to-all bandwidth.
+"""Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend.
 
-``torchrun --standalone --nproc-per-node {1,2} -m benchmarks calibrate --out DIR`` writes
-``DIR/<gpu>_<backend>.json`` (``CostProfile.to_dict``; ``OverlapConfig(cost_profile=path)`` loads one).
+What it measures and how to run it: docs/benchmarks/cases.md (calibrate).
 """
 
 from __future__ import annotations

@@ -107,6 +107,12 @@ def usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
+def write_json(path: str | Path, data: object) -> None:
+    """``data`` as indented JSON at ``path`` (an explicit ``--json`` file), its folder made as needed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
 def write_results(out_dir: str | Path, tag: str, data: dict, text: str | None = None) -> Path:
     """``<out_dir>/<tag>.json`` (and ``<tag>.md`` with ``text``), folders made as needed; returns the JSON path."""
     out = Path(out_dir)

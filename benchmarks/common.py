@@ -377,13 +377,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
-                  device: torch.device | None = None) -> list[float]:  # fmt: skip
-    """Host-clock milliseconds of ``n`` calls of ``fn``, ``setup()`` (untimed) before each; with ``device``, its
-    queued work is waited for before the clock starts and before it stops."""
+def times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
+             device: torch.device | None = None, *, events: bool = False, warmup: int = 0) -> list[float]:  # fmt: skip
+    """Milliseconds of ``n`` calls of ``fn`` after ``warmup`` untimed ones, ``setup()`` (untimed) before each: by
+    CUDA events (``events``), else by the host clock, ``device``'s queued work waited for around each call."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(n):
         setup()
+        if events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            continue
         if device is not None:
             sync(device)
         t0 = time.perf_counter()
@@ -396,23 +406,8 @@ def host_times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] 
 
 def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
                    device: torch.device | None = None) -> float:  # fmt: skip
-    """The median of `host_times_ms`."""
-    return statistics.median(host_times_ms(fn, n, setup, device))
-
-
-def events_median_ms(fn: Callable[[], object], n: int, warmup: int = 0) -> float:
-    """Median milliseconds of ``n`` calls of ``fn`` by CUDA events, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """The median of `times_ms` on the host clock."""
+    return statistics.median(times_ms(fn, n, setup, device))
 
 
 def environment() -> dict:

@@ -1,20 +1,12 @@
-"""Distributed context-parallel benchmark: magi-attention (once per ``--kernel-backend`` and ``--degrees``
-entry) against the same-kernel baselines (baselines/same_kernel.py) and what a user would pick today
-(baselines/user.py), on the same inputs; a system that cannot run a case gets a "skipped: <reason>" row.
+"""Distributed context-parallel benchmark: magi-attention against the baselines on the same inputs.
 
-    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --tokens-per-gpu 16384 --out /tmp/cp_bench
-    torchrun --standalone --nproc-per-node 2 -m benchmarks cp --device cpu --tokens-per-gpu 64 \\
-        --heads 4:2 --head-dim 16 --chunk-size 16 --min-chunk-size 8 --warmup 1 --iters 2 --out /tmp/cp_cpu
-
-Per case: one checked step (rel diff against the first magi row), ``--warmup`` more, ``--iters`` timed (the
-slowest rank per iteration; median and p25-p75). Writes ``<out>.json`` and ``<out>.md`` (rank 0).
+What it measures and how to run it: docs/benchmarks/cases.md (cp).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import statistics
@@ -30,7 +22,7 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
-from benchmarks.cli import usage_error
+from benchmarks.cli import add_common, table, usage_error, write_results
 from benchmarks.common import mask_area
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention.api import (
@@ -507,14 +499,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
         f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
         "",
-        "| tokens/GPU | mask | system | degree | kernel | fwd ms | bwd ms | fwd TFLOP/s/GPU | bwd TFLOP/s/GPU "
-        "| peak GiB | magi speedup fwd / bwd | rel diff out / dq vs magi |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    body = []
     for r in rows:
-        head = f"| {r['tokens_per_gpu']} | {r['mask']} | {_system_cell(r)} | {_degree_cell(r)} |"
+        head = [r["tokens_per_gpu"], r["mask"], _system_cell(r), _degree_cell(r)]
         if "skipped" in r:
-            lines.append(f"{head} skipped: {_skip_cell(r['skipped'])} | | | | | | | |")
+            body.append(head + [f"skipped: {_skip_cell(r['skipped'])}"] + [""] * 7)
             continue
         rel = f"{r['rel_out']:.1e} / {r['rel_dq']:.1e}" if "rel_out" in r else "n/a (magi not run)"
         mem = "n/a"
@@ -522,14 +512,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             mem = f"{r['peak_mem_gib']:.2f} (+{r['peak_mem_over_start_gib']:.2f})"
         speed = ""
         if "fwd_speedup" in r:
-            speed = (
-                f"{r['fwd_speedup']:.2f}x / {r['bwd_speedup']:.2f}x "
-                f"(vs {r['fwd_best_baseline']} / {r['bwd_best_baseline']})"
-            )
-        lines.append(
-            f"{head} {r['kernel']} | {_ms(r, 'fwd')} | {_ms(r, 'bwd')} | {r['fwd_tflops']:.4g} | "
-            f"{r['bwd_tflops']:.4g} | {mem} | {speed} | {rel} |"
-        )
+            speed = (f"{r['fwd_speedup']:.2f}x / {r['bwd_speedup']:.2f}x "
+                     f"(vs {r['fwd_best_baseline']} / {r['bwd_best_baseline']})")  # fmt: skip
+        body.append([*head, r["kernel"], _ms(r, "fwd"), _ms(r, "bwd"), f"{r['fwd_tflops']:.4g}",
+                     f"{r['bwd_tflops']:.4g}", mem, speed, rel])  # fmt: skip
+    lines += table(["tokens/GPU", "mask", "system", "degree", "kernel", "fwd ms", "bwd ms", "fwd TFLOP/s/GPU",
+                    "bwd TFLOP/s/GPU", "peak GiB", "magi speedup fwd / bwd", "rel diff out / dq vs magi"],
+                   body)  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -549,10 +538,8 @@ def _parse_degrees(text: str) -> tuple[int | str, ...]:
 def add_arguments(ap) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tokens-per-gpu", default="8192,16384", help="comma-separated")
-    ap.add_argument("--masks", default=",".join(MASKS))
+    add_common(ap, masks=",".join(MASKS), heads="64:8", head_dim=128)
     ap.add_argument("--systems", default=",".join(s.value for s in System))
-    ap.add_argument("--heads", default="64:8", help="heads_q:heads_kv")
-    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
@@ -669,13 +656,11 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
     add_speedups(rows)
     if dist.get_rank() == 0:
         meta = _meta(cfg, device)
-        table = markdown(meta, rows)
+        text = markdown(meta, rows)
         if out:
-            prefix = out.removesuffix(".json").removesuffix(".md")
-            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-            Path(prefix + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            Path(prefix + ".md").write_text(table)
-        print(table, flush=True)
+            prefix = Path(out.removesuffix(".json").removesuffix(".md"))
+            write_results(prefix.parent, prefix.name, {"meta": meta, "rows": rows}, text)
+        print(text, flush=True)
     return rows
 
 

@@ -1,12 +1,6 @@
 """Two flash-attn-4 releases side by side, from interleaved ``kernel_backends_bench`` processes.
 
-``bash benchmarks/device.sh fa4-versions`` runs one process per release and round, alternating the releases
-(``b36_r1, b40_r1, b36_r2, ...``), each writing ``<release>_r<round>.json`` into one folder; this prints
-and writes (``fa4_versions.md`` / ``.json`` there) a cell per kernel, mask and size: the median over the
-rounds of each release's forward / backward milliseconds, and b40 / b36 as a speed ratio (TFLOP/s, > 1:
-faster on 4.0.0b40).
-
-    python -m benchmarks fa4-versions OUT_DIR/fa4_versions [--old b36 --new b40]
+What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Cost of the always-on failure checks (docs/failure_modes.md): key creation with and without the
-fingerprint all-gather, the table check at plan construction, calc_attn's extra local checks, and
-(``--agreement``) the status agreement of every collective call, alone and in a calc_attn step.
+"""Cost of the always-on failure checks (docs/failure_modes.md).
 
-    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead                  # CPU, gloo, world 2
-    OMP_NUM_THREADS=1 python -m benchmarks checks-overhead --agreement
-    torchrun --standalone --nproc-per-node 2 -m benchmarks checks-overhead --agreement \
-        --heads 32 --dtype bf16 --iters 20 --rounds 5                                        # GPUs, NCCL
-
-Prints one table on rank 0.
+What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead).
 """
 
 from __future__ import annotations
@@ -15,77 +8,52 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 
-import magi_attention._runtime.checks._key_agreement as fp
 import magi_attention.api as api
 from benchmarks.cli import add_common
 from benchmarks.common import host_median_ms, sync
 from magi_attention import config as cfg
-from magi_attention._runtime.cache import RUNTIME_CACHE
-from magi_attention._runtime.checks import check_dispatch_tags, check_dtype, check_scalars
-from magi_attention.testing import run_distributed
+from magi_attention.testing import failure_check_calls, failure_checks, run_distributed
 
 TOTAL = 32768
 DOCS = [0, 4096, 12288, 16384, 24576, TOTAL]
 
 
 def _worker(rank: int, world: int) -> dict:
-    group = dist.group.WORLD
     conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512))
     out = {}
 
     def build(shift):
         cu = [0] + [c + shift for c in DOCS[1:-1]] + [TOTAL]
-        return api.magi_attn_varlen_key(cu, cu, 32, 32, 128, group, causal=True, dist_attn_config=conf)
-
-    for label, patch in (("miss_with_fingerprint", False), ("miss_without_fingerprint", True)):
-        real = fp.agree_on_key
-        if patch:
-            api.agree_on_key = lambda *a, **k: None
-        shifts = iter(range(1, 21))  # a new key each call
-        out[label + "_ms"] = host_median_ms(
-            lambda shifts=shifts: build(next(shifts)), 20, lambda: (dist.barrier(), api.clear_cache())
+        return api.magi_attn_varlen_key(
+            cu, cu, 32, 32, 128, dist.group.WORLD, causal=True, dist_attn_config=conf
         )
-        api.agree_on_key = real
+
+    for label, on in (("miss_with_fingerprint", True), ("miss_without_fingerprint", False)):
+        shifts = iter(range(1, 21))  # a new key each call
+        with failure_checks(key_fingerprint=on):
+            out[label + "_ms"] = host_median_ms(
+                lambda shifts=shifts: build(next(shifts)), 20, lambda: (dist.barrier(), api.clear_cache())
+            )
     key = build(1)
     dist.barrier()
     out["hit_us"] = 1e3 * host_median_ms(lambda: build(1), 200)
-    dist.barrier()
-    # the fingerprint exchange alone (one all-gather of 8 int64)
-    out["fingerprint_exchange_us"] = 1e3 * host_median_ms(lambda: fp.agree_on_key(key, False), 50)
-    # table check at plan construction: device meta built with it (default) ...
-    runtime = RUNTIME_CACHE.get(key)
-
-    def fresh_meta():
-        runtime._device_meta.clear()
-        dist.barrier()
-
-    def meta_ms():
-        return host_median_ms(lambda: runtime.device_meta(torch.device("cpu")), 10, fresh_meta)
-
-    out["device_meta_with_table_check_ms"] = meta_ms()
-    import magi_group_collective._plan as gplan
-
-    real_gather = gplan._gather_tables
-    gplan._gather_tables = lambda *a, **k: None
-    out["device_meta_without_table_check_ms"] = meta_ms()
-    gplan._gather_tables = real_gather
-    # calc_attn's extra local checks
-    shard = runtime.layout.shard_seqlen
     q = api.dispatch(torch.zeros(TOTAL, 32, 128, dtype=torch.bfloat16), key)
-    k = v = q
-
-    def checks():
-        check_dtype(q)
-        check_scalars(None, 0.0, 128)
-        check_dispatch_tags(runtime, q=q, k=k, v=v)
-
-    out["calc_attn_extra_checks_us"] = 1e3 * host_median_ms(checks, 2000)
-    out["shard"] = shard
+    calls = failure_check_calls(key, q, q, q)
+    dist.barrier()
+    # the fingerprint exchange alone (one all-gather of the key's parts)
+    out["fingerprint_exchange_us"] = 1e3 * host_median_ms(calls["key_fingerprint"], 50)
+    # the plan built on a device, with the table check (default) and without
+    for label, on in (("with", True), ("without", False)):
+        with failure_checks(table_check=on):
+            out[f"device_meta_{label}_table_check_ms"] = host_median_ms(
+                calls["device_plan"], 10, dist.barrier
+            )
+    out["calc_attn_extra_checks_us"] = 1e3 * host_median_ms(calls["local_checks"], 2000)
+    out["shard"] = q.shape[0]
     return out
 
 
@@ -98,33 +66,7 @@ _SYNC_EVENTS = frozenset(
 )  # fmt: skip
 
 
-@contextmanager
-def _agreement_off():
-    """Every public call's agreement replaced by its local check alone (what the calls did before)."""
-    import magi_attention._runtime.checks._calc_attn as calc_checks
-    import magi_attention._runtime.checks._call_agreement as sanity
-    import magi_attention.dist_attn as da
-
-    def local_only(cp_group, call, check, *, same=None, extra=None):
-        check()
-        return [list(extra()) if extra is not None else [] for _ in range(cp_group.size)]
-
-    def local_only_checked(cp_group, call, check, *, same=None, extra=None):
-        checked = check()
-        return checked, [list(extra(checked)) if extra is not None else [] for _ in range(cp_group.size)]
-
-    real = sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked
-    da.agree_on_call = sanity.agree_on_call = local_only
-    calc_checks.agree_on_checked = local_only_checked  # calc_attn's forward
-    try:
-        yield
-    finally:
-        sanity.agree_on_call, da.agree_on_call, calc_checks.agree_on_checked = real
-
-
 def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
-    from magi_attention._runtime.checks import agree_on_call
-
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = _DTYPES[args.dtype]
@@ -141,13 +83,9 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     )
     row: dict = {"world": world, "device": str(device), "dtype": args.dtype, "tokens": total, "heads": h}
     # 1. the agreement alone, as calc_attn's forward runs it (check, values, device-meta flag)
-    same = {"q.dtype": q.dtype, "softmax_scale": d**-0.5, "softcap": 0.0, "return_max_logits": False}
     dist.barrier()
     row["agreement_us"] = 1e3 * host_median_ms(
-        lambda: agree_on_call(
-            key.cp_group, "calc_attn (forward)", lambda: None, same=lambda: same, extra=lambda: [0]
-        ),
-        args.agree_iters,
+        failure_check_calls(key, q, k, v)["call_agreement"], args.agree_iters
     )
 
     def step():
@@ -162,16 +100,16 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         return host_median_ms(lambda: [step() for _ in range(n)], 1, dist.barrier, device) / n
 
     step()  # plan, device tensors, kernels compiled
-    with _agreement_off():
+    with failure_checks(call_agreement=False):
         step()
     on, off, on_b2b, off_b2b = [], [], [], []
     for _ in range(args.rounds):  # alternate, so drift hits both alike
         on.append(timed_steps(args.iters))
-        with _agreement_off():
+        with failure_checks(call_agreement=False):
             off.append(timed_steps(args.iters))
         if cuda:
             on_b2b.append(back_to_back(args.iters))
-            with _agreement_off():
+            with failure_checks(call_agreement=False):
                 off_b2b.append(back_to_back(args.iters))
     row["step_ms_with"], row["step_ms_without"] = statistics.median(on), statistics.median(off)
     # paired (with - without) of each round: drift between rounds cancels
@@ -180,9 +118,9 @@ def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         row["b2b_ms_with"], row["b2b_ms_without"] = statistics.median(on_b2b), statistics.median(off_b2b)
-        for label, ctx in (("with", nullcontext), ("without", _agreement_off)):
+        for label, agreement in (("with", True), ("without", False)):
             with (
-                ctx(),
+                failure_checks(call_agreement=agreement),
                 profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
             ):
                 step()

@@ -1,24 +1,6 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
 
-Each run is a fresh child process. ``first_step_s``: the clock starts at the first ``calc_attn`` call and
-stops when its backward has finished (compiles included); steps 2-3 give the steady state.
-
-The breakdown (``--breakdown auto,fa4,cudnn``, each backend cold then warm on its own fresh cache directory)
-follows one fresh process from its launch: the interpreter's start, ``import torch``, our imports
-(``import magi_attention``), CUDA's start, the first key, the first forward + backward, then a second, new
-mask's key and step. The vendors' imports (``flash_attn``, ``cudnn``, ``cutlass``, ``quack``, wherever they
-happen: the key imports those of its chosen backend) are timed apart and taken out of the stage that made
-them; ``ours_s`` is our imports + the first key + the first forward and backward without them. Beside it,
-``import torch`` alone and ``import torch`` + ``import cudnn.flex_attention``, each in a fresh process
-(what a user of cuDNN's own call pays before its first step). ``kernel_backend="auto"``, a
-16k-token packed causal documents mask, heads 64:8, head_dim 128, bf16. Runs, all with
-``MAGI_ATTENTION_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` below it) on a fresh directory: ``cp1`` cold, ``cp1``
-warm, ``cp1_warmup`` (``magi_attention.warmup(key)`` first), then ``sim8`` / ``sim8_warmup`` (the simulated
-cp 8 loop) on a second fresh directory. The cache's size is recorded after each run;
-results in ``first_step.json`` under ``--out-dir`` (default ``benchmarks/results/``).
-
-    python -m benchmarks first-step --out-dir $OUT     # on one GPU, about 2-4 minutes
-    python -m benchmarks first-step --device cpu --tokens 256 --heads 2,1,16 --runs cp1,sim8_warmup  # smoke
+What it measures and how to run it: docs/benchmarks/cases.md (first-step).
 """
 
 from __future__ import annotations
@@ -59,10 +41,6 @@ class _Docs:
         self.types = [1] * len(lengths)
 
 
-def _mask() -> _Docs:
-    return _Docs()
-
-
 def _dtype():
     import torch
 
@@ -87,8 +65,8 @@ def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], objec
 
     device = torch.device(DEVICE)
     if warm is not None:
-        out["warmup_s"] = common.host_times_ms(warm, 1, device=device)[0] / 1e3
-    steps = [t / 1e3 for t in common.host_times_ms(step, 3, device=device)]
+        out["warmup_s"] = common.times_ms(warm, 1, device=device)[0] / 1e3
+    steps = [t / 1e3 for t in common.times_ms(step, 3, device=device)]
     out.update(first_step_s=steps[0], steady_step_s=min(steps[1:]))
     return out
 
@@ -99,7 +77,7 @@ def child_cp1(warm: bool) -> dict:
     from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
 
     _start()
-    m = _mask()
+    m = _Docs()
     hq, hk, d = HEADS
     key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
                              DistAttnConfig(kernel_backend="auto"))  # fmt: skip
@@ -121,7 +99,7 @@ def child_sim8(warm: bool) -> dict:
     from magi_solver import PlanOptions, plan_attention
 
     _start()
-    m = _mask()
+    m = _Docs()
     hq, hk, d = HEADS
     cp = 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)

@@ -1,21 +1,6 @@
 """Fit the kernel law (`magi_solver.kernel_law`) to per-rank times of scaling runs and write the law file.
 
-    python -m benchmarks fit-law benchmarks/results/<scaling>.json [...] \
-        --out packages/solver/src/magi_solver/kernel_tables/h200_law.json
-
-Input: JSON files of `python -m benchmarks sim --scaling --json FILE` (their "sim" records,
-one per mask and cp, each with per-rank times). A rank's counts are read from its record (`tiles`,
-`key_columns`, `rows`) or, in files written before those fields, derived the way the law defines them:
-tiles = area / 128^2, key columns = (own + received keys) / 128 (received = the stage bytes over the bytes of
-one token's K and V, 64:8 heads, d 128, bf16), rows = ceil(tokens per GPU / 128).
-
-Only ranks timed in the interleaved rounds (`full_timing`) are used: the quick first pass includes
-compilation and cache misses. Per direction and backend (the resolved `backend` field: "fwd/bwd" when they
-differ) the constants are a least-squares fit of `us = a * tiles + b * columns + c * rows`; a term whose
-coefficient comes out negative is dropped and the fit repeated. A backend with ranks of fewer than two mask
-families (its tiles and columns are then collinear) is not fitted: it takes another backend's constants,
-marked `estimate`. `--keep DIRECTION/BACKEND` keeps that entry of the existing `--out` file (e.g. a law
-seeded from the documentation) and reports its error on the data instead.
+What it measures and how to run it: docs/benchmarks/cases.md (fit-law).
 """
 
 from __future__ import annotations
@@ -26,6 +11,8 @@ import os
 import sys
 
 import numpy as np
+
+from benchmarks.cli import write_json
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
 TERMS = ("tiles", "key_columns", "rows")
@@ -137,8 +124,6 @@ def main(args) -> int:
                 }
     out = {"gpu_kind": args.gpu, "unit": "us per tile (128^2 pairs), key column (128 keys), row (128 queries), call",
            "shape": "64:8 heads, head dim 128, bf16", "data": sorted({r["file"] for r in recs}), "laws": laws}  # fmt: skip
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_json(args.out, out)
     print(f"wrote {args.out}")
     return 0

@@ -1,22 +1,18 @@
-"""GroupCast benchmark (magi-group-collective): bytes per rank of magi-solver's comm plans against ring /
-all-gather K/V (CPU), and the GroupCast / GroupReduce bandwidth on GPUs (a2av and native beside
-``all_to_all_single``; GB/s = bytes each rank sends / time of one call, the slowest rank).
+"""GroupCast benchmark: comm-plan bytes against ring / all-gather K/V, and GroupCast / GroupReduce bandwidth.
 
-    .venv/bin/python -m benchmarks grpcoll                 # the bytes table (docs/benchmarks)
-    .venv/bin/python -m benchmarks grpcoll --json out.json # also JSON rows (git SHA, machine)
-    torchrun --standalone --nproc-per-node 2 -m benchmarks grpcoll --gpu-bandwidth \\
-        --sizes-mb 8,64,512 [--json out.json]
+What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from benchmarks.cli import write_json
 
 BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head_dim 128, bf16
 RANKS_PER_NODE = 8
@@ -205,8 +201,6 @@ def gpu_bandwidth(args) -> int:
         results.append(_bandwidth_row(mb, world, rank, dev, row, token_bytes, timed))
         torch.cuda.empty_cache()
     if rank == 0:
-        import json
-
         import triton
 
         gbs = lambda r, k: r["bytes_sent"] / r[k] / 1e9  # noqa: E731
@@ -229,10 +223,9 @@ def gpu_bandwidth(args) -> int:
                     f"{n / a:.2f} | {checks} |"
                 )
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {"device": name, "world": world, "torch": torch.__version__, "rows": results}, f, indent=1
-                )
+            write_json(
+                args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results}
+            )
     ok = all(
         r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results
     )
@@ -270,7 +263,6 @@ def main(args) -> int:
     )
     print(bytes_table(brows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows], "args": vars(args)},
-                      f, indent=1)  # fmt: skip
+        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
+                                "args": vars(args)})  # fmt: skip
     return 0

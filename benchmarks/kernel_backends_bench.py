@@ -1,14 +1,6 @@
-"""The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds (``do_bench``
-medians): magi-ffa-cudnn / -fa4 / Triton, cuDNN's flex_attention, FA4's native calls, FlexAttention and
-``calc_attn`` at cp = 1 (``auto``, ``calc_*``). A cell is the median over the rounds; TFLOP/s from the area.
+"""The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds.
 
-    python -m benchmarks kernels --seqlens 8192,32768 --head-dims 128,256 --out-dir /tmp/kb
-    python -m benchmarks kernels --deterministic --sim-cp 8 --repeats 3 --out-dir $OUT --tag det
-
-Results (``<tag>.json``, ``<tag>.md``) go to ``--out-dir``, by default ``benchmarks/results/``.
-
-``--write-table OUT --sources A.json[:mask+mask],... [--sim-sources fa4=A.json,...] [--base TABLE]`` writes
-the table ``kernel_backend="auto"`` reads from such runs.
+What it measures and how to run it: docs/benchmarks/cases.md (kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cli import add_common, heads, ints, names, write_results
+from benchmarks.cli import add_common, heads, ints, names, table, write_results
 from benchmarks.common import (
     build_mask,
     calc_attn_runner,
@@ -203,13 +195,9 @@ def sim_det_rows(args) -> list[dict]:
 def render_det(rows: list[dict]) -> list[str]:
     """Deterministic / default per backend and direction (ms ratios; the forward should stay at ~1)."""
     pairs = [(f"launch_{b}", f"launch_{b}_det", b) for b in DET_BACKENDS] + [("auto", "auto_det", "auto")]
-    lines = [
-        "",
-        "Deterministic mode against the default, per backend: bwd ms default -> deterministic (ratio); fwd ratio.",
-        "",
-        "| S | heads | d | mask | " + " | ".join(label for *_, label in pairs) + " |",
-        "|---|---|---|---|" + "---|" * len(pairs),
-    ]
+    lines = ["", "Deterministic mode against the default, per backend: bwd ms default -> deterministic (ratio); "
+             "fwd ratio.", ""]  # fmt: skip
+    body = []
     for (S, hq, hk, d, mask), by in _by_case(rows, lambda x: (x[3], x[4], x[0])):
 
         def cell(a, b, by=by):
@@ -224,9 +212,8 @@ def render_det(rows: list[dict]) -> list[str]:
                     f"fwd {rb['fwd_ms'] / ra['fwd_ms']:.2f}x")  # fmt: skip
 
         size = f"{S // 1024}k" + ("/GPU" if " cp " in mask else "")
-        lines.append(
-            f"| {size} | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(a, b) for a, b, _ in pairs) + " |"
-        )
+        body.append([size, f"{hq}:{hk}", d, mask, *(cell(a, b) for a, b, _ in pairs)])
+    lines += table(["S", "heads", "d", "mask", *(label for *_, label in pairs)], body)
     return lines
 
 
@@ -299,11 +286,7 @@ def render(data: dict) -> str:
         return "\n".join(lines[:1] + render_det(rows)) + "\n"
     if rows:
         kern = [k for k in DEFAULT_KERNELS.split(",") if any(r["kernel"] == k for r in rows)]
-        lines += [
-            "| S | heads | d | mask | " + " | ".join(kern) + " | " + " | ".join(f"{a} / {b}" for a, b in PAIRS)
-            + " | auto / fastest calc_* | max spread |",
-            "|---|---|---|---|" + "---|" * (len(kern) + len(PAIRS) + 2),
-        ]  # fmt: skip
+        body = []
         for (S, hq, hk, d, mask), by in _by_case(rows, lambda x: (x[3], x[0], x[4])):
 
             def cell(k, by=by):
@@ -330,10 +313,10 @@ def render(data: dict) -> str:
             spread = max(
                 (max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0
             )
-            lines.append(
-                f"| {S // 1024}k | {hq}:{hk} | {d} | {mask} | " + " | ".join(cell(k) for k in kern) + " | "
-                + " | ".join(ratio(a, b) for a, b in PAIRS) + f" | {versus} | {spread:.0%} |"
-            )  # fmt: skip
+            body.append([f"{S // 1024}k", f"{hq}:{hk}", d, mask, *map(cell, kern),
+                         *(ratio(a, b) for a, b in PAIRS), versus, f"{spread:.0%}"])  # fmt: skip
+        lines += table(["S", "heads", "d", "mask", *kern, *(f"{a} / {b}" for a, b in PAIRS),
+                        "auto / fastest calc_*", "max spread"], body)  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

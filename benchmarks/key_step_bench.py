@@ -1,19 +1,6 @@
-"""A training loop's key step on the CPU: a new mask every step, so every step builds a new key
-(`magi_attn_flex_key`) and dispatches one tensor (`dispatch`). Timed per step on gloo ranks (cp 2 by default),
-for this checkout and a baseline commit in one run: the same masks (packed causal documents,
-`magi_solver.long_tailed_cu_seqlens` of a new seed each step), the same seeds, rounds alternating between the
-two trees (baseline first in odd rounds) so a drift of the machine's load touches both alike. A step's time is
-its slowest rank's; per tree and token count the median and spread of the steps, and the ratio of the medians
-this checkout / baseline.
+"""A training loop's key step on the CPU (a new key and one dispatch per step), against a baseline commit.
 
-    python -m benchmarks key-step                        # 2k and 64k tokens, cp 2, against 1861836
-    python -m benchmarks key-step --tokens 2048 --steps 5 --rounds 1 --no-baseline --json /tmp/k.json
-
-The baseline tree is `git archive <commit> packages` unpacked into a temporary folder (this checkout must be a
-git clone holding that commit); each rank is a fresh interpreter whose PYTHONPATH is that tree's
-`packages/*/src` (each rank checks where it imported the packages from). Writes JSON to ``--json`` (default
-``benchmarks/results/key_step_cpu.json``) and prints a table. No GPU: ranks run on the CPU with
-OMP_NUM_THREADS=1.
+What it measures and how to run it: docs/benchmarks/cases.md (key-step).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""An attention-only training step of many layers on one mask: what a model pays for attention per step,
-through our kernel API, through ``calc_attn`` and through each vendor's own call.
+"""An attention-only training step of many layers on one mask: our kernel API, ``calc_attn``, the vendors.
 
-``python -m benchmarks layer-step`` runs it. A step is ``--layers`` (32) layers, each
-a new q / k / v (packed ``[tokens, heads, head_dim]``, 64:8 heads, head_dim 128, bfloat16), forward through
-every layer, then one backward through all of them, timed on the host clock with the device synchronized
-before and after. Runners are interleaved (each step starts one runner later), and a runner's cell is the
-median and the spread (max - min) of its ``--steps`` (8) timed steps after ``--warmup-steps`` untimed ones.
-
-The mask is packed causal documents (``magi_solver.long_tailed_cu_seqlens``), the range tables given as CUDA
-int32 tensors, as FA4 users pass ``cu_seqlens``. Two modes:
-
-- ``same``: one mask for every step; each runner's per-mask work is done once, before the timing: the range
-  tables, ``calc_attn``'s key, FA4's ``cu_seqlens``, cuDNN's mask plan.
-- ``new``: a new mask every step (every runner sees the same sequence of masks), the per-mask work inside the
-  timed step: the range tables on the device (the kernel API then checks and prepares them itself), the key
-  ``calc_attn`` needs (``magi_attn_flex_key``), FA4's ``cu_seqlens``, cuDNN's mask plan.
-
-Runners: ``ffa_fa4`` / ``ffa_cudnn`` / ``ffa`` (``flex_flash_attn_func`` of magi_ffa_fa4 / magi_ffa_cudnn /
-magi_ffa), ``auto`` and ``calc_<backend>`` (``calc_attn`` at cp 1 with that ``kernel_backend``), ``fa4``
-(FA4's ``flash_attn_varlen_func``) and ``cudnn_flex`` (cuDNN's ``flex_attn_func``), the last two through
-``magi_attention.vendors``. Ratios are speeds: a vendor's median over ours (1.00 = as fast, above = faster).
+What it measures and how to run it: docs/benchmarks/cases.md (layer-step).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Runtime measurements on one GPU.
+"""Runtime measurements on one GPU: cp = 1 overhead and simulated context parallelism.
 
-1. cp=1 overhead: `calc_attn` (cp group of one) against a raw `flex_flash_attn_func` call on the same mask.
-2. Simulated context parallelism: for cp 8/16/32/64, plan the mask, then run every rank's share of the
-   work (FFA on its host slices and on each remote stage's slices, forward and backward) on this GPU: every
-   rank once, then interleaved ``--rounds`` of the few candidates for the slowest rank (`pick_ranks`). Report
-   the slowest rank's compute time, the compute balance, the TFLOP/s/GPU it implies when communication is
-   hidden, and the time each stage's remote K/V would take on a 450 GB/s NVLink and a 50 GB/s inter-node link.
-   Beside ``auto`` an explicit ``--kernel-backend`` entry is the one-GPU yardstick (the whole mask in one call,
-   measured once per mask and size); ``--simulate-explicit`` also runs the ranks on it, and the table then
-   gives ``auto`` over the fastest explicit backend.
-
-    python -m benchmarks sim [--tokens-per-gpu 8192] [--cps 8,16,32,64] [--json out.json]
-    python -m benchmarks sim --masks docs4k_causal,video_clips --dispatch-algs default,min_heap \
-        --kernel-backend auto --single-backend fa4 --degree 0 --no-cp1 --scaling   # a row per dispatch
-    python -m benchmarks sim --kernel-backend auto,fa4,cudnn --simulate-explicit --cps 8 \
-        --degree 0 --no-single --no-cp1
+What it measures and how to run it: docs/benchmarks/cases.md (sim).
 """
 
 from __future__ import annotations
@@ -22,7 +8,6 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
-import json
 import os
 import statistics
 import time
@@ -32,7 +17,7 @@ import torch
 import triton
 
 from benchmarks import common
-from benchmarks.cli import usage_error
+from benchmarks.cli import table, usage_error, write_json
 from benchmarks.common import SCALING_MASKS, kv_total, make_mask
 from magi_attention import DispatchConfig, DistAttnConfig
 from magi_attention.api import calc_attn, magi_attn_flex_key
@@ -74,7 +59,11 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
 
 def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median ms of `fn` by CUDA events (per-rank timing in the simulation: cheap enough for 64 ranks)."""
-    return common.events_median_ms(fn, iters, warmup) if DEVICE == "cuda" else _bench(fn)
+    return (
+        statistics.median(common.times_ms(fn, iters, events=True, warmup=warmup))
+        if DEVICE == "cuda"
+        else _bench(fn)
+    )
 
 
 def _whole_mask(mask: str, total: int, requires_grad: bool = False):
@@ -524,17 +513,13 @@ def main(args) -> int:
             "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
         )
     if args.plan_only:
-        print(
-            "| mask | cp | dispatch | imbalance | remote K/V MiB (busiest rank) | comm ms @450GB/s | "
-            "comm ms @50GB/s |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        rows = []
         for mask, cp, alg in itertools.product(masks, map(int, args.cps.split(",")), algs):
             r = plan_summary(mask, cp, args.tokens_per_gpu, args.degree, alg)
-            print(
-                f"| {mask} | {cp} | {_alg_cell(r)} | {r['imbalance']:.3f} | {r['remote_mib']:.1f} | "
-                f"{r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
-            )
+            rows.append([mask, cp, _alg_cell(r), f"{r['imbalance']:.3f}", f"{r['remote_mib']:.1f}",
+                         f"{r['comm_ms_nvlink']:.2f}", f"{r['comm_ms_ib']:.2f}"])  # fmt: skip
+        print("\n".join(table(["mask", "cp", "dispatch", "imbalance", "remote K/V MiB (busiest rank)",
+                                "comm ms @450GB/s", "comm ms @50GB/s"], rows)))  # fmt: skip
         return 0
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     header = (
@@ -579,32 +564,24 @@ def main(args) -> int:
         results["scaling"] = scaling_rows(results["sim"])
     _save(args.json, results)
     print(header)
-    print(
-        "\n| mask | backend | raw fwd ms | calc_attn fwd ms | overhead | raw fwd+bwd ms | calc_attn fwd+bwd ms "
-        "| overhead |\n|---|---|---|---|---|---|---|---|"
-    )
-    for r in results["cp1"]:
-        print(
-            f"| {r['mask']} | {r['backend']} | {r['raw_ffa_ms']:.3f} | {r['calc_attn_ms']:.3f} | {r['overhead']:+.1%} | "
-            f"{r['raw_fwd_bwd_ms']:.3f} | {r['calc_attn_fwd_bwd_ms']:.3f} | {r['overhead_fwd_bwd']:+.1%} |"
-        )
-    print(
-        "\n| mask | cp | kernel backend | imbalance | slowest fwd ms | slowest bwd ms | fwd TFLOP/s/GPU | "
-        "bwd TFLOP/s/GPU | vs one GPU fwd / bwd | auto / fastest explicit fwd / bwd | comm ms @450GB/s | "
-        "comm ms @50GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
-    )
+    cp1 = [[r["mask"], r["backend"], f"{r['raw_ffa_ms']:.3f}", f"{r['calc_attn_ms']:.3f}", f"{r['overhead']:+.1%}",
+            f"{r['raw_fwd_bwd_ms']:.3f}", f"{r['calc_attn_fwd_bwd_ms']:.3f}", f"{r['overhead_fwd_bwd']:+.1%}"]
+           for r in results["cp1"]]  # fmt: skip
+    print("\n" + "\n".join(table(["mask", "backend", "raw fwd ms", "calc_attn fwd ms", "overhead",
+                                   "raw fwd+bwd ms", "calc_attn fwd+bwd ms", "overhead"], cp1)))  # fmt: skip
+    sim = []
     for r in results["sim"]:
-        ratio = (
-            f"{r['tflops_fwd'] / r['single_fwd']:.2f}x / {r['tflops_bwd'] / r['single_bwd']:.2f}x"
-            if "single_fwd" in r
-            else "n/a"
-        )
-        name = _backend_cell(r)
-        print(
-            f"| {r['mask']} | {r['cp']} | {name} | {r['imbalance']:.3f} | {r['slowest_fwd_ms']:.2f} | "
-            f"{r['slowest_bwd_ms']:.2f} | {r['tflops_fwd']:.0f} | {r['tflops_bwd']:.0f} | {ratio} | "
-            f"{auto_over_fastest(r, results['sim'])} | {r['comm_ms_nvlink']:.2f} | {r['comm_ms_ib']:.2f} |"
-        )
+        ratio = "n/a"
+        if "single_fwd" in r:
+            ratio = f"{r['tflops_fwd'] / r['single_fwd']:.2f}x / {r['tflops_bwd'] / r['single_bwd']:.2f}x"
+        sim.append([r["mask"], r["cp"], _backend_cell(r), f"{r['imbalance']:.3f}", f"{r['slowest_fwd_ms']:.2f}",
+                    f"{r['slowest_bwd_ms']:.2f}", f"{r['tflops_fwd']:.0f}", f"{r['tflops_bwd']:.0f}", ratio,
+                    auto_over_fastest(r, results["sim"]), f"{r['comm_ms_nvlink']:.2f}",
+                    f"{r['comm_ms_ib']:.2f}"])  # fmt: skip
+    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "imbalance", "slowest fwd ms",
+                                   "slowest bwd ms", "fwd TFLOP/s/GPU", "bwd TFLOP/s/GPU", "vs one GPU fwd / bwd",
+                                   "auto / fastest explicit fwd / bwd", "comm ms @450GB/s", "comm ms @50GB/s"],
+                                  sim)))  # fmt: skip
     if args.scaling:
         print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0
@@ -612,8 +589,7 @@ def main(args) -> int:
 
 def _save(path: str | None, results: dict) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(path, results)
 
 
 def _alg_cell(r: dict) -> str:
@@ -628,7 +604,7 @@ def _backend_cell(r: dict) -> str:
     return asked if asked == r["backend"] else f"{asked} ({r['backend']})"
 
 
-def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
+def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
     """The scaling table (markdown): measured E, the plan's remote K/V, predicted and published TFLOP/s."""
 
     def num(x, fmt: str) -> str:
@@ -638,20 +614,15 @@ def print_scaling(rows: list[dict], tokens_per_gpu: int) -> None:
         f"\nScaling, {tokens_per_gpu} tokens per GPU (E measured: every rank's kernels on this GPU; predicted: "
         "cost model, NVLink inside 8-GPU nodes, 50 GB/s per GPU between nodes; published: MagiAttention H100)"
     )
-    print(
-        "\n| mask | cp | kernel backend | chunk | E fwd | E bwd | one-GPU tokens | remote K/V max (mean) | "
-        "predicted fwd / bwd TFLOP/s/GPU | published H100 fwd / bwd | ranks timed in full |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
-    )
-    for r in rows:
-        p = r["predicted"]
-        name = _backend_cell(r)
-        mean = r["remote_kv_tokens_mean"]
-        print(
-            f"| {r['mask']} | {r['cp']} | {name} | {r['chunk_size']} ({_alg_cell(r)}) | "
-            f"{num(r.get('E_fwd'), '.2f')} | {num(r.get('E_bwd'), '.2f')} | {num(r.get('single_tokens'), ',')} | "
-            f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')}) | "
-            f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')} | "
-            f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')} | "
-            f"{','.join(map(str, r['timed_ranks'] or []))} |"
-        )
+    rows = []
+    for r in rows_in:
+        p, mean = r["predicted"], r["remote_kv_tokens_mean"]
+        rows.append([r["mask"], r["cp"], _backend_cell(r), f"{r['chunk_size']} ({_alg_cell(r)})",
+                     num(r.get("E_fwd"), ".2f"), num(r.get("E_bwd"), ".2f"), num(r.get("single_tokens"), ","),
+                     f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')})",
+                     f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')}",
+                     f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')}",
+                     ",".join(map(str, r["timed_ranks"] or []))])  # fmt: skip
+    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "chunk", "E fwd", "E bwd", "one-GPU tokens",
+                                   "remote K/V max (mean)", "predicted fwd / bwd TFLOP/s/GPU",
+                                   "published H100 fwd / bwd", "ranks timed in full"], rows)))  # fmt: skip

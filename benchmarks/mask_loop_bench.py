@@ -1,18 +1,6 @@
-"""A training loop's view of the kernels: a new mask every step, forward + backward timed per step, per kernel
-backend, at cp 1 and in the simulated cp 8 loop, with the compiled-kernel caches (FA4, cuDNN flex_attention,
-magi_ffa's Triton) counted after every step. A warm-up (masks of other seeds, then
-``magi_ffa_fa4._launch_meta.warmup_masks``; ``--warmup-widths``) runs first. ``--check`` exits 1 when a timed
-step compiles (a cache grows, or a rank's step takes more than ``COMPILE_S`` longer than its re-run); ``--literal``
-also holds every step within 1.5x the median. For FA4 it lists the steps that bring a compile key the warm-up
-did not have.
+"""A training loop's view of the kernels: a new mask every step, step times and compiled-kernel caches.
 
-    python -m benchmarks mask-loop                                   # fa4,cudnn,triton,auto; cp 1 and 8
-    python -m benchmarks mask-loop --backends fa4 --cps 1 --check    # the GPU test's run
-    python -m benchmarks mask-loop --kinds docs_causal --same-area --literal --check  # training packs
-    python -m benchmarks mask-loop --backends fa4 --cps 8 --kinds docs_causal --same-area --profile slow.txt
-    python -m benchmarks mask-loop --device cpu --backends torch --tokens 512 --steps 3 --warmup 1
-
-Writes ``mask_loop.json`` under ``--out-dir`` (default ``benchmarks/results/``) and prints a table.
+What it measures and how to run it: docs/benchmarks/cases.md (mask-loop).
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ import numpy as np
 import torch
 
 from benchmarks.cli import add_common, heads, write_results
-from benchmarks.common import host_times_ms, rank_kernel_calls
+from benchmarks.common import rank_kernel_calls, times_ms
 from magi_attention.simulate import auto_launchers, checked_slices, kernel_launchers
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
@@ -100,6 +88,9 @@ def loop_masks(steps: int, total: int, seed: int, kinds=KINDS, same_area: bool =
 
 
 # ------------------------------------------------------------------------------------------- caches
+_CACHE_MODULES = (("flash_attn.cute", "fa4"), ("cudnn.flex_attention", "cudnn"), ("magi_ffa", "triton"))
+
+
 def cache_entries() -> dict[str, int]:
     """Compiled kernels held in this process: FA4's and cuDNN's JIT caches (every ``*Cache`` object with a
     ``cache`` dict their modules hold, directly or as a function's ``compile_cache``), and the Triton kernels
@@ -107,15 +98,7 @@ def cache_entries() -> dict[str, int]:
     out = {"fa4": 0, "cudnn": 0, "triton": 0}
     seen: set[int] = set()
     for name, mod in list(sys.modules.items()):
-        group = (
-            "fa4"
-            if name.startswith("flash_attn.cute")
-            else "cudnn"
-            if name.startswith("cudnn.flex_attention")
-            else "triton"
-            if name.startswith("magi_ffa")
-            else None
-        )
+        group = next((g for prefix, g in _CACHE_MODULES if name.startswith(prefix)), None)
         if group is None or mod is None:
             continue
         try:
@@ -251,11 +234,11 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
                 _run_rank(kern, q, do, c)
 
         if profiled is None:
-            seconds, rerun = (ms / 1e3 for ms in host_times_ms(run, 2, device=dev))
+            seconds, rerun = (ms / 1e3 for ms in times_ms(run, 2, device=dev))
         else:  # the first run under torch.profiler: what a slow new mask spends its time on, host and device
             with profile(activities=activities) as prof:
-                seconds = host_times_ms(run, 1, device=dev)[0] / 1e3
-            rerun = host_times_ms(run, 1, device=dev)[0] / 1e3
+                seconds = times_ms(run, 1, device=dev)[0] / 1e3
+            rerun = times_ms(run, 1, device=dev)[0] / 1e3
             profiled.append(
                 prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
             )

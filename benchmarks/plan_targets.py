@@ -1,30 +1,6 @@
 """The planner's targets on the CPU: the default planner (placement chosen per mask) and the chunk dispatch.
 
-Default planner (no chunk size, no algorithm: `DispatchConfig()`): for each mask family, cp size and
-tokens per GPU, `magi-attention-plan --slices FILE --cp N --json` is run in this process and the table gives
-the placement it chose, its `time_imbalance` (`(max fwd + max bwd) / (mean fwd + mean bwd)` of the ranks'
-kernel times by the kernel law; target <= 1.05), the busiest rank's remote K/V and receive-buffer bytes over
-the chunk dispatch's (`DispatchConfig(alg="affinity")` with a chosen chunk size, the default of earlier
-releases; target <= 1.1), the predicted step (the magi scheme's fwd + bwd ms) and the plan time as a
-fraction of it.
-
-Chunk dispatch asked for by name (`alg="affinity"`, chunk size chosen): the area `imbalance` (target <= 1.03
-at 8k tokens per GPU, <= 1.05 at 2k) and its remote K/V over the fixed rule's (chunk `min(2048, ceil(total
-/ (8 cp)))`, min_heap; target <= 1.25): the targets of earlier releases, which now hold for this dispatch.
-
-Then the plan time: key normalisation plus the runtime's plan (default planner, dynamic overlap priced by
-the H200 profile and law, dispatch cache cleared) at `--plan-time-tokens` (1M) and cp 64, best of
-`--repeat` runs on one core (target <= 1 s).
-
-`--bounds`: the best E each row allows by the kernel law (`magi_solver.bounds.efficiency_bound`: perfect
-balance, the fewest contiguous cuts, a causal unit's later pieces reading all its earlier keys).
-
-Masks: `benchmarks.magi_attention_bench.make_mask`'s names (the scaling benchmark's), and the names of
-`benchmarks.common.make_mask` where that exists. Computed, not measured on GPUs.
-
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets                 # the tables
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --bounds        # the bounds table
-    OMP_NUM_THREADS=1 python -m benchmarks plan-targets --json out.json
+What it measures and how to run it: docs/benchmarks/cases.md (plan-targets).
 """
 
 from __future__ import annotations
@@ -38,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.cli import write_json
+from benchmarks.common import make_mask
 from magi_solver import OverlapCostModel, PlanOptions, default_chunk_size, get_profile, plan_attention
 from magi_solver.bounds import efficiency_bound
 from magi_solver.choice import clear_dispatch_cache
@@ -52,51 +30,13 @@ DEFAULT_REMOTE_TARGET = 1.1
 PLAN_TIME_TARGET_S = 1.0
 DEFAULT_MASKS = "varlen_causal,varlen_full,video_block_causal,full,causal"
 NEW_MASKS = "docs4k_causal,docs4k_full,short_docs_causal,docs4k_window2048,video_clips"
-"""The mask families defined in tokens, measured when `benchmarks.common.make_mask` knows them."""
-
-
-def make_mask(name: str, total: int) -> tuple:
-    """`(q_ranges, k_ranges, types)` of a named mask: `benchmarks.common.make_mask` where it knows the name,
-    else the scaling benchmark's `make_mask` (today's names only: it reads any other name as packed
-    documents)."""
-    from benchmarks import common
-
-    fn = getattr(common, "make_mask", None)
-    if fn is not None:
-        with contextlib.suppress(KeyError, ValueError):
-            q, k, t = fn(name, total)
-            return _lists(q), _lists(k), [int(x) for x in (t.tolist() if hasattr(t, "tolist") else t)]
-    if name not in DEFAULT_MASKS.split(","):
-        raise ValueError(f"unknown mask {name!r}; known here: {DEFAULT_MASKS}")
-    from benchmarks.magi_attention_bench import make_mask as bench_mask
-
-    return bench_mask(name, total)
-
-
-def _lists(r) -> list[list[int]]:
-    r = r.tolist() if hasattr(r, "tolist") else r
-    return [[int(a), int(b)] for a, b in r]
-
-
-def _known(name: str) -> bool:
-    try:
-        make_mask(name, 8192 * 8)
-    except (KeyError, ValueError):
-        return False
-    return True
+"""The mask families defined in tokens (`benchmarks.common.make_mask` builds every mask here)."""
 
 
 def _slices_file(q, k, t, total: int, path: str) -> None:
+    data = {"q_ranges": [list(r) for r in q], "k_ranges": [list(r) for r in k], "types": [int(x) for x in t]}
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "q_ranges": [list(r) for r in q],
-                "k_ranges": [list(r) for r in k],
-                "types": [int(x) for x in t],
-                "total_seqlen": total,
-            },
-            f,
-        )
+        json.dump({**data, "total_seqlen": total}, f)
 
 
 def _cli_record(path: str, cp: int) -> dict:
@@ -198,16 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cps", default="8,16,32,64")
     ap.add_argument("--tokens-per-gpu", default="8192,2048")
-    ap.add_argument("--masks", default=None, help=f"default: {DEFAULT_MASKS} (+ {NEW_MASKS} where known)")
+    ap.add_argument("--masks", default=None, help=f"default: {DEFAULT_MASKS},{NEW_MASKS}")
     ap.add_argument("--plan-time-tokens", type=int, default=1 << 20)
     ap.add_argument("--plan-time-cp", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bounds", action="store_true", help="only the bounds table (8k: cp 8-64, 2k: cp 8, 32)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
-    names = (args.masks or DEFAULT_MASKS).split(",")
-    if args.masks is None:
-        names += [n for n in NEW_MASKS.split(",") if _known(n)]
+    names = (args.masks or f"{DEFAULT_MASKS},{NEW_MASKS}").split(",")
     if args.bounds:
         grid = [(8192, c) for c in (8, 16, 32, 64)] + [(2048, c) for c in (8, 32)]
         rows = bounds_rows(names, grid)
@@ -217,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} | "
                   f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} |", flush=True)  # fmt: skip
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"bounds": rows}, f, indent=1)
+            write_json(args.json, {"bounds": rows})
         return 0
     cps = [int(x) for x in args.cps.split(",")]
     tpgs = [int(x) for x in args.tokens_per_gpu.split(",")]
@@ -277,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("misses: " + (", ".join(misses) if misses else "none"))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"default": defaults, "chunk_dispatch": chunked, "plan_time": timing, "misses": misses}, f,
-                      indent=1)  # fmt: skip
+        write_json(args.json, {"default": defaults, "chunk_dispatch": chunked, "plan_time": timing,
+                               "misses": misses})  # fmt: skip
     return 0
 
 

@@ -1,19 +1,6 @@
-"""Context-parallel baselines on magi-attention's own local kernel (``magi_ffa.ffa_fwd`` / ``ffa_bwd``, any
-slice mask), so a comparison with magi-attention isolates the distribution scheme (for benchmarks/cp_bench.py):
+"""Context-parallel baselines on magi-attention's own local kernel (for the cp case).
 
-- ``ULYSSES``: contiguous shards; all-to-all to ``[T, heads/cp]``, one FFA call, all-to-all back (heads
-  divisible by ``cp``).
-- ``RING_ZIGZAG``: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``; K/V travel the ring
-  (``batch_isend_irecv``) while the previous block computes, merged into one fp32 (out, lse); backward sends
-  K/V again and each block's partial dK/dV travels back to its owner.
-- ``ALLGATHER_KV``: zigzag shards, one all-gather of K/V, one FFA call; backward gathers again and
-  reduce-scatters dK/dV.
-
-Slices ``(q_ranges, k_ranges, types)`` (FULL 0, CAUSAL 1, INV_CAUSAL 2, BI_CAUSAL 3) are made disjoint by
-``magi_solver.mask.normalize_mask`` and clipped to token blocks with magi_mask's band regions (no dense
-mask). q ``[local_seqlen, num_heads_q, head_dim]``, k/v ``[local_seqlen, num_heads_kv, head_dim]`` in the
-order of ``plan.token_ranges``; lse ``[local_seqlen, num_heads_q]`` fp32 (-inf for rows with no key);
-partial dK/dV travel in fp32.
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Context-parallel baselines a user would pick today, each with the best local kernel for the mask (for
-benchmarks/cp_bench.py): ``ulysses_fa4`` (FA4 dense or varlen; full, causal, packed documents),
-``ulysses_cudnn`` (SDPA on cuDNN; full, causal), ``torch_cp`` (PyTorch's native ``context_parallel``, an SDPA
-ring; full, causal, CUDA + NCCL), ``ulysses_ffa_cudnn`` / ``ulysses_ffa_fa4`` (FFA slices on cuDNN / FA4; any
-mask).
+"""Context-parallel baselines a user would pick today, each with its best local kernel (for the cp case).
 
-Each ``build_*`` takes the global q/k/v/dout (identical on every rank), shards them the system's way and
-returns a :class:`UserCase`. A system that cannot run a case raises :class:`Unavailable` with the reason; the
-checks depend only on arguments and installed packages, so every rank raises alike. Kernel packages are
-imported on first use.
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/user).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """FSDP2 with magi-attention against the same model's own attention (SDPA on each document), one process.
 
-A small decoder (RoPE, GQA, RMSNorm, SwiGLU-free MLP) sharded with `magi_attention_fsdp.fully_shard_dp_cp` on
-a (dp 1, cp 1) mesh, trained a few AdamW steps twice from the same weights on the same packed batch: its
-attention is `calc_attn(q, k, v, shard.key)` on magi's side (`dispatch_pack`, `pack_loss`, as the docs show)
-and `F.scaled_dot_product_attention(..., is_causal=True)` on every document alone on the reference side. On a
-GPU both sides compute in bf16 through FSDP2's `MixedPrecisionPolicy` (fp32 master weights, bf16 parameters
-in the forward and backward, fp32 gradient reduction).
-
-    python -m benchmarks fsdp                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks fsdp --device cpu   # CPU smoke run: float64, gloo, a toy model
+What it measures and how to run it: docs/benchmarks/cases.md (fsdp).
 """
 
 from __future__ import annotations

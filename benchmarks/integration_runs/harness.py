@@ -1,10 +1,6 @@
-"""What the integration runs share: the command line, the world-1 process group, the packed batch of
-documents, the timed training loop, the comparison against the framework's own attention and its report.
+"""What the integration runs share: command line, process group, packed batch, timed loop, report.
 
-Each run trains the same initial weights twice on the same batch, a few AdamW steps each: once with
-magi-attention through the integration ("magi"), once with the framework's own attention on every document
-("ref"). On a GPU: bf16 weights, NCCL, the kernel that `kernel_backend="auto"` picks; on a CPU (the smoke
-test): float64, gloo, magi's torch kernel, where both sides must agree to rounding.
+What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness).
 """
 
 from __future__ import annotations

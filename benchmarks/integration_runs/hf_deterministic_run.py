@@ -1,13 +1,6 @@
 """HF Transformers with magi-attention in deterministic mode: the same training twice gives the same bits.
 
-For each model of `hf_run.py` (Llama, and Qwen2 with a sliding-window layer), a random-initialised model is
-trained `--steps` AdamW steps on the same packed batch twice, from the same seed, in one process, with
-`torch.use_deterministic_algorithms(True)` (so `DistAttnConfig()` resolves `deterministic=True`) and
-`CUBLAS_WORKSPACE_CONFIG=:4096:8`. The losses of every step and every parameter afterwards must be
-bitwise identical between the two trainings. The report (JSON) goes to `--out` or `$OUT/hf_deterministic.json`.
-
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m benchmarks hf-deterministic   # GPU, bf16
-    python -m benchmarks hf-deterministic --device cpu                      # CPU smoke run
+What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic).
 """
 
 from __future__ import annotations

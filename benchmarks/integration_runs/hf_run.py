@@ -1,14 +1,6 @@
 """HF Transformers with magi-attention against Transformers' own SDPA attention, one process.
 
-Two random-initialised models, each trained a few AdamW steps twice from the same weights on the same packed
-batch of documents: Llama, and Qwen2 with one sliding-window layer (`layer_types`). magi's side goes through
-`magi_attention_transformers` as its docs show (`apply_magi_attention`, `dispatch_batch` every step,
-`causal_lm_loss`, `all_reduce_gradients`); the reference is the model with `attn_implementation="sdpa"` on the
-whole pack with per-document `position_ids`, from which Transformers builds the per-document causal (and
-sliding-window) mask itself.
-
-    python -m benchmarks hf                  # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks hf --device cpu     # CPU smoke run: float64, gloo, a toy model
+What it measures and how to run it: docs/benchmarks/cases.md (hf).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Megatron-core GPTModel with magi-attention against Megatron's local core attention per document, one process.
+"""Megatron-core GPTModel with magi-attention against Megatron's local core attention per document.
 
-The same GPT (local, non-Transformer-Engine layer spec: RoPE, GQA, RMSNorm, SwiGLU) built twice from one
-seed, trained a few AdamW steps on the same packed batch of documents: with `magi_gpt_layer_spec()`,
-`use_magi_rotary`, `get_batch_on_this_cp_rank_magi`, `magi_loss` and `all_reduce_gradients` as the docs show,
-and with `get_gpt_layer_local_spec()` (Megatron's `DotProductAttention` with the causal mask of its GPT
-training) run on every document alone, the loss the token mean over the pack. Megatron's own parallel sizes stay 1. Transformer Engine is not needed
-(and its specs are not exercised here).
-
-    python -m benchmarks megatron                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks megatron --device cpu   # CPU smoke run: float64, gloo, a toy model
+What it measures and how to run it: docs/benchmarks/cases.md (megatron).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """torchtitan's Llama 3 debug model with magi-attention against torchtitan's own SDPA attention per document.
 
-torchtitan's Llama 3 "debugmodel" (dim 256, 6 layers, 16 heads of dim 16; "tiny" on a CPU) from
-`magi_model_spec`, sharded with `apply_magi_fsdp` (torchtitan's FSDP2 of its decoders; on a GPU bf16 parameters
-and fp32 gradient reduction, torchtitan's defaults), trained a few AdamW steps with torchtitan's cross-entropy
-loss on a packed batch in torchtitan's format (`positions` restarting at each document): magi's side through
-`dispatch_batch`, the reference the same weights with torchtitan's `ScaledDotProductAttention` inner attention
-(causal) run on every document alone.
-
-    python -m benchmarks torchtitan                # GPU: bf16, NCCL world 1, 12288 tokens
-    python -m benchmarks torchtitan --device cpu   # CPU smoke run: float64, a tiny Llama 3
-
-If torchtitan (or one of its dependencies) does not import with this torch, the script says why and exits 3.
+What it measures and how to run it: docs/benchmarks/cases.md (torchtitan).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ is killed after `timeout` seconds and reported, so a test fails instead of hangi
 
 Forking is ~50x cheaper than spawning; it is safe because callers export OMP_NUM_THREADS=1 before Python
 starts (scripts/dev.sh does), so the parent holds no OpenMP thread pool.
+
+`failure_checks` turns the always-on failure checks off inside a block and `failure_check_calls` gives each
+of them as a call of its own, so their cost can be measured (`python -m benchmarks checks-overhead`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .env import child_process_env
@@ -132,3 +137,95 @@ def run_docs_example(
 
 
 _GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+@contextmanager
+def failure_checks(
+    *, call_agreement: bool = True, key_fingerprint: bool = True, table_check: bool = True
+) -> Iterator[None]:
+    """Turn failure checks (docs/failure_modes.md) off inside the block, to measure what they cost; never
+    for training, where a bad call would then hang or corrupt results instead of raising.
+
+    - ``call_agreement=False``: every public call runs its local checks only, without the status
+      agreement across the cp group.
+    - ``key_fingerprint=False``: a new key is planned without comparing it with the other ranks' keys.
+    - ``table_check=False``: a plan built on a device does not gather and compare every rank's
+      group-collective tables.
+
+    Every rank must enter the block with the same arguments (the checks are collective). Not thread-safe:
+    it swaps module attributes for the block's duration.
+    """
+    import magi_group_collective._plan as grpcoll_plan
+
+    from . import api, dispatch, dist_attn, roll
+    from ._runtime.checks import _calc_attn, _call_agreement
+
+    def local_call(cp_group, call, check, *, same=None, extra=None):
+        check()
+        return [list(extra()) if extra is not None else [] for _ in range(cp_group.size)]
+
+    def local_checked(cp_group, call, check, *, same=None, extra=None):
+        checked = check()
+        return checked, [list(extra(checked)) if extra is not None else [] for _ in range(cp_group.size)]
+
+    swaps = []
+    if not call_agreement:
+        for module in (_call_agreement, _calc_attn, api, dispatch, dist_attn, roll):
+            for name, local in (("agree_on_call", local_call), ("agree_on_checked", local_checked)):
+                if hasattr(module, name):
+                    swaps.append((module, name, local))
+    if not key_fingerprint:
+        swaps.append((api, "agree_on_key", lambda *args, **kwargs: None))
+    if not table_check:
+        swaps.append((grpcoll_plan, "_gather_tables", lambda *args, **kwargs: None))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    try:
+        for module, name, value in swaps:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def failure_check_calls(
+    key: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> dict[str, Callable[[], Any]]:
+    """Each always-on failure check of `calc_attn` on ``key`` as a call of its own, to time it alone:
+
+    - ``"key_fingerprint"``: the new-key exchange (one all-gather of the key's parts; collective).
+    - ``"call_agreement"``: `calc_attn`'s forward status agreement (collective; nothing on cp 1).
+    - ``"local_checks"``: the checks that need no communication (dtype, scalars, dispatch tags of q, k, v).
+    - ``"device_plan"``: the key's plan built again on q's device (collective: it runs the table check
+      unless `failure_checks` turned it off).
+
+    ``q``, ``k``, ``v``: local shards from `dispatch` with ``key`` (``[shard_seqlen, heads, head_dim]``).
+    """
+    from ._runtime.cache import RUNTIME_CACHE
+    from ._runtime.checks import agree_on_call, agree_on_key, check_dispatch_tags, check_dtype, check_scalars
+
+    runtime = RUNTIME_CACHE.get(key)
+    same = {
+        "q.dtype": q.dtype,
+        "softmax_scale": key.head_dim**-0.5,
+        "softcap": 0.0,
+        "return_max_logits": False,
+    }
+
+    def local_checks() -> None:
+        check_dtype(q)
+        check_scalars(None, 0.0, key.head_dim)
+        check_dispatch_tags(runtime, q=q, k=k, v=v)
+
+    def device_plan() -> object:
+        runtime._device_meta.clear()
+        return runtime.device_meta(q.device)
+
+    return {
+        "key_fingerprint": lambda: agree_on_key(key, False),
+        "call_agreement": lambda: agree_on_call(
+            key.cp_group, "calc_attn (forward)", lambda: None, same=lambda: same, extra=lambda: [0]
+        ),
+        "local_checks": local_checks,
+        "device_plan": device_plan,
+    }
