@@ -142,7 +142,11 @@ def worker(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     Path(args.result).write_text(json.dumps({"rank": args.worker, "rows": rows}))
-    return 0
+    # leave without the interpreter's teardown: a gloo thread still winding down there can abort the
+    # process ("terminate called without an active exception") after the result is written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------- driver
