@@ -52,8 +52,10 @@ from .dispatch import (
     dispatch_lower_bound,
     padded_seqlen,
 )
+from .documents_repair import hull_traffic, repair
 from .kernel_law import KernelLaw, law_for_mask
-from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN, remote_kv_tokens
+from .node_groups import node_order
+from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN, rank_traffic, remote_kv_tokens
 from .pricing import NODE as PRICING_NODE
 
 __all__ = ["documents_granularity", "documents_plan", "documents_plans", "find_units", "token_units"]
@@ -542,6 +544,10 @@ _GOOD = 0.01
 rank of its own (`_anchored`)."""
 """Assignments (the predicted best first) judged by the law's exact per-rank times."""
 _SNAP = 0.02
+_STEP_NOISE = 0.02
+"""Predicted steps this close (relative) are equal to the final pick: the lower kernel metric wins."""
+_REPAIRED = 2
+"""The best assignments the local repair is run on."""
 _SNAP_NEAR = 2
 """Segment boundaries tried on each side of each run's end when snapping."""
 _UNION_BY_HAND = 24
@@ -619,14 +625,33 @@ def _balanced_two_ended(v: _Virtual, room: np.ndarray) -> list[np.ndarray]:
     return out + [x[2] for x in tried]
 
 
-def _exact_worst(
-    owner: np.ndarray, pieces: tuple, area: np.ndarray, c: int, cp: int, law: KernelLaw
-) -> float:
-    """The predicted step of an assignment as `pricing.PlanPrice.step_ms` prices it: the slowest forward
-    (K/V fetch + kernel) plus the slowest backward (kernel + dK/dV reduce), by the law on the ranks' exact key
-    columns (their own tokens and the union of the keys their rows need), the links as `pricing` prices
-    them (past one node on this numbering; the choice's renumbering by node only lowers it)."""
+def _exact_price(
+    owner: np.ndarray,
+    pieces: tuple,
+    area: np.ndarray,
+    c: int,
+    cp: int,
+    law: KernelLaw,
+    hull: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[float, float, np.ndarray]:
+    """`(step, metric, owner)` of an assignment: past one node its ranks first renumbered so that ranks
+    exchanging the most keys share a node (`node_groups.node_order`, as the choice does); the step as
+    `pricing.PlanPrice.step_ms` prices it (the slowest forward, K/V fetch + kernel, plus the slowest
+    backward, kernel + dK/dV reduce, by the law on the ranks' exact key columns and the links as `pricing`
+    prices them), the metric `max fwd + max bwd` of kernel time alone. `hull`: each chunk's key interval
+    (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`)."""
     chunk, _, kl, kr = pieces
+    if cp > PRICING_NODE:
+        traffic = (
+            hull_traffic(owner, hull[0], hull[1], c, cp)
+            if hull is not None
+            else rank_traffic(owner, chunk, kl, kr, c, cp)
+        )
+        order = node_order(traffic, cp, PRICING_NODE)
+        if order is not None:
+            renum = np.empty(cp, dtype=np.int64)
+            renum[np.asarray(order, dtype=np.int64)] = np.arange(cp, dtype=np.int64)
+            owner = renum[owner]
     remote = remote_kv_tokens(owner, chunk, kl, kr, c, cp)
     inter = remote_kv_tokens(owner, chunk, kl, kr, c, cp, PRICING_NODE) if cp > PRICING_NODE else 0 * remote
     own = np.bincount(owner, minlength=cp).astype(np.float64) * c
@@ -635,9 +660,29 @@ def _exact_worst(
     nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
     ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
     comm = np.maximum(nv, ib) * 1e3
-    fwd = law.fwd_ms(rank_area, keys, own) + comm
-    bwd = law.bwd_ms(rank_area, keys, own) + comm
-    return float(fwd.max() + bwd.max())
+    fwd = law.fwd_ms(rank_area, keys, own)
+    bwd = law.bwd_ms(rank_area, keys, own)
+    step = float((fwd + comm).max() + (bwd + comm).max())
+    return step, float(fwd.max() + bwd.max()), owner
+
+
+def _exact_worst(
+    owner: np.ndarray, pieces: tuple, area: np.ndarray, c: int, cp: int, law: KernelLaw
+) -> float:
+    """The predicted step of an assignment (`_exact_price`)."""
+    return _exact_price(owner, pieces, area, c, cp, law)[0]
+
+
+def _ranked(judged: list[tuple[float, float, int, np.ndarray]]) -> list[tuple[float, float, int, np.ndarray]]:
+    """`(step, metric, order found, owner)` best first: the least predicted step, except that among the
+    assignments within `_STEP_NOISE` of it the least kernel metric comes first (a link-time gain that small
+    is not worth a kernel imbalance)."""
+    if not judged:
+        return judged
+    best = min(x[0] for x in judged)
+    near = sorted((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
+    rest = sorted((x for x in judged if x[0] > best * (1.0 + _STEP_NOISE)), key=lambda x: (x[0], x[2]))
+    return near + rest
 
 
 def _best_fill(
@@ -650,8 +695,8 @@ def _best_fill(
     law: KernelLaw,
     keep: int = 1,
 ) -> list[np.ndarray]:
-    """The `keep` assignments of least predicted step (`_exact_worst`: the law's exact per-rank times and the links)
-    among the fills:
+    """The `keep` best assignments (`_ranked`, by `_exact_price`: the law's exact per-rank times and the
+    links) among the fills, each after the local repair (`documents_repair`):
     the fewest-cuts layout (long units halved; crude and exact run prices), time-sized pieces, costly
     pieces anchored one per rank. The fills run in that order and stop once one comes within `_GOOD` of
     the floor no placement beats (each direction's mean over the ranks with no received keys)."""
@@ -669,7 +714,10 @@ def _best_fill(
         lambda: _balanced_two_ended(_Virtual(costs, _laid_out(costs, units, whole, base, tau)), room),
         lambda: _balanced_anchored(costs, units, whole, room),
     )
-    judged: list[tuple[float, int, np.ndarray]] = []
+    n = costs.klo.size
+    lo = np.minimum(costs.klo, np.arange(n, dtype=np.int64) * c)
+    hi = np.maximum(costs.khi, (np.arange(n, dtype=np.int64) + 1) * c)
+    judged: list[tuple[float, float, int, np.ndarray]] = []
     seen: set[bytes] = set()
     for fill in fills:
         for owner in fill()[:_JUDGED]:
@@ -677,11 +725,20 @@ def _best_fill(
             if key in seen:
                 continue
             seen.add(key)
-            judged.append((_exact_worst(owner, pieces, area, c, cp, law), len(judged), owner))
+            step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi))
+            judged.append((step, metric, len(judged), owner))
         if min(x[0] for x in judged) <= floor * (1.0 + _GOOD):
             break
-    judged.sort(key=lambda x: (x[0], x[1]))
-    return [x[2] for x in judged[:keep]]
+    ranked = _ranked(judged)
+    out = list(ranked)
+    for step, metric, i, owner in ranked[: max(keep, _REPAIRED)]:
+        fixed = repair(owner, area, lo, hi, units, c, cp, law, PRICING_NODE)
+        if np.array_equal(fixed, owner):
+            continue
+        s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi))
+        if m2 <= metric and s2 <= step:  # the repair never trades one for the other (exact prices)
+            out.append((s2, m2, -1 - i, fixed))
+    return [x[3] for x in _ranked(out)[:keep]]
 
 
 def documents_plans(

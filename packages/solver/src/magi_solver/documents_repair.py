@@ -1,0 +1,282 @@
+"""The documents placement's local repair: chunk swaps between the slowest rank and its neighbours.
+
+The fills (`documents`) balance one summed price per rank (forward + backward) against a common target, so
+a rank holding a long unit's tail, whose rows need all its earlier keys, can end above the others. The
+metric the placement answers to is `max_r fwd_r + max_r bwd_r` of predicted kernel time, each direction by
+its own law. The repair lowers it directly: while the rank that sets the slowest forward or the slowest
+backward can
+
+* shift a cut point by one chunk towards a neighbouring rank (its chunk at the end of a run, next in the
+  sequence to a chunk of that rank) and take back one chunk from a cut point it shares with that rank
+  the other way (or a one-chunk unit of that rank's),
+* give a whole unit to a rank and take back a whole unit of the same chunk count (units stay whole), or
+  the same count of chunks from a cut point the two share (the cut shifts by that many chunks),
+
+and the metric falls while the predicted step (kernel plus link time, `pricing`'s price) does not rise,
+the best such swap is made. Every rank keeps its chunk count. Each step prices the two ranks it changes
+exactly (their area, rows, and the union of the keys their rows need); past one node, only ranks of one
+node swap (no other rank's link time changes). At most `_STEPS` swaps: about linear in the chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel_law import KernelLaw
+from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN
+
+__all__ = ["repair"]
+
+_STEPS_PER_RANK = 2
+"""Swaps made at most per rank (the pass stops earlier once no swap lowers the metric)."""
+_PARTNERS = 2
+"""Least loaded ranks (besides the neighbours in the sequence) offered a whole-unit swap."""
+_UNITS = 4
+"""Whole units of a rank tried in one step (the costliest per chunk first)."""
+_GAIN = 1e-6
+"""A swap must lower the metric by this share at least (no churn on rounding)."""
+
+
+class _State:
+    """Per-rank predicted kernel and link times of an assignment, with the tables to reprice one rank."""
+
+    def __init__(
+        self,
+        owner: np.ndarray,
+        area: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
+        units: np.ndarray,
+        c: int,
+        cp: int,
+        law: KernelLaw,
+        node: int,
+    ) -> None:
+        self.owner, self.area, self.lo, self.hi, self.c, self.cp, self.law = owner, area, lo, hi, c, cp, law
+        self.node = node if cp > node else cp
+        self.units = units
+        self.unit_of = np.searchsorted(units, np.arange(owner.size), side="right") - 1
+        self.fwd = np.zeros(cp)
+        self.bwd = np.zeros(cp)
+        self.comm = np.zeros(cp)
+        self._node_prefix()
+        for r in range(cp):
+            self.fwd[r], self.bwd[r], self.comm[r] = self.rank(r)
+
+    def _node_prefix(self) -> None:
+        """Chunks of each node below each chunk index (`[nodes, n + 1]`): the keys a rank's node holds."""
+        nodes = -(-self.cp // self.node)
+        of = self.owner // self.node
+        self.npre = np.zeros((nodes, self.owner.size + 1), dtype=np.int64)
+        for k in range(nodes):
+            self.npre[k, 1:] = np.cumsum(of == k)
+
+    def _held(self, k: int, x: int) -> int:
+        """Tokens below token x held by node k."""
+        j, rem = divmod(x, self.c)
+        out = int(self.npre[k, j]) * self.c
+        if rem and j < self.owner.size and self.owner[j] // self.node == k:
+            out += rem
+        return out
+
+    def rank(self, r: int) -> tuple[float, float, float]:
+        """Rank r's forward and backward kernel ms and link ms on the current owners."""
+        idx = np.flatnonzero(self.owner == r)
+        if idx.size == 0:
+            return 0.0, 0.0, 0.0
+        lo, hi = self.lo[idx], self.hi[idx]
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        reach = np.maximum.accumulate(hi)
+        new = np.ones(lo.size, dtype=bool)
+        new[1:] = lo[1:] > reach[:-1]
+        starts = lo[new]
+        ends = np.maximum.reduceat(hi, np.flatnonzero(new))
+        keys = int((ends - starts).sum())
+        own = idx.size * self.c
+        remote = keys - own
+        inter = 0
+        if self.cp > self.node:
+            k = r // self.node
+            inside = sum(self._held(k, int(b)) - self._held(k, int(a)) for a, b in zip(starts, ends))
+            inter = keys - inside
+        a = float(self.area[idx].sum())
+        nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
+        ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
+        return float(self.law.fwd_ms(a, keys, own)), float(self.law.bwd_ms(a, keys, own)), max(nv, ib) * 1e3
+
+    def metric(self) -> tuple[float, float]:
+        """(max fwd + max bwd of kernel time, the predicted step with the links)."""
+        return (
+            float(self.fwd.max() + self.bwd.max()),
+            float((self.fwd + self.comm).max() + (self.bwd + self.comm).max()),
+        )
+
+    def trial(self, s: int, t: int, give: np.ndarray, take: np.ndarray) -> tuple[float, float, tuple]:
+        """The metric with `give` (chunks of s) moved to t and `take` (chunks of t) moved to s; the owners
+        are left unchanged. Returns (metric, step, the two ranks' new times)."""
+        self.owner[give] = t
+        self.owner[take] = s
+        ns = self.rank(s)
+        nt = None
+        if ns[0] < self.fwd[s] or ns[1] < self.bwd[s]:  # else s is slower both ways: no gain
+            nt = self.rank(t)
+        self.owner[give] = s
+        self.owner[take] = t
+        if nt is None:
+            return float("inf"), float("inf"), ()
+        f, b, m = self.fwd.copy(), self.bwd.copy(), self.comm.copy()
+        f[s], b[s], m[s] = ns
+        f[t], b[t], m[t] = nt
+        return float(f.max() + b.max()), float((f + m).max() + (b + m).max()), (ns, nt)
+
+    def apply(self, s: int, t: int, give: np.ndarray, take: np.ndarray, times: tuple) -> None:
+        self.owner[give] = t
+        self.owner[take] = s
+        (self.fwd[s], self.bwd[s], self.comm[s]), (self.fwd[t], self.bwd[t], self.comm[t]) = times
+
+
+def _edges(owner: np.ndarray, s: int, t: int) -> list[int]:
+    """Chunks of s at the end of a run of s's, next in the sequence to a chunk of t (a cut point the two
+    share): the chunk that moves when that cut shifts by one towards t."""
+    idx = np.flatnonzero(owner == s)
+    n = owner.size
+    left = idx[(idx > 0) & (owner[np.maximum(idx - 1, 0)] == t)]
+    right = idx[(idx < n - 1) & (owner[np.minimum(idx + 1, n - 1)] == t)]
+    return sorted(set(left.tolist()) | set(right.tolist()))
+
+
+def _block(owner: np.ndarray, x: int, t: int, s: int, k: int) -> np.ndarray | None:
+    """k chunks of t from chunk x away from its neighbour of rank s (a cut shifted by k), or None where t's
+    run there is shorter."""
+    n = owner.size
+    step = 1 if x > 0 and owner[x - 1] == s else -1
+    end = x + step * (k - 1)
+    if not 0 <= end < n:
+        return None
+    blk = np.arange(x, end + step, step, dtype=np.int64)
+    return blk if bool((owner[blk] == t).all()) else None
+
+
+def _whole_units(st: _State, r: int) -> list[np.ndarray]:
+    """The chunks of each unit held whole by rank r, the costliest per chunk first (at most `_UNITS`)."""
+    idx = np.flatnonzero(st.owner == r)
+    if idx.size == 0:
+        return []
+    us = np.unique(st.unit_of[idx])
+    a, b = st.units[us], st.units[us + 1]
+    held = np.bincount(st.unit_of[idx], minlength=st.units.size)[us]
+    whole = held == (b - a)
+    us, a, b = us[whole], a[whole], b[whole]
+    dens = (st.area_cum[b] - st.area_cum[a]) / (b - a)
+    order = np.argsort(-dens, kind="stable")[:_UNITS]
+    return [np.arange(a[i], b[i], dtype=np.int64) for i in order]
+
+
+def _moves(st: _State, s: int, partners: list[int]):
+    """Candidate swaps `(t, give, take)` between rank s and each partner t (see the module docstring)."""
+    owner = st.owner
+    mine = _whole_units(st, s)
+    for t in partners:
+        e_s = _edges(owner, s, t)
+        e_t = _edges(owner, t, s)
+        theirs = _whole_units(st, t)
+        ones = [u for u in theirs if u.size == 1]
+        for x in e_s:  # a cut shifted by one towards t, one chunk back from another cut or a one-chunk unit
+            for y in e_t:
+                if abs(x - y) > 1:  # the same cut shifted back and forth is no move
+                    yield t, np.asarray([x]), np.asarray([y])
+            for u in ones:
+                yield t, np.asarray([x]), u
+        for u in mine:  # a whole unit for a whole unit of as many chunks, or for a cut shifted by as many
+            for v in theirs:
+                if v.size == u.size:
+                    yield t, u, v
+            for y in e_t:
+                blk = _block(owner, y, t, s, u.size)
+                if blk is not None:
+                    yield t, u, blk
+
+
+def repair(
+    owner: np.ndarray,
+    area: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    units: np.ndarray,
+    c: int,
+    cp: int,
+    law: KernelLaw,
+    node: int,
+) -> np.ndarray:
+    """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the local repair (module docstring).
+
+    Args:
+        owner: the fill's assignment (every rank's chunk count is kept).
+        area: float64 `[n]` mask area of each chunk.
+        lo, hi: int64 `[n]` the keys each chunk's rows need, with its own tokens (an interval per chunk).
+        units: int64 chunk boundaries of the units (0, ..., n).
+        c: tokens per chunk.
+        cp: ranks.
+        law: the kernel law the ranks are priced by.
+        node: ranks per node (past it, swaps stay inside a node and link time from other nodes is priced).
+
+    Returns:
+        int64 `[n]`: the repaired owners; the metric `max fwd + max bwd` never rises and the predicted
+        step never rises.
+    """
+    st = _State(owner.copy(), area, lo, hi, units, c, cp, law, node)
+    st.area_cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
+    metric, step = st.metric()
+    n = st.owner.size
+    for _ in range(_STEPS_PER_RANK * cp):
+        crit = sorted({int(np.argmax(st.fwd)), int(np.argmax(st.bwd))})
+        best = None
+        for s in crit:
+            same = np.arange(cp) // st.node == s // st.node
+            same[s] = False
+            idx = np.flatnonzero(st.owner == s)
+            near = np.concatenate([st.owner[idx[idx > 0] - 1], st.owner[idx[idx < n - 1] + 1]])
+            nb = [int(t) for t in np.unique(near) if t != s and same[t]]
+            load = st.fwd + st.bwd
+            light = [int(t) for t in np.argsort(load, kind="stable") if same[t] and int(t) not in nb]
+            for t, give, take in _moves(st, s, nb + light[:_PARTNERS]):
+                m, p, times = st.trial(s, t, give, take)
+                if m < metric * (1.0 - _GAIN) and p <= step * (1.0 + 1e-12) and (best is None or m < best[0]):
+                    best = (m, p, s, t, give, take, times)
+        if best is None:
+            break
+        metric, step, s, t, give, take, times = best
+        st.apply(s, t, give, take, times)
+    return st.owner
+
+
+def hull_traffic(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray, c: int, cp: int) -> np.ndarray:
+    """int64 `[cp, cp]`: the K/V tokens rank r fetches from rank s (the diagonal 0), with each chunk's key
+    need taken as one interval (`lo`, `hi`, its own tokens included): `pricing.rank_traffic` where every
+    chunk's keys are one interval (packed documents, clips, windows), in O(cp x (chunks + runs))."""
+    n = owner.size
+    span = n * c + 1
+    s = lo + owner * span
+    e = hi + owner * span
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(n, dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    starts = s[new]
+    ends = np.maximum.reduceat(e, np.flatnonzero(new))
+    rank = starts // span
+    a, b = starts - rank * span, ends - rank * span  # each rank's union runs in tokens
+    held = np.zeros((cp, n + 1), dtype=np.int64)  # chunks of each rank below each chunk index
+    held[owner, np.arange(1, n + 1)] = 1
+    held = np.cumsum(held, axis=1)
+    aj, bj = a // c, b // c
+    tok = (held[:, bj] - held[:, aj]) * c  # [cp, runs], whole chunks from a's chunk to b's
+    ar = np.arange(cp)[:, None]
+    tok -= np.where(owner[np.minimum(aj, n - 1)][None, :] == ar, a % c, 0)
+    tok += np.where((bj < n)[None, :] & (owner[np.minimum(bj, n - 1)][None, :] == ar), b % c, 0)
+    out = np.zeros((cp, cp), dtype=np.int64)
+    np.add.at(out, rank, tok.T)
+    np.fill_diagonal(out, 0)
+    return out
