@@ -546,7 +546,7 @@ rank of its own (`_anchored`)."""
 _SNAP = 0.02
 _STEP_NOISE = 0.02
 """Predicted steps this close (relative) are equal to the final pick: the lower kernel metric wins."""
-_REPAIRED = 2
+_REPAIRED = 1
 """The best assignments the local repair is run on."""
 _SNAP_NEAR = 2
 """Segment boundaries tried on each side of each run's end when snapping."""

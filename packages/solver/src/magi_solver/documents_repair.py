@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_law import KernelLaw
+from .kernel_law import TILE, KernelLaw
 from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN
 
 __all__ = ["repair"]
@@ -30,9 +30,18 @@ __all__ = ["repair"]
 _STEPS_PER_RANK = 2
 """Swaps made at most per rank (the pass stops earlier once no swap lowers the metric)."""
 _PARTNERS = 2
+_NEIGHBOURS = 4
+"""Neighbours in the sequence (the least loaded first) a rank swaps with in one step, at most."""
 """Least loaded ranks (besides the neighbours in the sequence) offered a whole-unit swap."""
 _UNITS = 4
 """Whole units of a rank tried in one step (the costliest per chunk first)."""
+_ENDS = 8
+"""Run ends of a partner offered back for one chunk, at most."""
+_MAX_STEPS = 48
+"""Swaps made at most in all (with `_STEPS_PER_RANK`: a bound on the pass's time at large cp)."""
+_EVALS = 3000
+"""Ranks priced at most in one pass (each swap tried prices one or two): the pass's time stays within a
+few tens of milliseconds whatever the mask; a deterministic count, so every rank repairs alike."""
 _GAIN = 1e-6
 """A swap must lower the metric by this share at least (no churn on rounding)."""
 
@@ -56,6 +65,7 @@ class _State:
         self.node = node if cp > node else cp
         self.units = units
         self.unit_of = np.searchsorted(units, np.arange(owner.size), side="right") - 1
+        self.evals = 0  # ranks priced so far (the pass's budget, `_EVALS`)
         self.fwd = np.zeros(cp)
         self.bwd = np.zeros(cp)
         self.comm = np.zeros(cp)
@@ -81,6 +91,7 @@ class _State:
 
     def rank(self, r: int) -> tuple[float, float, float]:
         """Rank r's forward and backward kernel ms and link ms on the current owners."""
+        self.evals += 1
         idx = np.flatnonzero(self.owner == r)
         if idx.size == 0:
             return 0.0, 0.0, 0.0
@@ -103,7 +114,15 @@ class _State:
         a = float(self.area[idx].sum())
         nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
         ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
-        return float(self.law.fwd_ms(a, keys, own)), float(self.law.bwd_ms(a, keys, own)), max(nv, ib) * 1e3
+        if a <= 0:  # no tiles: no kernel call (`kernel_law.DirectionLaw.us`)
+            return 0.0, 0.0, max(nv, ib) * 1e3
+        # `law.fwd_ms` / `bwd_ms` of one rank, in scalars (this runs for every swap tried)
+        t, k, q = a / (TILE * TILE), keys / TILE, -(-own // TILE)
+        f, b = self.law.fwd, self.law.bwd
+        ms = self.law.scale * 1e-3
+        fwd = (f.tiles * t + f.key_columns * k + f.rows * q + f.call) * ms
+        bwd = (b.tiles * t + b.key_columns * k + b.rows * q + b.call) * ms
+        return fwd, bwd, max(nv, ib) * 1e3
 
     def metric(self) -> tuple[float, float]:
         """(max fwd + max bwd of kernel time, the predicted step with the links)."""
@@ -112,28 +131,52 @@ class _State:
             float((self.fwd + self.comm).max() + (self.bwd + self.comm).max()),
         )
 
-    def trial(self, s: int, t: int, give: np.ndarray, take: np.ndarray) -> tuple[float, float, tuple]:
-        """The metric with `give` (chunks of s) moved to t and `take` (chunks of t) moved to s; the owners
-        are left unchanged. Returns (metric, step, the two ranks' new times)."""
-        self.owner[give] = t
-        self.owner[take] = s
-        ns = self.rank(s)
-        nt = None
-        if ns[0] < self.fwd[s] or ns[1] < self.bwd[s]:  # else s is slower both ways: no gain
-            nt = self.rank(t)
-        self.owner[give] = s
-        self.owner[take] = t
-        if nt is None:
-            return float("inf"), float("inf"), ()
+    def trial(self, s: int, parts: list[tuple[np.ndarray, int]]) -> tuple[float, float, dict]:
+        """The metric with each `(chunks, rank)` of `parts` moved to that rank (rank s among those that
+        give); the owners are left unchanged. Returns (metric, step, the changed ranks' new times)."""
+        old = [self.owner[ch].copy() for ch, _ in parts]
+        ranks = {s} | {r for _, r in parts} | {int(r) for o in old for r in o}
+        cross = self._crossing(parts, old)
+        if cross:  # chunks change node: every rank needing their keys may fetch more or less from others
+            for ch, _ in parts:
+                for u in np.unique(self.unit_of[ch]):
+                    ranks |= set(np.unique(self.owner[self.units[u] : self.units[u + 1]]).tolist())
+        self._move(parts, cross)
+        times = {s: self.rank(s)}
+        if times[s][0] < self.fwd[s] or times[s][1] < self.bwd[s]:  # else s is slower both ways: no gain
+            for r in sorted(ranks - {s}):
+                times[r] = self.rank(r)
+        self._move([(ch, o) for (ch, _), o in zip(parts, old)], cross)
+        if len(times) < len(ranks):
+            return float("inf"), float("inf"), {}
         f, b, m = self.fwd.copy(), self.bwd.copy(), self.comm.copy()
-        f[s], b[s], m[s] = ns
-        f[t], b[t], m[t] = nt
-        return float(f.max() + b.max()), float((f + m).max() + (b + m).max()), (ns, nt)
+        for r, (x, y, z) in times.items():
+            f[r], b[r], m[r] = x, y, z
+        return float(f.max() + b.max()), float((f + m).max() + (b + m).max()), times
 
-    def apply(self, s: int, t: int, give: np.ndarray, take: np.ndarray, times: tuple) -> None:
-        self.owner[give] = t
-        self.owner[take] = s
-        (self.fwd[s], self.bwd[s], self.comm[s]), (self.fwd[t], self.bwd[t], self.comm[t]) = times
+    def _crossing(self, parts: list, old: list) -> bool:
+        """Whether any chunk of `parts` changes node (past one node)."""
+        if self.cp <= self.node:
+            return False
+        return any(bool((o // self.node != r // self.node).any()) for (_, r), o in zip(parts, old))
+
+    def _move(self, parts: list, cross: bool) -> None:
+        """Set the owners of `parts` (a rank, or one per chunk); with `cross`, the node tables too."""
+        for ch, r in parts:
+            if cross:
+                xs = np.atleast_1d(ch)
+                for x, to in zip(xs.tolist(), np.broadcast_to(r, xs.shape).tolist()):
+                    a, b = int(self.owner[x]) // self.node, to // self.node
+                    if a != b:
+                        self.npre[a, x + 1 :] -= 1
+                        self.npre[b, x + 1 :] += 1
+            self.owner[ch] = r
+
+    def apply(self, parts: list[tuple[np.ndarray, int]], times: dict) -> None:
+        old = [self.owner[ch].copy() for ch, _ in parts]
+        self._move(parts, self._crossing(parts, old))
+        for r, (x, y, z) in times.items():
+            self.fwd[r], self.bwd[r], self.comm[r] = x, y, z
 
 
 def _edges(owner: np.ndarray, s: int, t: int) -> list[int]:
@@ -144,6 +187,19 @@ def _edges(owner: np.ndarray, s: int, t: int) -> list[int]:
     left = idx[(idx > 0) & (owner[np.maximum(idx - 1, 0)] == t)]
     right = idx[(idx < n - 1) & (owner[np.minimum(idx + 1, n - 1)] == t)]
     return sorted(set(left.tolist()) | set(right.tolist()))
+
+
+def _ends(owner: np.ndarray, t: int) -> list[int]:
+    """The first and last chunk of each run of rank t's chunks (at most `_ENDS`, in sequence order): a
+    chunk t can hand over while its other chunks stay in runs (a causal unit's first chunk needs no keys
+    but its own)."""
+    idx = np.flatnonzero(owner == t)
+    if idx.size == 0:
+        return []
+    brk = np.flatnonzero(np.diff(idx) != 1)
+    firsts = idx[np.concatenate([[0], brk + 1])]
+    lasts = idx[np.concatenate([brk, [idx.size - 1]])]
+    return sorted(set(firsts.tolist()) | set(lasts.tolist()))[:_ENDS]
 
 
 def _block(owner: np.ndarray, x: int, t: int, s: int, k: int) -> np.ndarray | None:
@@ -174,7 +230,8 @@ def _whole_units(st: _State, r: int) -> list[np.ndarray]:
 
 
 def _moves(st: _State, s: int, partners: list[int]):
-    """Candidate swaps `(t, give, take)` between rank s and each partner t (see the module docstring)."""
+    """Candidate swaps between rank s and each partner t (see the module docstring), as `(chunks, new
+    rank)` parts."""
     owner = st.owner
     mine = _whole_units(st, s)
     for t in partners:
@@ -182,20 +239,44 @@ def _moves(st: _State, s: int, partners: list[int]):
         e_t = _edges(owner, t, s)
         theirs = _whole_units(st, t)
         ones = [u for u in theirs if u.size == 1]
-        for x in e_s:  # a cut shifted by one towards t, one chunk back from another cut or a one-chunk unit
-            for y in e_t:
+        back = sorted(set(e_t) | set(_ends(owner, t)))
+        for x in e_s:  # a cut shifted by one towards t, one chunk back from the end of a run of t's
+            for y in back:
                 if abs(x - y) > 1:  # the same cut shifted back and forth is no move
-                    yield t, np.asarray([x]), np.asarray([y])
+                    yield [(np.asarray([x]), t), (np.asarray([y]), s)]
             for u in ones:
-                yield t, np.asarray([x]), u
+                yield [(np.asarray([x]), t), (u, s)]
         for u in mine:  # a whole unit for a whole unit of as many chunks, or for a cut shifted by as many
             for v in theirs:
                 if v.size == u.size:
-                    yield t, u, v
+                    yield [(u, t), (v, s)]
             for y in e_t:
                 blk = _block(owner, y, t, s, u.size)
                 if blk is not None:
-                    yield t, u, blk
+                    yield [(u, t), (blk, s)]
+
+
+def _rotations(st: _State, s: int, nb: list[int]):
+    """Three-rank moves from rank s: s gives its chunk at a cut it shares with neighbour b to b and takes
+    the chunk at a cut it shares with neighbour a (its run slides towards a), and b hands a the chunk at
+    a cut the two share or at the end of one of its runs (every chunk count kept)."""
+    owner = st.owner
+    for a in nb:
+        take = [y for y in _edges(owner, a, s)]
+        if not take:
+            continue
+        for b in nb:
+            if b == a:
+                continue
+            give = _edges(owner, s, b)
+            if not give:
+                continue
+            back = sorted(set(_edges(owner, b, a)) | set(_ends(owner, b)))
+            for x in give[:2]:
+                for y in take[:2]:
+                    for z in back:
+                        if z != x:
+                            yield [(np.asarray([x]), b), (np.asarray([y]), s), (np.asarray([z]), a)]
 
 
 def repair(
@@ -229,25 +310,42 @@ def repair(
     st.area_cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
     metric, step = st.metric()
     n = st.owner.size
-    for _ in range(_STEPS_PER_RANK * cp):
+    budget = st.evals + _EVALS
+    for _ in range(min(_STEPS_PER_RANK * cp, _MAX_STEPS)):
         crit = sorted({int(np.argmax(st.fwd)), int(np.argmax(st.bwd))})
         best = None
         for s in crit:
-            same = np.arange(cp) // st.node == s // st.node
+            same = np.ones(cp, dtype=bool)
             same[s] = False
             idx = np.flatnonzero(st.owner == s)
             near = np.concatenate([st.owner[idx[idx > 0] - 1], st.owner[idx[idx < n - 1] + 1]])
-            nb = [int(t) for t in np.unique(near) if t != s and same[t]]
             load = st.fwd + st.bwd
+            nb = [int(t) for t in np.unique(near) if t != s and same[t]]
+            nb = sorted(nb, key=lambda t: (load[t], t))[:_NEIGHBOURS]
             light = [int(t) for t in np.argsort(load, kind="stable") if same[t] and int(t) not in nb]
-            for t, give, take in _moves(st, s, nb + light[:_PARTNERS]):
-                m, p, times = st.trial(s, t, give, take)
+            for parts in _moves(st, s, nb + light[:_PARTNERS]):
+                if st.evals >= budget:
+                    break
+                m, p, times = st.trial(s, parts)
                 if m < metric * (1.0 - _GAIN) and p <= step * (1.0 + 1e-12) and (best is None or m < best[0]):
-                    best = (m, p, s, t, give, take, times)
+                    best = (m, p, parts, times)
+            if best is None:  # no swap with one rank: a cut shifted on each side, the two others trading
+                for parts in _rotations(st, s, nb):
+                    if st.evals >= budget:
+                        break
+                    m, p, times = st.trial(s, parts)
+                    if (
+                        m < metric * (1.0 - _GAIN)
+                        and p <= step * (1.0 + 1e-12)
+                        and (best is None or m < best[0])
+                    ):
+                        best = (m, p, parts, times)
         if best is None:
             break
-        metric, step, s, t, give, take, times = best
-        st.apply(s, t, give, take, times)
+        metric, step, parts, times = best
+        st.apply(parts, times)
+        if st.evals >= budget:
+            break
     return st.owner
 
 
