@@ -42,6 +42,9 @@ _MAX_STEPS = 48
 _EVALS = 3000
 """Ranks priced at most in one pass (each swap tried prices one or two): the pass's time stays within a
 few tens of milliseconds whatever the mask; a deterministic count, so every rank repairs alike."""
+_CUT_GAIN = 0.01
+"""A swap that adds a cut inside a unit (a run of a unit on one rank more) must lower the metric by this
+share: cut points move freely, new ones only for a clear gain (a unit alone stays cut like zigzag)."""
 _GAIN = 1e-6
 """A swap must lower the metric by this share at least (no churn on rounding)."""
 
@@ -141,7 +144,10 @@ class _State:
             for ch, _ in parts:
                 for u in np.unique(self.unit_of[ch]):
                     ranks |= set(np.unique(self.owner[self.units[u] : self.units[u + 1]]).tolist())
+        at = sorted({y for ch, _ in parts for x in np.atleast_1d(ch).tolist() for y in (x, x + 1)})
+        runs = self._runs(at)
         self._move(parts, cross)
+        cuts = self._runs(at) - runs  # new cuts inside units: worth it only for a clear gain
         times = {s: self.rank(s)}
         if times[s][0] < self.fwd[s] or times[s][1] < self.bwd[s]:  # else s is slower both ways: no gain
             for r in sorted(ranks - {s}):
@@ -152,7 +158,15 @@ class _State:
         f, b, m = self.fwd.copy(), self.bwd.copy(), self.comm.copy()
         for r, (x, y, z) in times.items():
             f[r], b[r], m[r] = x, y, z
-        return float(f.max() + b.max()), float((f + m).max() + (b + m).max()), times
+        metric = float(f.max() + b.max())
+        if cuts > 0:  # priced as if `_CUT_GAIN` slower: a move that cuts a unit must gain more than that
+            metric *= 1.0 + _CUT_GAIN
+        return metric, float((f + m).max() + (b + m).max()), times
+
+    def _runs(self, at: list[int]) -> int:
+        """How many of the positions `at` start a run of one unit on one rank (a cut or a unit's start)."""
+        o, u = self.owner, self.unit_of
+        return sum(1 for i in at if 0 < i < o.size and (o[i] != o[i - 1] or u[i] != u[i - 1]))
 
     def _crossing(self, parts: list, old: list) -> bool:
         """Whether any chunk of `parts` changes node (past one node)."""
@@ -342,8 +356,9 @@ def repair(
                         best = (m, p, parts, times)
         if best is None:
             break
-        metric, step, parts, times = best
+        _, step, parts, times = best
         st.apply(parts, times)
+        metric = st.metric()[0]
         if st.evals >= budget:
             break
     return st.owner
