@@ -213,3 +213,76 @@ def test_time_balance_by_the_law_on_seeded_families(name: str, cp: int) -> None:
             assert len(np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)) <= 3
     # beyond the long units, each rank's two runs (cheap end, costly end) cut at most two units
     assert cut <= long_units + 2 * (cp - 1)
+
+
+def _repair_inputs(total: int, cp: int, seed: int, c: int = 128) -> tuple:
+    """A packed causal-document mask's chunk tables, units and law (every chunk's keys one interval)."""
+    from magi_solver.documents import _chunk_tables, _Costs, find_units
+
+    cu = [0, *np.cumsum(lognormal_doc_lens(total, 12 * cp, seed)).tolist()]
+    sl = _slices(*make_varlen_causal_mask(cu), total)
+    n = total // c
+    area, klo, khi, pieces = _chunk_tables(sl, n, c)
+    units = find_units(sl, _Costs(area, klo, khi, c, LAW), n)
+    lo = np.minimum(klo, np.arange(n) * c)
+    hi = np.maximum(khi, (np.arange(n) + 1) * c)
+    return sl, area, lo, hi, units, pieces, n
+
+
+def _metric_and_step(owner, pieces, area, c, cp) -> tuple[float, float]:
+    from magi_solver.documents import _exact_price
+
+    step, metric, _ = _exact_price(owner, pieces, area, c, cp, LAW)
+    return metric, step
+
+
+def test_repair_lowers_the_imbalance_of_a_seeded_contiguous_split() -> None:
+    # ranks take equal contiguous runs of a causal pack: the ranks holding long documents' tails are slow;
+    # the repair moves chunks from the slowest rank until the metric stops falling
+    from magi_solver.documents_repair import repair
+
+    total, cp, c = 8192 * 8, 8, 128
+    _, area, lo, hi, units, pieces, n = _repair_inputs(total, cp, seed=4, c=c)
+    owner = np.repeat(np.arange(cp), n // cp)
+    before = _metric_and_step(owner, pieces, area, c, cp)
+    fixed = repair(owner, area, lo, hi, units, c, cp, LAW, 8)
+    after = _metric_and_step(fixed, pieces, area, c, cp)
+    assert np.array_equal(np.bincount(fixed, minlength=cp), np.bincount(owner, minlength=cp))
+    assert after[0] < before[0] * 0.99  # the slowest rank's kernel time fell
+    assert after[1] <= before[1] * (1 + 1e-9)  # and the predicted step did not rise
+    assert np.array_equal(owner, np.repeat(np.arange(cp), n // cp))  # the input is left alone
+
+
+@pytest.mark.parametrize("cp", [4, 16])
+def test_repair_never_raises_the_metric_or_the_step(cp: int) -> None:
+    from magi_solver.documents_repair import repair
+
+    c = 128
+    rng = np.random.default_rng(cp)
+    for seed in range(3):
+        total = 2048 * cp
+        _, area, lo, hi, units, pieces, n = _repair_inputs(total, cp, seed=seed, c=c)
+        owner = rng.permutation(np.repeat(np.arange(cp), n // cp))  # scattered: many cuts
+        before = _metric_and_step(owner, pieces, area, c, cp)
+        fixed = repair(owner, area, lo, hi, units, c, cp, LAW, 8)
+        after = _metric_and_step(fixed, pieces, area, c, cp)
+        assert after[0] <= before[0] * (1 + 1e-9) and after[1] <= before[1] * (1 + 1e-9)
+        assert np.array_equal(np.bincount(fixed, minlength=cp), np.bincount(owner, minlength=cp))
+
+
+def test_the_repair_is_part_of_the_placement() -> None:
+    # the placement keeps the repaired assignment where it is better: its metric is no worse than the fills'
+    import magi_solver.documents as docs
+
+    total, cp = 8192 * 8, 8
+    sl = _family("docs4k_causal", total, seed=1)
+    plan = documents_plan(sl, total, cp, LAW)
+    calls = []
+    real = docs.repair
+    try:
+        docs.repair = lambda owner, *a: calls.append(1) or owner  # no repair
+        bare = documents_plan(sl, total, cp, LAW)
+    finally:
+        docs.repair = real
+    assert calls
+    assert price_plan(plan, sl, LAW).time_imbalance <= price_plan(bare, sl, LAW).time_imbalance + 1e-9

@@ -55,6 +55,7 @@ from .dispatch import (
 )
 from .documents import documents_granularity, documents_plans
 from .kernel_law import KernelLaw, law_for_mask
+from .node_groups import node_order
 from .pricing import PlanPrice, price_plan, rank_traffic, remote_kv_tokens
 
 __all__ = [
@@ -92,8 +93,6 @@ _PRUNE = 0.05
 share faster than its fixed rule (on the mask families the best size gains at most 2.4 % over that rule)."""
 _NODE = 8
 """GPUs per node: past this many ranks, ranks exchanging the most keys are grouped into one."""
-_NODE_PRICED = 3
-"""Past one node, the documents placement's best few assignments are priced after renumbering by node."""
 _CHOICE_CACHE_SIZE = 256
 
 
@@ -153,51 +152,8 @@ def group_by_node(plan: DispatchPlan, traffic: np.ndarray, node_size: int = _NOD
     (ranks `node_size * k` to `node_size * (k + 1) - 1`): every rank keeps its chunks, its area and its
     remote K/V; fewer of those keys cross nodes. `traffic`: `rank_traffic` of `plan`. A deterministic
     function of its inputs (the same numbering on every rank); unchanged at cp <= node_size."""
-    cp = plan.cp_size
-    if cp <= node_size:
-        return plan
-    w = (traffic + traffic.T).astype(np.float64)
-    free = np.ones(cp, dtype=bool)
-    nodes: list[list[int]] = []
-    while free.any():
-        ids = np.flatnonzero(free)
-        seed = int(ids[np.argmax(w[np.ix_(ids, ids)].sum(axis=1))])  # the rank most tied to the others
-        node = [seed]
-        free[seed] = False
-        while len(node) < node_size and free.any():
-            ids = np.flatnonzero(free)
-            pick = int(ids[np.argmax(w[np.ix_(ids, node)].sum(axis=1))])  # ties: the lowest rank
-            node.append(pick)
-            free[pick] = False
-        nodes.append(node)
-    # pairwise swaps between nodes while one keeps more traffic inside nodes (a few passes suffice)
-    where = np.empty(cp, dtype=np.int64)
-    for k, node in enumerate(nodes):
-        where[node] = k
-    for _ in range(8):
-        inside = np.stack([w[:, node].sum(axis=1) for node in nodes], axis=1)  # [cp, nodes]
-        ka, kb = where[:, None], where[None, :]
-        gain = (inside[np.arange(cp)[:, None], kb] - inside[np.arange(cp)[:, None], ka]
-                + inside[np.arange(cp)[None, :], ka] - inside[np.arange(cp)[None, :], kb] - 2 * w)  # fmt: skip
-        gain[ka == kb] = 0.0
-        a, b = np.unravel_index(int(np.argmax(gain)), gain.shape)
-        if gain[a, b] <= 0.5:  # traffic counts tokens: at least one more inside, or stop
-            break
-        na, nb = nodes[where[a]], nodes[where[b]]
-        na[na.index(a)], nb[nb.index(b)] = int(b), int(a)
-        where[a], where[b] = where[b], where[a]
-    order = [r for node in nodes for r in sorted(node)]
-
-    def crossing(numbering: list[int]) -> tuple[int, int]:
-        """(busiest rank's, all ranks') keys from other nodes with rank `numbering[i]` at position i."""
-        node_of = np.empty(cp, dtype=np.int64)
-        node_of[numbering] = np.arange(cp) // node_size
-        out = np.where(node_of[:, None] != node_of[None, :], traffic, 0).sum(axis=1)
-        return int(out.max()), int(out.sum())
-
-    # the grouping maximises the keys kept inside nodes; the price pays for the busiest rank's crossing
-    # keys, so the old numbering stays where it crosses less there
-    if order == list(range(cp)) or crossing(order) >= crossing(list(range(cp))):
+    order = node_order(traffic, plan.cp_size, node_size)
+    if order is None:
         return plan
     return dataclasses.replace(
         plan,
@@ -367,11 +323,10 @@ def _documents_candidate(
         most = padded_seqlen(total, cp, default_chunk_size(total, cp))
         while c > 1 and padded_seqlen(total, cp, c) > most:
             c //= 2
-    # past one node the ranks are renumbered by node before pricing: the best few assignments are priced so
-    plans = documents_plans(
-        slices, total, cp, law, uneven_shard=uneven, chunk_size=c, keep=_NODE_PRICED if cp > _NODE else 1
-    )
-    return min((_priced(slices, p, cp, law, False) for p in plans), key=lambda x: x.seconds)
+    # the placement ranks its assignments itself, past one node on the numbering by node (`_priced` then
+    # keeps that numbering unless another crosses less)
+    (plan,) = documents_plans(slices, total, cp, law, uneven_shard=uneven, chunk_size=c)
+    return _priced(slices, plan, cp, law, False)
 
 
 def _choose_chunked(

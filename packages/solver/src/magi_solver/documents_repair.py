@@ -1,0 +1,395 @@
+"""The documents placement's local repair: chunk swaps between the slowest rank and its neighbours.
+
+The fills (`documents`) balance one summed price per rank (forward + backward) against a common target, so
+a rank holding a long unit's tail, whose rows need all its earlier keys, can end above the others. The
+metric the placement answers to is `max_r fwd_r + max_r bwd_r` of predicted kernel time, each direction by
+its own law. The repair lowers it directly: while the rank that sets the slowest forward or the slowest
+backward can
+
+* shift a cut point by one chunk towards a neighbouring rank (its chunk at the end of a run, next in the
+  sequence to a chunk of that rank) and take back one chunk from a cut point it shares with that rank
+  the other way (or a one-chunk unit of that rank's),
+* give a whole unit to a rank and take back a whole unit of the same chunk count (units stay whole), or
+  the same count of chunks from a cut point the two share (the cut shifts by that many chunks),
+
+and the metric falls while the predicted step (kernel plus link time, `pricing`'s price) does not rise,
+the best such swap is made. Every rank keeps its chunk count. Each step prices the two ranks it changes
+exactly (their area, rows, and the union of the keys their rows need); past one node, only ranks of one
+node swap (no other rank's link time changes). At most `_STEPS` swaps: about linear in the chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel_law import TILE, KernelLaw
+from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN
+
+__all__ = ["repair"]
+
+_STEPS_PER_RANK = 2
+"""Swaps made at most per rank (the pass stops earlier once no swap lowers the metric)."""
+_PARTNERS = 2
+_NEIGHBOURS = 4
+"""Neighbours in the sequence (the least loaded first) a rank swaps with in one step, at most."""
+"""Least loaded ranks (besides the neighbours in the sequence) offered a whole-unit swap."""
+_UNITS = 4
+"""Whole units of a rank tried in one step (the costliest per chunk first)."""
+_ENDS = 8
+"""Run ends of a partner offered back for one chunk, at most."""
+_MAX_STEPS = 48
+"""Swaps made at most in all (with `_STEPS_PER_RANK`: a bound on the pass's time at large cp)."""
+_EVALS = 3000
+"""Ranks priced at most in one pass (each swap tried prices one or two): the pass's time stays within a
+few tens of milliseconds whatever the mask; a deterministic count, so every rank repairs alike."""
+_CUT_GAIN = 0.01
+"""A swap that adds a cut inside a unit (a run of a unit on one rank more) must lower the metric by this
+share: cut points move freely, new ones only for a clear gain (a unit alone stays cut like zigzag)."""
+_GAIN = 1e-6
+"""A swap must lower the metric by this share at least (no churn on rounding)."""
+
+
+class _State:
+    """Per-rank predicted kernel and link times of an assignment, with the tables to reprice one rank."""
+
+    def __init__(
+        self,
+        owner: np.ndarray,
+        area: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
+        units: np.ndarray,
+        c: int,
+        cp: int,
+        law: KernelLaw,
+        node: int,
+    ) -> None:
+        self.owner, self.area, self.lo, self.hi, self.c, self.cp, self.law = owner, area, lo, hi, c, cp, law
+        self.node = node if cp > node else cp
+        self.units = units
+        self.unit_of = np.searchsorted(units, np.arange(owner.size), side="right") - 1
+        self.evals = 0  # ranks priced so far (the pass's budget, `_EVALS`)
+        self.fwd = np.zeros(cp)
+        self.bwd = np.zeros(cp)
+        self.comm = np.zeros(cp)
+        self._node_prefix()
+        for r in range(cp):
+            self.fwd[r], self.bwd[r], self.comm[r] = self.rank(r)
+
+    def _node_prefix(self) -> None:
+        """Chunks of each node below each chunk index (`[nodes, n + 1]`): the keys a rank's node holds."""
+        nodes = -(-self.cp // self.node)
+        of = self.owner // self.node
+        self.npre = np.zeros((nodes, self.owner.size + 1), dtype=np.int64)
+        for k in range(nodes):
+            self.npre[k, 1:] = np.cumsum(of == k)
+
+    def _held(self, k: int, x: int) -> int:
+        """Tokens below token x held by node k."""
+        j, rem = divmod(x, self.c)
+        out = int(self.npre[k, j]) * self.c
+        if rem and j < self.owner.size and self.owner[j] // self.node == k:
+            out += rem
+        return out
+
+    def rank(self, r: int) -> tuple[float, float, float]:
+        """Rank r's forward and backward kernel ms and link ms on the current owners."""
+        self.evals += 1
+        idx = np.flatnonzero(self.owner == r)
+        if idx.size == 0:
+            return 0.0, 0.0, 0.0
+        lo, hi = self.lo[idx], self.hi[idx]
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        reach = np.maximum.accumulate(hi)
+        new = np.ones(lo.size, dtype=bool)
+        new[1:] = lo[1:] > reach[:-1]
+        starts = lo[new]
+        ends = np.maximum.reduceat(hi, np.flatnonzero(new))
+        keys = int((ends - starts).sum())
+        own = idx.size * self.c
+        remote = keys - own
+        inter = 0
+        if self.cp > self.node:
+            k = r // self.node
+            inside = sum(self._held(k, int(b)) - self._held(k, int(a)) for a, b in zip(starts, ends))
+            inter = keys - inside
+        a = float(self.area[idx].sum())
+        nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
+        ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
+        if a <= 0:  # no tiles: no kernel call (`kernel_law.DirectionLaw.us`)
+            return 0.0, 0.0, max(nv, ib) * 1e3
+        # `law.fwd_ms` / `bwd_ms` of one rank, in scalars (this runs for every swap tried)
+        t, k, q = a / (TILE * TILE), keys / TILE, -(-own // TILE)
+        f, b = self.law.fwd, self.law.bwd
+        ms = self.law.scale * 1e-3
+        fwd = (f.tiles * t + f.key_columns * k + f.rows * q + f.call) * ms
+        bwd = (b.tiles * t + b.key_columns * k + b.rows * q + b.call) * ms
+        return fwd, bwd, max(nv, ib) * 1e3
+
+    def metric(self) -> tuple[float, float]:
+        """(max fwd + max bwd of kernel time, the predicted step with the links)."""
+        return (
+            float(self.fwd.max() + self.bwd.max()),
+            float((self.fwd + self.comm).max() + (self.bwd + self.comm).max()),
+        )
+
+    def trial(self, s: int, parts: list[tuple[np.ndarray, int]]) -> tuple[float, float, dict]:
+        """The metric with each `(chunks, rank)` of `parts` moved to that rank (rank s among those that
+        give); the owners are left unchanged. Returns (metric, step, the changed ranks' new times)."""
+        old = [self.owner[ch].copy() for ch, _ in parts]
+        ranks = {s} | {r for _, r in parts} | {int(r) for o in old for r in o}
+        cross = self._crossing(parts, old)
+        if cross:  # chunks change node: every rank needing their keys may fetch more or less from others
+            for ch, _ in parts:
+                for u in np.unique(self.unit_of[ch]):
+                    ranks |= set(np.unique(self.owner[self.units[u] : self.units[u + 1]]).tolist())
+        at = sorted({y for ch, _ in parts for x in np.atleast_1d(ch).tolist() for y in (x, x + 1)})
+        runs = self._runs(at)
+        self._move(parts, cross)
+        cuts = self._runs(at) - runs  # new cuts inside units: worth it only for a clear gain
+        times = {s: self.rank(s)}
+        if times[s][0] < self.fwd[s] or times[s][1] < self.bwd[s]:  # else s is slower both ways: no gain
+            for r in sorted(ranks - {s}):
+                times[r] = self.rank(r)
+        self._move([(ch, o) for (ch, _), o in zip(parts, old)], cross)
+        if len(times) < len(ranks):
+            return float("inf"), float("inf"), {}
+        f, b, m = self.fwd.copy(), self.bwd.copy(), self.comm.copy()
+        for r, (x, y, z) in times.items():
+            f[r], b[r], m[r] = x, y, z
+        metric = float(f.max() + b.max())
+        if cuts > 0:  # priced as if `_CUT_GAIN` slower: a move that cuts a unit must gain more than that
+            metric *= 1.0 + _CUT_GAIN
+        return metric, float((f + m).max() + (b + m).max()), times
+
+    def _runs(self, at: list[int]) -> int:
+        """How many of the positions `at` start a run of one unit on one rank (a cut or a unit's start)."""
+        o, u = self.owner, self.unit_of
+        return sum(1 for i in at if 0 < i < o.size and (o[i] != o[i - 1] or u[i] != u[i - 1]))
+
+    def _crossing(self, parts: list, old: list) -> bool:
+        """Whether any chunk of `parts` changes node (past one node)."""
+        if self.cp <= self.node:
+            return False
+        return any(bool((o // self.node != r // self.node).any()) for (_, r), o in zip(parts, old))
+
+    def _move(self, parts: list, cross: bool) -> None:
+        """Set the owners of `parts` (a rank, or one per chunk); with `cross`, the node tables too."""
+        for ch, r in parts:
+            if cross:
+                xs = np.atleast_1d(ch)
+                for x, to in zip(xs.tolist(), np.broadcast_to(r, xs.shape).tolist()):
+                    a, b = int(self.owner[x]) // self.node, to // self.node
+                    if a != b:
+                        self.npre[a, x + 1 :] -= 1
+                        self.npre[b, x + 1 :] += 1
+            self.owner[ch] = r
+
+    def apply(self, parts: list[tuple[np.ndarray, int]], times: dict) -> None:
+        old = [self.owner[ch].copy() for ch, _ in parts]
+        self._move(parts, self._crossing(parts, old))
+        for r, (x, y, z) in times.items():
+            self.fwd[r], self.bwd[r], self.comm[r] = x, y, z
+
+
+def _edges(owner: np.ndarray, s: int, t: int) -> list[int]:
+    """Chunks of s at the end of a run of s's, next in the sequence to a chunk of t (a cut point the two
+    share): the chunk that moves when that cut shifts by one towards t."""
+    idx = np.flatnonzero(owner == s)
+    n = owner.size
+    left = idx[(idx > 0) & (owner[np.maximum(idx - 1, 0)] == t)]
+    right = idx[(idx < n - 1) & (owner[np.minimum(idx + 1, n - 1)] == t)]
+    return sorted(set(left.tolist()) | set(right.tolist()))
+
+
+def _ends(owner: np.ndarray, t: int) -> list[int]:
+    """The first and last chunk of each run of rank t's chunks (at most `_ENDS`, in sequence order): a
+    chunk t can hand over while its other chunks stay in runs (a causal unit's first chunk needs no keys
+    but its own)."""
+    idx = np.flatnonzero(owner == t)
+    if idx.size == 0:
+        return []
+    brk = np.flatnonzero(np.diff(idx) != 1)
+    firsts = idx[np.concatenate([[0], brk + 1])]
+    lasts = idx[np.concatenate([brk, [idx.size - 1]])]
+    return sorted(set(firsts.tolist()) | set(lasts.tolist()))[:_ENDS]
+
+
+def _block(owner: np.ndarray, x: int, t: int, s: int, k: int) -> np.ndarray | None:
+    """k chunks of t from chunk x away from its neighbour of rank s (a cut shifted by k), or None where t's
+    run there is shorter."""
+    n = owner.size
+    step = 1 if x > 0 and owner[x - 1] == s else -1
+    end = x + step * (k - 1)
+    if not 0 <= end < n:
+        return None
+    blk = np.arange(x, end + step, step, dtype=np.int64)
+    return blk if bool((owner[blk] == t).all()) else None
+
+
+def _whole_units(st: _State, r: int) -> list[np.ndarray]:
+    """The chunks of each unit held whole by rank r, the costliest per chunk first (at most `_UNITS`)."""
+    idx = np.flatnonzero(st.owner == r)
+    if idx.size == 0:
+        return []
+    us = np.unique(st.unit_of[idx])
+    a, b = st.units[us], st.units[us + 1]
+    held = np.bincount(st.unit_of[idx], minlength=st.units.size)[us]
+    whole = held == (b - a)
+    us, a, b = us[whole], a[whole], b[whole]
+    dens = (st.area_cum[b] - st.area_cum[a]) / (b - a)
+    order = np.argsort(-dens, kind="stable")[:_UNITS]
+    return [np.arange(a[i], b[i], dtype=np.int64) for i in order]
+
+
+def _moves(st: _State, s: int, partners: list[int]):
+    """Candidate swaps between rank s and each partner t (see the module docstring), as `(chunks, new
+    rank)` parts."""
+    owner = st.owner
+    mine = _whole_units(st, s)
+    for t in partners:
+        e_s = _edges(owner, s, t)
+        e_t = _edges(owner, t, s)
+        theirs = _whole_units(st, t)
+        ones = [u for u in theirs if u.size == 1]
+        back = sorted(set(e_t) | set(_ends(owner, t)))
+        for x in e_s:  # a cut shifted by one towards t, one chunk back from the end of a run of t's
+            for y in back:
+                if abs(x - y) > 1:  # the same cut shifted back and forth is no move
+                    yield [(np.asarray([x]), t), (np.asarray([y]), s)]
+            for u in ones:
+                yield [(np.asarray([x]), t), (u, s)]
+        for u in mine:  # a whole unit for a whole unit of as many chunks, or for a cut shifted by as many
+            for v in theirs:
+                if v.size == u.size:
+                    yield [(u, t), (v, s)]
+            for y in e_t:
+                blk = _block(owner, y, t, s, u.size)
+                if blk is not None:
+                    yield [(u, t), (blk, s)]
+
+
+def _rotations(st: _State, s: int, nb: list[int]):
+    """Three-rank moves from rank s: s gives its chunk at a cut it shares with neighbour b to b and takes
+    the chunk at a cut it shares with neighbour a (its run slides towards a), and b hands a the chunk at
+    a cut the two share or at the end of one of its runs (every chunk count kept)."""
+    owner = st.owner
+    for a in nb:
+        take = [y for y in _edges(owner, a, s)]
+        if not take:
+            continue
+        for b in nb:
+            if b == a:
+                continue
+            give = _edges(owner, s, b)
+            if not give:
+                continue
+            back = sorted(set(_edges(owner, b, a)) | set(_ends(owner, b)))
+            for x in give[:2]:
+                for y in take[:2]:
+                    for z in back:
+                        if z != x:
+                            yield [(np.asarray([x]), b), (np.asarray([y]), s), (np.asarray([z]), a)]
+
+
+def repair(
+    owner: np.ndarray,
+    area: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    units: np.ndarray,
+    c: int,
+    cp: int,
+    law: KernelLaw,
+    node: int,
+) -> np.ndarray:
+    """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the local repair (module docstring).
+
+    Args:
+        owner: the fill's assignment (every rank's chunk count is kept).
+        area: float64 `[n]` mask area of each chunk.
+        lo, hi: int64 `[n]` the keys each chunk's rows need, with its own tokens (an interval per chunk).
+        units: int64 chunk boundaries of the units (0, ..., n).
+        c: tokens per chunk.
+        cp: ranks.
+        law: the kernel law the ranks are priced by.
+        node: ranks per node (past it, swaps stay inside a node and link time from other nodes is priced).
+
+    Returns:
+        int64 `[n]`: the repaired owners; the metric `max fwd + max bwd` never rises and the predicted
+        step never rises.
+    """
+    st = _State(owner.copy(), area, lo, hi, units, c, cp, law, node)
+    st.area_cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
+    metric, step = st.metric()
+    n = st.owner.size
+    budget = st.evals + _EVALS
+    for _ in range(min(_STEPS_PER_RANK * cp, _MAX_STEPS)):
+        crit = sorted({int(np.argmax(st.fwd)), int(np.argmax(st.bwd))})
+        best = None
+        for s in crit:
+            same = np.ones(cp, dtype=bool)
+            same[s] = False
+            idx = np.flatnonzero(st.owner == s)
+            near = np.concatenate([st.owner[idx[idx > 0] - 1], st.owner[idx[idx < n - 1] + 1]])
+            load = st.fwd + st.bwd
+            nb = [int(t) for t in np.unique(near) if t != s and same[t]]
+            nb = sorted(nb, key=lambda t: (load[t], t))[:_NEIGHBOURS]
+            light = [int(t) for t in np.argsort(load, kind="stable") if same[t] and int(t) not in nb]
+            for parts in _moves(st, s, nb + light[:_PARTNERS]):
+                if st.evals >= budget:
+                    break
+                m, p, times = st.trial(s, parts)
+                if m < metric * (1.0 - _GAIN) and p <= step * (1.0 + 1e-12) and (best is None or m < best[0]):
+                    best = (m, p, parts, times)
+            if best is None:  # no swap with one rank: a cut shifted on each side, the two others trading
+                for parts in _rotations(st, s, nb):
+                    if st.evals >= budget:
+                        break
+                    m, p, times = st.trial(s, parts)
+                    if (
+                        m < metric * (1.0 - _GAIN)
+                        and p <= step * (1.0 + 1e-12)
+                        and (best is None or m < best[0])
+                    ):
+                        best = (m, p, parts, times)
+        if best is None:
+            break
+        _, step, parts, times = best
+        st.apply(parts, times)
+        metric = st.metric()[0]
+        if st.evals >= budget:
+            break
+    return st.owner
+
+
+def hull_traffic(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray, c: int, cp: int) -> np.ndarray:
+    """int64 `[cp, cp]`: the K/V tokens rank r fetches from rank s (the diagonal 0), with each chunk's key
+    need taken as one interval (`lo`, `hi`, its own tokens included): `pricing.rank_traffic` where every
+    chunk's keys are one interval (packed documents, clips, windows), in O(cp x (chunks + runs))."""
+    n = owner.size
+    span = n * c + 1
+    s = lo + owner * span
+    e = hi + owner * span
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(n, dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    starts = s[new]
+    ends = np.maximum.reduceat(e, np.flatnonzero(new))
+    rank = starts // span
+    a, b = starts - rank * span, ends - rank * span  # each rank's union runs in tokens
+    held = np.zeros((cp, n + 1), dtype=np.int64)  # chunks of each rank below each chunk index
+    held[owner, np.arange(1, n + 1)] = 1
+    held = np.cumsum(held, axis=1)
+    aj, bj = a // c, b // c
+    tok = (held[:, bj] - held[:, aj]) * c  # [cp, runs], whole chunks from a's chunk to b's
+    ar = np.arange(cp)[:, None]
+    tok -= np.where(owner[np.minimum(aj, n - 1)][None, :] == ar, a % c, 0)
+    tok += np.where((bj < n)[None, :] & (owner[np.minimum(bj, n - 1)][None, :] == ar), b % c, 0)
+    out = np.zeros((cp, cp), dtype=np.int64)
+    np.add.at(out, rank, tok.T)
+    np.fill_diagonal(out, 0)
+    return out
