@@ -9,6 +9,7 @@ first call on a device and cached with the plan.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from magi_solver import (
     load_profile,
     plan_attention,
 )
+from magi_solver.comm import GroupCastArgs
 from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
 from magi_solver.kernel_law import find_kernel_law
 
@@ -190,18 +192,12 @@ class DistAttnRuntime:
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         choice = self.key.collective
         cast_plans, reduce_plans = [], []
-        for stage in rank_plan.stages:
-            c = stage.cast
+        for i in range(len(rank_plan.stages)):
+            # every rank's tables of this stage come from the plan every rank built alike (checked by
+            # `plan_digest` in the agreement before this build), so no table gather is needed here
+            every = [cast_tables(r.stages[i].cast) for r in self.plan.ranks]
             try:
-                cast = GroupCastPlan(
-                    list(c.input_split_sizes),
-                    list(c.output_split_sizes),
-                    [list(d) for d in c.dst_indices],
-                    list(c.src_index),
-                    group=group,
-                    device=device,
-                    impl=choice.impl,
-                )
+                cast = GroupCastPlan.from_every_rank(every, group=group, device=device, impl=choice.impl)
             except NativeUnavailableError as exc:  # name the setting that chose native
                 raise NativeUnavailableError(
                     f"{exc} (magi_attention: selected by {choice.setting})"
@@ -225,9 +221,25 @@ class DistAttnRuntime:
             reduce_plans=reduce_plans,
         )
 
+    @functools.cached_property
+    def plan_digest(self) -> int:
+        """A 63-bit hash of every rank's GroupCast tables of the plan (0 at cp 1): ranks that planned the
+        same key differently (other library versions) are told apart by it before any table is used."""
+        if self.plan is None:
+            return 0
+        tables = [[cast_tables(s.cast) for s in r.stages] for r in self.plan.ranks]
+        return int.from_bytes(hashlib.blake2b(repr(tables).encode(), digest_size=8).digest(), "little") >> 1
+
     def _slices(self, slices: SliceList, rows: int, keys: int) -> KernelSlices:
         call = (slices, rows, keys)
         return KernelSlices.from_slice_list(slices, rows, keys, self.checked.get(call))
+
+
+def cast_tables(cast: GroupCastArgs) -> tuple:
+    """A plan stage's GroupCast tables as `GroupCastPlan` takes them (input and output split sizes, the
+    destinations of each input piece, the source of each output piece)."""
+    return (list(cast.input_split_sizes), list(cast.output_split_sizes),
+            [list(d) for d in cast.dst_indices], list(cast.src_index))  # fmt: skip
 
 
 def gather_positions(layout: DispatchLayout) -> np.ndarray:
