@@ -15,8 +15,8 @@ import magi_attention._runtime.cache as runtime_mod
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention._layout import build_layout
 from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.cache import rank_problem_features
 from magi_attention._runtime.kernels import RankBackends, attn_kernel, resolve
+from magi_attention._runtime.key_route import rank_problem_features
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
