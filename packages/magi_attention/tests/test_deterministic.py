@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 import magi_attention._runtime.kernels as kernels
 import magi_attention._runtime.key_route as key_route
-import magi_attention._runtime.rank_backends as rank_backends
 import magi_ffa
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention._runtime.auto_kernel import choose_auto
@@ -218,7 +217,7 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
     )  # every rank claims FA4 and cuDNN (nothing runs a kernel here)
     real_import = key_route.import_libraries
     key_route.import_libraries = lambda choice: None  # ... so no vendor is imported either
-    rank_backends.clear_agreements()
+    key_route.clear_agreements()
     moved = []
     real_cast = GroupCastPlan.cast
     GroupCastPlan.cast = lambda self, *a, **kw: moved.append(1) or real_cast(self, *a, **kw)
@@ -244,7 +243,7 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         kernels.probe_local = real_probe
         key_route.import_libraries = real_import
         GroupCastPlan.cast = real_cast
-        rank_backends.clear_agreements()
+        key_route.clear_agreements()
         clear_cache(dist.group.WORLD)
     return seen
 

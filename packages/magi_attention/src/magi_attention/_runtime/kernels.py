@@ -3,7 +3,7 @@
 Every kernel backend states once, in its capability (`magi_ffa.contract.BackendCapability`), what it takes,
 where its backward is deterministic and its priority; this module asks the capabilities (`magi_ffa.choice`)
 and names no backend itself. Each rank lists the backends it can run (`probe_local`: no vendor is imported to
-find out); from every rank's list (`rank_backends` tells the ranks apart inside the key's agreement) `resolve`
+find out); from every rank's list (`key_route` tells the ranks apart inside the key's agreement) `resolve`
 keeps the same candidates on every rank: the backends every rank can run that take the head_dim. So ranks
 with different software never plan or compute differently, and a requested backend that some rank cannot
 run (or does not know) raises on every rank before any data moves. `auto` picks among the candidates

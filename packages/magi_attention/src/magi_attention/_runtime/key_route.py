@@ -1,13 +1,18 @@
 """A new key's route on one rank, step by step: the kernel choice, the plan, the deterministic restriction
-and the kernel libraries' import, composed here in that order from frozen values (nothing below calls back).
+and the kernel libraries' import, composed here in that order from frozen values (nothing below calls back),
+and what the ranks tell each other about kernels inside the key's own agreement.
 
 `build_key` runs every step locally: it communicates nothing. Where the kernel choice of the key's kind was
-not agreed before, it assumes every rank can run what this one can, and says so in its `KeyWord` (a digest of
-this rank's backends, and whether the chosen libraries failed to import), which rides the key's own agreement
-(`checks._key_agreement`). `settle` reads every rank's word after that agreement: equal digests keep the
-build; different ones exchange the full lists and build again; a failed import raises on every rank. A key
-rebuilt outside an agreement (evicted from the cache, then used) takes `build_alone`: its own exchanges,
-only where nothing was agreed before.
+not agreed before, it assumes every rank can run what this one can (the common case: the same software on
+every rank) and says so in its `KeyWord`: a digest of what it can run (GPU kind, usable backends, why not the
+requested one; 0 when the choice of the key's kind was agreed before) and whether the chosen kernel libraries
+failed to import here. The word rides the key's agreement (`checks._key_agreement`); `settle` reads every
+rank's word: equal digests keep the build; different ones (ranks with different software) exchange the full
+lists (`gather_rank_backends`) and build again; a failed import makes every rank raise before any data moves
+(`agree_imports`: the failing rank its ImportError, the others an AgreementError naming it). A key rebuilt
+outside an agreement (evicted from the cache, then used) takes `build_alone`: its own exchanges, only where
+nothing was agreed before. Choices are cached per (group, requested backend, head_dim, deterministic mode),
+imports per backends.
 
 Deterministic mode is decided once per key: the choice keeps the backends deterministic at the head_dim; once
 the plan fixes every rank's kernel calls, each call is checked once and every candidate's verdict kept with
@@ -17,11 +22,15 @@ moves; `auto` picks again without the others). The plan stays as built: a new pi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from magi_ffa.validation import CheckedSlices, check_slices
+from magi_group_collective.agreement import agree, host_group_of
 from magi_solver import (
     PROFILES,
     DistAttnPlan,
@@ -37,25 +46,133 @@ from magi_solver.kernel_law import find_kernel_law
 
 from .._layout import DispatchLayout
 from ..config import OverlapMode
-from ..env import cost_profile_override
-from ..key import DistAttnRuntimeKey
+from ..env import cost_profile_override, kernel_backend_override
+from ..key import CpGroup, DistAttnRuntimeKey
+from . import kernels
 from .auto_kernel import choose_auto
-from .kernels import KernelChoice, RankBackends, resolve, restrict_deterministic
-from .rank_backends import (
-    KeyWord,
-    agree_imports,
-    agreed_choice,
-    digest,
-    every_rank,
-    gather_rank_backends,
-    import_libraries,
-    imported,
-    note_imported,
-    probe_local,
-    remember,
-    requested_backend,
-)
+from .kernels import AUTO, KernelChoice, RankBackends, ffa_backend, resolve, restrict_deterministic
 
+
+# -- what the ranks tell each other about kernels -------------------------------------------------------
+class KeyWord(NamedTuple):
+    """This rank's part of the key agreement about kernels (the `extra` integers of its row)."""
+
+    digest: int
+    """A 63-bit digest of this rank's `RankBackends` (never 0), or 0 when the choice was agreed before."""
+    import_failed: int
+    """1 when the chosen backends' kernel libraries failed to import on this rank."""
+
+
+def requested_backend(configured: str) -> str:
+    """The config's backend, with `auto` overridden by MAGI_ATTENTION_KERNEL_BACKEND."""
+    override = kernel_backend_override()
+    return str(override if configured == AUTO and override is not None else configured)
+
+
+def choice_key(key: DistAttnRuntimeKey) -> tuple:
+    """What a kernel choice is cached by: group, requested backend, head_dim, deterministic mode."""
+    group, requested = key.cp_group, requested_backend(key.config.kernel_backend)
+    return (group.name, group.ranks, requested, key.head_dim, bool(key.config.deterministic))
+
+
+def digest(local: RankBackends) -> int:
+    """A 63-bit digest of `local`, never 0 (the same value in every process)."""
+    data = json.dumps([local.gpu_kind, list(local.usable), local.missing]).encode()
+    return (int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1) or 1
+
+
+_AGREED: dict[tuple, KernelChoice] = {}
+"""Choices every rank of a group made alike (by `choice_key`)."""
+
+
+def agreed_choice(key: DistAttnRuntimeKey) -> KernelChoice | None:
+    """The key's kernel choice if one of its kind was agreed before (None: not yet)."""
+    return _AGREED.get(choice_key(key))
+
+
+def remember(key: DistAttnRuntimeKey, choice: KernelChoice) -> None:
+    """Keep `choice` as agreed for keys of `key`'s kind."""
+    _AGREED[choice_key(key)] = choice
+
+
+def gather_rank_backends(cp_group: CpGroup, local: RankBackends) -> list[RankBackends]:
+    """Every rank's backends (collective on the host; only when the digests differed, or a key is rebuilt
+    without an agreement of its own): the sorted names travel as bytes, so ranks that registered other
+    backends still meet in one exchange."""
+    group = cp_group.group
+    if group is None or cp_group.size == 1:
+        return [local]
+    mine = json.dumps([local.gpu_kind, list(local.usable), local.missing]).encode()
+    parts = host_group_of(group).gather_bytes(mine)
+    return [RankBackends(kind, tuple(usable), why) for kind, usable, why in map(json.loads, parts)]
+
+
+_IMPORTED: set[tuple[str, ...]] = set()
+"""Backends whose kernel libraries imported on every rank (recorded after the ranks agreed on it)."""
+
+
+def _libraries(choice: KernelChoice) -> tuple[str, ...]:
+    return tuple(sorted({str(choice.backend), str(choice.backward or choice.backend)}))
+
+
+def imported(choice: KernelChoice) -> bool:
+    """The choice's kernel libraries imported before, on every rank (nothing to import or agree)."""
+    return _libraries(choice) in _IMPORTED
+
+
+def note_imported(choice: KernelChoice) -> None:
+    """Record that every rank imported the choice's kernel libraries (after the ranks agreed on it)."""
+    _IMPORTED.add(_libraries(choice))
+
+
+def import_libraries(choice: KernelChoice) -> ImportError | None:
+    """Import the kernel libraries of the choice's forward and backward backends, and only those (the probes
+    read what is installed without importing it); the error, naming the library, when one fails (None when
+    all import). Local: the caller tells the other ranks (`KeyWord.import_failed`, `agree_imports`)."""
+    for name in _libraries(choice):
+        cap = ffa_backend(name).capability
+        if cap.install_check is None:
+            continue
+        try:
+            cap.install_check()
+        except Exception as exc:  # a vendor may raise anything while it imports (OSError, RuntimeError)
+            vendors = " and ".join(dist for dist, _ in cap.requires) or cap.package
+            error = ImportError(
+                f"kernel_backend={name!r}: {vendors} is installed but does not import on this rank "
+                f"({type(exc).__name__}: {exc})"
+            )
+            error.__cause__ = exc
+            return error
+    return None
+
+
+def agree_imports(cp_group: CpGroup, error: ImportError | None) -> None:
+    """Raise on every rank when the kernel libraries failed to import on one (its ImportError there, an
+    AgreementError naming it and the library on the others); one exchange, on a group of several ranks."""
+    if cp_group.group is not None and cp_group.size > 1:
+        agree(cp_group.group, "magi_attention key: import the kernel libraries", error=error)
+    elif error is not None:
+        raise error
+
+
+def probe_local(requested: str) -> RankBackends:
+    """What this process can run (`kernels.probe_local`, looked up at call time so tests can replace it)."""
+    return kernels.probe_local(requested)
+
+
+def clear_agreements() -> None:
+    """Forget every agreed choice and import (the next key of each kind exchanges again)."""
+    _AGREED.clear()
+    _IMPORTED.clear()
+
+
+def every_rank(words: Sequence[Sequence[int]]) -> tuple[bool, bool]:
+    """From every rank's `KeyWord` in the key agreement: (the digests are all equal, some import failed)."""
+    digests = {tuple(w[:1]) for w in words}
+    return len(digests) == 1, any(len(w) > 1 and w[1] for w in words)
+
+
+# -- the key's steps -----------------------------------------------------------------------------------------
 CallSlices = tuple[SliceList, int, int]
 """One kernel call: its slices, query rows and key rows."""
 

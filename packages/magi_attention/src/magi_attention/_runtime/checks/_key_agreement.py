@@ -7,7 +7,7 @@ match (stale rows, or gloo aborting the process). So when a key is built for the
 each rank plans it locally (`key_route.build_key`), then the ranks all-gather one small int64 row each: a
 status flag, one 63-bit hash per part of the key (mask, sizes, heads, config, deterministic mode, group,
 dispatch key, pad size), and the rank's word about kernels (a digest of what it can run, and whether the
-chosen kernel libraries imported: `rank_backends.KeyWord`), through the host-side status agreement every
+chosen kernel libraries imported: `key_route.KeyWord`), through the host-side status agreement every
 public collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch`
 on another meet and are told so). Different hashes raise on every rank, naming the part and the ranks; a
 rank whose build failed sends the failed flag instead, so the others raise too rather than wait for it in
@@ -86,7 +86,7 @@ def _agree(
     cp_group: CpGroup, error: BaseException | None, parts: list[object], word: Sequence[int] = ()
 ) -> list[list[int]]:
     """The key's status agreement (raises `error` here, AgreementError on the others, CommError when the
-    exchange itself fails); every rank's `word` (`rank_backends.KeyWord`) in rank order."""
+    exchange itself fails); every rank's `word` (`key_route.KeyWord`) in rank order."""
     same = dict(zip(PARTS, parts))
     try:
         return agree(cp_group.group, KEY_CALL, error=error, same=same, extra=word)
@@ -112,7 +112,7 @@ _STATE = _State()
 def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = None) -> None:
     """Build a new key on every rank together: each rank plans it locally (`key_route.build_key`), then the
     ranks check it against each other's in one all-gather (its parts, the status of the build, and what each
-    can run and imported: `rank_backends.KeyWord`), then keep it cached (`RUNTIME_CACHE.admit`). Raises on
+    can run and imported: `key_route.KeyWord`), then keep it cached (`RUNTIME_CACHE.admit`). Raises on
     every rank when the ranks disagree or one failed. Cache hits communicate nothing (but in sanity mode)."""
     cp_group = key.cp_group
     sanity = sanity_check_enabled()
