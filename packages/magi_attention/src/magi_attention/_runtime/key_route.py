@@ -199,18 +199,19 @@ class KeyBuild:
     """The choice's kernel libraries were imported by this build (not before, on every rank)."""
 
 
-def build_key(
-    key: DistAttnRuntimeKey, layout: DispatchLayout, ranks: Sequence[RankBackends] | None = None
-) -> KeyBuild:
-    """The key's steps on this rank, in order, communicating nothing: the kernel choice (agreed before for
-    keys of its kind; else from `ranks`, every rank's backends, or, None, assumed like this rank's), `auto`'s
-    table, the plan, the deterministic restriction, and the import of the chosen kernel libraries."""
+def build_key(key: DistAttnRuntimeKey, layout: DispatchLayout, *, gather: bool = False) -> KeyBuild:
+    """The key's steps on this rank, in order: the kernel choice (agreed before for keys of its kind; else
+    from every rank's backends: exchanged when `gather`, else assumed like this rank's, which communicates
+    nothing), `auto`'s table, the plan, the deterministic restriction, and the import of the chosen kernel
+    libraries."""
     det, head_dim = bool(key.config.deterministic), key.head_dim
     agreed, said = agreed_choice(key), 0
     if agreed is None:
         requested = requested_backend(key.config.kernel_backend)
-        if ranks is None:  # assumed like this rank's; the digest in the key agreement checks it
-            local = probe_local(requested)
+        local = probe_local(requested)
+        if gather:
+            ranks = gather_rank_backends(key.cp_group, local)
+        else:  # assumed like this rank's; the digest in the key agreement checks it
             ranks, said = [local] * max(key.cp_size, 1), digest(local)
         try:
             agreed = resolve(requested, head_dim, ranks, det)
@@ -249,8 +250,7 @@ def settle(
     library failed to import (one more exchange, only then)."""
     same, import_failed = every_rank(words)
     if not same:  # ranks with different software: what they can run, told in full
-        local = probe_local(requested_backend(key.config.kernel_backend))
-        build = build_key(key, layout, gather_rank_backends(key.cp_group, local))
+        build = build_key(key, layout, gather=True)
         import_failed = build.import_tried  # the rebuilt choice's import is agreed in its own exchange
     if build.choice_error is not None:  # every rank decided alike from the same backends
         raise build.choice_error
@@ -264,11 +264,7 @@ def settle(
 def build_alone(key: DistAttnRuntimeKey, layout: DispatchLayout) -> KeyBuild:
     """`build_key` for a key planned outside a key agreement (rebuilt after its eviction): the backends and
     the import agreed in exchanges of their own, where the key's kind was not agreed before."""
-    ranks = None
-    if agreed_choice(key) is None:
-        local = probe_local(requested_backend(key.config.kernel_backend))
-        ranks = gather_rank_backends(key.cp_group, local)
-    build = build_key(key, layout, ranks)
+    build = build_key(key, layout, gather=True)
     return settle(key, layout, build, [[1, int(build.import_tried)]])
 
 
