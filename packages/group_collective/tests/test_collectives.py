@@ -49,7 +49,8 @@ def _cast_checks(rank, W, tabs, t, mod, torch):
             x = torch.randint(-(2**15), 2**15, (n_in, *trailing), dtype=torch.int16).view(torch.bfloat16)
         ref = mod.testing.reference_cast(tabs, _all(x), rank)
         plan = mod.GroupCastPlan(*t.args())
-        for path in ("plan-sync", "plan-async", "functional", "functional-async", "fresh"):
+        known = mod.GroupCastPlan.from_every_rank([r.args() for r in tabs])  # no gather: tables known
+        for path in ("plan-sync", "plan-async", "known", "functional", "functional-async", "fresh"):
             out = torch.full((n_out, *trailing), 7, dtype=dtype)
             if dtype.is_floating_point:
                 out.fill_(float("nan"))
@@ -59,6 +60,8 @@ def _cast_checks(rank, W, tabs, t, mod, torch):
             elif path == "plan-async":
                 w = plan.cast(x, out, async_op=True)
                 w.wait()
+            elif path == "known":
+                known.cast(x, out)
             elif path == "functional":
                 mod.group_cast(x, out, *t.args())
             elif path == "functional-async":
@@ -476,6 +479,13 @@ def _mismatch_worker(rank, W, mod, torch):
     # the transposed (GroupReduce) tables: rank 0 sends 4 rows back to rank 1, which expects 3
     with pytest.raises(ValueError, match=r"\(sender 0, receiver 1\)"):
         mod.GroupReducePlan(outs, [3], list(range(W)) if rank == 0 else [], [[0]])
+    # every rank's tables known on each rank (GroupCastPlan.from_every_rank): checked locally, same pair
+    every = [([3], ([3] * W if r else [3, 4] + [3] * (W - 2)) if r == 0 else [], [[0]],
+              list(range(W)) if r == 0 else []) for r in range(W)]  # fmt: skip
+    with pytest.raises(ValueError, match=r"\(sender 1, receiver 0\)"):
+        mod.GroupCastPlan.from_every_rank(every)
+    with pytest.raises(ValueError, match="all"):
+        mod.GroupCastPlan.from_every_rank(every[:1])
     good = ([3], [3] * W if rank == 0 else [], [[0]], list(range(W)) if rank == 0 else [])
     plan = mod.GroupCastPlan(*good, debug=True)
     trailing = 2 + (rank == 1)

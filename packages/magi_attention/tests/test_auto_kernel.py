@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import magi_attention._runtime.auto_kernel as auto_kernel
-import magi_attention._runtime.cache as runtime_mod
+import magi_attention._runtime.key_route as runtime_mod
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention._layout import build_layout
 from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.cache import rank_problem_features
+from magi_attention._runtime.cache import RUNTIME_CACHE
 from magi_attention._runtime.kernels import RankBackends, attn_kernel, resolve
+from magi_attention._runtime.key_route import rank_problem_features
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
@@ -218,7 +219,7 @@ def test_split_kernels_through_calc_attn(monkeypatch) -> None:
     gen = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(total, h, d, generator=gen) for h in (hq, hk, hk, hq))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    kern = runtime_mod.RUNTIME_CACHE.get(key).kernel(torch.float32)
+    kern = RUNTIME_CACHE.get(key).kernel(torch.float32)
     assert (kern.backend, kern.backward_backend) == (B.TRITON, B.TORCH)
     out, meta = __import__("magi_attention").calc_attn(*leaves, key)
     assert out.grad_fn.name().endswith("_SingleCallBackward")  # one launcher call each way

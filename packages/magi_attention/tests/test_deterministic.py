@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import magi_attention._runtime.cache as runtime_cache
 import magi_attention._runtime.kernels as kernels
+import magi_attention._runtime.key_route as key_route
 import magi_ffa
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention._runtime.auto_kernel import choose_auto
@@ -215,9 +215,9 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
     kernels.probe_local = lambda requested: (
         ALL
     )  # every rank claims FA4 and cuDNN (nothing runs a kernel here)
-    real_import = runtime_cache.import_vendors
-    runtime_cache.import_vendors = lambda cp_group, choice: None  # ... so no vendor is imported either
-    kernels.clear_agreements()
+    real_import = key_route.import_libraries
+    key_route.import_libraries = lambda choice: None  # ... so no vendor is imported either
+    key_route.clear_agreements()
     moved = []
     real_cast = GroupCastPlan.cast
     GroupCastPlan.cast = lambda self, *a, **kw: moved.append(1) or real_cast(self, *a, **kw)
@@ -241,9 +241,9 @@ def _refusal_and_restriction_worker(rank: int, world: int) -> list[str]:
         assert not moved, "data moved before the refusal"
     finally:
         kernels.probe_local = real_probe
-        runtime_cache.import_vendors = real_import
+        key_route.import_libraries = real_import
         GroupCastPlan.cast = real_cast
-        kernels.clear_agreements()
+        key_route.clear_agreements()
         clear_cache(dist.group.WORLD)
     return seen
 

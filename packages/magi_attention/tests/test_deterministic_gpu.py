@@ -150,7 +150,7 @@ def test_calc_attn_cp1_is_bitwise_repeatable(mask: str, d: int, backend: str) ->
 
 def _sim_backend(backend: str, d: int, plan, q_ranges, k_ranges, types, total: int):
     """The backend the runtime would use for this simulated plan in deterministic mode (the same steps as
-    `_runtime.cache.choose_kernel_and_plan`, with this process standing for every rank); raises as it would."""
+    `_runtime.key_route.build_key`, with this process standing for every rank); raises as it would."""
     agreed = resolve(backend, d, [probe_local(backend)], deterministic=True)
     checked, ok = [], []
     for rank_plan in plan.ranks:

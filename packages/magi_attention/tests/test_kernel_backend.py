@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig, OverlapMode
 from magi_attention._runtime.cache import RUNTIME_CACHE
-from magi_attention._runtime.kernels import KernelChoice, RankBackends, clear_agreements, resolve
+from magi_attention._runtime.kernels import KernelChoice, RankBackends, resolve
+from magi_attention._runtime.key_route import clear_agreements
 from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_key, undispatch
 from magi_attention.config import KernelBackend
 from magi_attention.env import kernel_backend_override

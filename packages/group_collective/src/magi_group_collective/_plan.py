@@ -196,6 +196,41 @@ class GroupCastPlan(_PlanBase):
 
     __slots__ = ("_group_arg", "_n_in", "_n_out", "_runner")
 
+    @classmethod
+    def from_every_rank(
+        cls,
+        every_rank: Sequence[tuple[Sequence[int], Sequence[int], Sequence[Sequence[int]], Sequence[int]]],
+        *,
+        group: object = None,
+        device: torch.device | str | None = None,
+        impl: GroupCollectiveImpl | str | None = None,
+        debug: bool | None = None,
+    ) -> GroupCastPlan:
+        """This rank's plan when every rank knows every rank's tables (e.g. all derived from one plan that
+        every rank computes alike): no gather at construction.
+
+        Args:
+            every_rank: per rank of the group, in rank order, its ``(input_split_sizes, output_split_sizes,
+                dst_indices, src_index)`` as :class:`GroupCastPlan` takes them.
+            group, device, impl, debug: as in :class:`GroupCastPlan`.
+
+        The tables are validated and checked against each other here, locally (ValueError naming the
+        (sender, receiver) pair that disagrees). Nothing is communicated, so the caller must make sure
+        every rank passes the same list (e.g. by comparing a checksum in an exchange it already makes).
+        """
+        comm = resolve_comm(group)
+        world = comm.world_size
+        if len(every_rank) != world:
+            raise ValueError(f"every_rank must hold the tables of all {world} ranks, got {len(every_rank)}")
+        all_tables = [CastTables.build(*tables, world) for tables in every_rank]
+        problems = cross_check(all_tables)
+        if problems:
+            raise ValueError(
+                "group collective tables are inconsistent across ranks:\n  " + "\n  ".join(problems)
+            )
+        mine = every_rank[comm.rank]
+        return cls(*mine, group=group, device=device, impl=impl, debug=debug, _all_tables=all_tables)
+
     def cast(self, input: torch.Tensor, output: torch.Tensor, async_op: bool = False) -> Work:
         """Send ``input`` pieces to their destination sets; write the received pieces into ``output``.
 

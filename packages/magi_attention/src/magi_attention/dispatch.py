@@ -109,7 +109,7 @@ def _agree_on_tokens(
         call,
         local,
         same=lambda: {**tensor_values(x, "x" if call.startswith("dispatch") else "local_x"), **(same or {})},
-        extra=lambda: [needs_device_meta(got[0], device)] if device_meta else [],
+        extra=lambda: needs_device_meta(got[0], device) if device_meta else [],
     )
     if device_meta:
         build_device_meta_together(got[0], device, flags)

@@ -311,7 +311,7 @@ class DistAttnFunc(torch.autograd.Function):
             "calc_attn (backward)",
             lambda: None,
             same=lambda: {"grad.dtype": grad_out.dtype},
-            extra=lambda: [needs_device_meta(runtime, q.device)],
+            extra=lambda: needs_device_meta(runtime, q.device),
         )
         build_device_meta_together(runtime, q.device, flags)
         dq, dk, dv = dist_attn_bwd(

@@ -9,8 +9,8 @@ first call on a device and cached with the plan.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,38 +20,15 @@ import torch
 
 from magi_ffa.validation import CheckedSlices, check_slices
 from magi_group_collective import GroupCastPlan, GroupReducePlan, NativeUnavailableError
-from magi_solver import (
-    PROFILES,
-    DistAttnPlan,
-    OverlapCostModel,
-    PlanOptions,
-    RankPlan,
-    SliceList,
-    get_profile,
-    load_profile,
-    plan_attention,
-)
-from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
-from magi_solver.kernel_law import find_kernel_law
+from magi_solver import DistAttnPlan, RankPlan, SliceList
+from magi_solver.comm import GroupCastArgs
 
 from .._layout import DispatchLayout, build_layout, remember_lengths
-from ..config import OverlapMode
-from ..env import (
-    cost_profile_override,
-    runtime_cache_bytes,
-    runtime_dict_size,
-)
+from ..env import runtime_cache_bytes, runtime_dict_size
 from ..key import DistAttnRuntimeKey
-from .auto_kernel import choose_auto
 from .cache_budget import runtime_nbytes
-from .kernels import (
-    AttnKernel,
-    KernelChoice,
-    agree_kernel_choice,
-    attn_kernel,
-    import_vendors,
-    restrict_deterministic,
-)
+from .kernels import AttnKernel, KernelChoice, attn_kernel
+from .key_route import CallSlices, KeyBuild, build_alone
 
 _LOG = logging.getLogger("magi_attention")
 
@@ -99,10 +76,6 @@ class DeviceMeta:
     remote_tokens: list[int]
     cast_plans: list[GroupCastPlan]
     reduce_plans: list[GroupReducePlan]
-
-
-CallSlices = tuple[SliceList, int, int]
-"""One kernel call: its slices, query rows and key rows."""
 
 
 class DistAttnRuntime:
@@ -190,18 +163,12 @@ class DistAttnRuntime:
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         choice = self.key.collective
         cast_plans, reduce_plans = [], []
-        for stage in rank_plan.stages:
-            c = stage.cast
+        for i in range(len(rank_plan.stages)):
+            # every rank's tables of this stage come from the plan every rank built alike (checked by
+            # `plan_digest` in the agreement before this build), so no table gather is needed here
+            every = [cast_tables(r.stages[i].cast) for r in self.plan.ranks]
             try:
-                cast = GroupCastPlan(
-                    list(c.input_split_sizes),
-                    list(c.output_split_sizes),
-                    [list(d) for d in c.dst_indices],
-                    list(c.src_index),
-                    group=group,
-                    device=device,
-                    impl=choice.impl,
-                )
+                cast = GroupCastPlan.from_every_rank(every, group=group, device=device, impl=choice.impl)
             except NativeUnavailableError as exc:  # name the setting that chose native
                 raise NativeUnavailableError(
                     f"{exc} (magi_attention: selected by {choice.setting})"
@@ -225,9 +192,25 @@ class DistAttnRuntime:
             reduce_plans=reduce_plans,
         )
 
+    @functools.cached_property
+    def plan_digest(self) -> int:
+        """A 63-bit hash of every rank's GroupCast tables of the plan (0 at cp 1): ranks that planned the
+        same key differently (other library versions) are told apart by it before any table is used."""
+        if self.plan is None:
+            return 0
+        tables = [[cast_tables(s.cast) for s in r.stages] for r in self.plan.ranks]
+        return int.from_bytes(hashlib.blake2b(repr(tables).encode(), digest_size=8).digest(), "little") >> 1
+
     def _slices(self, slices: SliceList, rows: int, keys: int) -> KernelSlices:
         call = (slices, rows, keys)
         return KernelSlices.from_slice_list(slices, rows, keys, self.checked.get(call))
+
+
+def cast_tables(cast: GroupCastArgs) -> tuple:
+    """A plan stage's GroupCast tables as `GroupCastPlan` takes them (input and output split sizes, the
+    destinations of each input piece, the source of each output piece)."""
+    return (list(cast.input_split_sizes), list(cast.output_split_sizes),
+            [list(d) for d in cast.dst_indices], list(cast.src_index))  # fmt: skip
 
 
 def gather_positions(layout: DispatchLayout) -> np.ndarray:
@@ -241,142 +224,6 @@ def gather_positions(layout: DispatchLayout) -> np.ndarray:
     offsets = np.asarray(layout.shard_offsets[:-1], dtype=np.int64)
     rank = np.searchsorted(offsets, order, side="right") - 1
     return order + rank * layout.shard_seqlen - offsets[rank]
-
-
-def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> OverlapCostModel:
-    """The dynamic overlap's cost model: the configured profile, else MAGI_ATTENTION_COST_PROFILE, else the
-    shipped profile of (rank 0's GPU kind, backend). Sized for 16-bit inputs (the dtype is not in the key)."""
-    name = key.config.overlap_config.cost_profile or cost_profile_override()
-    if name is None:
-        profile = get_profile(choice.gpu_kind, str(choice.backend))
-    elif name in PROFILES:
-        profile = PROFILES[name]
-    elif name.endswith(".json") or os.path.sep in name:
-        profile = load_profile(name)
-    else:
-        raise ValueError(
-            f"cost profile {name!r} is neither a JSON file nor one of {sorted(PROFILES)} "
-            "(OverlapConfig.cost_profile / MAGI_ATTENTION_COST_PROFILE)"
-        )
-    # the shipped profile's kernel part is the kernel law where one was fitted (magi_solver.kernel_law): the
-    # same law the dispatch choice priced with; a configured profile is used as it is
-    law = None
-    if name is None:
-        bwd = None if choice.backward is None else choice.backward.value
-        law = find_kernel_law(choice.gpu_kind, choice.backend.value, bwd)
-    return OverlapCostModel(
-        profile=profile,
-        num_heads_q=key.num_heads_q,
-        num_heads_kv=key.num_heads_kv,
-        head_dim=key.head_dim,
-        law=law,
-    )
-
-
-def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> MaskFeatures:
-    """The busiest rank's problem after dispatch as its kernel sees it (its query rows against its own keys
-    first, then the keys other ranks send), as `auto`'s table describes masks; a function of the key and the
-    layout alone, so the same on every rank."""
-    rows = [layout.local_token_ids(r) for r in range(layout.cp_size)]
-    keys = kernel_key_ids(rows, layout.kv_layout)
-    return busiest_rank_features(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        rows,
-        rank_keys=keys,
-    )
-
-
-def rank_kernel_calls(
-    key: DistAttnRuntimeKey, layout: DispatchLayout, plan: DistAttnPlan | None
-) -> list[list[CallSlices]]:
-    """Per rank of the group, the kernel calls the plan makes there: (slices, query rows, key rows) each, as
-    `DistAttnRuntime._build_device_meta` builds them (the merged call at overlap degree 0, else the host call
-    and one per remote stage; the whole mask at cp 1). The same on every rank."""
-    if plan is None:
-        whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
-        return [[(whole, key.total_seqlen_q, key.total_seqlen_k)]]
-    calls = []
-    for r, rank_plan in enumerate(plan.ranks):
-        rows, local_kv = layout.shard_seqlens[r], layout.kv_shard_seqlens[r]
-        remote = [s.num_remote_tokens for s in rank_plan.stages]
-        if plan.overlap_degree == 0:
-            calls.append([(rank_plan.merged_slices, rows, local_kv + sum(remote))])
-            continue
-        mine = [(rank_plan.host_slices, rows, local_kv)]
-        calls.append(
-            mine + [(s.remote_slices, rows, n) for s, n in zip(rank_plan.stages, remote, strict=True)]
-        )
-    return calls
-
-
-def choose_kernel_and_plan(
-    key: DistAttnRuntimeKey, layout: DispatchLayout
-) -> tuple[KernelChoice, DistAttnPlan | None, list[list[tuple[CallSlices, CheckedSlices]]]]:
-    """The key's kernel choice (agreed across ranks, refined by `auto`'s table), its plan, built once, and in
-    deterministic mode every rank's kernel calls checked, with their determinism verdicts.
-
-    Deterministic mode is decided once per key: the agreement keeps the backends deterministic at the
-    head_dim; once the plan fixes every rank's kernel calls, each call is checked once and every candidate's
-    verdict on it kept with it (`restrict_deterministic`: an explicit backend that cannot raises on every
-    rank before any data moves; `auto` picks again without the others). The plan stays as built: a new pick
-    changes only the kernels (the dynamic overlap keeps the stages sized by the first pick's cost profile)."""
-    det = key.config.deterministic
-    agreed = agree_kernel_choice(key.cp_group, key.config.kernel_backend, key.head_dim, det)
-
-    def features() -> MaskFeatures:
-        return rank_problem_features(key, layout)
-
-    choice = choose_auto(agreed, key.head_dim, features, deterministic=det)
-    plan = build_plan(key, layout, choice)
-    mine: list[list[tuple[CallSlices, CheckedSlices]]] = []
-    if det:
-        calls = rank_kernel_calls(key, layout, plan)
-        checked = [[check_slices(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in c] for c in calls]
-        mask = (key.q_ranges, key.k_ranges, key.attn_mask_type)
-        restricted = restrict_deterministic(choice, checked, mask, key.head_dim)
-        if restricted.backend != choice.backend or restricted.backward != choice.backward:
-            restricted = choose_auto(restricted, key.head_dim, features, deterministic=det)
-        choice = restricted
-        mine = [list(zip(c, k, strict=True)) for c, k in zip(calls, checked, strict=True)]
-    import_vendors(key.cp_group, choice)  # only the libraries the agreed choice runs
-    return choice, plan, mine
-
-
-def plan_options(key: DistAttnRuntimeKey, choice: KernelChoice) -> PlanOptions:
-    """The key's dispatch and overlap configs as the solver's planning options (enums as they are)."""
-    dispatch, ov = key.config.dispatch_config, key.config.overlap_config
-    dynamic = ov.mode == OverlapMode.DYNAMIC
-    return PlanOptions(
-        dispatch_alg=dispatch.alg,
-        overlap_degree=None if dynamic else ov.degree,
-        overlap_mode=ov.mode,
-        min_chunk_size=ov.min_chunk_size,
-        max_num_chunks=ov.max_num_chunks,
-        dynamic_max_degree=ov.max_degree,
-        cost_model=overlap_cost_model(key, choice) if dynamic else None,
-        uneven_shard=dispatch.uneven_shard,
-    )
-
-
-def build_plan(key: DistAttnRuntimeKey, layout: DispatchLayout, choice: KernelChoice) -> DistAttnPlan | None:
-    """Comm plan and stages of the key's mask on the (possibly borrowed) dispatch layout."""
-    if key.cp_size == 1:
-        return None
-    # the layout's dispatch, solved once per root key: a root key's own mask reuses it as it is, a mask made
-    # after dispatch keeps its tokens where they are (only the areas are recomputed)
-    return plan_attention(
-        key.q_ranges,
-        key.k_ranges,
-        key.attn_mask_type,
-        layout.padded_seqlen,
-        key.cp_size,
-        chunk_size=layout.chunk_size,
-        options=plan_options(key, choice),
-        kv_layout=layout.kv_layout,
-        dispatch=layout.dispatch_plan,
-    )
 
 
 class RuntimeCache:
@@ -417,35 +264,58 @@ class RuntimeCache:
         else:
             self._layout_refs[root] = refs
 
-    def get(self, key: DistAttnRuntimeKey) -> DistAttnRuntime:
-        lru = self._by_group.setdefault(key.cp_group.name, OrderedDict())
-        runtime = lru.get(key)
+    def cached(self, key: DistAttnRuntimeKey) -> DistAttnRuntime | None:
+        """The runtime of `key` if cached (marked most recently used), else None; communicates nothing."""
+        lru = self._by_group.get(key.cp_group.name)
+        runtime = None if lru is None else lru.get(key)
         if runtime is not None:
             lru.move_to_end(key)
+        return runtime
+
+    def get(self, key: DistAttnRuntimeKey) -> DistAttnRuntime:
+        """The runtime of `key`, planned now when not cached (`key_route.build_alone`: exchanges of its own
+        only where the kernel choice or import of the key's kind was not agreed before)."""
+        runtime = self.cached(key)
+        if runtime is not None:
             return runtime
-        capacity, budget = self.capacity(), self.byte_budget()  # bad env values raise before planning
+        self.capacity(), self.byte_budget()  # bad env values raise before planning
+        layout = self.layout_of(key)
+        try:
+            build = build_alone(key, layout)
+        except BaseException:
+            self.drop_unused_layout(key)
+            raise
+        return self.admit(key, layout, build)
+
+    def layout_of(self, key: DistAttnRuntimeKey) -> DispatchLayout:
+        """The dispatch layout of `key`'s root key: cached, else built now (communicates nothing)."""
         root = key.root_key
         layout = self._layouts.get(root)
         if layout is None:
             layout = build_layout(root)
             self._layouts[root] = layout
             remember_lengths(root, layout)
-        try:
-            choice, plan, checked = choose_kernel_and_plan(key, layout)
-        except BaseException:
-            if root not in self._layout_refs:  # no cached key uses it: do not keep it
-                self._layouts.pop(root, None)
-            raise
+        return layout
+
+    def drop_unused_layout(self, key: DistAttnRuntimeKey) -> None:
+        """After a failed build: forget the root's layout unless a cached key uses it."""
+        if key.root_key not in self._layout_refs:
+            self._layouts.pop(key.root_key, None)
+
+    def admit(self, key: DistAttnRuntimeKey, layout: DispatchLayout, build: KeyBuild) -> DistAttnRuntime:
+        """Cache the runtime of `build` (every rank's build, settled), evicting the least recently used."""
+        capacity, budget = self.capacity(), self.byte_budget()
+        choice = build.choice
         _LOG.debug("magi_attention key %s: kernel backend %s%s (%s)", key.cp_group.name, choice.backend,
                    "" if choice.backward is None else f", backward {choice.backward}", choice.reason)  # fmt: skip
         try:
-            runtime = DistAttnRuntime(key, layout, plan, choice, checked)
+            runtime = DistAttnRuntime(key, layout, build.plan, choice, build.checked)
         except BaseException:
-            if root not in self._layout_refs:  # no cached key uses it: do not keep it
-                self._layouts.pop(root, None)
+            self.drop_unused_layout(key)
             raise
         runtime.nbytes = runtime_nbytes(layout, runtime.plan)
-        name = key.cp_group.name
+        name, root = key.cp_group.name, key.root_key
+        lru = self._by_group.setdefault(name, OrderedDict())
         lru[key] = runtime
         self._layout_refs[root] = self._layout_refs.get(root, 0) + 1
         self._bytes[name] = self._bytes.get(name, 0) + runtime.nbytes

@@ -1,13 +1,14 @@
-"""Which attention kernel the runtime calls, agreed by every rank of a cp group before any plan is made.
+"""Which attention kernel the runtime calls: the same on every rank of a cp group, chosen before any plan.
 
 Every kernel backend states once, in its capability (`magi_ffa.contract.BackendCapability`), what it takes,
 where its backward is deterministic and its priority; this module asks the capabilities (`magi_ffa.choice`)
-and names no backend itself. Each rank lists the backends it can run (no vendor is imported to find out); the
-ranks exchange those lists once per (group, requested backend, head_dim, deterministic mode) and keep the same
-candidates: the backends every rank can run that take the head_dim. So ranks with different software never
-plan or compute differently, and a requested backend that some rank cannot run (or does not know) raises on
-every rank before any data moves. `auto` picks among the candidates (`auto_kernel.choose_auto`); each call's
-dtype and softcap refine the choice among the same candidates (`KernelChoice.backend_for`).
+and names no backend itself. Each rank lists the backends it can run (`probe_local`: no vendor is imported to
+find out); from every rank's list (`key_route` tells the ranks apart inside the key's agreement) `resolve`
+keeps the same candidates on every rank: the backends every rank can run that take the head_dim. So ranks
+with different software never plan or compute differently, and a requested backend that some rank cannot
+run (or does not know) raises on every rank before any data moves. `auto` picks among the candidates
+(`auto_kernel.choose_auto`); each call's dtype and softcap refine the choice among the same candidates
+(`KernelChoice.backend_for`).
 
 Deterministic mode: a capability says at which head dims (`deterministic_head_dim`: applied at the agreement)
 and on which slices (`deterministic`: applied once the plan fixes every rank's kernel calls, by
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,14 +26,19 @@ import torch
 
 from magi_ffa.choice import choose, known_backends, load_backend, refusal, usable_backends
 from magi_ffa.validation import CheckedSlices
-from magi_group_collective.agreement import agree, host_group_of
 
 from ..config import KernelBackend
-from ..env import kernel_backend_override
-from ..key import CpGroup
 from .launch import AttnKernel, attn_kernel, backend_name, ffa_backend
 
-__all__ = ["AttnKernel", "KernelChoice", "agree_kernel_choice", "attn_kernel", "backend_name", "ffa_backend"]
+__all__ = [
+    "AttnKernel",
+    "KernelChoice",
+    "RankBackends",
+    "attn_kernel",
+    "backend_name",
+    "ffa_backend",
+    "resolve",
+]
 
 AUTO = "auto"
 KEY_DTYPE = torch.bfloat16  # a key's choice is for 16-bit inputs; each call's dtype refines it
@@ -170,36 +175,6 @@ def resolve(
     return choice if requested != AUTO else by_priority(choice, head_dim)
 
 
-_AGREED: dict[tuple, KernelChoice] = {}
-
-
-def agree_kernel_choice(
-    cp_group: CpGroup, configured: str, head_dim: int, deterministic: bool = False
-) -> KernelChoice:
-    """The choice on every rank of `cp_group` from every rank's backends (one exchange per group, requested
-    backend, head_dim and deterministic mode; cached). Raises ValueError on every rank when an explicit
-    choice cannot run somewhere (a name no rank registered included)."""
-    override = kernel_backend_override()
-    requested = str(override if configured == AUTO and override is not None else configured)
-    cache_key = (cp_group.name, cp_group.ranks, requested, head_dim, deterministic)
-    choice = _AGREED.get(cache_key)
-    if choice is None:
-        ranks = _gather(cp_group, probe_local(requested))
-        choice = _AGREED[cache_key] = resolve(requested, head_dim, ranks, deterministic)
-    return choice
-
-
-def _gather(cp_group: CpGroup, local: RankBackends) -> list[RankBackends]:
-    """Every rank's backends: the sorted names travel as bytes (on the host), so ranks that registered other
-    backends still meet in one exchange."""
-    group = cp_group.group
-    if group is None or cp_group.size == 1:
-        return [local]
-    mine = json.dumps([local.gpu_kind, list(local.usable), local.missing]).encode()
-    parts = host_group_of(group).gather_bytes(mine)
-    return [RankBackends(kind, tuple(usable), why) for kind, usable, why in map(json.loads, parts)]
-
-
 Mask = tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[int]]
 """A mask's slices: (q_ranges, k_ranges, types)."""
 
@@ -255,43 +230,3 @@ def restrict_deterministic(
     return by_priority(
         narrowed, head_dim, f" (deterministic mode: {dropped} not deterministic on every rank)"
     )
-
-
-_IMPORTED: set[tuple] = set()
-"""(group, backends) whose kernel libraries imported on every rank of the group."""
-
-
-def import_vendors(cp_group: CpGroup, choice: KernelChoice) -> None:
-    """Import the kernel libraries of the choice's forward and backward backends, and only those (the
-    probes read what is installed without importing it). A library that fails to import raises on every
-    rank of the group, before any data moves: ImportError naming it on that rank, AgreementError (a
-    ValueError) naming the rank and the library on the others. Once per group and backends."""
-    names = sorted({str(choice.backend), str(choice.backward or choice.backend)})
-    cache_key = (cp_group.name, cp_group.ranks, tuple(names))
-    if cache_key in _IMPORTED:
-        return
-    error: BaseException | None = None
-    for name in names:
-        cap = ffa_backend(name).capability
-        if cap.install_check is None:
-            continue
-        try:
-            cap.install_check()
-        except Exception as exc:  # a vendor may raise anything while it imports (OSError, RuntimeError)
-            vendors = " and ".join(dist for dist, _ in cap.requires) or cap.package
-            error = ImportError(
-                f"kernel_backend={name!r}: {vendors} is installed but does not import on this rank "
-                f"({type(exc).__name__}: {exc})"
-            )
-            error.__cause__ = exc
-            break
-    if cp_group.group is not None and cp_group.size > 1:
-        agree(cp_group.group, "magi_attention key: import the kernel libraries", error=error)
-    elif error is not None:
-        raise error
-    _IMPORTED.add(cache_key)
-
-
-def clear_agreements() -> None:
-    _AGREED.clear()
-    _IMPORTED.clear()

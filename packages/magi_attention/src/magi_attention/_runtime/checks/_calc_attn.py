@@ -110,7 +110,7 @@ def validate_calc_attn(
             "return_max_logits": c.return_max_logits,
             "sink": c.sink is not None,
         },
-        extra=lambda c: [needs_device_meta(c.runtime, q.device)],
+        extra=lambda c: needs_device_meta(c.runtime, q.device),
     )
     build_device_meta_together(call.runtime, q.device, flags)
     return call

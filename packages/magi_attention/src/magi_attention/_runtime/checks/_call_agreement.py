@@ -92,14 +92,27 @@ def agree_on_checked(
         ) from exc
 
 
-def needs_device_meta(runtime: object, device: torch.device) -> int:
-    """1 when this rank has not built the plan's device tensors for `device` yet (that build is collective:
-    the GroupCast tables of every rank are checked against each other)."""
-    return int(device not in runtime._device_meta)
+def needs_device_meta(runtime: object, device: torch.device) -> list[int]:
+    """This rank's extras for the agreement of a call that may build the plan's device tensors: 1 when it
+    has not built them for `device` yet (that build is collective when a group collective needs every rank's
+    tables), then the digest of every rank's GroupCast tables in its plan (`DistAttnRuntime.plan_digest`)."""
+    return [int(device not in runtime._device_meta), runtime.plan_digest]
 
 
 def build_device_meta_together(runtime: object, device: torch.device, flags: list[list[int]]) -> None:
-    """After the agreement: if any rank must build the device tensors, every rank rebuilds them, so the
-    collective table check of the build runs on every rank (never on one rank alone, which would hang)."""
+    """After the agreement (`flags`: every rank's `needs_device_meta`): raise ValueError on every rank when
+    the ranks planned different GroupCast tables for the key (checked before any table is used); if any rank
+    must build the device tensors, every rank rebuilds them, so a build that communicates runs on every
+    rank together (never on one rank alone, which would hang)."""
+    digests = [f[1] for f in flags if len(f) > 1]
+    if len(set(digests)) > 1:
+        sides: dict[int, list[int]] = {}
+        for r, d in enumerate(digests):
+            sides.setdefault(d, []).append(r)
+        raise ValueError(
+            "the ranks of the cp group planned different GroupCast tables for the same key (ranks "
+            + " vs ".join(str(rs) for rs in sides.values())
+            + "): every rank must run the same versions of magi_attention and magi_solver"
+        )
     if any(f and f[0] for f in flags):
         runtime._device_meta.pop(device, None)

@@ -1,13 +1,16 @@
-"""Key creation as a collective: every rank checks that the others built the same key, before any plan.
+"""Key creation as a collective: every rank builds a new key, then checks it against the others' in one
+exchange, before any data moves.
 
 A key is a value every rank computes on its own; nothing forces two ranks to compute the same one. A mask,
 a size, a head count or a config that differs across ranks would give plans whose GroupCast tables do not
 match (stale rows, or gloo aborting the process). So when a key is built for the first time (a cache miss),
-the ranks all-gather one small int64 row each: a status flag and one 63-bit hash per part of the key (mask,
-sizes, heads, config, deterministic mode, group, dispatch key, pad size), through the host-side status
-agreement every public collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch` on
-another meet and are told so). Different hashes raise on every rank, naming the part and the ranks; a rank
-whose key build failed sends the failed flag instead, so the others raise too rather than wait for it in
+each rank plans it locally (`key_route.build_key`), then the ranks all-gather one small int64 row each: a
+status flag, one 63-bit hash per part of the key (mask, sizes, heads, config, deterministic mode, group,
+dispatch key, pad size), and the rank's word about kernels (a digest of what it can run, and whether the
+chosen kernel libraries imported: `key_route.KeyWord`), through the host-side status agreement every
+public collective call uses (`magi_group_collective.agreement`: so a key build on one rank and a `dispatch`
+on another meet and are told so). Different hashes raise on every rank, naming the part and the ranks; a
+rank whose build failed sends the failed flag instead, so the others raise too rather than wait for it in
 the next collective. Cache hits communicate nothing (in sanity mode, MAGI_ATTENTION_SANITY_CHECK=1, every
 key build exchanges, hits included, so no rank can be left waiting).
 
@@ -21,7 +24,7 @@ import functools
 import hashlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from magi_group_collective.agreement import ExchangeError, agree
@@ -29,7 +32,9 @@ from magi_group_collective.agreement import ExchangeError, agree
 from ..._layout import choose_chunk_size
 from ...env import sanity_check_enabled
 from ...key import CpGroup, DistAttnRuntimeKey
+from ..cache import RUNTIME_CACHE
 from ..cache_budget import check_plan_fits
+from ..key_route import build_key, settle
 from ._comm_errors import CommError, where
 
 PARTS = (
@@ -77,12 +82,14 @@ def key_fingerprint(key: DistAttnRuntimeKey, pad_size: object = None) -> list[in
 KEY_CALL = "the key build (magi_attn_*_key / make_*_key_for_new_mask_after_dispatch)"
 
 
-def _agree(cp_group: CpGroup, error: BaseException | None, parts: list[object]) -> None:
+def _agree(
+    cp_group: CpGroup, error: BaseException | None, parts: list[object], word: Sequence[int] = ()
+) -> list[list[int]]:
     """The key's status agreement (raises `error` here, AgreementError on the others, CommError when the
-    exchange itself fails)."""
+    exchange itself fails); every rank's `word` (`key_route.KeyWord`) in rank order."""
     same = dict(zip(PARTS, parts))
     try:
-        agree(cp_group.group, KEY_CALL, error=error, same=same)
+        return agree(cp_group.group, KEY_CALL, error=error, same=same, extra=word)
     except ExchangeError as exc:
         raise CommError(
             f"{where(cp_group)}: the status agreement of {KEY_CALL} failed: {exc.detail}\n(a rank did not "
@@ -103,28 +110,40 @@ _STATE = _State()
 
 
 def agree_on_key(key: DistAttnRuntimeKey, is_cached: bool, pad_size: object = None) -> None:
-    """Check the key against every other rank's before it is planned (one all-gather, cache misses only,
-    every build in sanity mode). Raises ValueError on every rank when the ranks disagree or one failed."""
+    """Build a new key on every rank together: each rank plans it locally (`key_route.build_key`), then the
+    ranks check it against each other's in one all-gather (its parts, the status of the build, and what each
+    can run and imported: `key_route.KeyWord`), then keep it cached (`RUNTIME_CACHE.admit`). Raises on
+    every rank when the ranks disagree or one failed. Cache hits communicate nothing (but in sanity mode)."""
     cp_group = key.cp_group
     sanity = sanity_check_enabled()
     if not _collective(cp_group) or (is_cached and not sanity):
         _STATE.settled = True
         return
     parts = key_parts(key, pad_size)
+    if is_cached or key in RUNTIME_CACHE:  # agreed again (sanity mode): built already
+        _STATE.settled = True
+        _agree(cp_group, None, parts)
+        return
     error: BaseException | None = None
-    if not is_cached:
-        try:  # a plan that cannot fit fails here, before the exchange, so the others hear of it
-            root = key.root_key
-            chunk = choose_chunk_size(
-                root.total_seqlen_q, cp_group.size, root.config.dispatch_config.chunk_size
-            )
-            check_plan_fits(root.total_seqlen_q, cp_group.size, chunk)
-            if root.total_seqlen_k != root.total_seqlen_q:
-                check_plan_fits(root.total_seqlen_k, cp_group.size, chunk, "total_seqlen_k")
-        except (MemoryError, ValueError) as exc:
-            error = exc
+    layout = build = None
+    try:  # a plan that cannot fit fails here, before the exchange, so the others hear of it
+        root = key.root_key
+        chunk = choose_chunk_size(root.total_seqlen_q, cp_group.size, root.config.dispatch_config.chunk_size)
+        check_plan_fits(root.total_seqlen_q, cp_group.size, chunk)
+        if root.total_seqlen_k != root.total_seqlen_q:
+            check_plan_fits(root.total_seqlen_k, cp_group.size, chunk, "total_seqlen_k")
+        layout = RUNTIME_CACHE.layout_of(key)
+        build = build_key(key, layout)  # local: the key's steps, nothing exchanged
+    except Exception as exc:  # any local failure is reported, so no rank is left waiting for this one
+        error = exc
     _STATE.settled = True
-    _agree(cp_group, error, parts)
+    try:
+        words = _agree(cp_group, error, parts, () if build is None else build.word)
+        build = settle(key, layout, build, words)
+    except BaseException:
+        RUNTIME_CACHE.drop_unused_layout(key)
+        raise
+    RUNTIME_CACHE.admit(key, layout, build)
 
 
 def _report_failure(cp_group: CpGroup, error: BaseException) -> None:
