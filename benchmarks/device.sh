@@ -2,7 +2,9 @@
 # The GPU runs, phase by phase (the device machine, repository root; one or more H200s):
 #   bash benchmarks/device.sh PHASE [PHASE ...]        e.g. bash benchmarks/device.sh install gpu-tests kernels
 # Setup:    park (first call of a fresh machine: the first half of the FA4 wheels, carry .fa4/a)
-#           install (next call: the FA4 wheels, carry .fa4/b, and pytest / hypothesis from .whl/)
+#           install (next call: the FA4 wheels, carry .fa4/b; and .whl/ with hatchling and its requirements for
+#           the editable install of our packages, e.g. pip download -d .whl hatchling packaging pathspec pluggy
+#           trove-classifiers; without them the phases run this checkout from source through PYTHONPATH)
 #           install-integrations (the wheels of benchmarks/integration_wheels.sh, carry .intwheels)
 # Checks:   gpu-tests (python -m pytest -m gpu, as docs/development.md says; GPU_TESTS_K=<expr> selects)
 #           info (python -m magi_attention.info --check --bench)
