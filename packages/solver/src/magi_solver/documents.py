@@ -47,14 +47,14 @@ import numpy as np
 
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
-from .documents_repair import hull_traffic, repair
+from .documents_repair import ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
 from .node_groups import node_order
 from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN, rank_traffic, remote_kv_tokens
 from .pricing import NODE as PRICING_NODE
 
-__all__ = ["documents_granularity", "documents_plan", "documents_plans", "find_units", "token_units"]
+__all__ = ["documents_granularity", "documents_plans", "find_units", "token_units"]
 
 _GRANULARITY = 128
 _MAX_CHUNKS = 8192
@@ -193,7 +193,7 @@ def _best_fill(
     ranked = _ranked(judged)
     out = list(ranked)
     for step, metric, i, owner in ranked[: max(keep, _REPAIRED)]:
-        fixed = repair(owner, area, lo, hi, units, c, cp, law, PRICING_NODE)
+        fixed = repair(owner, ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE))
         if np.array_equal(fixed, owner):
             continue
         s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi))
@@ -265,27 +265,10 @@ def documents_plans(
     return plans
 
 
-def documents_plan(
-    slices: list[tuple[int, int, int, int, int]],
-    total_seqlen: int,
-    cp_size: int,
-    law: KernelLaw,
-    *,
-    uneven_shard: bool = False,
-    chunk_size: int | None = None,
-) -> DispatchPlan:
-    """The documents placement of validated self-attention `slices` (the best of `documents_plans`; see the
-    module docstring). Arguments as `documents_plans`; returns a `DispatchPlan` with
-    `alg=DispatchAlg.DOCUMENTS`."""
-    return documents_plans(
-        slices, total_seqlen, cp_size, law, uneven_shard=uneven_shard, chunk_size=chunk_size
-    )[0]
-
-
 def _dispatch_documents(slices: list, total: int, cp: int, chunk_size: int, uneven: bool) -> DispatchPlan:
     """`solve_dispatch(..., alg="documents")`: priced by the law `auto` would pick for the whole mask."""
     law = law_for_mask(slices, total)
-    return documents_plan(slices, total, cp, law, uneven_shard=uneven, chunk_size=chunk_size)
+    return documents_plans(slices, total, cp, law, uneven_shard=uneven, chunk_size=chunk_size)[0]
 
 
 PLACEMENTS[DispatchAlg.DOCUMENTS] = _dispatch_documents

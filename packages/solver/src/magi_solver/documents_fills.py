@@ -62,16 +62,26 @@ def _time_pieces(
     return out
 
 
+def _heavy_units(
+    units: np.ndarray, whole: np.ndarray, room: int, tau: float
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """Per unit its cost per chunk (float64 `[u]`), the fillers' cost per chunk (what a heavy piece's rank
+    fills its other chunks with: the light units' mean) and whether it is heavy (bool `[u]`: more chunks than
+    a rank's `room`, or costlier than the target `tau` once its rank's other chunks are filled at the
+    fillers' cost)."""
+    n_u = np.diff(units)
+    dens = whole / np.maximum(n_u, 1)
+    light = (n_u <= room) & (whole <= tau)
+    filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
+    heavy = (n_u > room) | (whole + (room - n_u) * filler > tau * (1.0 + _SNAP))
+    return dens, filler, heavy
+
+
 def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float) -> list[tuple]:
     """Segments `(density, start, end, cost, unit)` of the two-ended layout: a unit that cannot sit on one
     rank (more chunks than a rank holds, or costlier than a rank's target once the rank's other chunks are
     filled at the fillers' density) as its time-sized pieces (`_time_pieces`), any other whole."""
-    n_u = np.diff(units)
-    dens = whole / np.maximum(n_u, 1)
-    light = (n_u <= room) & (whole <= tau)
-    # the fillers' density: what a heavy piece's rank fills its other chunks with
-    filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
-    heavy = (n_u > room) | (whole + (room - n_u) * filler > tau * (1.0 + _SNAP))
+    dens, filler, heavy = _heavy_units(units, whole, room, tau)
     segs = []
     for u in range(units.size - 1):
         a, b = int(units[u]), int(units[u + 1])
@@ -310,11 +320,7 @@ def _anchored(
     costliest other rank's."""
     cp = room.size
     m = int(room.min())
-    n_u = np.diff(units)
-    dens = whole / np.maximum(n_u, 1)
-    light = (n_u <= m) & (whole <= tau)
-    filler = float(whole[light].sum() / n_u[light].sum()) if light.any() else float(dens.min())
-    heavy = (n_u > m) | (whole + (m - n_u) * filler > tau * (1.0 + _SNAP))
+    dens, filler, heavy = _heavy_units(units, whole, m, tau)
     anchors, segs = [], []
     for u in range(units.size - 1):
         a, b = int(units[u]), int(units[u + 1])

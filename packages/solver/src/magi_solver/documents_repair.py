@@ -20,6 +20,8 @@ node swap (no other rank's link time changes). At most `_STEPS` swaps: about lin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .kernel_law import TILE, KernelLaw
@@ -49,25 +51,33 @@ _GAIN = 1e-6
 """A swap must lower the metric by this share at least (no churn on rounding)."""
 
 
+@dataclass(frozen=True)
+class ChunkTables:
+    """What the repair prices an assignment with: per chunk its mask area (float64 `[n]`) and the interval of
+    keys its rows need, own tokens included (`lo`, `hi`: int64 `[n]`); the units' chunk boundaries (int64,
+    0 ... n); tokens per chunk; ranks; the kernel law; ranks per node (past it, link time from other nodes
+    is priced)."""
+
+    area: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    units: np.ndarray
+    tokens_per_chunk: int
+    cp: int
+    law: KernelLaw
+    node: int
+
+
 class _State:
     """Per-rank predicted kernel and link times of an assignment, with the tables to reprice one rank."""
 
-    def __init__(
-        self,
-        owner: np.ndarray,
-        area: np.ndarray,
-        lo: np.ndarray,
-        hi: np.ndarray,
-        units: np.ndarray,
-        c: int,
-        cp: int,
-        law: KernelLaw,
-        node: int,
-    ) -> None:
-        self.owner, self.area, self.lo, self.hi, self.c, self.cp, self.law = owner, area, lo, hi, c, cp, law
-        self.node = node if cp > node else cp
-        self.units = units
-        self.unit_of = np.searchsorted(units, np.arange(owner.size), side="right") - 1
+    def __init__(self, owner: np.ndarray, chunks: ChunkTables) -> None:
+        self.owner = owner
+        self.area, self.lo, self.hi, self.c = chunks.area, chunks.lo, chunks.hi, chunks.tokens_per_chunk
+        self.cp, self.law, self.units = chunks.cp, chunks.law, chunks.units
+        self.node = chunks.node if chunks.cp > chunks.node else chunks.cp
+        cp = chunks.cp
+        self.unit_of = np.searchsorted(chunks.units, np.arange(owner.size), side="right") - 1
         self.evals = 0  # ranks priced so far (the pass's budget, `_EVALS`)
         self.fwd = np.zeros(cp)
         self.bwd = np.zeros(cp)
@@ -293,35 +303,20 @@ def _rotations(st: _State, s: int, nb: list[int]):
                             yield [(np.asarray([x]), b), (np.asarray([y]), s), (np.asarray([z]), a)]
 
 
-def repair(
-    owner: np.ndarray,
-    area: np.ndarray,
-    lo: np.ndarray,
-    hi: np.ndarray,
-    units: np.ndarray,
-    c: int,
-    cp: int,
-    law: KernelLaw,
-    node: int,
-) -> np.ndarray:
+def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
     """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the local repair (module docstring).
 
     Args:
         owner: the fill's assignment (every rank's chunk count is kept).
-        area: float64 `[n]` mask area of each chunk.
-        lo, hi: int64 `[n]` the keys each chunk's rows need, with its own tokens (an interval per chunk).
-        units: int64 chunk boundaries of the units (0, ..., n).
-        c: tokens per chunk.
-        cp: ranks.
-        law: the kernel law the ranks are priced by.
-        node: ranks per node (past it, swaps stay inside a node and link time from other nodes is priced).
+        chunks: the chunks' tables, the rank count, the law and the node size (`ChunkTables`).
 
     Returns:
         int64 `[n]`: the repaired owners; the metric `max fwd + max bwd` never rises and the predicted
         step never rises.
     """
-    st = _State(owner.copy(), area, lo, hi, units, c, cp, law, node)
-    st.area_cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
+    st = _State(owner.copy(), chunks)
+    st.area_cum = np.concatenate([[0.0], np.cumsum(chunks.area, dtype=np.float64)])
+    cp = chunks.cp
     metric, step = st.metric()
     n = st.owner.size
     budget = st.evals + _EVALS
