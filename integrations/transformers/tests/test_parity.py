@@ -5,7 +5,9 @@ not). The reference is the same model (sdpa attention, float64) run on each docu
 side runs the packed batch through magi-attention. Compared: logits (undispatched), the pack's token-mean
 loss, and parameter gradients summed over the cp ranks; then a short training loop (loss per step and
 final weights). Sliding-window layers (Qwen2/Qwen3 upper layers, every Mistral layer) use documents longer
-than the window, so their own keys are exercised.
+than the window, so their own keys are exercised. A third launch forces the documents placement
+(`DispatchConfig(alg="documents")`, small chunks: these packs are too small for the planner to choose it)
+on every family, the sliding-window keys included, and checks each key really used it.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _rank_main(rank: int, world_size: int) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None = None) -> dict:
     from magi_attention_transformers import (
         _core,
         all_reduce_gradients,
@@ -94,15 +96,20 @@ def _rank_main(rank: int, world_size: int) -> dict:
         undispatch_logits,
     )
 
+    from magi_attention import get_dispatch_choice
+
     world = dist.group.WORLD
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     ids, cu = packed_batch(seed=1)
+    # alg="documents": every batch forced onto the documents placement, at chunk 8 (the placement would
+    # pick 32 for this pack: two chunks per rank, nothing to place)
+    base = None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=8, alg=alg))
     report: dict = {}
     for family in FAMILIES:
         model = make_model(family)
         ref = copy.deepcopy(model)
         group = mesh["cp"] if family == "qwen3" else world  # both forms of the group
-        apply_magi_attention(model, group)
+        apply_magi_attention(model, group, dist_attn_config=base)
         labels = None
         override = None
         if family == "llama":  # given labels with ignored spans
@@ -110,7 +117,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
             labels[0, 20:30] = -100
         if family == "qwen2":  # per-batch config override: small chunks, another balancer, 2 stages
             override = DistAttnConfig(
-                dispatch_config=DispatchConfig(chunk_size=5, alg="affinity"),
+                dispatch_config=DispatchConfig(chunk_size=5, alg=alg or "affinity"),
                 overlap_config=OverlapConfig(degree=2),
             )
         batch = dispatch_batch(ids, group, cu_seqlens=cu, labels=labels, dist_attn_config=override)
@@ -119,7 +126,9 @@ def _rank_main(rank: int, world_size: int) -> dict:
         loss.backward()
         all_reduce_gradients(model, group)
         logits = undispatch_logits(local_logits.detach(), batch.key)
-        window_keys = len(_core._STATES[_core._group_id(group)].window_keys)
+        wkeys = list(_core._STATES[_core._group_id(group)].window_keys.values())
+        # the algorithm of every key the layers used: the batch's and its sliding-window keys
+        algs = {get_dispatch_choice(k).algorithm for k in [batch.key, *wkeys]}
         if rank == 0:
             ref_logits, ref_loss = reference_step(ref, ids, cu, labels)
             grads = {
@@ -130,28 +139,34 @@ def _rank_main(rank: int, world_size: int) -> dict:
                 "logits": rel(logits, ref_logits),
                 "loss": abs(loss.item() - ref_loss.item()) / abs(float(ref_loss)),
                 "grad": max(grads.values()),
-                "window_keys": window_keys,
+                "window_keys": len(wkeys),
+                "algs": algs,
                 "local_tokens": batch.input_ids.shape[1],
             }
     report["train"] = _train_loop(
-        rank, world, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
+        rank, world, base, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
     )
     return report
 
 
-def _train_loop(rank, group, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients):
+def _train_loop(
+    rank, group, config, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
+):
     """Four AdamW steps of Mistral (sliding window) on packed batches of different documents."""
     model = make_model("mistral", seed=3)
     ref = copy.deepcopy(model)
-    apply_magi_attention(model, group)
+    apply_magi_attention(model, group, dist_attn_config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, ref_losses = [], []
+    from magi_attention import get_dispatch_choice
+
+    losses, ref_losses, algs = [], [], set()
     for step in range(4):
         ids, cu = packed_batch(
             seed=10 + step, doc_lens=[[20, 9, 31], [5, 40, 15], [60], [7, 7, 30, 16]][step]
         )
         batch = dispatch_batch(ids, group, cu_seqlens=cu)
+        algs.add(get_dispatch_choice(batch.key).algorithm)
         loss = causal_lm_loss(model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch)
         loss.backward()
         all_reduce_gradients(model, group)
@@ -163,15 +178,18 @@ def _train_loop(rank, group, apply_magi_attention, dispatch_batch, causal_lm_los
         ref_opt.zero_grad()
         ref_losses.append(float(ref_loss))
     weights = max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
-    return {"losses": losses, "ref_losses": ref_losses, "weights": weights}
+    return {"losses": losses, "ref_losses": ref_losses, "weights": weights, "algs": algs}
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_cp_matches_single_process(cp: int) -> None:
-    report = run_ranks(_rank_main, cp)[0]
+# the planner's own choice at cp 2 and 3; the documents placement forced once (cp 3: a cut per boundary)
+@pytest.mark.parametrize(("cp", "alg"), [(2, None), (3, None), (3, "documents")])
+def test_cp_matches_single_process(cp: int, alg: str | None) -> None:
+    report = run_ranks(_rank_main, cp, alg)[0]
     for family in FAMILIES:
         r = report[family]
-        print(f"cp={cp} {family}: {r}")
+        print(f"cp={cp} alg={alg} {family}: {r}")
+        if alg is not None:
+            assert r["algs"] == {alg}, (family, r)
         assert r["logits"] < TOL, (family, r)
         assert r["loss"] < TOL, (family, r)
         assert r["grad"] < TOL, (family, r)
@@ -180,8 +198,10 @@ def test_cp_matches_single_process(cp: int) -> None:
     for family in ("qwen2", "qwen3", "mistral"):
         assert report[family]["window_keys"] == 1, (family, report[family])
     train = report["train"]
-    print(f"cp={cp} train: {train}")
+    print(f"cp={cp} alg={alg} train: {train}")
     for a, b in zip(train["losses"], train["ref_losses"]):
         assert abs(a - b) / abs(b) < TOL, train
     assert train["weights"] < TOL, train
+    if alg is not None:
+        assert train["algs"] == {alg}, train
     assert train["losses"][-1] != train["losses"][0]
