@@ -4,6 +4,8 @@ Each dp replica trains on its own pack of documents; its cp ranks split that pac
 magi-attention. The reference runs every document of both packs through the same model alone (torch SDPA,
 causal), with loss = mean over the dp packs of each pack's token-mean loss. Compared: the loss of each of
 3 AdamW steps, the first step's gradients (full tensors of FSDP's sharded gradients), the final weights.
+A second launch forces the documents placement (`DispatchConfig(alg="documents")`: these packs are too
+small for the planner to choose it) and checks every step's key used it (float64 only).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 from itertools import pairwise
 
+import pytest
 import torch
 import torch.nn.functional as F
 from _model import TinyLM
@@ -47,15 +50,17 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _rank_main(rank: int, world_size: int) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None, dtypes: tuple[str, ...]) -> dict:
     from magi_attention_fsdp import init_dp_cp_mesh
 
     mesh = init_dp_cp_mesh(DP, CP, device_type="cpu")
-    return {dtype: _train(rank, mesh, getattr(torch, dtype)) for dtype in ("float64", "float32")}
+    return {dtype: _train(rank, mesh, getattr(torch, dtype), alg) for dtype in dtypes}
 
 
-def _train(rank, mesh, dtype) -> dict:
+def _train(rank, mesh, dtype, alg) -> dict:
     from magi_attention_fsdp import dispatch_pack, fully_shard_dp_cp, pack_loss
+
+    from magi_attention import get_dispatch_choice
 
     dp_rank = mesh.get_local_rank("dp")
     torch.manual_seed(0)
@@ -63,13 +68,14 @@ def _train(rank, mesh, dtype) -> dict:
     ref = copy.deepcopy(model)
     fully_shard_dp_cp(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=8))
-    losses, first_grads = [], None
+    config = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=8, alg=alg))
+    losses, first_grads, algs = [], None, set()
     for step in range(STEPS):
         ids, cu = pack(step, dp_rank)
         shard = dispatch_pack(
             ids, mesh, cu_seqlens=cu, num_heads_q=4, num_heads_kv=2, head_dim=8, dist_attn_config=config
         )
+        algs.add(get_dispatch_choice(shard.key).algorithm)
         loss = pack_loss(model(shard.input_ids, shard.position_ids, shard.key), shard)
         loss.backward()
         if first_grads is None:
@@ -78,7 +84,7 @@ def _train(rank, mesh, dtype) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     weights = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-    out = {"losses": losses, "dp_rank": dp_rank}
+    out = {"losses": losses, "dp_rank": dp_rank, "algs": algs}
     if rank == 0:
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         ref_losses = []
@@ -96,11 +102,20 @@ def _train(rank, mesh, dtype) -> dict:
     return out
 
 
-def test_fsdp_dp2_cp2_matches_single_process() -> None:
-    runs = run_ranks(_rank_main, DP * CP)
+# the planner's choice in float64 and float32; the documents placement forced in float64 alone
+@pytest.mark.parametrize(
+    ("alg", "dtypes"),
+    [(None, ("float64", "float32")), ("documents", ("float64",))],
+    ids=["auto", "documents"],
+)
+def test_fsdp_dp2_cp2_matches_single_process(alg: str | None, dtypes: tuple[str, ...]) -> None:
+    runs = run_ranks(_rank_main, DP * CP, alg, dtypes)
     # float64: the contract (1e-6); float32: FSDP's other reduction path (sum, then scale) at fp32 noise
-    for dtype, tol in (("float64", TOL), ("float32", 1e-4)):
-        _check([r[dtype] for r in runs], tol)
+    for dtype in dtypes:
+        results = [r[dtype] for r in runs]
+        _check(results, {"float64": TOL, "float32": 1e-4}[dtype])
+        if alg is not None:  # every rank's every step's key was placed by `alg`
+            assert all(r["algs"] == {alg} for r in results), [r["algs"] for r in results]
 
 
 def _check(results, tol) -> None:

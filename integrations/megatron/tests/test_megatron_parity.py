@@ -4,16 +4,20 @@ Megatron runs with tensor/pipeline/context parallel size 1 on every rank; the ma
 sequence. Reference: the same weights and batch through the same code with a one-rank cp group (magi at
 cp size 1, one attention kernel over the whole mask). Compared: the token-mean loss and the parameter
 gradients summed over the cp ranks, for a packed batch (per-document RoPE positions) and for one causal
-sequence (global positions); then three Adam steps.
+sequence (global positions); then three Adam steps. A second launch forces the documents placement on
+the cp 2 side (`DispatchConfig(alg="documents")`: these packs are too small for the planner to choose it)
+and checks every key used it.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from magi_attention.config import DispatchConfig, DistAttnConfig
 from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
@@ -51,12 +55,19 @@ def make_batch(seed: int, doc_lens):
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}, cu
 
 
-def step(model, batch, cu, group):
+def step(model, batch, cu, group, config=None, algs=None):
+    """One forward/backward; `config` is the cp side's `DistAttnConfig`; `algs` (a set) collects the
+    algorithm that placed the batch's key."""
     from magi_attention_megatron import get_batch_on_this_cp_rank_magi, magi_loss
 
+    from magi_attention import get_dispatch_choice
+
     local = get_batch_on_this_cp_rank_magi(
-        batch, group, num_heads_q=HQ, num_heads_kv=HKV, head_dim=DIM // HQ, cu_seqlens=cu
-    )
+        batch, group, num_heads_q=HQ, num_heads_kv=HKV, head_dim=DIM // HQ, cu_seqlens=cu,
+        dist_attn_config=config,
+    )  # fmt: skip
+    if algs is not None:
+        algs.add(get_dispatch_choice(local["magi_key"]).algorithm)
     per_token = model(
         input_ids=local["tokens"],
         position_ids=local["position_ids"],
@@ -72,7 +83,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _rank_main(rank: int, world_size: int) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
     warnings.simplefilter("ignore")
     from magi_attention_megatron import all_reduce_gradients
     from megatron.core import parallel_state
@@ -80,6 +91,8 @@ def _rank_main(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel(1, 1)
     singles = [dist.new_group([r]) for r in range(world_size)]  # every rank takes part in new_group
     world = dist.group.WORLD
+    config = None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(alg=alg))
+    algs: set = set()  # the algorithms of the cp side's keys
     report = {}
     cases = {"packed": ([33, 1, 18, 52], True), "one_sequence": ([80], False)}
     for name, (doc_lens, packed) in cases.items():
@@ -87,7 +100,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
         ref = build_model()  # same seed: same weights (deepcopy cannot copy process groups)
         batch, cu = make_batch(seed=len(name), doc_lens=doc_lens)
         cu_arg = cu if packed else None
-        loss = step(model, batch, cu_arg, world)
+        loss = step(model, batch, cu_arg, world, config, algs)
         all_reduce_gradients(model, world)
         if rank == 0:
             ref_loss = step(ref, batch, cu_arg, singles[0])
@@ -103,7 +116,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
     losses, ref_losses = [], []
     for s in range(3):
         batch, cu = make_batch(seed=100 + s, doc_lens=[[20, 40, 9], [64, 5], [3, 3, 50, 10]][s])
-        losses.append(step(model, batch, cu, world).item())
+        losses.append(step(model, batch, cu, world, config, algs).item())
         all_reduce_gradients(model, world)
         opt.step()
         opt.zero_grad()
@@ -116,13 +129,17 @@ def _rank_main(rank: int, world_size: int) -> dict:
             "losses": losses, "ref_losses": ref_losses,
             "weights": max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())),
         }  # fmt: skip
+        report["algs"] = algs
     parallel_state.destroy_model_parallel()
     return report
 
 
-def test_megatron_cp2_matches_cp1() -> None:
-    report = run_ranks(_rank_main, 2)[0]
+@pytest.mark.parametrize("alg", [None, "documents"], ids=["auto", "documents"])
+def test_megatron_cp2_matches_cp1(alg: str | None) -> None:
+    report = run_ranks(_rank_main, 2, alg)[0]
     print(report)
+    if alg is not None:
+        assert report["algs"] == {alg}, report["algs"]
     for name in ("packed", "one_sequence"):
         assert report[name]["loss"] < TOL, report[name]
         assert report[name]["grad"] < TOL, report[name]
