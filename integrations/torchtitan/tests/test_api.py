@@ -88,6 +88,8 @@ def test_config_functions_parse_on_torchtitans_command_line(config: str) -> None
             "global",
             "--magi.chunk_size",
             "512",
+            "--magi.dispatch_alg",
+            "documents",
         ]
     )
     assert isinstance(parsed, MagiTrainer.Config)
@@ -95,6 +97,7 @@ def test_config_functions_parse_on_torchtitans_command_line(config: str) -> None
     assert parsed.parallelism.spmd_backend == "partial_dtensor"
     assert parsed.magi.rope_positions == "global"
     assert parsed.magi.dist_attn_config().dispatch_config.chunk_size == 512
+    assert parsed.magi.dist_attn_config().dispatch_config.alg == "documents"
     inner = [layer.attention.inner_attention for layer in parsed.model_spec.model.layers]
     assert all(isinstance(a, MagiAttention.Config) for a in inner)
     # the model and the tokenizer agree
@@ -121,10 +124,17 @@ def test_torch_without_data_parallel_mesh_dims_is_refused_naming_the_torch_neede
 def test_magi_config_rejects_bad_values() -> None:
     from magi_attention_torchtitan import MagiAttentionConfig
 
+    from magi_attention.config import DistAttnConfig
+
     with pytest.raises(ValueError, match="rope_positions"):
         MagiAttentionConfig(rope_positions="absolute")
     with pytest.raises(ValueError, match="chunk_size"):
         MagiAttentionConfig(chunk_size=0)
+    with pytest.raises(ValueError, match="dispatch_alg"):
+        MagiAttentionConfig(dispatch_alg="whole_docs")
+    # the defaults are magi's defaults; a named placement reaches the dispatch config
+    assert MagiAttentionConfig().dist_attn_config() == DistAttnConfig()
+    assert MagiAttentionConfig(dispatch_alg="min_heap").dist_attn_config().dispatch_config.alg == "min_heap"
 
 
 def test_model_specs() -> None:

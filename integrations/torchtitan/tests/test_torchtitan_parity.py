@@ -8,7 +8,9 @@ the loss of torchtitan's trainer (cross entropy summed over the rank's tokens, d
 valid-token count; in float64 here, where torchtitan's computes in float32). The reference
 is the same weights in the same torchtitan model with SDPA (causal) as inner attention, run on each document
 alone. Compared: the first step's logits (undispatched), loss and gradients (full tensors of FSDP's shards), the
-loss of every step and the final weights.
+loss of every step and the final weights. A third launch forces the documents placement
+(`MagiAttentionConfig(dispatch_alg="documents")`: these batches are too small for magi to choose it) and checks
+every step's key used it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer) -> dict:
+def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | None) -> dict:
     from magi_attention_torchtitan import (
         MagiAttentionConfig,
         SyntheticDocumentsDataset,
@@ -69,7 +71,7 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer) -> dict:
         prepare_magi_input,
     )
 
-    from magi_attention.api import undispatch
+    from magi_attention.api import get_dispatch_choice, undispatch
 
     spec = magi_model_spec(model_name, "tiny")
     torch.manual_seed(0)
@@ -80,13 +82,13 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer) -> dict:
     apply_magi_fsdp(model, cp_mesh, param_dtype=torch.float64, reduce_dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    magi = MagiAttentionConfig(rope_positions=rope_positions, chunk_size=16)
+    magi = MagiAttentionConfig(rope_positions=rope_positions, chunk_size=16, dispatch_alg=alg)
     data = iter(
         SyntheticDocumentsDataset(
             tokenizer, seq_len=SEQ_LEN, seed=7, dp_rank=0, min_doc_len=3, max_doc_len=60
         )
     )
-    out = {"losses": [], "ref_losses": []}
+    out = {"losses": [], "ref_losses": [], "algs": set()}
     for step in range(STEPS):
         samples = [next(data) for _ in range(BATCH)]
         input_dict = {k: torch.stack([s[0][k] for s in samples]) for k in ("input", "positions")}
@@ -95,6 +97,7 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer) -> dict:
         inputs, local_labels, extra = prepare_magi_input(
             input_dict, labels, cp_mesh=cp_mesh, model_config=spec.model, magi_config=magi
         )
+        out["algs"].add(get_dispatch_choice(extra["attention_masks"].key).algorithm)
         pred = model(inputs, **extra)
         # torchtitan's loss (sum over this rank's tokens / the batch's valid tokens), kept in float64 here:
         # torchtitan's cross_entropy_loss computes in float32
@@ -128,7 +131,7 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer) -> dict:
     return out
 
 
-def _rank_main(rank: int, world_size: int) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
     from magi_attention_torchtitan import tokenizer_path
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -136,16 +139,19 @@ def _rank_main(rank: int, world_size: int) -> dict:
     torch.set_default_dtype(torch.float64)
     cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     tokenizer = HuggingFaceTokenizer(tokenizer_path=tokenizer_path())
-    return {f"{m}-{r}": _case(m, r, cp_mesh, tokenizer) for m, r in CASES}
+    return {f"{m}-{r}": _case(m, r, cp_mesh, tokenizer, alg) for m, r in CASES}
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_magi_cp_matches_single_process_per_document(cp: int) -> None:
-    results = run_distributed(_rank_main, cp)
+# magi's own choice at cp 2 and 3; the documents placement forced once
+@pytest.mark.parametrize(("cp", "alg"), [(2, None), (3, None), (2, "documents")])
+def test_magi_cp_matches_single_process_per_document(cp: int, alg: str | None) -> None:
+    results = run_distributed(_rank_main, cp, alg)
     for name in (f"{m}-{r}" for m, r in CASES):
         runs = [r[name] for r in results]
         r0 = runs[0]
-        print(cp, name, {k: v for k, v in r0.items() if k != "ref_losses"})
+        print(cp, alg, name, {k: v for k, v in r0.items() if k != "ref_losses"})
+        if alg is not None:
+            assert all(r["algs"] == {alg} for r in runs), f"{name}: placed by {[r['algs'] for r in runs]}"
         assert all(r["losses"] == r0["losses"] for r in runs), f"{name}: ranks disagree on the loss"
         for got, want in zip(r0["losses"], r0["ref_losses"]):
             assert abs(got - want) <= TOL * abs(want), f"{name}: losses {r0['losses']} vs {r0['ref_losses']}"

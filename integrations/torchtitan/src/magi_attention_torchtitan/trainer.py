@@ -16,7 +16,7 @@ import torch
 from torchtitan.models.common.attention import GQAttention
 from torchtitan.trainer import Trainer
 
-from magi_attention.config import DispatchConfig, DistAttnConfig
+from magi_attention.config import DispatchAlg, DispatchConfig, DistAttnConfig
 
 from .batch import RopePositions, dispatch_batch
 
@@ -33,6 +33,10 @@ class MagiAttentionConfig:
     chunk_size: int | None = None
     """Tokens per dispatch chunk (the unit magi balances over the cp ranks); None: magi's default. Samples
     need not be multiples of it: magi pads."""
+    dispatch_alg: str | None = None
+    """The placement of the tokens over the cp ranks, a `magi_attention.config.DispatchAlg` name:
+    "documents" (whole documents on as few ranks as balance allows), or a chunk dispatch ("min_heap",
+    "affinity", ...); None: magi chooses per batch (`DispatchConfig.alg`)."""
 
     def __post_init__(self) -> None:
         if self.rope_positions not in ("document", "global"):
@@ -41,12 +45,17 @@ class MagiAttentionConfig:
             )
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"magi.chunk_size must be positive or None, got {self.chunk_size}")
+        valid = [a.value for a in DispatchAlg]
+        if self.dispatch_alg is not None and self.dispatch_alg not in valid:
+            raise ValueError(
+                f"magi.dispatch_alg must be one of {', '.join(valid)} or None, got {self.dispatch_alg!r}"
+            )
 
     def dist_attn_config(self) -> DistAttnConfig:
         """The `DistAttnConfig` these settings describe."""
-        if self.chunk_size is None:
-            return DistAttnConfig()
-        return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=self.chunk_size))
+        return DistAttnConfig(
+            dispatch_config=DispatchConfig(chunk_size=self.chunk_size, alg=self.dispatch_alg)
+        )
 
 
 def attention_shapes(model_config: Any) -> tuple[int, int, int]:
