@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-MODULE = "benchmarks.integration_runs.fsdp_run"  # run as `python -m`, from the repository root
+CASE = "fsdp"  # `python -m benchmarks fsdp`, from the repository root
 
 
 def test_gpu_run_script_passes_on_cpu() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", MODULE, "--device", "cpu"],
+        [sys.executable, "-m", "benchmarks", CASE, "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=120,

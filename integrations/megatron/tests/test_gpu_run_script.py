@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-MODULE = "benchmarks.integration_runs.megatron_run"  # run as `python -m`, from the repository root
+CASE = "megatron"  # `python -m benchmarks megatron`, from the repository root
 
 
 def test_gpu_run_script_passes_on_cpu() -> None:
     pytest.importorskip("megatron.core")
     res = subprocess.run(
-        [sys.executable, "-m", MODULE, "--device", "cpu"],
+        [sys.executable, "-m", "benchmarks", CASE, "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=120,
