@@ -151,3 +151,9 @@ def main(a) -> int:
             print(json.dumps(p["profile"]))
     dist.destroy_process_group()
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("calibrate_overlap"))

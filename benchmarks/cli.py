@@ -159,3 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return (0 if status["passed"] else 1) if isinstance(status, dict) else status or 0
     parser, module = case_parser(case)
     return module.main(parser.parse_args(argv[1:])) or 0
+
+
+def run_module(module: str, argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.<module> [args]``: the case that module runs, as earlier releases called it
+    (``kernel_backends_bench --layer-step [--kernels K]`` is the ``layer-step`` case with ``--runners K``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    (name,) = (c.name for c in CASES if c.module == module)
+    if module == "kernel_backends_bench" and "--layer-step" in argv:
+        argv.remove("--layer-step")
+        name, argv = "layer-step", ["--runners" if a == "--kernels" else a for a in argv]
+    return main([name, *argv])

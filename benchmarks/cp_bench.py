@@ -680,3 +680,9 @@ def main(args) -> int:
         if own_group:
             dist.destroy_process_group()
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("cp_bench"))

@@ -81,3 +81,9 @@ def main(args) -> None:
     text = render(table)
     write_results(args.folder, "fa4_versions", table, text)
     print(text)
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("fa4_versions"))

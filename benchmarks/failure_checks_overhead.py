@@ -187,3 +187,9 @@ def main(args) -> None:
             f"rank {r}: "
             + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
         )
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("failure_checks_overhead"))

@@ -351,3 +351,9 @@ def _print_breakdown(doc: dict) -> None:
     for r in doc["imports"]:
         t = f"{r['launch_to_imported_s']:.2f} s" if "error" not in r else "error"
         print(f"fresh process, launch to `import {r['modules'].replace(',', '` + `import ')}`: {t}")
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("first_step"))

@@ -127,3 +127,9 @@ def main(args) -> int:
     write_json(args.out, out)
     print(f"wrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("fit_kernel_law"))

@@ -266,3 +266,9 @@ def main(args) -> int:
         write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
                                 "args": vars(args)})  # fmt: skip
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("group_collective_bench"))

@@ -473,3 +473,9 @@ def main(args) -> None:
     text = render(data)
     write_results(args.out_dir, args.tag, data, text)
     print(text)
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("kernel_backends_bench"))

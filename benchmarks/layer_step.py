@@ -284,3 +284,9 @@ def main(args) -> None:
     ]) + "\n"  # fmt: skip
     write_results(args.out_dir, args.tag, dict(env=env, rows=rows), text)
     print(text)
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("layer_step"))

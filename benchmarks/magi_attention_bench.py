@@ -626,3 +626,9 @@ def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
     print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "chunk", "E fwd", "E bwd", "one-GPU tokens",
                                    "remote K/V max (mean)", "predicted fwd / bwd TFLOP/s/GPU",
                                    "published H100 fwd / bwd", "ranks timed in full"], rows)))  # fmt: skip
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("magi_attention_bench"))

@@ -416,3 +416,9 @@ def main(args) -> int:
         )
     failed = [r for r in rows if not r.get("passed", True)]
     return 1 if args.check and failed else 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("mask_loop_bench"))

@@ -82,3 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(report, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("integration_runs.hf_deterministic_run"))

@@ -83,3 +83,9 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, lambda cfg, group: [run_family(f, cfg, group) for f in FAMILIES])
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("integration_runs.hf_run"))

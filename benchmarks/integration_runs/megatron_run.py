@@ -128,3 +128,9 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     return harness.main(NAME, __doc__, argv, run_comparison)
+
+
+if __name__ == "__main__":
+    from benchmarks.cli import run_module
+
+    raise SystemExit(run_module("integration_runs.megatron_run"))
