@@ -6,7 +6,8 @@
 #           the editable install of our packages, e.g. pip download -d .whl hatchling packaging pathspec pluggy
 #           trove-classifiers; without them the phases run this checkout from source through PYTHONPATH)
 #           install-integrations (the wheels of benchmarks/integration_wheels.sh, carry .intwheels)
-# Checks:   gpu-tests (python -m pytest -m gpu, as docs/development.md says; GPU_TESTS_K=<expr> selects)
+# Checks:   gpu-tests (python -m pytest -m gpu, as docs/development.md says; GPU_TESTS_K=<expr> selects,
+#           GPU_TESTS_ARGS adds pytest arguments, e.g. "-n 8 -p no:benchmark" for pytest-xdist, docs/development.md)
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
@@ -79,7 +80,7 @@ phase_gpu-tests() {  # as documented: TRITON_INTERPRET unset (each conftest deci
   local unset=(-u TRITON_INTERPRET)
   env -u PYTHONPATH python3 -c "import magi_attention, magi_ffa_fa4, magi_ffa_cudnn" 2>/dev/null && unset+=(-u PYTHONPATH)
   run "${TEST_S:-590}" env "${unset[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider --basetemp "$OUT/gpu_tests" \
-    --junitxml "$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
+    --junitxml "$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_ARGS:-}
 }
 phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
 
