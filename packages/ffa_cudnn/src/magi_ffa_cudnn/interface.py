@@ -39,7 +39,6 @@ INSTALL_HINT = (
 __all__ = [
     "BACKEND",
     "CAPABILITY",
-    "DETERMINISTIC_MAX_HEAD_DIM",
     "INSTALL_HINT",
     "CudnnMaskPlan",
     "clear_mask_plan_cache",
@@ -76,12 +75,6 @@ def cudnn_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-DETERMINISTIC_MAX_HEAD_DIM = 128
-"""The runtime runs cuDNN's deterministic backward up to this head_dim: at 256, nvidia-cudnn-frontend 1.32.0's
-deterministic dQ post-processing kernel failed to compile (measured on an H200, 2026-12-02), while its default
-backward runs there (the kernel API itself accepts it)."""
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -244,10 +237,11 @@ CAPABILITY = BackendCapability(
     requires=(("nvidia-cudnn-frontend", "cudnn"), ("nvidia-cutlass-dsl", "cutlass")),
     install_hint='install row "cudnn": python scripts/install.py cudnn, docs/install.md',
     priority=10,  # auto picks cuDNN by its measured table; without a row, after FA4 and Triton
-    deterministic_head_dim=lambda head_dim: head_dim <= DETERMINISTIC_MAX_HEAD_DIM,
+    # deterministic at every head dim it takes: its deterministic backward compiles and repeats its bits at d 256
+    # on an H200 since the dQ write-order rewrite (GPU suite 2026-12-03, benchmarks/results)
 )
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
-from the kernel, deterministic on every mask (its deterministic backward)."""
+from the kernel, deterministic on every mask and head dim it takes (its deterministic backward)."""
 
 BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _build_plan)))
 """The FFA contract bound to cuDNN's launchers."""
