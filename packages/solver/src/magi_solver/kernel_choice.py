@@ -1,6 +1,7 @@
 """Which attention kernel is fastest for a mask: features every rank computes alike, and a measured table.
 
-The runtime's ``kernel_backend="auto"`` asks this module once per key. The features describe the problem the
+The runtime's ``kernel_backend="auto"`` asks this module once per key (:func:`advise_kernel`, about every
+rank's problem after dispatch, :class:`RankProblems`). The features describe the problem the
 busiest rank's kernel computes after dispatch: the rank's query rows against its keys in the kernel's order,
 the rank's own keys first, then the keys it receives from other ranks (the runtime concatenates its local
 K/V and the received K/V, for the merged call and for each overlap stage alike). They come from the global

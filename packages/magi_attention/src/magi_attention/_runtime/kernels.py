@@ -110,7 +110,8 @@ class KernelChoice:
     """Every rank has a CUDA GPU (else `auto` leaves the GPU backends to explicit requests)."""
     law: KernelLaw | None = None
     """The shipped kernel law of (`gpu_kind`, `backend`, `backward`) where one was fitted, set by `choose_auto`
-    (None before, and where none was fitted): the dynamic overlap's cost model prices the plan with it."""
+    (None before, and where none was fitted): the dynamic overlap's cost model prices the key's plan with the
+    law of the choice the plan is built for."""
 
     def backend_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend | str:
         """The forward's backend for inputs of `dtype` with this `softcap`: the same on every rank.
