@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import magi_attention._runtime.auto_kernel as auto_kernel
 import magi_attention._runtime.key_route as runtime_mod
+import magi_solver.kernel_choice as kernel_choice
 from magi_attention import DistAttnConfig, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention._layout import build_layout
-from magi_attention._runtime.auto_kernel import choose_auto
 from magi_attention._runtime.cache import RUNTIME_CACHE
-from magi_attention._runtime.kernels import RankBackends, attn_kernel, resolve
-from magi_attention._runtime.key_route import rank_problem_features
+from magi_attention._runtime.kernels import RankBackends, attn_kernel, choose_auto, resolve
+from magi_attention._runtime.key_route import rank_problems
 from magi_attention.config import KernelBackend as B
 from magi_attention.key import CpGroup
 from magi_ffa.testing import make_attn_mask, ref_attn
@@ -89,12 +88,12 @@ def test_refinement_by_dtype_and_softcap() -> None:
         resolve(B.CUDNN, 128, [FA4_CUDNN]).backend_for(torch.bfloat16, 128, softcap=30.0)
 
 
-def test_rank_problem_features_and_the_accessor_on_a_key(monkeypatch) -> None:
+def test_rank_problems_features_and_the_accessor_on_a_key(monkeypatch) -> None:
     monkeypatch.delenv("MAGI_ATTENTION_KERNEL_BACKEND", raising=False)
     docs = _docs(8192)
     key = magi_attn_flex_key(docs, docs, "causal", 8192, 8192, 4, 2, 64, None, DistAttnConfig())
-    f = rank_problem_features(key, build_layout(key))
-    assert f == rank_problem_features(key, build_layout(key))  # a pure function of the key
+    f = rank_problems(key, build_layout(key)).features()
+    assert f == rank_problems(key, build_layout(key)).features()  # a pure function of the key
     assert f.tokens == 8192 and f.documents
     backend, reason = get_kernel_backend(key)
     assert backend == B.TORCH and reason.startswith("auto:")  # this CPU runs the torch path
@@ -126,7 +125,7 @@ def test_features_are_of_the_busiest_ranks_problem_as_its_kernel_sees_it() -> No
     docs = _packed_documents(total)
     key = _simulated_key(docs, docs, "causal", total, total, cp, chunk_size=2048)
     layout = build_layout(key)
-    f = rank_problem_features(key, layout)
+    f = rank_problems(key, layout).features()
     rows = [layout.local_token_ids(r) for r in range(cp)]
     assert f == busiest_rank_features(docs, docs, [1] * len(docs), rows, rank_keys=rows)
     assert f.tokens == 8192 and not f.documents and f.slices_per_row > 1.2
@@ -140,14 +139,14 @@ def test_features_are_of_the_busiest_ranks_problem_as_its_kernel_sees_it() -> No
     fastest = min(("fa4", "cudnn"), key=lambda b: sum(row["ms"][b]))
     assert choice.backend == B(fastest) == B.CUDNN and choice.backward_for(torch.bfloat16, 128) == B.CUDNN
     # every rank builds the same layout and features (no communication)
-    assert rank_problem_features(key, build_layout(key)) == f
+    assert rank_problems(key, build_layout(key)).features() == f
 
 
 def test_features_at_cp_1_are_the_global_masks() -> None:
     """One rank holds every key in global order: the kernel runs the global mask, as the table measured."""
     docs = _docs(8192)
     key = magi_attn_flex_key(docs, docs, "causal", 8192, 8192, 4, 2, 64, None, DistAttnConfig())
-    f = rank_problem_features(key, build_layout(key))
+    f = rank_problems(key, build_layout(key)).features()
     assert f == busiest_rank_features(docs, docs, [1] * len(docs), [np.arange(8192)])
     assert f.documents and f.slices_per_row == 1.0
 
@@ -162,7 +161,7 @@ def test_cross_attention_features_use_the_key_value_shards() -> None:
     key = _simulated_key(q, k, "full", 512, 256, 2)
     layout = build_layout(key)
     assert [layout.kv_layout.host_pairs(r) for r in range(2)] == [[(0, 128)], [(128, 256)]]
-    f = rank_problem_features(key, layout)
+    f = rank_problems(key, layout).features()
     assert (f.tokens, f.area, f.slices_per_row, f.documents) == (256, 256 * 128, 1.0, True)
     rows = [layout.local_token_ids(r) for r in range(2)]
     swapped = [np.arange(128, 256), np.arange(0, 128)]
@@ -180,7 +179,7 @@ SPLIT_TABLE = KernelTable.from_dict({"gpu_kind": "h200", "rows": [
 def test_split_directions_refined_per_call(monkeypatch) -> None:
     """A table whose forward and backward winners differ by more than SPLIT_GAIN: the forward on one
     backend, the backward on the other, each refined by dtype and softcap like a single choice."""
-    monkeypatch.setattr(auto_kernel, "load_kernel_table", lambda kind: SPLIT_TABLE)
+    monkeypatch.setattr(kernel_choice, "load_kernel_table", lambda kind: SPLIT_TABLE)
     docs = _docs(8192)
     c = _auto([FA4_CUDNN, FA4_CUDNN], docs, docs, [1] * len(docs), 8192)
     assert (c.backend, c.backward) == (B.FA4, B.CUDNN) and "fa4 forward, cudnn backward" in c.reason

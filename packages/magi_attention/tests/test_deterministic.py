@@ -19,8 +19,13 @@ import magi_attention._runtime.kernels as kernels
 import magi_attention._runtime.key_route as key_route
 import magi_ffa
 from magi_attention import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.kernels import RankBackends, describe_mask, resolve, restrict_deterministic
+from magi_attention._runtime.kernels import (
+    RankBackends,
+    choose_auto,
+    describe_mask,
+    resolve,
+    restrict_deterministic,
+)
 from magi_attention.api import (
     calc_attn,
     clear_cache,

@@ -20,8 +20,13 @@ import pytest
 import torch
 
 from magi_attention import DistAttnConfig
-from magi_attention._runtime.auto_kernel import choose_auto
-from magi_attention._runtime.kernels import attn_kernel, probe_local, resolve, restrict_deterministic
+from magi_attention._runtime.kernels import (
+    attn_kernel,
+    choose_auto,
+    probe_local,
+    resolve,
+    restrict_deterministic,
+)
 from magi_attention.api import calc_attn, clear_cache, get_kernel_backend, magi_attn_flex_key
 from magi_attention.config import KernelBackend as B
 from magi_attention.simulate import rank_calls, token_index

@@ -108,7 +108,7 @@ def test_keys_of_other_backends_import_no_vendor(tmp_path: Path) -> None:
             out, _ = calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
             assert undispatch(out, key).isfinite().all()
             from magi_attention._runtime.cache import RUNTIME_CACHE
-            chosen[backend] = RUNTIME_CACHE.get(key).kernel_choice.backend.value
+            chosen[backend] = str(RUNTIME_CACHE.get(key).kernel_choice.backend)
         print(json.dumps({"heavy": heavy(), "chosen": chosen}))
     """,
     )

@@ -251,3 +251,37 @@ def test_kernel_key_ids_per_attention_kind() -> None:
     assert [r.tolist() for r in kernel_key_ids(rows, None)] == [[4, 5, 0, 1], [2, 3, 6, 7]]
     shards = kernel_key_ids(rows, KVLayout(6, 2, 3))
     assert [r.tolist() for r in shards] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_advise_kernel_asks_the_table_once_and_the_features_only_when_two_candidates_were_measured() -> None:
+    """`advise_kernel`: the runtime's one question per key; the same pick as `pick_kernel` on the busiest
+    rank's features of `RankProblems`, a reason where the capability rule stays, no features when there is
+    nothing to pick between."""
+    from magi_solver.kernel_choice import KernelAdvice, RankProblems, advise_kernel, kernel_key_ids
+    from magi_solver.kv_layout import KVLayout
+
+    docs = [[0, 900], [900, 2500], [2500, 4096]]
+    rows = [np.arange(0, 2048), np.arange(2048, 4096)]
+    problems = RankProblems(docs, docs, [1, 1, 1], rows)
+    assert problems.features() == busiest_rank_features(docs, docs, [1, 1, 1], rows, rank_keys=rows)
+    cross = RankProblems([[0, 4096]], [[0, 600]], [0], rows, KVLayout(600, 2, 300))
+    keys = kernel_key_ids(rows, cross.kv_layout)
+    assert cross.features() == busiest_rank_features([[0, 4096]], [[0, 600]], [0], rows, rank_keys=keys)
+
+    def never() -> MaskFeatures:
+        raise AssertionError("features computed")
+
+    assert advise_kernel("h200", 128, (), never) == KernelAdvice(None)  # explicit, or no GPU: nothing to ask
+    assert advise_kernel("h200", 128, ("fa4", "torch"), never) == KernelAdvice(None)  # one measured candidate
+    unknown = advise_kernel("no-such-gpu", 128, ("cudnn", "fa4"), never)
+    assert unknown.pick is None and "no measured kernel table for GPU kind 'no-such-gpu'" in unknown.reason
+    no_row = advise_kernel("h200", 96, ("cudnn", "fa4"), problems)
+    assert no_row.pick is None and "no row for head_dim 96" in no_row.reason
+    advice = advise_kernel("h200", 128, ("cudnn", "fa4", "torch"), problems)
+    assert advice.reason == "" and advice.pick == pick_kernel(
+        load_kernel_table("h200"), problems.features(), 128, ["cudnn", "fa4"]
+    )
+    det = advise_kernel("h200", 128, ("cudnn", "triton"), problems, deterministic=True)
+    assert det.pick == pick_kernel(
+        load_kernel_table("h200"), problems.features(), 128, ["cudnn", "triton"], deterministic=True
+    )

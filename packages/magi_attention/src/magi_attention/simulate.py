@@ -68,14 +68,12 @@ def auto_launchers(
     range lists, int type codes), by the runtime's rule with every backend this process can run as a
     candidate (the backward's backend may differ), and the reason. `rows`: each rank's global query ids
     (`plan.dispatch.position_ids(rank)`); `kv_layout`: the plan's (None: keys dispatched as the queries)."""
-    from magi_solver.kernel_choice import busiest_rank_features, kernel_key_ids
+    from magi_solver.kernel_choice import RankProblems
 
-    from ._runtime.auto_kernel import choose_auto
-    from ._runtime.kernels import probe_local, resolve
+    from ._runtime.kernels import choose_auto, probe_local, resolve
 
-    keys = kernel_key_ids(rows, kv_layout)  # as the runtime: each rank's own keys first
-    choice = choose_auto(resolve("auto", head_dim, [probe_local()]), head_dim,
-                         lambda: busiest_rank_features(q_ranges, k_ranges, types, rows, rank_keys=keys))  # fmt: skip
+    problems = RankProblems(q_ranges, k_ranges, types, rows, kv_layout)  # as the runtime asks the table
+    choice = choose_auto(resolve("auto", head_dim, [probe_local()]), head_dim, problems)
     return attn_kernel(choice.backend, choice.backward), choice.reason
 
 

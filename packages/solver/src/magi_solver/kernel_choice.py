@@ -1,6 +1,7 @@
 """Which attention kernel is fastest for a mask: features every rank computes alike, and a measured table.
 
-The runtime's ``kernel_backend="auto"`` asks this module once per key. The features describe the problem the
+The runtime's ``kernel_backend="auto"`` asks this module once per key (:func:`advise_kernel`, about every
+rank's problem after dispatch, :class:`RankProblems`). The features describe the problem the
 busiest rank's kernel computes after dispatch: the rank's query rows against its keys in the kernel's order,
 the rank's own keys first, then the keys it receives from other ranks (the runtime concatenates its local
 K/V and the received K/V, for the merged call and for each overlap stage alike). They come from the global
@@ -55,7 +56,7 @@ import bisect
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -70,9 +71,12 @@ from .mask import AttnSlice, SliceList
 __all__ = [
     "SPLIT_GAIN",
     "TILE",
+    "KernelAdvice",
     "KernelPick",
     "KernelTable",
     "MaskFeatures",
+    "RankProblems",
+    "advise_kernel",
     "busiest_rank_features",
     "kernel_key_ids",
     "load_kernel_table",
@@ -407,3 +411,70 @@ def pick_kernel(
         f"{picked} (fwd / bwd ms: {times})"
     )
     return KernelPick(fwd, bwd, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class RankProblems:
+    """Every rank's attention problem after dispatch, as plain values every rank holds alike: the global mask,
+    each rank's query rows and, in cross-attention, where the keys live. What ``auto``'s table is asked about
+    (:func:`advise_kernel`); the features are computed only when asked (:meth:`features`)."""
+
+    q_ranges: Sequence[Sequence[int]]
+    """``[start, end)`` query range of each slice."""
+    k_ranges: Sequence[Sequence[int]]
+    """``[start, end)`` key range of each slice."""
+    types: Sequence[int]
+    """Each slice's mask type (int codes, names or ``AttnMaskType`` members)."""
+    rank_rows: Sequence[np.ndarray]
+    """Per rank, the global ids of its query rows (padding ids past the mask are fine)."""
+    kv_layout: KVLayout | None = None
+    """Cross-attention's key/value shards (None: each rank's own keys are its query tokens)."""
+
+    def features(self) -> MaskFeatures:
+        """The busiest rank's features, its keys in its kernel's order (:func:`busiest_rank_features` with
+        :func:`kernel_key_ids`)."""
+        keys = kernel_key_ids(self.rank_rows, self.kv_layout)
+        return busiest_rank_features(self.q_ranges, self.k_ranges, self.types, self.rank_rows, rank_keys=keys)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelAdvice:
+    """``auto``'s answer for one key: the table's pick, or why the capabilities' priority stays."""
+
+    pick: KernelPick | None
+    """The pick on the nearest measured row (None: no pick; see ``reason``)."""
+    reason: str = ""
+    """Why there is no pick where a table was asked ("" when picked, or when there was nothing to ask)."""
+
+
+def advise_kernel(
+    gpu_kind: str,
+    head_dim: int,
+    candidates: Sequence[str],
+    problems: RankProblems | Callable[[], MaskFeatures],
+    *,
+    deterministic: bool = False,
+) -> KernelAdvice:
+    """``auto``'s pick for one key among ``candidates`` (the backends every rank can run; empty when there is
+    nothing to choose: an explicit backend, or ranks without a GPU) on the shipped table of ``gpu_kind``
+    (:func:`pick_kernel`, its deterministic rows where ``deterministic``). The busiest rank's features are
+    computed (from ``problems``, or by calling it) only when the table measured two of the candidates: a
+    pure function of values every rank shares, so every rank picks alike."""
+    if not candidates:
+        return KernelAdvice(None)
+    table = load_kernel_table(gpu_kind)
+    if table is None:
+        return KernelAdvice(
+            None, f"auto: no measured kernel table for GPU kind {gpu_kind!r}; the capability rule"
+        )
+    measured = {name for row in table.rows for name in row["ms"]}
+    named = [name for name in candidates if name in measured]
+    if len(named) < 2:
+        return KernelAdvice(None)
+    features = problems.features() if isinstance(problems, RankProblems) else problems()
+    picked = pick_kernel(table, features, head_dim, named, deterministic=deterministic)
+    if picked is None:
+        return KernelAdvice(
+            None, f"auto: the {gpu_kind} table has no row for head_dim {head_dim}; the capability rule"
+        )
+    return KernelAdvice(picked)

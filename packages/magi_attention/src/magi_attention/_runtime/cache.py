@@ -8,6 +8,7 @@ first call on a device and cached with the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -26,7 +27,6 @@ from magi_solver.comm import GroupCastArgs
 from .._layout import DispatchLayout, build_layout, remember_lengths
 from ..env import runtime_cache_bytes, runtime_dict_size
 from ..key import DistAttnRuntimeKey
-from .cache_budget import runtime_nbytes
 from .kernels import AttnKernel, KernelChoice, attn_kernel
 from .key_route import CallSlices, KeyBuild, build_alone
 
@@ -226,9 +226,58 @@ def gather_positions(layout: DispatchLayout) -> np.ndarray:
     return order + rank * layout.shard_seqlen - offsets[rank]
 
 
+# -- the byte bound: a deterministic estimate, the same number on every rank (evictions must match across
+# ranks: a rank that re-plans a key the others still hold would take part in a collective the others skip)
+_INT_BYTES = 32  # a Python int object plus the pointer that holds it
+_SEQ_BYTES = 56  # tuple / list header
+
+
+def _py_nbytes(obj: object, depth: int = 0) -> int:
+    """Approximate, deterministic size of a plan's Python objects (no sys.getsizeof: same on every rank)."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return _INT_BYTES
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes) + 112
+    if depth > 12:
+        return _SEQ_BYTES
+    if isinstance(obj, tuple | list):
+        if obj and all(type(x) is int for x in obj[:4]) and type(obj[-1]) is int:
+            return _SEQ_BYTES + len(obj) * _INT_BYTES  # flat int tuple: skip the walk
+        return _SEQ_BYTES + sum(8 + _py_nbytes(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return 232 + sum(_py_nbytes(k, depth + 1) + _py_nbytes(v, depth + 1) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj):
+        return _SEQ_BYTES + sum(
+            8 + _py_nbytes(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)
+        )
+    slots = getattr(type(obj), "__slots__", None)
+    if slots:
+        return _SEQ_BYTES + sum(8 + _py_nbytes(getattr(obj, s, None), depth + 1) for s in slots)
+    values = getattr(obj, "__dict__", None)
+    if values is not None:
+        return _py_nbytes(dict(values), depth + 1)
+    return _SEQ_BYTES
+
+
+def runtime_nbytes(layout: object, plan: object) -> int:
+    """Estimated bytes one cache entry costs on this rank: the host bytes of its plan (Python objects and numpy
+    arrays) plus the device tensors one device holds for it (index tensors, GroupCast tables), counted in full
+    up front although the device part is built lazily."""
+    padded = int(layout.padded_seqlen)
+    shard = int(layout.shard_seqlen)
+    host = _py_nbytes(plan) + int(layout.permutation.nbytes)
+    # device: local ids [shard] + unpermutation [padded] (int64) + per stage the GroupCast/GroupReduce index
+    # tensors of the busiest rank (max over ranks: the same number on every rank)
+    remote = 0
+    if plan is not None:
+        remote = max(sum(int(s.num_remote_tokens) for s in r.stages) for r in plan.ranks)
+    device = 8 * (padded + shard) + 2 * 8 * 2 * (remote + shard)
+    return host + device
+
+
 class RuntimeCache:
     """Per-cp-group LRU of runtimes, bounded by entries (MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE) and by
-    estimated bytes (MAGI_ATTENTION_RUNTIME_CACHE_MB; `cache_budget.runtime_nbytes`, the same number on every
+    estimated bytes (MAGI_ATTENTION_RUNTIME_CACHE_MB; `runtime_nbytes`, the same number on every
     rank). Every rank makes the same calls, so evictions match across ranks. A dispatch layout is shared by
     its root key and the keys made after dispatch from it, and dropped with the last of them."""
 

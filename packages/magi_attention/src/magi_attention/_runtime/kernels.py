@@ -6,26 +6,31 @@ and names no backend itself. Each rank lists the backends it can run (`probe_loc
 find out); from every rank's list (`key_route` tells the ranks apart inside the key's agreement) `resolve`
 keeps the same candidates on every rank: the backends every rank can run that take the head_dim. So ranks
 with different software never plan or compute differently, and a requested backend that some rank cannot
-run (or does not know) raises on every rank before any data moves. `auto` picks among the candidates
-(`auto_kernel.choose_auto`); each call's dtype and softcap refine the choice among the same candidates
-(`KernelChoice.backend_for`).
+run (or does not know) raises on every rank before any data moves. `auto` picks among the candidates by
+the shipped table of measured kernel times (`choose_auto`: one question to the solver,
+`magi_solver.kernel_choice.advise_kernel`, then the kernel law of the chosen backends); the table's rows
+name the backends they measured, so nothing here names one. Each call's dtype and softcap refine
+the choice among the same candidates (`KernelChoice.backend_for`).
 
 Deterministic mode: a capability says at which head dims (`deterministic_head_dim`: applied at the agreement)
 and on which slices (`deterministic`: applied once the plan fixes every rank's kernel calls, by
-`restrict_deterministic`, alike on every rank) its backward is bitwise repeatable.
+`restrict_deterministic`, alike on every rank, which also picks again when it drops the pick) its backward
+is bitwise repeatable.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from magi_ffa.choice import choose, known_backends, load_backend, refusal, usable_backends
 from magi_ffa.validation import CheckedSlices
+from magi_solver.kernel_choice import MaskFeatures, RankProblems, advise_kernel
+from magi_solver.kernel_law import KernelLaw, find_kernel_law
 
 from ..config import KernelBackend
 from .launch import AttnKernel, attn_kernel, backend_name, ffa_backend
@@ -36,8 +41,10 @@ __all__ = [
     "RankBackends",
     "attn_kernel",
     "backend_name",
+    "choose_auto",
     "ffa_backend",
     "resolve",
+    "restrict_deterministic",
 ]
 
 AUTO = "auto"
@@ -85,7 +92,8 @@ class KernelChoice:
     """The backend every rank of a group uses (for 16-bit inputs), what it was chosen among and why."""
 
     backend: KernelBackend | str
-    """The forward's backend for 16-bit inputs (never `auto`)."""
+    """The forward's backend for 16-bit inputs (never `auto`): its `KernelBackend` member, or its name (a
+    `KernelBackend` is a `str`: both compare equal to the name; `backend_for` returns the member)."""
     requested: KernelBackend | str
     """The config's choice after the MAGI_ATTENTION_KERNEL_BACKEND override of `auto`."""
     gpu_kind: str
@@ -100,6 +108,10 @@ class KernelChoice:
     `backend` (None: `backend`). The backward starts from the final out / lse, whichever backend made them."""
     on_gpu: bool = True
     """Every rank has a CUDA GPU (else `auto` leaves the GPU backends to explicit requests)."""
+    law: KernelLaw | None = None
+    """The shipped kernel law of (`gpu_kind`, `backend`, `backward`) where one was fitted, set by `choose_auto`
+    (None before, and where none was fitted): the dynamic overlap's cost model prices the key's plan with the
+    law of the choice the plan is built for."""
 
     def backend_for(self, dtype: torch.dtype, head_dim: int, softcap: float = 0.0) -> KernelBackend | str:
         """The forward's backend for inputs of `dtype` with this `softcap`: the same on every rank.
@@ -117,7 +129,7 @@ class KernelChoice:
         self, backend: str, dtype: torch.dtype, head_dim: int, softcap: float
     ) -> KernelBackend | str:
         if not refusal(ffa_backend(backend).capability, dtype, head_dim, softcap):
-            return backend
+            return backend_name(backend)
         # an explicit request raises here (naming why and the alternatives); auto takes the next by priority
         name = choose(self.candidates, requested=str(self.requested), dtype=dtype, head_dim=head_dim,
                       softcap=softcap, on_gpu=self.on_gpu)  # fmt: skip
@@ -130,7 +142,7 @@ def by_priority(choice: KernelChoice, head_dim: int, why: str = "") -> KernelCho
     name = choose(choice.candidates, dtype=KEY_DTYPE, head_dim=head_dim, on_gpu=choice.on_gpu)
     rule = "priority" if choice.on_gpu else "priority without a GPU on every rank"
     reason = f"auto: {name}, by the capabilities' {rule} among {list(choice.candidates)}{why}"
-    return dataclasses.replace(choice, backend=backend_name(name), backward=None, reason=reason)
+    return dataclasses.replace(choice, backend=backend_name(name), backward=None, reason=reason, law=None)
 
 
 def resolve(
@@ -175,6 +187,34 @@ def resolve(
     return choice if requested != AUTO else by_priority(choice, head_dim)
 
 
+Features = RankProblems | Callable[[], MaskFeatures]
+"""What `auto`'s table is asked about: every rank's problem after dispatch (the runtime), or a function that
+returns the busiest rank's features (the same on every rank)."""
+
+
+def choose_auto(
+    choice: KernelChoice, head_dim: int, problems: Features, *, deterministic: bool = False
+) -> KernelChoice:
+    """The choice with `auto` refined by the shipped table of rank 0's GPU kind (the candidate with the
+    smallest measured forward + backward time on the nearest measured row, possibly a forward on one backend
+    and a backward on another; the deterministic rows in `deterministic` mode) and the kernel law of the
+    backends that run. One question to the solver (`advise_kernel`); the features are computed only when the
+    table measured two candidates. Explicit choices, and groups without a GPU on every rank, keep their
+    backends; without a table for the GPU kind (or a row for the head_dim) the capabilities' priority stays,
+    and the reason says so. A pure function of values every rank shares."""
+    asked = choice.candidates if choice.requested == AUTO and choice.on_gpu else ()
+    advice = advise_kernel(choice.gpu_kind, head_dim, asked, problems, deterministic=deterministic)
+    if advice.pick is None:
+        forward, backward = choice.backend, choice.backward
+        reason = f"{advice.reason} ({choice.reason})" if advice.reason else choice.reason
+    else:
+        # the table's names as they are (`backend_for` gives the `KernelBackend` member where one is)
+        forward, backward = advice.pick.forward, advice.pick.backward
+        backward, reason = backward if backward != forward else None, f"auto: {advice.pick.reason}"
+    law = find_kernel_law(choice.gpu_kind, str(forward), None if backward is None else str(backward))
+    return dataclasses.replace(choice, backend=forward, backward=backward, reason=reason, law=law)
+
+
 Mask = tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[int]]
 """A mask's slices: (q_ranges, k_ranges, types)."""
 
@@ -196,14 +236,19 @@ def describe_mask(
 
 
 def restrict_deterministic(
-    choice: KernelChoice, rank_calls: Sequence[Sequence[CheckedSlices]], mask: Mask, head_dim: int
+    choice: KernelChoice,
+    rank_calls: Sequence[Sequence[CheckedSlices]],
+    mask: Mask,
+    head_dim: int,
+    problems: Features | None = None,
 ) -> KernelChoice:
-    """The choice in deterministic mode, given every rank's kernel calls of the plan (checked slices) of the
-    key's `mask`: the candidates whose backward is deterministic on every call of every rank
-    (`deterministic_on`, evaluated once per call and kept with its slices). Unchanged when all are; else an
-    explicit backend that is not raises ValueError naming it, the ranks, the mask's kind and the backends that
-    can, and `auto` drops the others (re-picked by priority when its pick was among them; run `choose_auto`
-    again). A pure function of values every rank shares: every rank decides alike."""
+    """The choice in deterministic mode, decided here once per key, given every rank's kernel calls of the
+    plan (checked slices) of the key's `mask`: the candidates whose backward is deterministic on every call
+    of every rank (`deterministic_on`, evaluated once per call and kept with its slices). Unchanged when all
+    are; else an explicit backend that is not raises ValueError naming it, the ranks, the mask's kind and the
+    backends that can, and `auto` drops the others: where its pick was among them it picks again, by the
+    capabilities' priority and then (given `problems`) by the table's deterministic rows (`choose_auto`). A
+    pure function of values every rank shares: every rank decides alike."""
     bad = {}
     for name in choice.candidates:
         cap = load_backend(name).capability
@@ -227,6 +272,7 @@ def restrict_deterministic(
     if {choice.backend, choice.backward or choice.backend} <= set(kept):
         return narrowed
     dropped = ", ".join(sorted(bad))
-    return by_priority(
+    again = by_priority(
         narrowed, head_dim, f" (deterministic mode: {dropped} not deterministic on every rank)"
     )
+    return again if problems is None else choose_auto(again, head_dim, problems, deterministic=True)

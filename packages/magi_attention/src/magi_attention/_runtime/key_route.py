@@ -2,6 +2,12 @@
 and the kernel libraries' import, composed here in that order from frozen values (nothing below calls back),
 and what the ranks tell each other about kernels inside the key's own agreement.
 
+The kernel steps each ask one place: the agreed candidates and `auto`'s pick come from `kernels` (which asks
+the solver once per key, `magi_solver.kernel_choice.advise_kernel`, about every rank's problem after dispatch,
+`rank_problems`, and keeps the kernel law the plan's cost model prices with on the choice); the deterministic
+restriction, and the pick again where it drops the pick, from `kernels.restrict_deterministic`; every
+exchange with the other ranks goes through `exchange`.
+
 `build_key` runs every step locally: it communicates nothing. Where the kernel choice of the key's kind was
 not agreed before, it assumes every rank can run what this one can (the common case: the same software on
 every rank) and says so in its `KeyWord`: a digest of what it can run (GPU kind, usable backends, why not the
@@ -17,7 +23,8 @@ imports per backends.
 Deterministic mode is decided once per key: the choice keeps the backends deterministic at the head_dim; once
 the plan fixes every rank's kernel calls, each call is checked once and every candidate's verdict kept with
 it (`kernels.restrict_deterministic`: an explicit backend that cannot raises on every rank before any data
-moves; `auto` picks again without the others). The plan stays as built: a new pick changes only the kernels.
+moves; `auto` picks again without the others, there). The plan stays as built: a new pick changes only the
+kernels.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from magi_ffa.validation import CheckedSlices, check_slices
 from magi_group_collective.agreement import agree, host_group_of
@@ -41,16 +50,22 @@ from magi_solver import (
     load_profile,
     plan_attention,
 )
-from magi_solver.kernel_choice import MaskFeatures, busiest_rank_features, kernel_key_ids
-from magi_solver.kernel_law import find_kernel_law
+from magi_solver.kernel_choice import RankProblems
 
 from .._layout import DispatchLayout
 from ..config import OverlapMode
 from ..env import cost_profile_override, kernel_backend_override
 from ..key import CpGroup, DistAttnRuntimeKey
 from . import kernels
-from .auto_kernel import choose_auto
-from .kernels import AUTO, KernelChoice, RankBackends, ffa_backend, resolve, restrict_deterministic
+from .kernels import (
+    AUTO,
+    KernelChoice,
+    RankBackends,
+    choose_auto,
+    ffa_backend,
+    resolve,
+    restrict_deterministic,
+)
 
 
 # -- what the ranks tell each other about kernels -------------------------------------------------------
@@ -95,15 +110,27 @@ def remember(key: DistAttnRuntimeKey, choice: KernelChoice) -> None:
     _AGREED[choice_key(key)] = choice
 
 
-def gather_rank_backends(cp_group: CpGroup, local: RankBackends) -> list[RankBackends]:
-    """Every rank's backends (collective on the host; only when the digests differed, or a key is rebuilt
-    without an agreement of its own): the sorted names travel as bytes, so ranks that registered other
-    backends still meet in one exchange."""
+def exchange(
+    cp_group: CpGroup, call: str, *, error: BaseException | None = None, mine: bytes = b""
+) -> list[bytes]:
+    """The key route's one way to talk to the other ranks (collective on the host, only where the key's kind
+    was not agreed before or the ranks differ): the status agreement of `call` first (it raises on every rank
+    when `error` is set on one: that error there, an AgreementError naming it on the others, and tells ranks
+    in another call so before any bytes cross), then every rank's `mine`, in rank order (none when empty)."""
     group = cp_group.group
     if group is None or cp_group.size == 1:
-        return [local]
+        if error is not None:
+            raise error
+        return [mine]
+    agree(group, call, error=error)
+    return host_group_of(group).gather_bytes(mine) if mine else []
+
+
+def gather_rank_backends(cp_group: CpGroup, local: RankBackends) -> list[RankBackends]:
+    """Every rank's backends (only when the digests differed, or a key is rebuilt without an agreement of its
+    own): the sorted names travel as bytes, so ranks that registered other backends still meet."""
     mine = json.dumps([local.gpu_kind, list(local.usable), local.missing]).encode()
-    parts = host_group_of(group).gather_bytes(mine)
+    parts = exchange(cp_group, "magi_attention key: the backends each rank can run", mine=mine)
     return [RankBackends(kind, tuple(usable), why) for kind, usable, why in map(json.loads, parts)]
 
 
@@ -148,11 +175,8 @@ def import_libraries(choice: KernelChoice) -> ImportError | None:
 
 def agree_imports(cp_group: CpGroup, error: ImportError | None) -> None:
     """Raise on every rank when the kernel libraries failed to import on one (its ImportError there, an
-    AgreementError naming it and the library on the others); one exchange, on a group of several ranks."""
-    if cp_group.group is not None and cp_group.size > 1:
-        agree(cp_group.group, "magi_attention key: import the kernel libraries", error=error)
-    elif error is not None:
-        raise error
+    AgreementError naming it and the library on the others)."""
+    exchange(cp_group, "magi_attention key: import the kernel libraries", error=error)
 
 
 def probe_local(requested: str) -> RankBackends:
@@ -205,7 +229,7 @@ def build_key(key: DistAttnRuntimeKey, layout: DispatchLayout, *, gather: bool =
     nothing), `auto`'s table, the plan, the deterministic restriction, and the import of the chosen kernel
     libraries."""
     det, head_dim = bool(key.config.deterministic), key.head_dim
-    agreed, said = agreed_choice(key), 0
+    agreed, said, problems = agreed_choice(key), 0, rank_problems(key, layout)
     if agreed is None:
         requested = requested_backend(key.config.kernel_backend)
         local = probe_local(requested)
@@ -218,23 +242,17 @@ def build_key(key: DistAttnRuntimeKey, layout: DispatchLayout, *, gather: bool =
         except ValueError as exc:
             return KeyBuild(None, None, [], KeyWord(said, 0), choice_error=exc)
 
-    def features() -> MaskFeatures:
-        return rank_problem_features(key, layout)
-
-    choice = choose_auto(agreed, head_dim, features, deterministic=det)
+    choice = choose_auto(agreed, head_dim, problems, deterministic=det)
     plan = build_plan(key, layout, choice)
     mine: list[list[tuple[CallSlices, CheckedSlices]]] = []
     if det:
         calls = rank_kernel_calls(key, layout, plan)
         checked = [[check_slices(s.q_ranges, s.k_ranges, s.types, nq, nk) for s, nq, nk in c] for c in calls]
         mask = (key.q_ranges, key.k_ranges, key.attn_mask_type)
-        try:
-            restricted = restrict_deterministic(choice, checked, mask, head_dim)
+        try:  # decided once, there: the candidates kept and, where the pick was dropped, the pick again
+            choice = restrict_deterministic(choice, checked, mask, head_dim, problems)
         except ValueError as exc:  # the same on every rank that shares the candidates
             return KeyBuild(None, None, [], KeyWord(said, 0), agreed, choice_error=exc)
-        if restricted.backend != choice.backend or restricted.backward != choice.backward:
-            restricted = choose_auto(restricted, head_dim, features, deterministic=det)
-        choice = restricted
         mine = [list(zip(c, k, strict=True)) for c, k in zip(calls, checked, strict=True)]
     tried = not imported(choice)
     error = import_libraries(choice) if tried else None  # only the libraries the choice runs
@@ -283,12 +301,9 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
             f"cost profile {name!r} is neither a JSON file nor one of {sorted(PROFILES)} "
             "(OverlapConfig.cost_profile / MAGI_ATTENTION_COST_PROFILE)"
         )
-    # the shipped profile's kernel part is the kernel law where one was fitted (magi_solver.kernel_law): the
-    # same law the dispatch choice priced with; a configured profile is used as it is
-    law = None
-    if name is None:
-        bwd = None if choice.backward is None else choice.backward.value
-        law = find_kernel_law(choice.gpu_kind, choice.backend.value, bwd)
+    # the shipped profile's kernel part is the kernel law where one was fitted (magi_solver.kernel_law, kept
+    # with the choice): the same law the dispatch choice priced with; a configured profile is used as it is
+    law = choice.law if name is None else None
     return OverlapCostModel(
         profile=profile,
         num_heads_q=key.num_heads_q,
@@ -298,19 +313,12 @@ def overlap_cost_model(key: DistAttnRuntimeKey, choice: KernelChoice) -> Overlap
     )
 
 
-def rank_problem_features(key: DistAttnRuntimeKey, layout: DispatchLayout) -> MaskFeatures:
-    """The busiest rank's problem after dispatch as its kernel sees it (its query rows against its own keys
-    first, then the keys other ranks send), as `auto`'s table describes masks; a function of the key and the
-    layout alone, so the same on every rank."""
-    rows = [layout.local_token_ids(r) for r in range(layout.cp_size)]
-    keys = kernel_key_ids(rows, layout.kv_layout)
-    return busiest_rank_features(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        rows,
-        rank_keys=keys,
-    )
+def rank_problems(key: DistAttnRuntimeKey, layout: DispatchLayout) -> RankProblems:
+    """Every rank's problem after dispatch as `auto`'s table is asked about it (`magi_solver.kernel_choice`):
+    the key's mask, each rank's query rows (its slice of the layout's dispatched order) and the key/value
+    shards of cross-attention. Values of the key and the layout alone, so the same on every rank."""
+    rows = np.split(layout.permutation, np.cumsum(layout.shard_seqlens)[:-1])
+    return RankProblems(key.q_ranges, key.k_ranges, key.attn_mask_type, rows, layout.kv_layout)
 
 
 def rank_kernel_calls(
