@@ -6,6 +6,7 @@ before the dispatch choice was made cheaper per key: the speedups must not chang
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -70,3 +71,36 @@ def test_choice_matches_pin(pin: dict) -> None:
     assert plan.imbalance == pytest.approx(pin["imbalance"], rel=1e-12)
     assert choice.predicted_fwd_ms == pytest.approx(pin["predicted_fwd_ms"], rel=1e-9)
     assert choice.predicted_bwd_ms == pytest.approx(pin["predicted_bwd_ms"], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("mask", "cp", "alg", "uneven"),
+    [
+        ("causal_docs_16384_s2", 2, None, False),
+        ("causal_docs_16384_s2", 16, None, False),
+        ("window_docs_8192_s4", 4, "min_heap", True),
+        ("block_causal_12000", 4, None, False),  # padded: the choice priced 12000 rows, the plan 12288
+    ],
+)
+def test_plan_on_the_chosen_dispatch_equals_a_given_copy(mask: str, cp: int, alg, uneven: bool) -> None:
+    """A plan built on the dispatch the choice solved for the same mask (the runtime's root key reuses its
+    chunk areas and predicted times) equals the plan built on an equal copy of that dispatch, which is
+    measured and priced again."""
+    from magi_solver import PlanOptions, dispatch_choice, plan_attention
+
+    slices, total = MASKS[mask]
+    q = [s[:2] for s in slices]
+    k = [s[2:4] for s in slices]
+    t = [s[4] for s in slices]
+    ch.clear_dispatch_cache()
+    _, dispatch = dispatch_choice(q, k, t, total, cp, dispatch_alg=alg, uneven_shard=uneven)
+    opts = PlanOptions(dispatch_alg=alg, uneven_shard=uneven)
+    n = dispatch.total_seqlen
+    # reused where the plan's length is the one the choice priced (no padding)
+    assert (ch.chosen_times(dispatch, ch.mask_digest(slices), n, False) is not None) == (n == total)
+    reused = plan_attention(q, k, t, n, cp, chunk_size=dispatch.chunk_size, options=opts, dispatch=dispatch)
+    copy = dataclasses.replace(dispatch)
+    assert copy is not dispatch and ch.chosen_times(copy, ch.mask_digest(slices), n, False) is None
+    again = plan_attention(q, k, t, n, cp, chunk_size=dispatch.chunk_size, options=opts, dispatch=copy)
+    assert repr(reused) == repr(again)
+    assert reused.choice.predicted_fwd_ms is not None
