@@ -61,6 +61,7 @@ from .pricing import PlanPrice, price_plan, rank_traffic, remote_kv_tokens
 __all__ = [
     "DispatchChoice",
     "choose_dispatch",
+    "chosen_times",
     "clear_dispatch_cache",
     "default_chunk_size",
     "mask_digest",
@@ -235,6 +236,19 @@ def choose_dispatch(
     return result
 
 
+def chosen_times(
+    plan: DispatchPlan, digest: str, total_q: int, cross: bool
+) -> tuple[float | None, float | None] | None:
+    """`(predicted_fwd_ms, predicted_bwd_ms)` that `choose_dispatch` computed for `plan`, if it chose this very
+    plan object (still cached) for the mask of `digest` (`mask_digest`) over `total_q` query tokens, self- or
+    cross-attention as `cross`: exactly what `price_plan(plan, slices, law_for_mask(slices, total_q),
+    cross=cross)` gives again (a plan built on the chosen dispatch reuses it). None otherwise."""
+    for key, (choice, cached) in reversed(_CACHE.items()):  # the newest first: a key's layout just solved it
+        if cached is plan and key[0] == digest and key[1] == total_q and key[6] == cross:
+            return choice.predicted_fwd_ms, choice.predicted_bwd_ms
+    return None
+
+
 def _choose(
     slices: list,
     total: int,
@@ -273,7 +287,9 @@ def _choose(
                 f"chunk {docs.chunk_size}) against {fixed.seconds * 1e3:.3g} ms (chunk dispatch, chunk {c0} "
                 f"min_heap; smaller chunks, which gain at most a few percent over it, were not priced).",
             )
-    chunked, why = _choose_chunked(slices, total, cp, alg, uneven, cross, law)
+    else:
+        fixed = None
+    chunked, why = _choose_chunked(slices, total, cp, alg, uneven, cross, law, fixed)
     if alg is not None:
         return _finish(chunked, why)
     if cross:
@@ -330,11 +346,19 @@ def _documents_candidate(
 
 
 def _choose_chunked(
-    slices: list, total: int, cp: int, alg: DispatchAlg | None, uneven: bool, cross: bool, law: KernelLaw
+    slices: list,
+    total: int,
+    cp: int,
+    alg: DispatchAlg | None,
+    uneven: bool,
+    cross: bool,
+    law: KernelLaw,
+    fixed: _Candidate | None = None,
 ) -> tuple[_Candidate, str]:
     """The chunk dispatch with a chosen chunk size (see the module docstring): the best candidate and why.
     With `alg` None (the default's comparison against the documents placement) every size is assigned by
-    `min_heap`, which keeps a new mask's key cheap."""
+    `min_heap`, which keeps a new mask's key cheap. `fixed`: the fixed rule's candidate (the largest size,
+    `min_heap`) when the caller priced it already (each assignment and price is made once per key)."""
 
     def geometry(c: int) -> int:
         return total if uneven else padded_seqlen(total, cp, c)
@@ -349,8 +373,7 @@ def _choose_chunked(
     if not sizes:
         sizes = [c0]
     bounds = {}
-    for c in sizes:
-        areas = chunk_areas(slices, geometry(c), c)
+    for c, areas in zip(sizes, _size_areas(slices, sizes, geometry), strict=True):
         total_area = int(areas.sum())
         lb = dispatch_lower_bound(areas, cp)
         bounds[c] = lb * cp / total_area if total_area else 1.0
@@ -358,9 +381,10 @@ def _choose_chunked(
     keep = [c for c in sizes if bounds[c] <= best_lb * (1.0 + _BALANCE_SLACK)]
     dropped = [c for c in sizes if c not in keep]
     # the remote K/V budget: what the fixed rule (the largest size, min_heap) moves, times _REMOTE_BUDGET
-    fixed = _priced(
-        slices, _assign(slices, geometry(c0), cp, c0, DispatchAlg.MIN_HEAP, uneven), cp, law, cross
-    )
+    if fixed is None:
+        fixed = _priced(
+            slices, _assign(slices, geometry(c0), cp, c0, DispatchAlg.MIN_HEAP, uneven), cp, law, cross
+        )
     budget = _REMOTE_BUDGET * max(int(fixed.remote.max(initial=0)), 1)
     # smaller chunks only add fragments and remote keys once the balance is reached: price the largest sizes
     # that balance, two at least, more while none keeps within the budget
@@ -400,3 +424,23 @@ def _choose_chunked(
     if dropped:
         why += f"; {', '.join(map(str, dropped))} cannot balance below {min(bounds[c] for c in dropped):.3f}"
     return best, why + "."
+
+
+def _size_areas(slices: list, sizes: list[int], geometry) -> list[np.ndarray]:
+    """`chunk_areas(slices, geometry(c), c)` for every candidate size `c` (each a multiple of the smallest):
+    the smallest size's areas measured once, summed over each larger chunk's smaller ones (areas add up
+    exactly over rows; rows past the mask's are padding, of area 0)."""
+    if not sizes:
+        return []
+    fine = min(sizes)
+    if any(c % fine for c in sizes):  # not halvings of one size: measure each
+        return [chunk_areas(slices, geometry(c), c) for c in sizes]
+    base = chunk_areas(slices, max(geometry(c) for c in sizes), fine)
+    out = []
+    for c in sizes:
+        n, f = -(-geometry(c) // c), c // fine
+        a = np.zeros(n * f, dtype=np.int64)
+        k = min(base.size, a.size)
+        a[:k] = base[:k]
+        out.append(a.reshape(n, f).sum(axis=1))
+    return out

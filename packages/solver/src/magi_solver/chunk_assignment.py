@@ -22,12 +22,12 @@ def dispatch_lower_bound(areas: Any, cp_size: int) -> int:
     Two bounds: the mean load (rounded up), and the largest chunk plus the `m - 1` smallest other chunks
     (its rank holds `m - 1` more chunks).
     """
-    a = sorted(int(x) for x in areas)
-    m = len(a) // cp_size
-    mean_bound = -(-sum(a) // cp_size)
-    if not a:
+    a = np.sort(np.asarray(areas, dtype=np.int64).ravel())  # exact: areas are int64 everywhere
+    if not a.size:
         return 0
-    return max(mean_bound, a[-1] + sum(a[: m - 1]))
+    m = a.size // cp_size
+    mean_bound = -(-int(a.sum()) // cp_size)
+    return max(mean_bound, int(a[-1]) + int(a[: m - 1].sum()))
 
 
 def _min_heap(areas: list[int], cp_size: int, refine: bool = True) -> list[list[int]]:

@@ -136,25 +136,28 @@ class DispatchPlan:
 
     @property
     def chunk_owner(self) -> tuple[int, ...]:
-        owner = [0] * self.num_chunks
+        """The rank holding each chunk (`num_chunks` entries)."""
+        owner = np.zeros(self.num_chunks, dtype=np.int64)
         for r, part in enumerate(self.partitions):
-            for c in part:
-                owner[c] = r
-        return tuple(owner)
+            owner[list(part)] = r
+        return tuple(owner.tolist())
 
     def host_token_ranges(self, rank: int) -> AttnRanges:
         """Global token ranges of `rank`'s chunks in local order (adjacent chunks merged)."""
         return AttnRanges(tuple(AttnRange(s, e) for s, e in self.host_pairs(rank)))
 
     def host_pairs(self, rank: int) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        for c in self.partitions[rank]:
-            s, e = self.chunk_range(c)
-            if out and out[-1][1] == s:
-                out[-1] = (out[-1][0], e)
-            else:
-                out.append((s, e))
-        return out
+        """`host_token_ranges(rank)` as `(start, end)` int pairs (runs of consecutive chunks merged)."""
+        chunks = np.asarray(self.partitions[rank], dtype=np.int64)
+        if chunks.size == 0:
+            return []
+        # a run starts at a chunk whose predecessor in the partition is not the chunk just before it
+        new = np.ones(chunks.size, dtype=bool)
+        new[1:] = chunks[1:] != chunks[:-1] + 1
+        first = chunks[new]
+        last = chunks[np.append(new[1:], True)]
+        ends = np.minimum((last + 1) * self.chunk_size, self.total_seqlen)
+        return list(zip((first * self.chunk_size).tolist(), ends.tolist(), strict=True))
 
     def _token_ids(self, chunks: np.ndarray) -> np.ndarray:
         ids = (chunks[:, None] * self.chunk_size + np.arange(self.chunk_size, dtype=np.int64)).ravel()

@@ -13,7 +13,14 @@ from typing import Any
 
 from ._assemble import Dispatched, build_plan
 from ._plan_types import DistAttnPlan, PlanOptions, RankPlan, StagePlan, _check_uneven, _parse_alg
-from .choice import DispatchChoice, choose_dispatch, default_chunk_size, predicted_choice_times
+from .choice import (
+    DispatchChoice,
+    choose_dispatch,
+    chosen_times,
+    default_chunk_size,
+    mask_digest,
+    predicted_choice_times,
+)
 from .cost_model import OverlapCostModel
 from .dispatch import DispatchAlg, DispatchPlan, padded_seqlen, redispatch_areas, validate_geometry
 from .kernel_law import law_for_mask
@@ -233,11 +240,18 @@ def _given_dispatch(request: _Request, dispatch: Any) -> _Step:
     slices = normalize_mask(
         request.q_ranges, request.k_ranges, request.attn_mask_type, padded, total_k or padded
     )
-    again = redispatch_areas(dispatch, slices)
-    # the same mask's dispatch (the runtime's root key) is used as it is: solved once
-    dispatch = dispatch if again.chunk_areas == dispatch.chunk_areas else again
-    # this mask's own predicted times on the given placement (a derived key's, not its root's)
-    price = price_plan(dispatch, slices, law_for_mask(slices, padded), cross=total_k is not None)
+    cross = total_k is not None
+    times = chosen_times(dispatch, mask_digest(slices), padded, cross)
+    if times is None:
+        again = redispatch_areas(dispatch, slices)
+        # the same mask's dispatch (the runtime's root key) is used as it is: solved once
+        dispatch = dispatch if again.chunk_areas == dispatch.chunk_areas else again
+        # this mask's own predicted times on the given placement (a derived key's, not its root's)
+        times = predicted_choice_times(
+            price_plan(dispatch, slices, law_for_mask(slices, padded), cross=cross)
+        )
+    # else: the dispatch the choice solved for this very mask (the runtime's root key): its chunk areas are this
+    # mask's and its predicted times were priced alike, so neither is measured again
     choice = DispatchChoice(
         dispatch.chunk_size,
         dispatch.alg.value,
@@ -246,7 +260,7 @@ def _given_dispatch(request: _Request, dispatch: Any) -> _Step:
         dispatch.lower_bound_imbalance,
         0,
         f"the dispatch of chunk {dispatch.chunk_size} ({dispatch.alg.value}) was given.",
-        *predicted_choice_times(price),
+        *times,
     )
     return dispatch, slices, choice
 
