@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -286,3 +287,58 @@ def test_the_repair_is_part_of_the_placement() -> None:
         docs.repair = real
     assert calls
     assert price_plan(plan, sl, LAW).time_imbalance <= price_plan(bare, sl, LAW).time_imbalance + 1e-9
+
+
+def _time_pieces_by_walk(costs, a: int, b: int, room: int, tau: float, filler: float) -> list:
+    """`_time_pieces` as first written: one prefix pass per piece (the reference of the fast scan)."""
+    out, s = [], a
+    while s < b:
+        e = min(b, s + room)
+        pc = costs.prefix_costs(s, e)
+        fits = pc + (room - np.arange(1, e - s + 1)) * filler <= tau
+        k = int(np.flatnonzero(fits)[-1]) + 1 if fits.any() else 1
+        out.append((s, s + k))
+        s += k
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0])
+def test_time_pieces_match_the_piece_by_piece_walk(scale: float) -> None:
+    # the one-chunk runs (a chunk alone with its rank's filler passes the target) found at once give the
+    # same pieces as walking them one prefix pass at a time
+    from magi_solver.documents_fills import _time_pieces
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 16384, 128
+    sl = _slices([[0, total]], [[0, total]], "causal", total)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    whole = costs.range_cost(0, n)
+    for room in (8, 32):
+        tau = scale * whole * room / n
+        for filler in (0.0, 0.5 * tau / room, 0.95 * tau / room):
+            got = _time_pieces(costs, 0, n, room, tau, filler)
+            assert got == _time_pieces_by_walk(costs, 0, n, room, tau, filler)
+            assert got[0][0] == 0 and got[-1][1] == n
+            assert all(x[1] == y[0] for x, y in itertools.pairwise(got))  # contiguous, in order
+
+
+def test_repair_leaves_two_ranks_and_balanced_assignments_alone() -> None:
+    # two ranks: the split was searched already; a balanced assignment: nothing to gain. The result is a
+    # copy either way (the caller may keep both)
+    from magi_solver.documents_repair import ChunkTables, repair
+
+    c = 128
+    for cp in (2, 8):
+        total = 8192 * cp
+        sl, area, lo, hi, units, pieces, _ = _repair_inputs(total, cp, seed=3, c=c)
+        owner = np.asarray(documents_plans(sl, total, cp, LAW)[0].chunk_owner, dtype=np.int64)
+        tables = ChunkTables(area, lo, hi, units, c, cp, LAW, 8)
+        fixed = repair(owner, tables)
+        assert fixed is not owner
+        if cp == 2:
+            assert np.array_equal(fixed, owner)
+        before = _metric_and_step(owner, pieces, area, c, cp)
+        after = _metric_and_step(fixed, pieces, area, c, cp)
+        assert after[0] <= before[0] * (1 + 1e-9)

@@ -56,10 +56,45 @@ def _time_pieces(
         e = min(b, s + room)
         pc = costs.prefix_costs(s, e)
         fits = pc + (room - np.arange(1, e - s + 1)) * filler <= tau
-        k = int(np.flatnonzero(fits)[-1]) + 1 if fits.any() else 1
-        out.append((s, s + k))
-        s += k
+        if fits.any():
+            k = int(np.flatnonzero(fits)[-1]) + 1
+            out.append((s, s + k))
+            s += k
+            continue
+        # no piece from s fits: a one-chunk piece, and so from every start up to the next one where a piece
+        # fits (found for a block of starts at once; one prefix pass per start walks such runs slowly)
+        t = _next_fitting(costs, s + 1, b, room, tau, filler)
+        out.extend((x, x + 1) for x in range(s, t))
+        s = t
     return out
+
+
+_START_BLOCK = 64
+"""Starts `_next_fitting` prices together."""
+
+
+def _next_fitting(costs: _Costs, s: int, b: int, room: int, tau: float, filler: float) -> int:
+    """The first start x in [s, b) from which some piece [x, y) (at most `room` chunks, inside the unit
+    ending at b) fits `_time_pieces`' test, or b: every start's prefix costs priced as one matrix (the
+    same arithmetic as `_Costs.prefix_costs`, so the same answer as a pass per start)."""
+    c = costs.c
+    offs = np.arange(room, dtype=np.int64)
+    while s < b:
+        xs = np.arange(s, min(b, s + _START_BLOCK), dtype=np.int64)
+        pos = xs[:, None] + offs[None, :]  # the last chunk of a piece of offs + 1 chunks
+        valid = pos < b
+        pos = np.minimum(pos, b - 1)
+        hi = np.maximum.accumulate(costs.khi[pos], axis=1)
+        lo = np.minimum.accumulate(costs.klo[pos], axis=1)
+        keys = np.maximum((pos + 1) * c, hi) - np.minimum(xs[:, None] * c, lo)
+        area = costs.cum[pos + 1] - costs.cum[xs][:, None]
+        k = offs + 1
+        pc = area * costs.per_tile + keys * costs.per_col + k * c * costs.per_row
+        fits = ((pc + (room - k) * filler <= tau) & valid).any(axis=1)
+        if fits.any():
+            return int(xs[int(np.argmax(fits))])
+        s = int(xs[-1]) + 1
+    return b
 
 
 def _heavy_units(
