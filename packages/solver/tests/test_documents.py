@@ -342,3 +342,17 @@ def test_repair_leaves_two_ranks_and_balanced_assignments_alone() -> None:
         before = _metric_and_step(owner, pieces, area, c, cp)
         after = _metric_and_step(fixed, pieces, area, c, cp)
         assert after[0] <= before[0] * (1 + 1e-9)
+
+
+def test_the_pick_prefers_kernel_balance_within_a_small_step_and_link_share() -> None:
+    # (step, metric, order, owner, busiest rank's received K/V): the least step first, unless another is
+    # within _BALANCE_STEP of it with at most _BALANCE_REMOTE of its busiest rank's K/V and a lower metric
+    from magi_solver.documents import _BALANCE_REMOTE, _BALANCE_STEP, _ranked
+
+    o = np.zeros(1, dtype=np.int64)
+    lead = (10.0, 8.0, 0, o, 1000)
+    close = (10.0 * (1 + 0.8 * _BALANCE_STEP), 7.0, 1, o, int(1000 * _BALANCE_REMOTE))
+    far = (10.0 * (1 + 2 * _BALANCE_STEP), 6.0, 2, o, 1000)
+    heavy = (10.0 * (1 + 0.8 * _BALANCE_STEP), 6.5, 3, o, int(1000 * _BALANCE_REMOTE) + 100)
+    got = [x[2] for x in _ranked([far, heavy, lead, close])]
+    assert got == [1, 0, 3, 2]

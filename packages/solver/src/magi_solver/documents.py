@@ -67,6 +67,12 @@ _GOOD = 0.01
 """A fill within this share of the floor (`_best_fill`) ends the search."""
 _STEP_NOISE = 0.02
 """Predicted steps this close (relative) are equal to the final pick: the lower kernel metric wins."""
+_BALANCE_STEP = 0.05
+_BALANCE_REMOTE = 1.05
+"""An assignment of lower kernel metric (`max fwd + max bwd`) is also preferred while its predicted step
+is within `_BALANCE_STEP` of the least and its busiest rank receives at most `_BALANCE_REMOTE` times the
+K/V of the least step's: the links' share of a step is priced at full bandwidth with no overlap, so a
+few per cent of it buys a kernel balance that holds on every rank."""
 _REPAIRED = 1
 """The best assignments the local repair is run on."""
 
@@ -94,13 +100,15 @@ def _exact_price(
     cp: int,
     law: KernelLaw,
     hull: tuple[np.ndarray, np.ndarray] | None = None,
+    busiest: list[int] | None = None,
 ) -> tuple[float, float, np.ndarray]:
     """`(step, metric, owner)` of an assignment: past one node its ranks first renumbered so that ranks
     exchanging the most keys share a node (`node_groups.node_order`, as the choice does); the step as
     `pricing.PlanPrice.step_ms` prices it (the slowest forward, K/V fetch + kernel, plus the slowest
     backward, kernel + dK/dV reduce, by the law on the ranks' exact key columns and the links as `pricing`
     prices them), the metric `max fwd + max bwd` of kernel time alone. `hull`: each chunk's key interval
-    (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`)."""
+    (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`). `busiest`:
+    a list the busiest rank's received K/V tokens is appended to."""
     chunk, _, kl, kr = pieces
     if cp > PRICING_NODE:
         traffic = (
@@ -124,6 +132,8 @@ def _exact_price(
     fwd = law.fwd_ms(rank_area, keys, own)
     bwd = law.bwd_ms(rank_area, keys, own)
     step = float((fwd + comm).max() + (bwd + comm).max())
+    if busiest is not None:
+        busiest.append(int(remote.max()) if remote.size else 0)
     return step, float(fwd.max() + bwd.max()), owner
 
 
@@ -134,16 +144,22 @@ def _exact_worst(
     return _exact_price(owner, pieces, area, c, cp, law)[0]
 
 
-def _ranked(judged: list[tuple[float, float, int, np.ndarray]]) -> list[tuple[float, float, int, np.ndarray]]:
-    """`(step, metric, order found, owner)` best first: the least predicted step, except that among the
-    assignments within `_STEP_NOISE` of it the least kernel metric comes first (a link-time gain that small
-    is not worth a kernel imbalance)."""
+def _ranked(judged: list[tuple]) -> list[tuple]:
+    """`(step, metric, order found, owner, busiest rank's received K/V)` best first: the least predicted
+    step, except that among the assignments within `_STEP_NOISE` of it (or within `_BALANCE_STEP` and
+    receiving at most `_BALANCE_REMOTE` times its K/V on the busiest rank) the least kernel metric comes
+    first (a link-time gain that small is not worth a kernel imbalance)."""
     if not judged:
         return judged
-    best = min(x[0] for x in judged)
-    near = sorted((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
-    rest = sorted((x for x in judged if x[0] > best * (1.0 + _STEP_NOISE)), key=lambda x: (x[0], x[2]))
-    return near + rest
+    lead = min(judged, key=lambda x: (x[0], x[2]))
+    best, cap = lead[0], lead[4] * _BALANCE_REMOTE
+
+    def near(x: tuple) -> bool:
+        return x[0] <= best * (1.0 + _STEP_NOISE) or (x[0] <= best * (1.0 + _BALANCE_STEP) and x[4] <= cap)
+
+    first = sorted((x for x in judged if near(x)), key=lambda x: (x[1], x[0], x[2]))
+    rest = sorted((x for x in judged if not near(x)), key=lambda x: (x[0], x[2]))
+    return first + rest
 
 
 def _best_fill(
@@ -186,19 +202,21 @@ def _best_fill(
             if key in seen:
                 continue
             seen.add(key)
-            step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi))
-            judged.append((step, metric, len(judged), owner))
+            busiest: list[int] = []
+            step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
+            judged.append((step, metric, len(judged), owner, busiest[0]))
         if min(x[0] for x in judged) <= floor * (1.0 + _GOOD):
             break
     ranked = _ranked(judged)
     out = list(ranked)
-    for step, metric, i, owner in ranked[: max(keep, _REPAIRED)]:
+    for step, metric, i, owner, _ in ranked[: max(keep, _REPAIRED)]:
         fixed = repair(owner, ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE))
         if np.array_equal(fixed, owner):
             continue
-        s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi))
+        busiest = []
+        s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi), busiest)
         if m2 <= metric and s2 <= step:  # the repair never trades one for the other (exact prices)
-            out.append((s2, m2, -1 - i, fixed))
+            out.append((s2, m2, -1 - i, fixed, busiest[0]))
     return [x[3] for x in _ranked(out)[:keep]]
 
 
