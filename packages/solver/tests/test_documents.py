@@ -345,8 +345,9 @@ def test_repair_leaves_two_ranks_and_balanced_assignments_alone() -> None:
 
 
 def test_the_pick_prefers_kernel_balance_within_a_small_step_and_link_share() -> None:
-    # (step, metric, order, owner, busiest rank's received K/V): the least step first, unless another is
-    # within _BALANCE_STEP of it with at most _BALANCE_REMOTE of its busiest rank's K/V and a lower metric
+    # (step, metric, order, owner, busiest rank's received K/V): the base pick is the least metric within
+    # _STEP_NOISE of the least step; a lower metric goes first while within _BALANCE_STEP of the least
+    # step and at most _BALANCE_REMOTE times the base pick's K/V on the busiest rank
     from magi_solver.documents import _BALANCE_REMOTE, _BALANCE_STEP, _ranked
 
     o = np.zeros(1, dtype=np.int64)
@@ -354,5 +355,8 @@ def test_the_pick_prefers_kernel_balance_within_a_small_step_and_link_share() ->
     close = (10.0 * (1 + 0.8 * _BALANCE_STEP), 7.0, 1, o, int(1000 * _BALANCE_REMOTE))
     far = (10.0 * (1 + 2 * _BALANCE_STEP), 6.0, 2, o, 1000)
     heavy = (10.0 * (1 + 0.8 * _BALANCE_STEP), 6.5, 3, o, int(1000 * _BALANCE_REMOTE) + 100)
-    got = [x[2] for x in _ranked([far, heavy, lead, close])]
-    assert got == [1, 0, 3, 2]
+    assert [x[2] for x in _ranked([far, heavy, lead, close])] == [1, 0, 3, 2]
+    # within the step noise the least metric is the base pick even with more K/V
+    twin = (10.0, 7.9, 4, o, 2000)
+    assert [x[2] for x in _ranked([lead, twin])] == [4, 0]
+    assert _ranked([]) == []

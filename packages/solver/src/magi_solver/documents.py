@@ -67,12 +67,13 @@ _GOOD = 0.01
 """A fill within this share of the floor (`_best_fill`) ends the search."""
 _STEP_NOISE = 0.02
 """Predicted steps this close (relative) are equal to the final pick: the lower kernel metric wins."""
-_BALANCE_STEP = 0.05
-_BALANCE_REMOTE = 1.05
+_BALANCE_STEP = 0.10
+_BALANCE_REMOTE = 1.10
 """An assignment of lower kernel metric (`max fwd + max bwd`) is also preferred while its predicted step
 is within `_BALANCE_STEP` of the least and its busiest rank receives at most `_BALANCE_REMOTE` times the
-K/V of the least step's: the links' share of a step is priced at full bandwidth with no overlap, so a
-few per cent of it buys a kernel balance that holds on every rank."""
+K/V of the base pick (`_ranked`): the links' share of a step is priced at full bandwidth with
+no overlap (the runtime overlaps the fetch with the kernels), so a little of it buys a kernel balance
+that holds on every rank, while the busiest rank's received keys stay within that share."""
 _REPAIRED = 1
 """The best assignments the local repair is run on."""
 
@@ -145,17 +146,19 @@ def _exact_worst(
 
 
 def _ranked(judged: list[tuple]) -> list[tuple]:
-    """`(step, metric, order found, owner, busiest rank's received K/V)` best first: the least predicted
-    step, except that among the assignments within `_STEP_NOISE` of it (or within `_BALANCE_STEP` and
-    receiving at most `_BALANCE_REMOTE` times its K/V on the busiest rank) the least kernel metric comes
-    first (a link-time gain that small is not worth a kernel imbalance)."""
+    """`(step, metric, order found, owner, busiest rank's received K/V)` best first. The base pick is the
+    least kernel metric among the assignments within `_STEP_NOISE` of the least predicted step (a
+    link-time gain that small is not worth a kernel imbalance); an assignment of lower metric goes before
+    it while its step is within `_BALANCE_STEP` of the least and its busiest rank receives at most
+    `_BALANCE_REMOTE` times the base pick's K/V. The rest follow by step."""
     if not judged:
         return judged
-    lead = min(judged, key=lambda x: (x[0], x[2]))
-    best, cap = lead[0], lead[4] * _BALANCE_REMOTE
+    best = min(x[0] for x in judged)
+    base = min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
+    cap = base[4] * _BALANCE_REMOTE
 
     def near(x: tuple) -> bool:
-        return x[0] <= best * (1.0 + _STEP_NOISE) or (x[0] <= best * (1.0 + _BALANCE_STEP) and x[4] <= cap)
+        return x is base or (x[0] <= best * (1.0 + _BALANCE_STEP) and x[4] <= cap)
 
     first = sorted((x for x in judged if near(x)), key=lambda x: (x[1], x[0], x[2]))
     rest = sorted((x for x in judged if not near(x)), key=lambda x: (x[0], x[2]))
@@ -209,7 +212,13 @@ def _best_fill(
             break
     ranked = _ranked(judged)
     out = list(ranked)
-    for step, metric, i, owner, _ in ranked[: max(keep, _REPAIRED)]:
+    # the best first, and the base pick (`_ranked`: its busiest rank's K/V caps the others')
+    fix = ranked[: max(keep, _REPAIRED)]
+    best = min(x[0] for x in judged)
+    base = min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
+    if all(x[2] != base[2] for x in fix):
+        fix.append(base)
+    for step, metric, i, owner, _ in fix:
         fixed = repair(owner, ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE))
         if np.array_equal(fixed, owner):
             continue
