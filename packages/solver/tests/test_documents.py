@@ -360,3 +360,20 @@ def test_the_pick_prefers_kernel_balance_within_a_small_step_and_link_share() ->
     twin = (10.0, 7.9, 4, o, 2000)
     assert [x[2] for x in _ranked([lead, twin])] == [4, 0]
     assert _ranked([]) == []
+
+
+def test_run_costs_equal_the_range_costs() -> None:
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 32768, 128
+    sl = _family("docs4k_causal", total, seed=5)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    rng = np.random.default_rng(0)
+    for a, b in ((0, n), (3, 97), (n - 40, n)):
+        cuts = np.unique(rng.integers(a + 1, b, size=7))
+        bounds = np.concatenate([[a], cuts, [b]]).astype(np.int64)
+        got = costs.run_costs(bounds)
+        want = [costs.range_cost(int(x), int(y)) for x, y in itertools.pairwise(bounds)]
+        assert got.tolist() == want  # bit-equal: the placement compares these prices

@@ -69,6 +69,12 @@ def _time_pieces(
     return out
 
 
+def _piece_costs(costs: _Costs, pieces: list[tuple[int, int]]) -> list[float]:
+    """`_Costs.range_cost` of each of the contiguous `pieces` (consecutive chunk ranges), in one pass."""
+    bounds = np.asarray([x for x, _ in pieces] + [pieces[-1][1]], dtype=np.int64)
+    return costs.run_costs(bounds).tolist()
+
+
 _START_BLOCK = 64
 """Starts `_next_fitting` prices together."""
 
@@ -78,9 +84,11 @@ def _next_fitting(costs: _Costs, s: int, b: int, room: int, tau: float, filler: 
     ending at b) fits `_time_pieces`' test, or b: every start's prefix costs priced as one matrix (the
     same arithmetic as `_Costs.prefix_costs`, so the same answer as a pass per start)."""
     c = costs.c
-    offs = np.arange(room, dtype=np.int64)
+    offs = np.arange(min(room, b - s), dtype=np.int64)
+    block = 4  # the next fitting start is often near: blocks grow from a few starts
     while s < b:
-        xs = np.arange(s, min(b, s + _START_BLOCK), dtype=np.int64)
+        xs = np.arange(s, min(b, s + block), dtype=np.int64)
+        block = min(2 * block, _START_BLOCK)
         pos = xs[:, None] + offs[None, :]  # the last chunk of a piece of offs + 1 chunks
         valid = pos < b
         pos = np.minimum(pos, b - 1)
@@ -123,8 +131,8 @@ def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, ta
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        for x, y in _time_pieces(costs, a, b, room, tau, filler):
-            cst = costs.range_cost(x, y)
+        pieces = _time_pieces(costs, a, b, room, tau, filler)
+        for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             segs.append((cst / (y - x), x, y, cst, u))
     return segs
 
@@ -362,8 +370,8 @@ def _anchored(
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        for x, y in _time_pieces(costs, a, b, m, tau, filler):
-            cst = costs.range_cost(x, y)
+        pieces = _time_pieces(costs, a, b, m, tau, filler)
+        for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             alone = cst + (m - (y - x)) * filler >= _ANCHOR * tau  # its rank has little time left
             (anchors if alone else segs).append((cst / (y - x), x, y, cst, u))
     if len(anchors) > cp or not anchors:
