@@ -377,3 +377,46 @@ def test_run_costs_equal_the_range_costs() -> None:
         got = costs.run_costs(bounds)
         want = [costs.range_cost(int(x), int(y)) for x, y in itertools.pairwise(bounds)]
         assert got.tolist() == want  # bit-equal: the placement compares these prices
+
+
+def test_split_prices_scale_each_direction_to_the_same_mean() -> None:
+    # the whole sequence on one rank costs fwd + bwd in either scaled direction: a rank at the mean of
+    # both directions is priced at its sum, one heavier in a direction above it
+    from magi_solver.documents_fills import _split_prices
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 16384, 128
+    sl = _family("docs4k_causal", total, seed=1)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    (ft, fc, fr), (bt, bc, br), fs, bs = _split_prices(costs)
+    a = float(area.sum())
+    f = a * ft + total * fc + total * fr
+    b = a * bt + total * bc + total * br
+    assert f * fs == pytest.approx(f + b) and b * bs == pytest.approx(f + b)
+    assert f * 1e-3 == pytest.approx(float(LAW.fwd_ms(a, total, total)))  # the law's prices, in us
+    assert b * 1e-3 == pytest.approx(float(LAW.bwd_ms(a, total, total)))
+
+
+@pytest.mark.parametrize("name", ["docs4k_full", "video_clips"])
+def test_split_fills_never_raise_the_metric(name: str) -> None:
+    # the split-priced fills only replace the sum-priced pick with a lower kernel metric, within
+    # _BALANCE_STEP of its step and _BALANCE_REMOTE of its busiest rank's received K/V
+    import magi_solver.documents as docs
+    from magi_solver.kernel_law import law_for_mask
+
+    cp = 8
+    total = 2048 * cp
+    sl = _family(name, total, seed=2)
+    law = law_for_mask(sl, total)
+    plan = documents_plans(sl, total, cp, law)[0]
+    old = docs._SPLIT_FILLS
+    try:
+        docs._SPLIT_FILLS = False
+        plain = documents_plans(sl, total, cp, law)[0]
+    finally:
+        docs._SPLIT_FILLS = old
+    p, q = price_plan(plan, sl, law), price_plan(plain, sl, law)
+    assert p.fwd_ms.max() + p.bwd_ms.max() <= (q.fwd_ms.max() + q.bwd_ms.max()) * (1 + 1e-9)
+    assert p.remote.max() <= q.remote.max() * docs._BALANCE_REMOTE + 1

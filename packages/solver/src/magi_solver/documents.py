@@ -75,6 +75,9 @@ K/V of the base pick (`_ranked`): the links' share of a step is priced at full b
 no overlap (the runtime overlaps the fetch with the kernels), so a little of it buys a kernel balance
 that holds on every rank, while the busiest rank's received keys stay within that share."""
 _REPAIRED = 1
+_SPLIT_FILLS = True
+_PLAIN_FILLS = 4
+"""The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
 """The best assignments the local repair is run on."""
 
 
@@ -145,6 +148,12 @@ def _exact_worst(
     return _exact_price(owner, pieces, area, c, cp, law)[0]
 
 
+def _base(judged: list[tuple]) -> tuple:
+    """The base pick of `_ranked`: the least kernel metric within `_STEP_NOISE` of the least step."""
+    best = min(x[0] for x in judged)
+    return min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
+
+
 def _ranked(judged: list[tuple]) -> list[tuple]:
     """`(step, metric, order found, owner, busiest rank's received K/V)` best first. The base pick is the
     least kernel metric among the assignments within `_STEP_NOISE` of the least predicted step (a
@@ -153,8 +162,8 @@ def _ranked(judged: list[tuple]) -> list[tuple]:
     `_BALANCE_REMOTE` times the base pick's K/V. The rest follow by step."""
     if not judged:
         return judged
+    base = _base(judged)
     best = min(x[0] for x in judged)
-    base = min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
     cap = base[4] * _BALANCE_REMOTE
 
     def near(x: tuple) -> bool:
@@ -194,12 +203,21 @@ def _best_fill(
         lambda: _balanced_two_ended(_Virtual(costs, _laid_out(costs, units, whole, base, tau)), room),
         lambda: _balanced_anchored(costs, units, whole, room),
     )
+    if _SPLIT_FILLS and cp > 2:  # ranks priced by their worse direction (`documents_fills._split_prices`)
+        fills = (
+            *fills,
+            lambda: _balanced_two_ended(_Virtual(costs, halves, split=True), room),
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau), split=True), room
+            ),
+        )
     n = costs.klo.size
     lo = np.minimum(costs.klo, np.arange(n, dtype=np.int64) * c)
     hi = np.maximum(costs.khi, (np.arange(n, dtype=np.int64) + 1) * c)
     judged: list[tuple[float, float, int, np.ndarray]] = []
     seen: set[bytes] = set()
-    for fill in fills:
+    plain = 0  # assignments of the sum-priced fills (the split fills' follow)
+    for k, fill in enumerate(fills):
         for owner in fill()[:_JUDGED]:
             key = owner.tobytes()
             if key in seen:
@@ -208,25 +226,47 @@ def _best_fill(
             busiest: list[int] = []
             step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
             judged.append((step, metric, len(judged), owner, busiest[0]))
+        if k < _PLAIN_FILLS:
+            plain = len(judged)
         if min(x[0] for x in judged) <= floor * (1.0 + _GOOD):
             break
-    ranked = _ranked(judged)
-    out = list(ranked)
-    # the best first, and the base pick (`_ranked`: its busiest rank's K/V caps the others')
-    fix = ranked[: max(keep, _REPAIRED)]
-    best = min(x[0] for x in judged)
-    base = min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
-    if all(x[2] != base[2] for x in fix):
-        fix.append(base)
-    for step, metric, i, owner, _ in fix:
-        fixed = repair(owner, ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE))
-        if np.array_equal(fixed, owner):
-            continue
-        busiest = []
-        s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi), busiest)
-        if m2 <= metric and s2 <= step:  # the repair never trades one for the other (exact prices)
-            out.append((s2, m2, -1 - i, fixed, busiest[0]))
-    return [x[3] for x in _ranked(out)[:keep]]
+    tables = ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE)
+
+    def repaired(cands: list[tuple], fix: list[tuple]) -> list[tuple]:
+        """`cands` and the repairs of `fix` that lower neither price (exact prices)."""
+        out = list(cands)
+        for step, metric, i, owner, _ in fix:
+            fixed = repair(owner, tables)
+            if np.array_equal(fixed, owner):
+                continue
+            busiest: list[int] = []
+            s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi), busiest)
+            if m2 <= metric and s2 <= step:  # the repair never trades one for the other
+                out.append((s2, m2, -1 - i, fixed, busiest[0]))
+        return out
+
+    def fixes(ranked: list[tuple], pool: list[tuple]) -> list[tuple]:
+        """The best first and the base pick (its busiest rank's K/V caps the others')."""
+        fix = ranked[: max(keep, _REPAIRED)]
+        base = _base(pool)
+        return fix + ([base] if all(x[2] != base[2] for x in fix) else [])
+
+    # the sum-priced fills' pick, then the split fills' where they lower the kernel metric within
+    # `_BALANCE_STEP` of its step and `_BALANCE_REMOTE` of its busiest rank's K/V (never a higher metric)
+    head = _ranked(judged[:plain])
+    out = _ranked(repaired(judged[:plain], fixes(head, judged[:plain])))
+    if plain < len(judged):
+        pick = out[0]
+        extra = [x for x in judged[plain:] if x[1] < pick[1]]
+        if extra:
+            more = _ranked(extra)
+            more = [x for x in _ranked(repaired(extra, fixes(more, extra)))]
+            better = [x for x in more if x[1] < pick[1] and x[0] <= pick[0] * (1.0 + _BALANCE_STEP)
+                      and x[4] <= pick[4] * _BALANCE_REMOTE]  # fmt: skip
+            if better:
+                best = min(better, key=lambda x: (x[1], x[0], x[2]))
+                out = [best] + [x for x in out if x is not best]
+    return [x[3] for x in out[:keep]]
 
 
 def documents_plans(

@@ -163,8 +163,10 @@ class _Virtual:
     about equal density (a document of windows, a full document) lie side by side and a rank takes them as
     one run."""
 
-    def __init__(self, costs: _Costs, segs: list[tuple], union: bool = True) -> None:
+    def __init__(self, costs: _Costs, segs: list[tuple], union: bool = True, split: bool = False) -> None:
         self.union = union  # False: a run's segments priced alone (their keys summed), a cruder price
+        # split: a rank priced by the worse of its two directions against their means (`pair_cost`)
+        self.split = _split_prices(costs) if split else None
         if union:
             segs = sorted(segs, key=lambda x: (round(math.log(max(x[0], 1e-30)) / _DENSITY_STEP), x[4], x[1]))
         else:  # the crude price's layout: by density, the back halves of long units after all the rest
@@ -277,6 +279,9 @@ class _Virtual:
                     reach = hi_
         co = self.costs
         own = (max(y1 - x1, 0) + max(y2 - x2, 0) + extra) * co.c
+        if self.split is not None:
+            (ft, fc, fr), (bt, bc, br), fs, bs = self.split
+            return max((area * ft + keys * fc + own * fr) * fs, (area * bt + keys * bc + own * br) * bs)
         return area * co.per_tile + keys * co.per_col + own * co.per_row
 
     def cost(self, x: int, y: int) -> float:
@@ -288,6 +293,27 @@ class _Virtual:
         pos = np.arange(x, y, dtype=np.int64)
         seg = np.searchsorted(self.cum, pos, side="right") - 1
         return self.a[seg] + pos - self.cum[seg]
+
+
+def _split_prices(costs: _Costs) -> tuple:
+    """Per pair, key token and query token: the forward's and the backward's prices, and the factors that
+    scale each direction so that a rank at the mean of both costs `fwd + bwd` (the means: the whole
+    sequence on one rank, over the ranks). A rank priced as the worse of its two scaled directions is
+    balanced against `max fwd + max bwd`, not against the sum (a rank heavy in tiles and light in
+    received keys is the slowest forward while its sum looks balanced)."""
+    law, c = costs.law, costs.c
+    s = law.scale
+    f = (law.fwd.tiles * s / (128 * 128), law.fwd.key_columns * s / 128, law.fwd.rows * s / 128)
+    b = (law.bwd.tiles * s / (128 * 128), law.bwd.key_columns * s / 128, law.bwd.rows * s / 128)
+    n = costs.klo.size
+    area = float(costs.cum[-1])
+    tokens = n * c
+    whole_f = area * f[0] + tokens * f[1] + tokens * f[2]
+    whole_b = area * b[0] + tokens * b[1] + tokens * b[2]
+    if whole_f <= 0 or whole_b <= 0:
+        return f, b, 1.0, 1.0
+    total = whole_f + whole_b
+    return f, b, total / whole_f, total / whole_b
 
 
 def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> int:

@@ -37,7 +37,7 @@ class _Costs:
     """Predicted microseconds (forward + backward, by the law) of contiguous chunk ranges."""
 
     def __init__(self, area: np.ndarray, klo: np.ndarray, khi: np.ndarray, c: int, law: KernelLaw) -> None:
-        self.c, self.klo, self.khi = c, klo, khi
+        self.c, self.klo, self.khi, self.law = c, klo, khi, law
         self.cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
         f, b = law.fwd, law.bwd
         s = law.scale
