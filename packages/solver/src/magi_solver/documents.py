@@ -22,7 +22,10 @@ no received keys at all. So the placement:
      which need all its earlier keys, are shorter);
    * *anchored* (`_anchored`): each costly time-sized piece sits alone on a rank of its own, the pieces of
      one unit on neighbouring ranks, and every rank fills the chunks its piece leaves from both ends of the
-     other units laid cheapest first, to the target.
+     other units laid cheapest first, to the target;
+   * past two ranks, the two-ended layouts once more with each rank priced by the worse of its two
+     directions against their means (`documents_fills._split_prices`): a rank heavy in tiles and light in
+     received keys is the slowest forward while its forward + backward looks balanced.
 
 So a unit that fits a rank's share stays whole where balance allows; a unit costlier than a rank's share is
 cut into contiguous pieces on as many ranks as its time needs; a mask that is one unit (a causal document) is
@@ -33,7 +36,9 @@ full mask into equal runs); each rank boundary cuts at most the two units at the
    backward can shift a cut point to a neighbour, or swap a whole unit, and the metric `max fwd + max bwd`
    falls without the predicted step rising, it does;
 5. keeps the assignment of least predicted step, except that among those within `_STEP_NOISE` of it the
-   least kernel metric wins (a link-time gain that small is not worth a kernel imbalance).
+   least kernel metric wins (a link-time gain that small is not worth a kernel imbalance), and a lower
+   metric wins within `_BALANCE_STEP` of the least step and `_BALANCE_REMOTE` of that pick's busiest-rank
+   K/V; the split-priced fills replace that pick only with a lower metric under the same two bounds.
 
 Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
 so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
