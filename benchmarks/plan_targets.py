@@ -22,6 +22,7 @@ from magi_solver.choice import clear_dispatch_cache
 from magi_solver.cli import main as plan_cli
 from magi_solver.kernel_law import get_kernel_law, law_for_mask
 from magi_solver.mask import normalize_mask
+from magi_solver.pricing import price_plan
 
 TARGET = {8192: 1.03, 2048: 1.05}
 REMOTE_TARGET = 1.25
@@ -121,16 +122,31 @@ def _chunked_row(name: str, tpg: int, cp: int, q, k, t) -> dict:
 
 
 def bounds_rows(names: list[str], rows: list[tuple[int, int]]) -> list[dict]:
-    """The law's best E for each mask and (tokens per GPU, cp)."""
+    """The law's best E for each mask and (tokens per GPU, cp), beside the law's E of the default
+    planner's plan (the whole mask's law time over cp times the slowest rank's), that plan's E were its
+    ranks balanced (the mean rank instead of the slowest: what its received keys alone allow), and the keys
+    all ranks receive under the bound's cuts and under the plan."""
     out = []
     for name in names:
         for tpg, cp in rows:
             total = tpg * cp
-            sl = normalize_mask(*make_mask(name, total), total, total)
+            q, k, t = make_mask(name, total)
+            sl = normalize_mask(q, k, t, total, total)
             law = law_for_mask(sl, total)
             b = efficiency_bound(sl, total, cp, law)
+            plan = plan_attention(
+                q, k, t, total, cp, options=PlanOptions(dispatch_alg=None, overlap_degree=0)
+            )
+            price = price_plan(plan.dispatch, sl, law)
             out.append({"mask": name, "tokens_per_gpu": tpg, "cp": cp, "law": law.backend, "E_fwd": b.fwd,
-                        "E_bwd": b.bwd, "extra_keys": b.extra_keys, "cut_units": b.cut_units})  # fmt: skip
+                        "E_bwd": b.bwd, "extra_keys": b.extra_keys, "cut_units": b.cut_units,
+                        "plan_alg": plan.dispatch.alg.value,
+                        "plan_E_fwd": b.whole_fwd_ms / (cp * float(price.fwd_ms.max())),
+                        "plan_E_bwd": b.whole_bwd_ms / (cp * float(price.bwd_ms.max())),
+                        "plan_balanced_E_fwd": b.whole_fwd_ms / (cp * float(price.fwd_ms.mean())),
+                        "plan_balanced_E_bwd": b.whole_bwd_ms / (cp * float(price.bwd_ms.mean())),
+                        "plan_received_keys": int(price.remote.sum()),
+                        "plan_time_imbalance": price.time_imbalance})  # fmt: skip
     return out
 
 
@@ -149,11 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.bounds:
         grid = [(8192, c) for c in (8, 16, 32, 64)] + [(2048, c) for c in (8, 32)]
         rows = bounds_rows(names, grid)
-        print("| mask | tokens/GPU | cp | law | E bound fwd | E bound bwd | received keys | cut units |")
-        print("|---|---:|---:|---|---:|---:|---:|---:|")
+        print("| mask | tok/GPU | cp | law | E bound fwd / bwd | received keys | cut units | plan | plan E fwd / bwd "
+              "| balanced plan E fwd / bwd | plan received keys | plan time imbal. |")  # fmt: skip
+        print("|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} | "
-                  f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} |", flush=True)  # fmt: skip
+            print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} / "
+                  f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} | {r['plan_alg']} | "
+                  f"{r['plan_E_fwd']:.3f} / {r['plan_E_bwd']:.3f} | {r['plan_balanced_E_fwd']:.3f} / "
+                  f"{r['plan_balanced_E_bwd']:.3f} | {r['plan_received_keys']:,} | "
+                  f"{r['plan_time_imbalance']:.3f} |", flush=True)  # fmt: skip
         if args.json:
             write_json(args.json, {"bounds": rows})
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -286,3 +287,136 @@ def test_the_repair_is_part_of_the_placement() -> None:
         docs.repair = real
     assert calls
     assert price_plan(plan, sl, LAW).time_imbalance <= price_plan(bare, sl, LAW).time_imbalance + 1e-9
+
+
+def _time_pieces_by_walk(costs, a: int, b: int, room: int, tau: float, filler: float) -> list:
+    """`_time_pieces` as first written: one prefix pass per piece (the reference of the fast scan)."""
+    out, s = [], a
+    while s < b:
+        e = min(b, s + room)
+        pc = costs.prefix_costs(s, e)
+        fits = pc + (room - np.arange(1, e - s + 1)) * filler <= tau
+        k = int(np.flatnonzero(fits)[-1]) + 1 if fits.any() else 1
+        out.append((s, s + k))
+        s += k
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0])
+def test_time_pieces_match_the_piece_by_piece_walk(scale: float) -> None:
+    # the one-chunk runs (a chunk alone with its rank's filler passes the target) found at once give the
+    # same pieces as walking them one prefix pass at a time
+    from magi_solver.documents_fills import _time_pieces
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 16384, 128
+    sl = _slices([[0, total]], [[0, total]], "causal", total)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    whole = costs.range_cost(0, n)
+    for room in (8, 32):
+        tau = scale * whole * room / n
+        for filler in (0.0, 0.5 * tau / room, 0.95 * tau / room):
+            got = _time_pieces(costs, 0, n, room, tau, filler)
+            assert got == _time_pieces_by_walk(costs, 0, n, room, tau, filler)
+            assert got[0][0] == 0 and got[-1][1] == n
+            assert all(x[1] == y[0] for x, y in itertools.pairwise(got))  # contiguous, in order
+
+
+def test_repair_leaves_two_ranks_and_balanced_assignments_alone() -> None:
+    # two ranks: the split was searched already; a balanced assignment: nothing to gain. The result is a
+    # copy either way (the caller may keep both)
+    from magi_solver.documents_repair import ChunkTables, repair
+
+    c = 128
+    for cp in (2, 8):
+        total = 8192 * cp
+        sl, area, lo, hi, units, pieces, _ = _repair_inputs(total, cp, seed=3, c=c)
+        owner = np.asarray(documents_plans(sl, total, cp, LAW)[0].chunk_owner, dtype=np.int64)
+        tables = ChunkTables(area, lo, hi, units, c, cp, LAW, 8)
+        fixed = repair(owner, tables)
+        assert fixed is not owner
+        if cp == 2:
+            assert np.array_equal(fixed, owner)
+        before = _metric_and_step(owner, pieces, area, c, cp)
+        after = _metric_and_step(fixed, pieces, area, c, cp)
+        assert after[0] <= before[0] * (1 + 1e-9)
+
+
+def test_the_pick_prefers_kernel_balance_within_a_small_step_and_link_share() -> None:
+    # (step, metric, order, owner, busiest rank's received K/V): the base pick is the least metric within
+    # _STEP_NOISE of the least step; a lower metric goes first while within _BALANCE_STEP of the least
+    # step and at most _BALANCE_REMOTE times the base pick's K/V on the busiest rank
+    from magi_solver.documents import _BALANCE_REMOTE, _BALANCE_STEP, _ranked
+
+    o = np.zeros(1, dtype=np.int64)
+    lead = (10.0, 8.0, 0, o, 1000)
+    close = (10.0 * (1 + 0.8 * _BALANCE_STEP), 7.0, 1, o, int(1000 * _BALANCE_REMOTE))
+    far = (10.0 * (1 + 2 * _BALANCE_STEP), 6.0, 2, o, 1000)
+    heavy = (10.0 * (1 + 0.8 * _BALANCE_STEP), 6.5, 3, o, int(1000 * _BALANCE_REMOTE) + 100)
+    assert [x[2] for x in _ranked([far, heavy, lead, close])] == [1, 0, 3, 2]
+    # within the step noise the least metric is the base pick even with more K/V
+    twin = (10.0, 7.9, 4, o, 2000)
+    assert [x[2] for x in _ranked([lead, twin])] == [4, 0]
+    assert _ranked([]) == []
+
+
+def test_run_costs_equal_the_range_costs() -> None:
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 32768, 128
+    sl = _family("docs4k_causal", total, seed=5)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    rng = np.random.default_rng(0)
+    for a, b in ((0, n), (3, 97), (n - 40, n)):
+        cuts = np.unique(rng.integers(a + 1, b, size=7))
+        bounds = np.concatenate([[a], cuts, [b]]).astype(np.int64)
+        got = costs.run_costs(bounds)
+        want = [costs.range_cost(int(x), int(y)) for x, y in itertools.pairwise(bounds)]
+        assert got.tolist() == want  # bit-equal: the placement compares these prices
+
+
+def test_split_prices_scale_each_direction_to_the_same_mean() -> None:
+    # the whole sequence on one rank costs fwd + bwd in either scaled direction: a rank at the mean of
+    # both directions is priced at its sum, one heavier in a direction above it
+    from magi_solver.documents_fills import _split_prices
+    from magi_solver.documents_units import _chunk_tables, _Costs
+
+    total, c = 16384, 128
+    sl = _family("docs4k_causal", total, seed=1)
+    n = total // c
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    costs = _Costs(area, klo, khi, c, LAW)
+    (ft, fc, fr), (bt, bc, br), fs, bs = _split_prices(costs)
+    a = float(area.sum())
+    f = a * ft + total * fc + total * fr
+    b = a * bt + total * bc + total * br
+    assert f * fs == pytest.approx(f + b) and b * bs == pytest.approx(f + b)
+    assert f * 1e-3 == pytest.approx(float(LAW.fwd_ms(a, total, total)))  # the law's prices, in us
+    assert b * 1e-3 == pytest.approx(float(LAW.bwd_ms(a, total, total)))
+
+
+@pytest.mark.parametrize("name", ["docs4k_full", "video_clips"])
+def test_split_fills_never_raise_the_metric(name: str) -> None:
+    # the split-priced fills only replace the sum-priced pick with a lower kernel metric, within
+    # _BALANCE_STEP of its step and _BALANCE_REMOTE of its busiest rank's received K/V
+    import magi_solver.documents as docs
+    from magi_solver.kernel_law import law_for_mask
+
+    cp = 8
+    total = 2048 * cp
+    sl = _family(name, total, seed=2)
+    law = law_for_mask(sl, total)
+    plan = documents_plans(sl, total, cp, law)[0]
+    old = docs._SPLIT_FILLS
+    try:
+        docs._SPLIT_FILLS = False
+        plain = documents_plans(sl, total, cp, law)[0]
+    finally:
+        docs._SPLIT_FILLS = old
+    p, q = price_plan(plan, sl, law), price_plan(plain, sl, law)
+    assert p.fwd_ms.max() + p.bwd_ms.max() <= (q.fwd_ms.max() + q.bwd_ms.max()) * (1 + 1e-9)
+    assert p.remote.max() <= q.remote.max() * docs._BALANCE_REMOTE + 1

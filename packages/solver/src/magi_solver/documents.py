@@ -22,7 +22,10 @@ no received keys at all. So the placement:
      which need all its earlier keys, are shorter);
    * *anchored* (`_anchored`): each costly time-sized piece sits alone on a rank of its own, the pieces of
      one unit on neighbouring ranks, and every rank fills the chunks its piece leaves from both ends of the
-     other units laid cheapest first, to the target.
+     other units laid cheapest first, to the target;
+   * past two ranks, the two-ended layouts once more with each rank priced by the worse of its two
+     directions against their means (`documents_fills._split_prices`): a rank heavy in tiles and light in
+     received keys is the slowest forward while its forward + backward looks balanced.
 
 So a unit that fits a rank's share stays whole where balance allows; a unit costlier than a rank's share is
 cut into contiguous pieces on as many ranks as its time needs; a mask that is one unit (a causal document) is
@@ -33,7 +36,9 @@ full mask into equal runs); each rank boundary cuts at most the two units at the
    backward can shift a cut point to a neighbour, or swap a whole unit, and the metric `max fwd + max bwd`
    falls without the predicted step rising, it does;
 5. keeps the assignment of least predicted step, except that among those within `_STEP_NOISE` of it the
-   least kernel metric wins (a link-time gain that small is not worth a kernel imbalance).
+   least kernel metric wins (a link-time gain that small is not worth a kernel imbalance), and a lower
+   metric wins within `_BALANCE_STEP` of the least step and `_BALANCE_REMOTE` of that pick's busiest-rank
+   K/V; the split-priced fills replace that pick only with a lower metric under the same two bounds.
 
 Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
 so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
@@ -67,7 +72,17 @@ _GOOD = 0.01
 """A fill within this share of the floor (`_best_fill`) ends the search."""
 _STEP_NOISE = 0.02
 """Predicted steps this close (relative) are equal to the final pick: the lower kernel metric wins."""
+_BALANCE_STEP = 0.10
+_BALANCE_REMOTE = 1.10
+"""An assignment of lower kernel metric (`max fwd + max bwd`) is also preferred while its predicted step
+is within `_BALANCE_STEP` of the least and its busiest rank receives at most `_BALANCE_REMOTE` times the
+K/V of the base pick (`_ranked`): the links' share of a step is priced at full bandwidth with
+no overlap (the runtime overlaps the fetch with the kernels), so a little of it buys a kernel balance
+that holds on every rank, while the busiest rank's received keys stay within that share."""
 _REPAIRED = 1
+_SPLIT_FILLS = True
+_PLAIN_FILLS = 4
+"""The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
 """The best assignments the local repair is run on."""
 
 
@@ -94,13 +109,15 @@ def _exact_price(
     cp: int,
     law: KernelLaw,
     hull: tuple[np.ndarray, np.ndarray] | None = None,
+    busiest: list[int] | None = None,
 ) -> tuple[float, float, np.ndarray]:
     """`(step, metric, owner)` of an assignment: past one node its ranks first renumbered so that ranks
     exchanging the most keys share a node (`node_groups.node_order`, as the choice does); the step as
     `pricing.PlanPrice.step_ms` prices it (the slowest forward, K/V fetch + kernel, plus the slowest
     backward, kernel + dK/dV reduce, by the law on the ranks' exact key columns and the links as `pricing`
     prices them), the metric `max fwd + max bwd` of kernel time alone. `hull`: each chunk's key interval
-    (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`)."""
+    (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`). `busiest`:
+    a list the busiest rank's received K/V tokens is appended to."""
     chunk, _, kl, kr = pieces
     if cp > PRICING_NODE:
         traffic = (
@@ -124,6 +141,8 @@ def _exact_price(
     fwd = law.fwd_ms(rank_area, keys, own)
     bwd = law.bwd_ms(rank_area, keys, own)
     step = float((fwd + comm).max() + (bwd + comm).max())
+    if busiest is not None:
+        busiest.append(int(remote.max()) if remote.size else 0)
     return step, float(fwd.max() + bwd.max()), owner
 
 
@@ -134,16 +153,30 @@ def _exact_worst(
     return _exact_price(owner, pieces, area, c, cp, law)[0]
 
 
-def _ranked(judged: list[tuple[float, float, int, np.ndarray]]) -> list[tuple[float, float, int, np.ndarray]]:
-    """`(step, metric, order found, owner)` best first: the least predicted step, except that among the
-    assignments within `_STEP_NOISE` of it the least kernel metric comes first (a link-time gain that small
-    is not worth a kernel imbalance)."""
+def _base(judged: list[tuple]) -> tuple:
+    """The base pick of `_ranked`: the least kernel metric within `_STEP_NOISE` of the least step."""
+    best = min(x[0] for x in judged)
+    return min((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
+
+
+def _ranked(judged: list[tuple]) -> list[tuple]:
+    """`(step, metric, order found, owner, busiest rank's received K/V)` best first. The base pick is the
+    least kernel metric among the assignments within `_STEP_NOISE` of the least predicted step (a
+    link-time gain that small is not worth a kernel imbalance); an assignment of lower metric goes before
+    it while its step is within `_BALANCE_STEP` of the least and its busiest rank receives at most
+    `_BALANCE_REMOTE` times the base pick's K/V. The rest follow by step."""
     if not judged:
         return judged
+    base = _base(judged)
     best = min(x[0] for x in judged)
-    near = sorted((x for x in judged if x[0] <= best * (1.0 + _STEP_NOISE)), key=lambda x: (x[1], x[0], x[2]))
-    rest = sorted((x for x in judged if x[0] > best * (1.0 + _STEP_NOISE)), key=lambda x: (x[0], x[2]))
-    return near + rest
+    cap = base[4] * _BALANCE_REMOTE
+
+    def near(x: tuple) -> bool:
+        return x is base or (x[0] <= best * (1.0 + _BALANCE_STEP) and x[4] <= cap)
+
+    first = sorted((x for x in judged if near(x)), key=lambda x: (x[1], x[0], x[2]))
+    rest = sorted((x for x in judged if not near(x)), key=lambda x: (x[0], x[2]))
+    return first + rest
 
 
 def _best_fill(
@@ -175,31 +208,70 @@ def _best_fill(
         lambda: _balanced_two_ended(_Virtual(costs, _laid_out(costs, units, whole, base, tau)), room),
         lambda: _balanced_anchored(costs, units, whole, room),
     )
+    if _SPLIT_FILLS and cp > 2:  # ranks priced by their worse direction (`documents_fills._split_prices`)
+        fills = (
+            *fills,
+            lambda: _balanced_two_ended(_Virtual(costs, halves, split=True), room),
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau), split=True), room
+            ),
+        )
     n = costs.klo.size
     lo = np.minimum(costs.klo, np.arange(n, dtype=np.int64) * c)
     hi = np.maximum(costs.khi, (np.arange(n, dtype=np.int64) + 1) * c)
     judged: list[tuple[float, float, int, np.ndarray]] = []
     seen: set[bytes] = set()
-    for fill in fills:
+    plain = 0  # assignments of the sum-priced fills (the split fills' follow)
+    for k, fill in enumerate(fills):
         for owner in fill()[:_JUDGED]:
             key = owner.tobytes()
             if key in seen:
                 continue
             seen.add(key)
-            step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi))
-            judged.append((step, metric, len(judged), owner))
+            busiest: list[int] = []
+            step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
+            judged.append((step, metric, len(judged), owner, busiest[0]))
+        if k < _PLAIN_FILLS:
+            plain = len(judged)
         if min(x[0] for x in judged) <= floor * (1.0 + _GOOD):
             break
-    ranked = _ranked(judged)
-    out = list(ranked)
-    for step, metric, i, owner in ranked[: max(keep, _REPAIRED)]:
-        fixed = repair(owner, ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE))
-        if np.array_equal(fixed, owner):
-            continue
-        s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi))
-        if m2 <= metric and s2 <= step:  # the repair never trades one for the other (exact prices)
-            out.append((s2, m2, -1 - i, fixed))
-    return [x[3] for x in _ranked(out)[:keep]]
+    tables = ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE)
+
+    def repaired(cands: list[tuple], fix: list[tuple]) -> list[tuple]:
+        """`cands` and the repairs of `fix` that lower neither price (exact prices)."""
+        out = list(cands)
+        for step, metric, i, owner, _ in fix:
+            fixed = repair(owner, tables)
+            if np.array_equal(fixed, owner):
+                continue
+            busiest: list[int] = []
+            s2, m2, fixed = _exact_price(fixed, pieces, area, c, cp, law, (lo, hi), busiest)
+            if m2 <= metric and s2 <= step:  # the repair never trades one for the other
+                out.append((s2, m2, -1 - i, fixed, busiest[0]))
+        return out
+
+    def fixes(ranked: list[tuple], pool: list[tuple]) -> list[tuple]:
+        """The best first and the base pick (its busiest rank's K/V caps the others')."""
+        fix = ranked[: max(keep, _REPAIRED)]
+        base = _base(pool)
+        return fix + ([base] if all(x[2] != base[2] for x in fix) else [])
+
+    # the sum-priced fills' pick, then the split fills' where they lower the kernel metric within
+    # `_BALANCE_STEP` of its step and `_BALANCE_REMOTE` of its busiest rank's K/V (never a higher metric)
+    head = _ranked(judged[:plain])
+    out = _ranked(repaired(judged[:plain], fixes(head, judged[:plain])))
+    if plain < len(judged):
+        pick = out[0]
+        extra = [x for x in judged[plain:] if x[1] < pick[1]]
+        if extra:
+            more = _ranked(extra)
+            more = [x for x in _ranked(repaired(extra, fixes(more, extra)))]
+            better = [x for x in more if x[1] < pick[1] and x[0] <= pick[0] * (1.0 + _BALANCE_STEP)
+                      and x[4] <= pick[4] * _BALANCE_REMOTE]  # fmt: skip
+            if better:
+                best = min(better, key=lambda x: (x[1], x[0], x[2]))
+                out = [best] + [x for x in out if x is not best]
+    return [x[3] for x in out[:keep]]
 
 
 def documents_plans(

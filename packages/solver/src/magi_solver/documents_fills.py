@@ -56,10 +56,53 @@ def _time_pieces(
         e = min(b, s + room)
         pc = costs.prefix_costs(s, e)
         fits = pc + (room - np.arange(1, e - s + 1)) * filler <= tau
-        k = int(np.flatnonzero(fits)[-1]) + 1 if fits.any() else 1
-        out.append((s, s + k))
-        s += k
+        if fits.any():
+            k = int(np.flatnonzero(fits)[-1]) + 1
+            out.append((s, s + k))
+            s += k
+            continue
+        # no piece from s fits: a one-chunk piece, and so from every start up to the next one where a piece
+        # fits (found for a block of starts at once; one prefix pass per start walks such runs slowly)
+        t = _next_fitting(costs, s + 1, b, room, tau, filler)
+        out.extend((x, x + 1) for x in range(s, t))
+        s = t
     return out
+
+
+def _piece_costs(costs: _Costs, pieces: list[tuple[int, int]]) -> list[float]:
+    """`_Costs.range_cost` of each of the contiguous `pieces` (consecutive chunk ranges), in one pass."""
+    bounds = np.asarray([x for x, _ in pieces] + [pieces[-1][1]], dtype=np.int64)
+    return costs.run_costs(bounds).tolist()
+
+
+_START_BLOCK = 64
+"""Starts `_next_fitting` prices together."""
+
+
+def _next_fitting(costs: _Costs, s: int, b: int, room: int, tau: float, filler: float) -> int:
+    """The first start x in [s, b) from which some piece [x, y) (at most `room` chunks, inside the unit
+    ending at b) fits `_time_pieces`' test, or b: every start's prefix costs priced as one matrix (the
+    same arithmetic as `_Costs.prefix_costs`, so the same answer as a pass per start)."""
+    c = costs.c
+    offs = np.arange(min(room, b - s), dtype=np.int64)
+    block = 4  # the next fitting start is often near: blocks grow from a few starts
+    while s < b:
+        xs = np.arange(s, min(b, s + block), dtype=np.int64)
+        block = min(2 * block, _START_BLOCK)
+        pos = xs[:, None] + offs[None, :]  # the last chunk of a piece of offs + 1 chunks
+        valid = pos < b
+        pos = np.minimum(pos, b - 1)
+        hi = np.maximum.accumulate(costs.khi[pos], axis=1)
+        lo = np.minimum.accumulate(costs.klo[pos], axis=1)
+        keys = np.maximum((pos + 1) * c, hi) - np.minimum(xs[:, None] * c, lo)
+        area = costs.cum[pos + 1] - costs.cum[xs][:, None]
+        k = offs + 1
+        pc = area * costs.per_tile + keys * costs.per_col + k * c * costs.per_row
+        fits = ((pc + (room - k) * filler <= tau) & valid).any(axis=1)
+        if fits.any():
+            return int(xs[int(np.argmax(fits))])
+        s = int(xs[-1]) + 1
+    return b
 
 
 def _heavy_units(
@@ -88,8 +131,8 @@ def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, ta
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        for x, y in _time_pieces(costs, a, b, room, tau, filler):
-            cst = costs.range_cost(x, y)
+        pieces = _time_pieces(costs, a, b, room, tau, filler)
+        for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             segs.append((cst / (y - x), x, y, cst, u))
     return segs
 
@@ -120,8 +163,10 @@ class _Virtual:
     about equal density (a document of windows, a full document) lie side by side and a rank takes them as
     one run."""
 
-    def __init__(self, costs: _Costs, segs: list[tuple], union: bool = True) -> None:
+    def __init__(self, costs: _Costs, segs: list[tuple], union: bool = True, split: bool = False) -> None:
         self.union = union  # False: a run's segments priced alone (their keys summed), a cruder price
+        # split: a rank priced by the worse of its two directions against their means (`pair_cost`)
+        self.split = _split_prices(costs) if split else None
         if union:
             segs = sorted(segs, key=lambda x: (round(math.log(max(x[0], 1e-30)) / _DENSITY_STEP), x[4], x[1]))
         else:  # the crude price's layout: by density, the back halves of long units after all the rest
@@ -234,6 +279,9 @@ class _Virtual:
                     reach = hi_
         co = self.costs
         own = (max(y1 - x1, 0) + max(y2 - x2, 0) + extra) * co.c
+        if self.split is not None:
+            (ft, fc, fr), (bt, bc, br), fs, bs = self.split
+            return max((area * ft + keys * fc + own * fr) * fs, (area * bt + keys * bc + own * br) * bs)
         return area * co.per_tile + keys * co.per_col + own * co.per_row
 
     def cost(self, x: int, y: int) -> float:
@@ -245,6 +293,27 @@ class _Virtual:
         pos = np.arange(x, y, dtype=np.int64)
         seg = np.searchsorted(self.cum, pos, side="right") - 1
         return self.a[seg] + pos - self.cum[seg]
+
+
+def _split_prices(costs: _Costs) -> tuple:
+    """Per pair, key token and query token: the forward's and the backward's prices, and the factors that
+    scale each direction so that a rank at the mean of both costs `fwd + bwd` (the means: the whole
+    sequence on one rank, over the ranks). A rank priced as the worse of its two scaled directions is
+    balanced against `max fwd + max bwd`, not against the sum (a rank heavy in tiles and light in
+    received keys is the slowest forward while its sum looks balanced)."""
+    law, c = costs.law, costs.c
+    s = law.scale
+    f = (law.fwd.tiles * s / (128 * 128), law.fwd.key_columns * s / 128, law.fwd.rows * s / 128)
+    b = (law.bwd.tiles * s / (128 * 128), law.bwd.key_columns * s / 128, law.bwd.rows * s / 128)
+    n = costs.klo.size
+    area = float(costs.cum[-1])
+    tokens = n * c
+    whole_f = area * f[0] + tokens * f[1] + tokens * f[2]
+    whole_b = area * b[0] + tokens * b[1] + tokens * b[2]
+    if whole_f <= 0 or whole_b <= 0:
+        return f, b, 1.0, 1.0
+    total = whole_f + whole_b
+    return f, b, total / whole_f, total / whole_b
 
 
 def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> int:
@@ -327,8 +396,8 @@ def _anchored(
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        for x, y in _time_pieces(costs, a, b, m, tau, filler):
-            cst = costs.range_cost(x, y)
+        pieces = _time_pieces(costs, a, b, m, tau, filler)
+        for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             alone = cst + (m - (y - x)) * filler >= _ANCHOR * tau  # its rank has little time left
             (anchors if alone else segs).append((cst / (y - x), x, y, cst, u))
     if len(anchors) > cp or not anchors:

@@ -47,6 +47,9 @@ few tens of milliseconds whatever the mask; a deterministic count, so every rank
 _CUT_GAIN = 0.01
 """A swap that adds a cut inside a unit (a run of a unit on one rank more) must lower the metric by this
 share: cut points move freely, new ones only for a clear gain (a unit alone stays cut like zigzag)."""
+_STEP_SLACK = 1e-12
+_BALANCED = 0.005
+"""An assignment whose `max fwd + max bwd` is within this share of `mean fwd + mean bwd` is not repaired."""
 _GAIN = 1e-6
 """A swap must lower the metric by this share at least (no churn on rounding)."""
 
@@ -176,7 +179,9 @@ class _State:
     def _runs(self, at: list[int]) -> int:
         """How many of the positions `at` start a run of one unit on one rank (a cut or a unit's start)."""
         o, u = self.owner, self.unit_of
-        return sum(1 for i in at if 0 < i < o.size and (o[i] != o[i - 1] or u[i] != u[i - 1]))
+        i = np.asarray(at, dtype=np.int64)
+        i = i[(i > 0) & (i < o.size)]
+        return int(((o[i] != o[i - 1]) | (u[i] != u[i - 1])).sum())
 
     def _crossing(self, parts: list, old: list) -> bool:
         """Whether any chunk of `parts` changes node (past one node)."""
@@ -314,10 +319,14 @@ def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
         int64 `[n]`: the repaired owners; the metric `max fwd + max bwd` never rises and the predicted
         step never rises.
     """
+    cp = chunks.cp
+    if cp <= 2:  # `documents_fills._split_two` tried every balanced split and the nearest unit boundaries;
+        return owner.copy()  # the swaps found < 0.1 % more there on packed documents, at most of the time
     st = _State(owner.copy(), chunks)
     st.area_cum = np.concatenate([[0.0], np.cumsum(chunks.area, dtype=np.float64)])
-    cp = chunks.cp
     metric, step = st.metric()
+    if metric <= float(st.fwd.mean() + st.bwd.mean()) * (1.0 + _BALANCED):  # nothing worth the search
+        return st.owner
     n = st.owner.size
     budget = st.evals + _EVALS
     for _ in range(min(_STEPS_PER_RANK * cp, _MAX_STEPS)):
@@ -336,7 +345,11 @@ def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
                 if st.evals >= budget:
                     break
                 m, p, times = st.trial(s, parts)
-                if m < metric * (1.0 - _GAIN) and p <= step * (1.0 + 1e-12) and (best is None or m < best[0]):
+                if (
+                    m < metric * (1.0 - _GAIN)
+                    and p <= step * (1.0 + _STEP_SLACK)
+                    and (best is None or m < best[0])
+                ):
                     best = (m, p, parts, times)
             if best is None:  # no swap with one rank: a cut shifted on each side, the two others trading
                 for parts in _rotations(st, s, nb):
@@ -345,7 +358,7 @@ def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
                     m, p, times = st.trial(s, parts)
                     if (
                         m < metric * (1.0 - _GAIN)
-                        and p <= step * (1.0 + 1e-12)
+                        and p <= step * (1.0 + _STEP_SLACK)
                         and (best is None or m < best[0])
                     ):
                         best = (m, p, parts, times)

@@ -29,11 +29,15 @@ def _chunk_tables(slices: list, n: int, c: int) -> tuple[np.ndarray, np.ndarray,
     return chunk_areas(slices, n * c, c), klo, khi, pieces
 
 
+_PAST_ANY_KEY = 1 << 62
+"""Above every key index (the running minimum's pad)."""
+
+
 class _Costs:
     """Predicted microseconds (forward + backward, by the law) of contiguous chunk ranges."""
 
     def __init__(self, area: np.ndarray, klo: np.ndarray, khi: np.ndarray, c: int, law: KernelLaw) -> None:
-        self.c, self.klo, self.khi = c, klo, khi
+        self.c, self.klo, self.khi, self.law = c, klo, khi, law
         self.cum = np.concatenate([[0.0], np.cumsum(area, dtype=np.float64)])
         f, b = law.fwd, law.bwd
         s = law.scale
@@ -49,6 +53,20 @@ class _Costs:
         hi = np.maximum(np.maximum.reduceat(self.khi, a), b * c)
         area = self.cum[b] - self.cum[a]
         return area * self.per_tile + (hi - lo) * self.per_col + (b - a) * c * self.per_row
+
+    def run_costs(self, bounds: np.ndarray) -> np.ndarray:
+        """`range_cost` of every range `[bounds[i], bounds[i + 1])` of consecutive ranges (int64 `bounds`,
+        increasing, at most the chunk count), vectorised: the same arithmetic, so the same floats."""
+        c = self.c
+        a, b = bounds[:-1], bounds[1:]
+        big = _PAST_ANY_KEY
+        lo = np.minimum(np.minimum.reduceat(np.append(self.klo, big), bounds)[:-1], a * c)
+        hi = np.maximum(np.maximum.reduceat(np.append(self.khi, 0), bounds)[:-1], b * c)
+        return (
+            (self.cum[b] - self.cum[a]) * self.per_tile
+            + (hi - lo) * self.per_col
+            + (b - a) * c * self.per_row
+        )
 
     def range_cost(self, a: int, b: int) -> float:
         """Chunks [a, b) on one rank: its area, its own tokens and the keys its rows need."""
