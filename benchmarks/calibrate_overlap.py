@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (calibrate).
 """
 
-from __future__ import annotations
-
 import functools
 import json
 import os
@@ -14,7 +12,7 @@ import torch
 import torch.distributed as dist
 import triton.testing
 
-from benchmarks.cli import add_common, heads, ints, names, write_results
+from benchmarks.cli import add_common, heads, ints, names, run_module, write_results
 from benchmarks.common import events_loop_ms, no_multicast
 from magi_attention.config import KernelBackend
 from magi_attention.simulate import kernel_launchers
@@ -154,6 +152,4 @@ def main(a) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("calibrate_overlap"))
+    raise SystemExit(run_module(__spec__.name))

@@ -7,8 +7,6 @@ default `RESULTS` (``benchmarks/results/``), never the current directory. Under 
 command line runs on every rank: ``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``.
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import json
@@ -162,9 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_module(module: str, argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.<module> [args]``: the case that module runs, as earlier releases called it
-    (``kernel_backends_bench --layer-step [--kernels K]`` is the ``layer-step`` case with ``--runners K``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """``python -m benchmarks.<module> [args]``: the case that module (``__spec__.name``) runs, as earlier releases
+    called it (``kernel_backends_bench --layer-step [--kernels K]`` is the ``layer-step`` case with ``--runners K``)."""
+    argv, module = list(sys.argv[1:] if argv is None else argv), module.removeprefix("benchmarks.")
     (name,) = (c.name for c in CASES if c.module == module)
     if module == "kernel_backends_bench" and "--layer-step" in argv:
         argv.remove("--layer-step")

@@ -5,8 +5,6 @@ TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(
 Only torch is imported with the module (magi packages where used).
 """
 
-from __future__ import annotations
-
 import datetime
 import importlib
 import itertools

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (cp).
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import math
@@ -22,7 +20,7 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
-from benchmarks.cli import add_common, table, usage_error, write_results
+from benchmarks.cli import add_common, run_module, table, usage_error, write_results
 from benchmarks.common import mask_area
 from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
 from magi_attention.api import (
@@ -683,6 +681,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("cp_bench"))
+    raise SystemExit(run_module(__spec__.name))

@@ -3,14 +3,12 @@
 What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions).
 """
 
-from __future__ import annotations
-
 import json
 import re
 import statistics
 from pathlib import Path
 
-from benchmarks.cli import write_results
+from benchmarks.cli import run_module, write_results
 
 
 def collect(folder: Path, release: str) -> tuple[dict[tuple, list[tuple[float, float]]], str]:
@@ -84,6 +82,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("fa4_versions"))
+    raise SystemExit(run_module(__spec__.name))

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead).
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics
@@ -13,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import magi_attention.api as api
-from benchmarks.cli import add_common
+from benchmarks.cli import add_common, run_module
 from benchmarks.common import host_median_ms, sync
 from magi_attention import config as cfg
 from magi_attention.testing import failure_check_calls, failure_checks, run_distributed
@@ -190,6 +188,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("failure_checks_overhead"))
+    raise SystemExit(run_module(__spec__.name))

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (first-step).
 """
 
-from __future__ import annotations
-
 import argparse
 import builtins
 import json
@@ -16,7 +14,7 @@ import time
 from collections.abc import Callable
 
 # no torch at module level: the breakdown's child times `import torch` itself (benchmarks.common imports it)
-from benchmarks.cli import ROOT, add_common, usage_error, write_results
+from benchmarks.cli import ROOT, add_common, run_module, usage_error, write_results
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
@@ -354,6 +352,4 @@ def _print_breakdown(doc: dict) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("first_step"))
+    raise SystemExit(run_module(__spec__.name))

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (fit-law).
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os
@@ -12,7 +10,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.cli import write_json
+from benchmarks.cli import run_module, write_json
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
 TERMS = ("tiles", "key_columns", "rows")
@@ -130,6 +128,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("fit_kernel_law"))
+    raise SystemExit(run_module(__spec__.name))

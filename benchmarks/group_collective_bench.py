@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
 """
 
-from __future__ import annotations
-
 import platform
 import sys
 from collections.abc import Callable
@@ -12,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from benchmarks.cli import write_json
+from benchmarks.cli import run_module, write_json
 
 BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head_dim 128, bf16
 RANKS_PER_NODE = 8
@@ -269,6 +267,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("group_collective_bench"))
+    raise SystemExit(run_module(__spec__.name))

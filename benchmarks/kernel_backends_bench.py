@@ -3,15 +3,13 @@
 What it measures and how to run it: docs/benchmarks/cases.md (kernels).
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.cli import add_common, heads, ints, names, table, write_results
+from benchmarks.cli import add_common, heads, ints, names, run_module, table, write_results
 from benchmarks.common import (
     build_mask,
     calc_attn_runner,
@@ -476,6 +474,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("kernel_backends_bench"))
+    raise SystemExit(run_module(__spec__.name))

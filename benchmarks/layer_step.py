@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (layer-step).
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.cli import add_common, heads, ints, names, write_results
+from benchmarks.cli import add_common, heads, ints, names, run_module, write_results
 from benchmarks.common import environment, sync
 
 DEFAULT_RUNNERS = (
@@ -287,6 +285,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("layer_step"))
+    raise SystemExit(run_module(__spec__.name))

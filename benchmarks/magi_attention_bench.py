@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (sim).
 """
 
-from __future__ import annotations
-
 import datetime
 import functools
 import itertools
@@ -17,7 +15,7 @@ import torch
 import triton
 
 from benchmarks import common
-from benchmarks.cli import table, usage_error, write_json
+from benchmarks.cli import run_module, table, usage_error, write_json
 from benchmarks.common import SCALING_MASKS, kv_total, make_mask
 from magi_attention import DispatchConfig, DistAttnConfig
 from magi_attention.api import calc_attn, magi_attn_flex_key
@@ -629,6 +627,4 @@ def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("magi_attention_bench"))
+    raise SystemExit(run_module(__spec__.name))

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (mask-loop).
 """
 
-from __future__ import annotations
-
 import itertools
 import math
 import random
@@ -15,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.cli import add_common, heads, write_results
+from benchmarks.cli import add_common, heads, run_module, write_results
 from benchmarks.common import rank_kernel_calls, times_ms
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
@@ -419,6 +417,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("mask_loop_bench"))
+    raise SystemExit(run_module(__spec__.name))

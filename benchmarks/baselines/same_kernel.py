@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel).
 """
 
-from __future__ import annotations
-
 import functools
 import os
 from collections.abc import Sequence

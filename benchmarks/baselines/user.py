@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (baselines/user).
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import importlib

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (fsdp).
 """
 
-from __future__ import annotations
-
 from itertools import pairwise
 
 import torch

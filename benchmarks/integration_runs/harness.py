@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic).
 """
 
-from __future__ import annotations
-
 import os
 
 # cuBLAS needs its workspace fixed before CUDA starts for deterministic GEMMs (torch raises otherwise)

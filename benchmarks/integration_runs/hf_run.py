@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (hf).
 """
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Callable
 

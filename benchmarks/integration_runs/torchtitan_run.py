@@ -3,8 +3,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (torchtitan).
 """
 
-from __future__ import annotations
-
 import copy
 import sys
 import traceback
