@@ -335,10 +335,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, plan: BaselinePlan, group,
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     if group is not None:
         nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
-    ops = [
-        dist.P2POp(dist.isend, send, nxt, group, tag),
-        dist.P2POp(dist.irecv, recv, prv, group, tag),
-    ]
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
     return dist.batch_isend_irecv(ops)
 
 
