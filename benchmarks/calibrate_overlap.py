@@ -1,7 +1,5 @@
 """Calibrate the overlap cost model (`magi_solver.CostProfile`) on this GPU, per kernel backend.
-
-What it measures and how to run it: docs/benchmarks/cases.md (calibrate).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (calibrate)."""
 
 import functools
 import json

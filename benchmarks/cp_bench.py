@@ -1,7 +1,5 @@
 """Distributed context-parallel benchmark: magi-attention against the baselines on the same inputs.
-
-What it measures and how to run it: docs/benchmarks/cases.md (cp).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (cp)."""
 
 import argparse
 import datetime

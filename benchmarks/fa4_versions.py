@@ -1,7 +1,5 @@
 """Two flash-attn-4 releases side by side, from interleaved ``kernel_backends_bench`` processes.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions)."""
 
 import json
 import re

@@ -1,7 +1,5 @@
 """Cost of the always-on failure checks (docs/failure_modes.md).
-
-What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead)."""
 
 import argparse
 import os

@@ -1,7 +1,5 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
-
-What it measures and how to run it: docs/benchmarks/cases.md (first-step).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (first-step)."""
 
 import argparse
 import builtins

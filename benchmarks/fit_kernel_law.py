@@ -1,7 +1,5 @@
 """Fit the kernel law (`magi_solver.kernel_law`) to per-rank times of scaling runs and write the law file.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fit-law).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (fit-law)."""
 
 import json
 import math

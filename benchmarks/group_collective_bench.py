@@ -1,7 +1,5 @@
 """GroupCast benchmark: comm-plan bytes against ring / all-gather K/V, and GroupCast / GroupReduce bandwidth.
-
-What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (grpcoll)."""
 
 import platform
 import sys

@@ -1,7 +1,5 @@
 """The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds.
-
-What it measures and how to run it: docs/benchmarks/cases.md (kernels).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (kernels)."""
 
 import json
 import statistics

@@ -1,7 +1,5 @@
 """An attention-only training step of many layers on one mask: our kernel API, ``calc_attn``, the vendors.
-
-What it measures and how to run it: docs/benchmarks/cases.md (layer-step).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (layer-step)."""
 
 import statistics
 import time

@@ -1,7 +1,5 @@
 """Runtime measurements on one GPU: cp = 1 overhead and simulated context parallelism.
-
-What it measures and how to run it: docs/benchmarks/cases.md (sim).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (sim)."""
 
 import datetime
 import functools

@@ -1,7 +1,5 @@
 """A training loop's view of the kernels: a new mask every step, step times and compiled-kernel caches.
-
-What it measures and how to run it: docs/benchmarks/cases.md (mask-loop).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (mask-loop)."""
 
 import itertools
 import math

@@ -1,7 +1,5 @@
 """Context-parallel baselines on magi-attention's own local kernel (for the cp case).
-
-What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel)."""
 
 import functools
 import os

@@ -1,7 +1,5 @@
 """Context-parallel baselines a user would pick today, each with its best local kernel (for the cp case).
-
-What it measures and how to run it: docs/benchmarks/cases.md (baselines/user).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/user)."""
 
 import contextlib
 import functools

@@ -1,7 +1,5 @@
 """FSDP2 with magi-attention against the same model's own attention (SDPA on each document), one process.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fsdp).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (fsdp)."""
 
 from itertools import pairwise
 

@@ -1,7 +1,5 @@
 """What the integration runs share: command line, process group, packed batch, timed loop, report.
-
-What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness)."""
 
 import argparse
 import json

@@ -1,7 +1,5 @@
 """HF Transformers with magi-attention in deterministic mode: the same training twice gives the same bits.
-
-What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic)."""
 
 import os
 

@@ -1,7 +1,5 @@
 """HF Transformers with magi-attention against Transformers' own SDPA attention, one process.
-
-What it measures and how to run it: docs/benchmarks/cases.md (hf).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (hf)."""
 
 import copy
 from collections.abc import Callable

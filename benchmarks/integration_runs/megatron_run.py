@@ -1,7 +1,5 @@
 """Megatron-core GPTModel with magi-attention against Megatron's local core attention per document.
-
-What it measures and how to run it: docs/benchmarks/cases.md (megatron).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (megatron)."""
 
 import contextlib
 import warnings

@@ -1,7 +1,5 @@
 """torchtitan's Llama 3 debug model with magi-attention against torchtitan's own SDPA attention per document.
-
-What it measures and how to run it: docs/benchmarks/cases.md (torchtitan).
-"""
+What it measures and how to run it: docs/benchmarks/cases.md (torchtitan)."""
 
 import copy
 import sys
