@@ -2,7 +2,6 @@
 What it measures and how to run it: docs/benchmarks/cases.md (cp)."""
 
 import argparse
-import datetime
 import math
 import os
 import statistics
@@ -34,21 +33,12 @@ from magi_attention.env import native_grpcoll
 
 
 class System(StrEnum):
+    """magi, the same-kernel baselines (baselines/same_kernel.py) and the user baselines (baselines/user.py)."""
+
     MAGI = "magi"
-    ULYSSES = "ulysses"
-    """Same-kernel baselines (baselines/same_kernel.py, magi_ffa locally): Ulysses, zigzag ring, all-gather K/V."""
-    RING_ZIGZAG = "ring_zigzag"
-    ALLGATHER_KV = "allgather_kv"
-    ULYSSES_FA4 = "ulysses_fa4"
-    """User baselines (baselines/user.py), each with its own kernel: Ulysses + FA4 (dense / varlen)."""
-    ULYSSES_CUDNN = "ulysses_cudnn"
-    """Ulysses + cuDNN SDPA (full / causal)."""
-    TORCH_CP = "torch_cp"
-    """PyTorch native context_parallel, SDPA ring (full / causal; CUDA + NCCL)."""
-    ULYSSES_FFA_FA4 = "ulysses_ffa_fa4"
-    """Ulysses + magi_ffa_fa4 (any mask)."""
-    ULYSSES_FFA_CUDNN = "ulysses_ffa_cudnn"
-    """Ulysses + magi_ffa_cudnn (any mask)."""
+    ULYSSES, RING_ZIGZAG, ALLGATHER_KV = "ulysses", "ring_zigzag", "allgather_kv"
+    ULYSSES_FA4, ULYSSES_CUDNN, TORCH_CP = "ulysses_fa4", "ulysses_cudnn", "torch_cp"
+    ULYSSES_FFA_FA4, ULYSSES_FFA_CUDNN = "ulysses_ffa_fa4", "ulysses_ffa_cudnn"
 
 
 SAME_KERNEL = (System.ULYSSES, System.RING_ZIGZAG, System.ALLGATHER_KV)
@@ -60,10 +50,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
-    """One run's settings (the same on every rank)."""
+    """One run's settings (the same on every rank): the options of the same names (`add_arguments`);
+    ``degrees`` and ``kernel_backends``: one magi row per entry."""
 
     device: str
-    """"cuda" (NCCL, one GPU per rank) or "cpu" (gloo)."""
     tokens_per_gpu: tuple[int, ...]
     masks: tuple[str, ...]
     systems: tuple[System, ...]
@@ -74,22 +64,14 @@ class BenchConfig:
     warmup: int
     iters: int
     chunk_size: int
-    """magi: DispatchConfig.chunk_size (tokens per dispatch chunk)."""
     degrees: tuple[int | str, ...]
-    """magi runs once per entry: OverlapConfig.degree (remote stages; 0 = no overlap) or "dynamic"."""
     min_chunk_size: int
-    """magi: OverlapConfig.min_chunk_size."""
     kernel_backends: tuple[str, ...]
-    """magi runs once per entry: DistAttnConfig.kernel_backend (each one of `KERNEL_BACKENDS`)."""
     grad_reduce: str = "fp32"
-    """magi: dtype of the partial dK/dV reduction ("fp32" or "bf16": DistAttnConfig.high_precision_grad_reduce)."""
     grpcoll: str = "env"
-    """magi: group collectives, "native" or "a2av" (GrpCollConfig.native), or "env": MAGI_ATTENTION_NATIVE_GRPCOLL."""
     block_size: int
-    """varlen_block_causal: tokens per block."""
     seed: int
     profile: str | None = None
-    """Directory for one profiled magi forward + backward per (tokens, mask) (rank 0), or None."""
 
 
 def varlen_docs(total: int, seed: int) -> list[list[int]]:
@@ -128,13 +110,8 @@ def _barrier(device: torch.device) -> None:
     common.sync(device)
 
 
-def _time_iters(
-    step: Callable[[], torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    do: torch.Tensor,
-    cfg: BenchConfig,
-    device,
-) -> tuple[list[float], list[float], dict]:
+def _time_iters(step: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do: torch.Tensor,
+                cfg: BenchConfig, device) -> tuple[list[float], list[float], dict]:  # fmt: skip
     """Per timed iteration: (forward ms, backward ms), each the max over ranks; and the peak memory (GiB, max
     over ranks) of the warm-up + timed iterations, absolute and above what was allocated when they started
     (None on CPU)."""
@@ -211,38 +188,18 @@ class _Case(user.UserCase):
     """magi: the runtime key (its rows are compared through undispatch: ``token_index`` None)."""
 
 
-MAGI_KERNELS = {
-    "auto": "FFA, kernel backend auto",
-    "fa4": "FFA on FA4 (magi_ffa_fa4)",
-    "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)",
-    "triton": "FFA Triton (magi_ffa)",
-    "torch": "FFA torch path (magi_ffa)",
-}
+MAGI_KERNELS = {"auto": "FFA, kernel backend auto", "fa4": "FFA on FA4 (magi_ffa_fa4)",
+                "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)", "triton": "FFA Triton (magi_ffa)",
+                "torch": "FFA torch path (magi_ffa)"}  # fmt: skip
 
 
 def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) -> DistAttnConfig:
     overlap = OverlapConfig(
         degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size
     )
-    return DistAttnConfig(
-        dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size),
-        overlap_config=overlap,
-        kernel_backend=kernel_backend,
-        high_precision_grad_reduce=cfg.grad_reduce == "fp32",
-        grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]),
-    )
-
-
-def _grpcoll_label(cfg: BenchConfig) -> str:
-    """The group-collective implementation magi rows use ("native", "a2av"; a2av is hierarchical on a 2-D mesh)."""
-    if cfg.grpcoll != "env":
-        return cfg.grpcoll
-    return "native" if native_grpcoll() else "a2av"
-
-
-def _magi_backend(key, dtype: torch.dtype) -> str:
-    """The kernel backend the runtime resolved for this key and dtype (`get_kernel_backend`)."""
-    return str(get_kernel_backend(key, dtype)[0])
+    return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size), overlap_config=overlap,
+                          kernel_backend=kernel_backend, high_precision_grad_reduce=cfg.grad_reduce == "fp32",
+                          grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]))  # fmt: skip
 
 
 def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
@@ -254,7 +211,7 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
     def step() -> torch.Tensor:
         return calc_attn(*inputs, key)[0]
 
-    backend = _magi_backend(key, q.dtype)
+    backend = str(get_kernel_backend(key, q.dtype)[0])
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
     return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
 
@@ -262,9 +219,7 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
 def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
     cp, rank, total = dist.get_world_size(), dist.get_rank(), q.shape[0]
     # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
-    plan = plan_baseline(
-        system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv
-    )
+    plan = plan_baseline(system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv)  # fmt: skip
     inputs = [shard_tokens(t, plan).requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
@@ -275,10 +230,6 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
     kernel = f"magi_ffa {forced or ('Triton' if fast else 'torch path')}"
     index = plan.token_index(device)
     return _Case(step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel)
-
-
-def _user_case(system: System, q, k, v, do, qr, kr, tm) -> user.UserCase:
-    return user.build_case(system.value, q, k, v, do, user.Mask.of(qr, kr, tm, q.shape[0]))
 
 
 def _profile_once(case: user.UserCase, path: Path, device) -> None:
@@ -302,18 +253,8 @@ def _profile_once(case: user.UserCase, path: Path, device) -> None:
 
 
 # -- one configuration --------------------------------------------------------------------------------------
-def run_case(
-    system: System,
-    mask: str,
-    tpg: int,
-    data: dict,
-    ref: dict,
-    cfg: BenchConfig,
-    device,
-    degree: int | str | None = None,
-    profile_path: Path | None = None,
-    kernel_backend: str = "auto",
-) -> dict:
+def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: BenchConfig, device,
+             degree: int | str | None = None, profile_path: Path | None = None, kernel_backend: str = "auto") -> dict:  # fmt: skip
     """Benchmark one system on one mask (magi: with overlap ``degree`` and ``kernel_backend``); ``ref`` holds
     the first magi row's global out/dq for the cross-check (filled by that row). A system that cannot run the
     case returns a row with ``skipped`` (every rank agrees on it)."""
@@ -335,7 +276,7 @@ def run_case(
             reason = str(exc)
     else:
         try:
-            case = _user_case(system, q, k, v, do, qr, kr, tm)
+            case = user.build_case(system.value, q, k, v, do, user.Mask.of(qr, kr, tm, q.shape[0]))
         except user.Unavailable as exc:
             reason = str(exc)
     if reason := _agree(reason, device):
@@ -375,9 +316,7 @@ def run_case(
                 dq.dim() == 4
             ):  # SDPA-layout leaves [1, heads, tokens, d] (torch_cp): compare as [tokens, heads, d]
                 dq = dq[0].transpose(0, 1)
-            row.update(
-                rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device)
-            )
+            row.update(rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device))  # fmt: skip
         del out, dq
         fwd, bwd, mem = _time_iters(case.step, case.inputs, case.dout, cfg, device)
         if profile_path is not None:
@@ -388,17 +327,9 @@ def run_case(
             clear_cache()
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
     flops = 4 * area * cfg.heads_q * cfg.head_dim
-    row.update(
-        fwd_ms=f_ms,
-        bwd_ms=b_ms,
-        fwd_iqr_ms=_quartiles(fwd),
-        bwd_iqr_ms=_quartiles(bwd),
-        fwd_ms_all=fwd,
-        bwd_ms_all=bwd,
-        fwd_tflops=flops / (f_ms * 1e-3 * cp) / 1e12,
-        bwd_tflops=2.5 * flops / (b_ms * 1e-3 * cp) / 1e12,
-        **mem,
-    )
+    row.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_iqr_ms=_quartiles(fwd), bwd_iqr_ms=_quartiles(bwd), fwd_ms_all=fwd,
+               bwd_ms_all=bwd, fwd_tflops=flops / (f_ms * 1e-3 * cp) / 1e12,
+               bwd_tflops=2.5 * flops / (b_ms * 1e-3 * cp) / 1e12, **mem)  # fmt: skip
     return row
 
 
@@ -408,13 +339,8 @@ def add_speedups(rows: list[dict]) -> None:
     for r in rows:
         if r["system"] != System.MAGI or "skipped" in r:
             continue
-        others = [
-            o
-            for o in rows
-            if o["system"] != System.MAGI
-            and "skipped" not in o
-            and (o["tokens_per_gpu"], o["mask"]) == (r["tokens_per_gpu"], r["mask"])
-        ]
+        others = [o for o in rows if o["system"] != System.MAGI and "skipped" not in o
+                  and (o["tokens_per_gpu"], o["mask"]) == (r["tokens_per_gpu"], r["mask"])]  # fmt: skip
         for p in ("fwd", "bwd"):
             if others:
                 best = min(others, key=lambda o: o[f"{p}_ms"])
@@ -436,25 +362,12 @@ def _global_data(total: int, cfg: BenchConfig, device) -> dict:
 
 # -- report ---------------------------------------------------------------------------------------------------
 def _meta(cfg: BenchConfig, device) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "n/a"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {
-        "date": datetime.date.today().isoformat(),
-        "world_size": dist.get_world_size(),
-        "device": name,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "git": common.git_sha(),
-        "grpcoll": _grpcoll_label(cfg),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-    }
+    env = common.environment()
+    return {"date": env["date"], "world_size": dist.get_world_size(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "backend": dist.get_backend(), "torch": env["torch"], "triton": env["triton"], "cuda": torch.version.cuda,
+            "git": env["git"], "grpcoll": cfg.grpcoll if cfg.grpcoll != "env" else "native" if native_grpcoll() else "a2av",
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}}  # fmt: skip
 
 
 def _ms(r: dict, p: str) -> str:
@@ -540,38 +453,20 @@ def add_arguments(ap) -> None:
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--chunk-size", type=int, default=2048, help="magi DispatchConfig.chunk_size")
-    ap.add_argument(
-        "--degrees",
-        default=None,
-        help="magi OverlapConfig.degree, comma-separated: ints >= 0 and/or 'dynamic' (one magi row each; "
-        "default dynamic)",
-    )
     ap.add_argument("--degree", default=None, help="alias of --degrees")
+    ap.add_argument("--degrees", help="magi OverlapConfig.degree, comma-separated: ints >= 0 and/or "
+                    "'dynamic' (one magi row each; default dynamic)")  # fmt: skip
     ap.add_argument("--min-chunk-size", type=int, default=512, help="magi OverlapConfig.min_chunk_size")
-    ap.add_argument(
-        "--kernel-backend",
-        default="auto",
-        help=f"magi DistAttnConfig.kernel_backend, comma-separated (one magi row each) from {KERNEL_BACKENDS}",
-    )
-    ap.add_argument(
-        "--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype"
-    )
-    ap.add_argument(
-        "--grpcoll",
-        choices=("env", "a2av", "native"),
-        default="env",
-        help="magi group collectives: GrpCollConfig(native=...); env = MAGI_ATTENTION_NATIVE_GRPCOLL decides",
-    )
+    ap.add_argument("--kernel-backend", default="auto", help="magi DistAttnConfig.kernel_backend, comma-separated "
+                    f"(one magi row each) from {KERNEL_BACKENDS}")  # fmt: skip
+    ap.add_argument("--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype")  # fmt: skip
+    ap.add_argument("--grpcoll", choices=("env", "a2av", "native"), default="env", help="magi group collectives: "
+                    "GrpCollConfig(native=...); env = MAGI_ATTENTION_NATIVE_GRPCOLL decides")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=2048, help="varlen_block_causal: tokens per block")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--profile",
-        default=None,
-        metavar="DIR",
-        help="profile one magi forward + backward per (tokens, mask) (the first --degrees entry); rank 0 writes "
-        "the top 25 ops by self device time to DIR/profile_<mask>.txt (profile_<mask>_<tokens>.txt with several "
-        "--tokens-per-gpu)",
-    )
+    ap.add_argument("--profile", metavar="DIR", help="profile one magi forward + backward per (tokens, mask) (the "
+                    "first --degrees entry); rank 0 writes the top 25 ops by self device time to "
+                    "DIR/profile_<mask>.txt (profile_<mask>_<tokens>.txt with several --tokens-per-gpu)")  # fmt: skip
     ap.add_argument("--out", default=None, help="path prefix: writes <out>.json and <out>.md")
 
 
