@@ -228,11 +228,8 @@ def add_arguments(parser) -> None:
                         "'' for none)")  # fmt: skip
     parser.add_argument("--breakdown", default=",".join(BREAKDOWN), help="backends of the from-launch breakdown, "
                         f"each cold then warm (default {','.join(BREAKDOWN)}; '' for none)")  # fmt: skip
-    parser.add_argument(
-        "--vendor-baseline",
-        default="cudnn.flex_attention",
-        help="module whose import after torch's is timed in a fresh process ('' for none)",
-    )
+    parser.add_argument("--vendor-baseline", default="cudnn.flex_attention",
+                        help="module whose import after torch's is timed in a fresh process ('' for none)")  # fmt: skip
 
 
 def main(args) -> None:
@@ -267,19 +264,11 @@ def main(args) -> None:
         breakdown_out = _run_breakdown(breakdown, args, tmp, shape)
     import torch
 
-    doc = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
-        "tokens": TOKENS,
-        "heads": list(HEADS),
-        "mask": "docs (packed causal documents)",
-        "runs": runs_out,
-        **breakdown_out,
-    }
+    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+           "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)", "tokens": TOKENS,
+           "heads": list(HEADS), "mask": "docs (packed causal documents)", "runs": runs_out, **breakdown_out}  # fmt: skip
     path = write_results(args.out_dir, "first_step", doc)
-    print(
-        f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
-    )
+    print(f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}")  # fmt: skip
     for r in runs_out:
         if "error" in r:
             print(f"{r['kind']:<12}{r['cache']:<6}error: {r['error'].splitlines()[-1][:50]}")
@@ -332,10 +321,8 @@ def _print_breakdown(doc: dict) -> None:
         "total",
     ]
     if doc["breakdown"]:
-        print(
-            "\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
-            "launch to the end of the first backward)"
-        )
+        print("\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
+              "launch to the end of the first backward)")  # fmt: skip
         print(f"{'backend':<16}{'cache':<6}" + "".join(f"{h:>8}" for h in heads))
     for r in doc["breakdown"]:
         name = r["kind"].partition(":")[2]
