@@ -17,16 +17,6 @@ from magi_ffa.validation import acc_dtype
 from magi_solver import SliceList
 from magi_solver.mask import normalize_mask
 
-__all__ = [
-    "BaselinePlan",
-    "CPBaseline",
-    "baseline_attn",
-    "clip_slices",
-    "plan_baseline",
-    "shard_tokens",
-    "token_ranges",
-]
-
 Piece = tuple[int, int, int]
 """``(global_start, global_end, local_start)``: a run of tokens and where it sits in a local buffer."""
 TypedSlice = tuple[int, int, int, int, int]
@@ -41,9 +31,7 @@ class CPBaseline(StrEnum):
 
 
 # -- planning (pure, host ints) -----------------------------------------------------------------------------
-def clip_slices(
-    slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_pieces: Sequence[Piece]
-) -> SliceList:
+def clip_slices(slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_pieces: Sequence[Piece]) -> SliceList:  # fmt: skip
     """Disjoint global typed slices restricted to the q pieces x the k pieces, as disjoint typed slices in
     local (q, k) coordinates (touching FULL pieces fused)."""
     out: list[TypedSlice] = []
@@ -85,9 +73,7 @@ def _fuse_full(slices: list[TypedSlice]) -> list[TypedSlice]:
     return sorted([(*s, 0) for s in fused2] + [s for s in slices if s[4] != 0])
 
 
-def token_ranges(
-    system: CPBaseline | str, total_seqlen: int, cp_size: int, rank: int
-) -> tuple[tuple[int, int], ...]:
+def token_ranges(system: CPBaseline | str, total_seqlen: int, cp_size: int, rank: int) -> tuple[tuple[int, int], ...]:  # fmt: skip
     """Global token ranges rank ``rank`` holds, in local order: one contiguous shard (Ulysses) or the
     zigzag pair of chunks ``rank`` and ``2 cp - 1 - rank`` (ring, all-gather)."""
     if CPBaseline(system) == CPBaseline.ULYSSES:
@@ -153,18 +139,8 @@ def _types_list(attn_type_map: Any, n: int) -> list[Any]:
     return [attn_type_map] * n  # one type (name, enum or code) for every slice
 
 
-def plan_baseline(
-    system: CPBaseline | str,
-    q_ranges: Any,
-    k_ranges: Any,
-    attn_type_map: Any,
-    total_seqlen: int,
-    cp_size: int,
-    rank: int,
-    *,
-    num_heads_q: int,
-    num_heads_kv: int,
-) -> BaselinePlan:
+def plan_baseline(system: CPBaseline | str, q_ranges: Any, k_ranges: Any, attn_type_map: Any, total_seqlen: int,
+                  cp_size: int, rank: int, *, num_heads_q: int, num_heads_kv: int) -> BaselinePlan:  # fmt: skip
     """Plan one rank's share of a baseline (pure; a ``ValueError`` before any collective could start).
     ``q_ranges`` / ``k_ranges``: ``[num_slices, 2]`` global ranges; ``attn_type_map``: per-slice types, one
     type for all, or None (all FULL); ``total_seqlen``: a multiple of cp (Ulysses) or 2 cp (ring, all-gather)."""
@@ -204,17 +180,13 @@ def plan_baseline(
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(
-    system: CPBaseline, slices: tuple[TypedSlice, ...], total: int, cp: int, rank: int, hq: int, hkv: int
-) -> BaselinePlan:
+def _plan(system: CPBaseline, slices: tuple[TypedSlice, ...], total: int, cp: int, rank: int, hq: int, hkv: int) -> BaselinePlan:  # fmt: skip
     mine = token_ranges(system, total, cp, rank)
     if system == CPBaseline.ULYSSES:
         steps = (clip_slices(slices, [(0, total, 0)], [(0, total, 0)]),)
     elif system == CPBaseline.RING_ZIGZAG:
-        steps = tuple(
-            clip_slices(slices, _pieces(mine), _pieces(token_ranges(system, total, cp, (rank - j) % cp)))
-            for j in range(cp)
-        )
+        steps = tuple(clip_slices(slices, _pieces(mine), _pieces(token_ranges(system, total, cp, (rank - j) % cp)))
+                      for j in range(cp))  # fmt: skip
     else:
         shard = total // cp
         k_all = [p for s in range(cp) for p in _pieces(token_ranges(system, total, cp, s), s * shard)]
@@ -238,11 +210,8 @@ def _kernel_args(sl: SliceList) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Ranges as CPU int32 tensors and types as a list, built once per slice list: FFA reads them on the
     host, and host inputs spare every kernel call a device -> host copy (a sync that would stall the queue)."""
     n = len(sl)
-    return (
-        torch.tensor(sl.q_ranges, dtype=torch.int32).reshape(n, 2),
-        torch.tensor(sl.k_ranges, dtype=torch.int32).reshape(n, 2),
-        list(sl.types),
-    )
+    q, k = (torch.tensor(r, dtype=torch.int32).reshape(n, 2) for r in (sl.q_ranges, sl.k_ranges))
+    return q, k, list(sl.types)
 
 
 def _fwd(q, k, v, sl: SliceList, out, lse, scale: float) -> None:
@@ -438,10 +407,7 @@ class _KVSchemeFn(torch.autograd.Function):
 
 
 # -- public entry -------------------------------------------------------------------------------------------
-_KV_SCHEMES = {
-    CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd),
-    CPBaseline.ALLGATHER_KV: (_allgather_fwd, _allgather_bwd),
-}
+_KV_SCHEMES = {CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd), CPBaseline.ALLGATHER_KV: (_allgather_fwd, _allgather_bwd)}  # fmt: skip
 
 
 def _validate(q, k, v, plan: BaselinePlan, group) -> None:
@@ -475,14 +441,8 @@ def _validate(q, k, v, plan: BaselinePlan, group) -> None:
             )
 
 
-def baseline_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: BaselinePlan,
-    group: dist.ProcessGroup | None = None,
-    softmax_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def baseline_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BaselinePlan,
+                  group: dist.ProcessGroup | None = None, softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Differentiable ``(out, lse)`` of this rank's rows (``shard_tokens``) by ``plan.system`` over ``group``
     (None: the default group); shapes and dtypes as in the module docstring (lse fp64 for fp64 inputs)."""
     _validate(q, k, v, plan, group)

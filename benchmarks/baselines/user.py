@@ -32,18 +32,14 @@ class UserCase:
     """One system set up on one case, on this rank."""
 
     step: Callable[[], torch.Tensor]
-    """Forward: returns this rank's output ``[local_tokens, num_heads_q, head_dim]`` (autograd to `inputs`)."""
+    """Forward: this rank's output ``[local_tokens, num_heads_q, head_dim]``, autograd to ``inputs`` (the leaf q,
+    k, v shards); ``dout`` its gradient; ``token_index`` the global token of each row (None: compared another
+    way); ``kernel`` the local kernel's label; ``close()`` undoes the setup (torch_cp's context), once."""
     inputs: tuple[torch.Tensor, ...]
-    """The leaf q, k, v shards the step reads (requires_grad)."""
     dout: torch.Tensor
-    """The output gradient for the step's output, same layout."""
     token_index: torch.Tensor | None
-    """``[local_tokens]`` int64: the global token of each output row (for the cross-check; None: compared
-    another way)."""
     kernel: str
-    """The local attention kernel, for the report."""
     close: Callable[[], None] = field(default=lambda: None)
-    """Undo anything the setup changed (torch_cp leaves its context here); call once after the last step."""
 
 
 # -- Ulysses: sequence shards <-> head shards (autograd-aware all-to-all) ------------------------------------
@@ -91,10 +87,8 @@ def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
 def _check_heads(q: torch.Tensor, k: torch.Tensor, cp: int) -> None:
     hq, hkv = q.shape[1], k.shape[1]
     if hq % cp or hkv % cp:
-        raise Unavailable(
-            f"heads not divisible by cp: Ulysses shards heads, needs num_heads_q ({hq}) and num_heads_kv "
-            f"({hkv}) divisible by cp ({cp})"
-        )
+        raise Unavailable(f"heads not divisible by cp: Ulysses shards heads, needs num_heads_q ({hq}) and "
+                          f"num_heads_kv ({hkv}) divisible by cp ({cp})")  # fmt: skip
 
 
 def _ulysses_case(q, k, v, do, group, local_attn: Callable, kernel: str) -> UserCase:
@@ -142,21 +136,15 @@ def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
 
 
 # -- SDPA backend choice ----------------------------------------------------------------------------------------
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend
-
-    return SDPBackend
-
-
 @functools.lru_cache(maxsize=64)
 def _sdpa_probe(
     backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int
 ) -> str | None:
     """None when SDPA runs forward + backward under ``backend_name`` alone on a small case of this dtype and
     head_dim with ``group_size`` q heads per kv head (``enable_gqa=True`` when > 1); else the error."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(_sdpa_backends(), backend_name)
+    backend = getattr(SDPBackend, backend_name)
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 2 * group_size, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
     kv = [
@@ -196,14 +184,14 @@ def _repeat_kv(x: torch.Tensor, g: int, head_axis: int) -> torch.Tensor:
 def build_ulysses_cudnn(q, k, v, do, mask: Mask, group=None) -> UserCase:
     """Ulysses + ``F.scaled_dot_product_attention`` under the cuDNN backend (full / causal). On a CPU run the
     math backend stands in (cuDNN needs CUDA), so the Ulysses plumbing is still exercised."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     causal = mask.dense_causal()
     if causal is None:
         raise Unavailable("mask not expressible: SDPA without an explicit mask takes full / causal only")
     _check_heads(q, k, dist.get_world_size(group))
     name, native = _sdpa_choice(["CUDNN_ATTENTION"] if q.is_cuda else ["MATH"], q, k)
-    backend = getattr(_sdpa_backends(), name)
+    backend = getattr(SDPBackend, name)
     g = q.shape[1] // k.shape[1]
 
     def local(qh, kh, vh):  # [T, h, d] -> SDPA's [1, h, T, d] (a strided view; no copy)
@@ -249,9 +237,8 @@ def enter_torch_cp(
     stack.callback(setattr, options, "enable_load_balance", options.enable_load_balance)
     options.enable_load_balance = bool(causal)  # its ring refuses load balancing for non-causal SDPA
     try:
-        stack.enter_context(
-            context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers))
-        )
+        stack.enter_context(context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
+                                             no_restore_buffers=set(buffers)))  # fmt: skip
         with torch.no_grad():
             for x in buffers:  # resize_ kept the global-size storage: give each shard a storage of its own
                 x.set_(x.clone())
@@ -270,16 +257,14 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     if causal is None:
         raise Unavailable("mask not expressible: the SDPA ring takes full / causal only")
     if not q.is_cuda or dist.get_backend(group) != "nccl":
-        raise Unavailable(
-            f"needs CUDA + NCCL: torch context_parallel's SDPA ring, this run is {q.device.type} / "
-            f"{dist.get_backend(group)}"
-        )
+        raise Unavailable(f"needs CUDA + NCCL: torch context_parallel's SDPA ring, this run is {q.device.type} / "
+                          f"{dist.get_backend(group)}")  # fmt: skip
     if group not in (None, dist.group.WORLD):
         raise Unavailable("not on a sub-group: this harness builds torch_cp's mesh over the whole world")
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     name, _ = _sdpa_choice(TORCH_CP_BACKENDS, q, q)  # q as k: K/V are repeated to the q heads, no GQA call
-    backend = getattr(_sdpa_backends(), name)
+    backend = getattr(SDPBackend, name)
     cp = dist.get_world_size(group)
     g = q.shape[1] // k.shape[1]
     # the buffers are sharded in place: fresh [1, h, total, d] copies, plus token positions to learn the order
@@ -300,9 +285,7 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     kernel = f"SDPA ring, {name.split('_')[0].lower()} ({'causal' if causal else 'full'}, {balance}"
     kernel += ", K/V heads repeated)" if g > 1 else ")"
     dout = do4[0].transpose(0, 1)
-    return UserCase(
-        step=step, inputs=inputs, dout=dout, token_index=pos.clone(), kernel=kernel, close=stack.close
-    )
+    return UserCase(step=step, inputs=inputs, dout=dout, token_index=pos.clone(), kernel=kernel, close=stack.close)  # fmt: skip
 
 
 # -- ulysses_ffa_fa4, ulysses_ffa_cudnn ---------------------------------------------------------------------------
@@ -321,10 +304,11 @@ def build_ulysses_ffa(vendor: str, q, k, v, do, mask: Mask, group=None) -> UserC
     available, dependency, provides = FFA_VENDORS[vendor]
     if not getattr(mod, available)():
         raise Unavailable(f"{dependency} not importable: {package} needs {provides}")
-    dev = q.device
-    qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
+    qr, kr = (
+        torch.tensor(r, dtype=torch.int32, device=q.device).reshape(-1, 2)
+        for r in (mask.q_ranges, mask.k_ranges)
+    )
+    tm = torch.tensor(mask.types, dtype=torch.int32, device=q.device)
 
     def local(qh, kh, vh):  # the same tensors every call: the package caches its plan by their identity
         return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
@@ -335,23 +319,14 @@ def build_ulysses_ffa(vendor: str, q, k, v, do, mask: Mask, group=None) -> UserC
 
 
 BUILDERS: dict[str, Callable[..., UserCase]] = {
-    "ulysses_fa4": build_ulysses_fa4,
-    "ulysses_cudnn": build_ulysses_cudnn,
-    "torch_cp": build_torch_cp,
+    "ulysses_fa4": build_ulysses_fa4, "ulysses_cudnn": build_ulysses_cudnn, "torch_cp": build_torch_cp,
     "ulysses_ffa_fa4": functools.partial(build_ulysses_ffa, "ffa_fa4"),
     "ulysses_ffa_cudnn": functools.partial(build_ulysses_ffa, "ffa_cudnn"),
-}
+}  # fmt: skip
 
 
-def build_case(
-    system: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    mask: Mask,
-    group: dist.ProcessGroup | None = None,
-) -> UserCase:
+def build_case(system: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mask: Mask,
+               group: dist.ProcessGroup | None = None) -> UserCase:  # fmt: skip
     """Set up ``system`` (a key of ``BUILDERS``) on this rank from the global ``[total, heads, head_dim]``
     q/k/v/dout; raises ``Unavailable`` (the reason) where it cannot run here."""
     if system not in BUILDERS:

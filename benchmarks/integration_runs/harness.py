@@ -2,6 +2,7 @@
 What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness)."""
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.cli import run_module  # noqa: F401 (the runs' `python -m` entry)
 from benchmarks.common import sync
 
 IGNORE_INDEX = -100
@@ -71,9 +73,7 @@ def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    parser.add_argument(
-        "--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)"
-    )
+    parser.add_argument("--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the packed batch (GPU: 12288)")
     parser.add_argument(
         "--steps", type=int, default=5, help="AdamW steps per side (the first is the warm-up)"
@@ -92,17 +92,10 @@ def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
         out = Path(os.environ["OUT"]) / f"{name}.json"
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is the warm-up of the timing)")
-    return RunConfig(
-        device=device,
-        dtype=torch.bfloat16 if device.type == "cuda" else torch.float64,
-        tokens=args.tokens or (160 if tiny else 12288),
-        steps=args.steps,
-        lr=args.lr if device.type == "cuda" else 1e-2,
-        seed=args.seed,
-        kernel_backend=args.kernel_backend,
-        tiny=tiny,
-        out=out,
-    )
+    return RunConfig(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float64,
+                     tokens=args.tokens or (160 if tiny else 12288), steps=args.steps,
+                     lr=args.lr if device.type == "cuda" else 1e-2, seed=args.seed,
+                     kernel_backend=args.kernel_backend, tiny=tiny, out=out)  # fmt: skip
 
 
 def init_world_1(device: torch.device) -> dist.ProcessGroup:
@@ -123,24 +116,19 @@ def init_world_1(device: torch.device) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def close_world() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def main(
-    name: str, doc: str, argv: list[str] | None, body: Callable[[RunConfig, dist.ProcessGroup], list[dict]]
-) -> dict:
+def main(name: str, doc: str, argv: list[str] | None, body: Callable[[RunConfig, dist.ProcessGroup], list[dict]],
+         report: Callable[[str, RunConfig, list[dict]], dict | int] | None = None) -> dict | int:  # fmt: skip
     """A run's `main`: parse the command line, set up the world-1 group, `body(cfg, group)` (its comparisons),
-    close the group, then :func:`finish`."""
+    close the group, then `report(name, cfg, results)` (default :func:`finish`)."""
     cfg = parse_args(name, doc, argv)
     group = init_world_1(cfg.device)
     try:
         results = body(cfg, group)
     finally:
-        close_world()
-    return finish(name, cfg, results)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return (report or finish)(name, cfg, results)
 
 
 @dataclass(frozen=True)
@@ -148,13 +136,12 @@ class PackedBatch:
     """Documents packed into one row: tokens, boundaries, and per-document positions and targets."""
 
     input_ids: torch.Tensor
-    """`[1, total]` int64 token ids."""
+    """`[1, total]` int64 token ids; `cu_seqlens` `[0, ..., total]` the document boundaries; `position_ids`
+    `[1, total]` each token's index in its document; `labels` `[1, total]` the next token within the document
+    (IGNORE_INDEX at each document's last token)."""
     cu_seqlens: list[int]
-    """`[0, ..., total]` document boundaries."""
     position_ids: torch.Tensor
-    """`[1, total]` index of each token within its document."""
     labels: torch.Tensor
-    """`[1, total]` next token within the document; IGNORE_INDEX at each document's last token."""
 
     @property
     def total(self) -> int:
@@ -177,9 +164,7 @@ def packed_batch(total: int, vocab: int, *, seed: int, device: torch.device) -> 
         lengths.append(max(4, min(n, total - sum(lengths))))
     if lengths[-1] < 4 and len(lengths) > 1:  # a 1-3 token tail joins the document before it
         lengths[-2] += lengths.pop()
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(lengths)]
     docs, positions = [], []
     for n in lengths:
         start = int(torch.randint(0, vocab, (), generator=gen))
@@ -191,10 +176,7 @@ def packed_batch(total: int, vocab: int, *, seed: int, device: torch.device) -> 
     labels[:-1] = ids[1:]
     labels[torch.tensor(cu[1:]) - 1] = IGNORE_INDEX
     return PackedBatch(
-        input_ids=ids[None].to(device),
-        cu_seqlens=cu,
-        position_ids=torch.cat(positions)[None].to(device),
-        labels=labels[None].to(device),
+        ids[None].to(device), cu, torch.cat(positions)[None].to(device), labels[None].to(device)
     )
 
 
@@ -221,15 +203,9 @@ def full_tensor(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor()
 
 
-def train(
-    model: torch.nn.Module,
-    step: Callable[[], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    device: torch.device,
-    grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
-    sync_grads: Callable[[], None] = lambda: None,
-) -> SideResult:
+def train(model: torch.nn.Module, step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, steps: int,
+          device: torch.device, grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+          sync_grads: Callable[[], None] = lambda: None) -> SideResult:  # fmt: skip
     """`steps` optimizer steps of `model`: `step()` (the forward, returns the loss), its backward and
     `sync_grads()` (the integration's gradient all-reduce), each timed between synchronizations; the step-0
     gradients are kept (through `grad_of`, e.g. a DTensor's full tensor)."""
@@ -244,10 +220,8 @@ def train(
         sync_grads()
         if i == 0:
             # kept in fp32 at least (bf16 gradients would round the comparison), fp64 as they are
-            result.grads0 = [
-                grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
-                for p in model.parameters()
-            ]
+            result.grads0 = [grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
+                             for p in model.parameters()]  # fmt: skip
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -258,15 +232,10 @@ def train(
     return result
 
 
-def train_pair(
-    model: torch.nn.Module,
-    magi_step: Callable[[], torch.Tensor],
-    ref: torch.nn.Module,
-    ref_step: Callable[[], torch.Tensor],
-    cfg: RunConfig,
-    grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
-    sync_grads: Callable[[], None] = lambda: None,
-) -> tuple[SideResult, SideResult]:
+def train_pair(model: torch.nn.Module, magi_step: Callable[[], torch.Tensor], ref: torch.nn.Module,
+               ref_step: Callable[[], torch.Tensor], cfg: RunConfig,
+               grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+               sync_grads: Callable[[], None] = lambda: None) -> tuple[SideResult, SideResult]:  # fmt: skip
     """Both sides of a run, magi's first (`sync_grads` after its backward): `cfg.steps` AdamW steps (learning
     rate `cfg.lr`) of each model from its own (equal) initial weights, through :func:`train`."""
     sides = []
@@ -285,17 +254,8 @@ def grad_rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return math.sqrt(diff) / max(math.sqrt(norm), 1e-300)
 
 
-def compare(
-    name: str,
-    cfg: RunConfig,
-    batch: PackedBatch,
-    magi: SideResult,
-    ref: SideResult,
-    *,
-    ref_label: str,
-    key: object,
-    extra: dict | None = None,
-) -> dict:
+def compare(name: str, cfg: RunConfig, batch: PackedBatch, magi: SideResult, ref: SideResult, *, ref_label: str,
+            key: object, extra: dict | None = None) -> dict:  # fmt: skip
     """The numbers of one comparison and its checks (PASS/MISS against the tolerances of the dtype); `key`:
     magi's runtime key, whose kernel backend (and the reason for it) the report names."""
     from magi_attention.api import get_kernel_backend
@@ -321,34 +281,15 @@ def compare(
         checks["the loss falls over the steps (CPU run)"] = (
             len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]
         )
-    return {
-        "name": name,
-        "reference": ref_label,
-        "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "cpu",
-        "dtype": str(cfg.dtype).removeprefix("torch."),
-        "kernel_backend_asked": cfg.kernel_backend,
-        "tokens": batch.total,
-        "documents": len(batch.doc_lens),
-        "doc_lens": batch.doc_lens,
-        "steps": cfg.steps,
-        "lr": cfg.lr,
-        "losses_magi": magi.losses,
-        "losses_ref": ref.losses,
-        "loss_abs_diff": loss_diff,
-        "grad_rel_err_step0": grad_rel,
-        "step_seconds_magi": magi.step_seconds,
-        "step_seconds_ref": ref.step_seconds,
-        "tokens_per_s_magi": tokens_per_s(magi),
-        "tokens_per_s_ref": tokens_per_s(ref),
-        "peak_memory_gib_magi": magi.peak_memory_gib,
-        "peak_memory_gib_ref": ref.peak_memory_gib,
-        "tolerances": tol,
-        "checks": {k: "PASS" if ok else "MISS" for k, ok in checks.items()},
-        "versions": versions(),
-        "kernel_backend": backend.value,
-        "kernel_reason": reason,
-        **(extra or {}),
-    }
+    sides = {f"{k}_{side}": v for side, r in (("magi", magi), ("ref", ref)) for k, v in (("losses", r.losses),
+             ("step_seconds", r.step_seconds), ("tokens_per_s", tokens_per_s(r)), ("peak_memory_gib", r.peak_memory_gib))}  # fmt: skip
+    return {"name": name, "reference": ref_label,
+            "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "cpu",
+            "dtype": str(cfg.dtype).removeprefix("torch."), "kernel_backend_asked": cfg.kernel_backend,
+            "tokens": batch.total, "documents": len(batch.doc_lens), "doc_lens": batch.doc_lens, "steps": cfg.steps,
+            "lr": cfg.lr, **sides, "loss_abs_diff": loss_diff, "grad_rel_err_step0": grad_rel, "tolerances": tol,
+            "checks": {k: "PASS" if ok else "MISS" for k, ok in checks.items()}, "versions": versions(),
+            "kernel_backend": backend.value, "kernel_reason": reason, **(extra or {})}  # fmt: skip
 
 
 VERSIONED = ("transformers", "megatron-core", "torchtitan", "triton", "flash-attn-4", "nvidia-cudnn-frontend")
@@ -386,13 +327,14 @@ def finish(name: str, cfg: RunConfig, results: list[dict]) -> dict:
         print_report(result)
     report = {"name": name, "runs": results}
     report["passed"] = all(v == "PASS" for r in results for v in r["checks"].values())
-    if cfg.out is not None:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        cfg.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {cfg.out}")
+    write_report(cfg, report)
     print(f"{name}: {'PASS' if report['passed'] else 'MISS'}")
     return report
 
 
-def exit_code(report: dict) -> int:
-    return 0 if report["passed"] else 1
+def write_report(cfg: RunConfig, report: dict) -> None:
+    """``report`` as JSON at ``cfg.out`` (if set), its folder made as needed."""
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {cfg.out}")

@@ -106,6 +106,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.torchtitan_run"))
+    raise SystemExit(harness.run_module(__spec__.name))
