@@ -344,11 +344,27 @@ def git_sha() -> str:
     return out.strip() or "unknown"
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+"""``--dtype`` names."""
+
+
 def no_multicast() -> None:
     """NVLink multicast (NVLS) stays off in every multi-GPU run of this project: call before NCCL initialises
     (a variable already set is kept)."""
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+
+
+def join_torchrun(cuda: bool) -> torch.device:
+    """Join the process group torchrun's environment describes (NCCL on this rank's GPU, else gloo), NVLink
+    multicast off; returns this rank's device."""
+    no_multicast()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:

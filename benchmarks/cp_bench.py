@@ -45,7 +45,6 @@ SAME_KERNEL = (System.ULYSSES, System.RING_ZIGZAG, System.ALLGATHER_KV)
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
 KERNEL_BACKENDS = ("auto", "fa4", "cudnn", "triton", "torch")
 DYNAMIC = "dynamic"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -351,7 +350,7 @@ def add_speedups(rows: list[dict]) -> None:
 def _global_data(total: int, cfg: BenchConfig, device) -> dict:
     """Global q/k/v/dout, identical on every rank (one seed), in the benchmark dtype."""
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    dt = DTYPES[cfg.dtype]
+    dt = common.DTYPES[cfg.dtype]
 
     def randn(h: int) -> torch.Tensor:
         return torch.randn(total, h, cfg.head_dim, generator=gen, device=device, dtype=torch.float32).to(dt)
@@ -449,7 +448,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens-per-gpu", default="8192,16384", help="comma-separated")
     add_common(ap, masks=",".join(MASKS), heads="64:8", head_dim=128)
     ap.add_argument("--systems", default=",".join(s.value for s in System))
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(common.DTYPES), default="bf16")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--chunk-size", type=int, default=2048, help="magi DispatchConfig.chunk_size")
@@ -558,13 +557,9 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
 def main(args) -> int:
     """``python -m benchmarks cp``: the process group (torchrun's environment) joined if not yet, then `run`."""
     cfg, out = config(args)
-    common.no_multicast()
     own_group = not dist.is_initialized()
     if own_group:  # torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        if cfg.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        common.join_torchrun(cfg.device == "cuda")
     try:
         run(cfg, out)
     finally:

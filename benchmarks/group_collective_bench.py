@@ -162,19 +162,14 @@ def _bandwidth_row(mb: int, world: int, rank: int, dev, row: tuple, token_bytes:
 
 
 def gpu_bandwidth(args) -> int:
-    import os
-
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import events_loop_ms, no_multicast
+    from benchmarks.common import events_loop_ms, join_torchrun
     from magi_group_collective import release_native_buffers
 
-    no_multicast()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")
+    dev = join_torchrun(cuda=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
     row = (2 * 8, 128)  # K and V of 8 heads x 128, bf16: 4 KiB per token (BYTES_PER_TOKEN)
     results = []
 
