@@ -385,6 +385,24 @@ def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:
     return start.elapsed_time(stop) / n
 
 
+def interleaved(
+    names: list[str], rounds: int, run: Callable[[str, int], object], errors: dict[str, str]
+) -> dict:
+    """``{name: [run(name, i) for each round i]}``, every name once per round, each round starting one name
+    later (no name is always timed first, or always after the same neighbour); a name whose call raises is
+    recorded in ``errors`` (its repr) and left out of the later rounds: reported, not hidden."""
+    out: dict[str, list] = {n: [] for n in names}
+    for i in range(rounds if names else 0):
+        for n in names[i % len(names) :] + names[: i % len(names)]:
+            if n in errors:
+                continue
+            try:
+                out[n].append(run(n, i))
+            except Exception as e:
+                errors[n] = repr(e)[:300]
+    return out
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
     if device.type == "cuda":

@@ -13,6 +13,7 @@ from benchmarks.common import (
     calc_attn_runner,
     environment,
     flex_setup,
+    interleaved,
     kernel_runners,
     time_fwd_bwd,
 )
@@ -57,9 +58,9 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     import os
     from unittest import mock
 
-    q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (
+        torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk)
+    )
     ranges = (m.q_ranges, m.k_ranges, m.attn_type_map)
     out = {}
     for b in DET_BACKENDS:
@@ -227,33 +228,20 @@ def bench(args) -> list[dict]:
                         runners = _det_runners(m, S, hq, hk, d, kernels)
                     else:
                         runners = kernel_runners(m, S, hq, hk, d, kernels, flex_tools)
-                    grads, times, errors = {}, {k: ([], []) for k in runners}, {}
+                    grads, errors = {}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
                             grads[kname] = torch.randn_like(fn())
                         except Exception as e:  # a kernel that cannot run a shape is reported, not hidden
                             errors[kname] = repr(e)[:300]
-                    order = list(runners)
-                    for i in range(args.repeats):
-                        # each round starts one kernel later: no kernel is always timed first (after the
-                        # previous round's longest backward) or always after the same neighbour
-                        for kname in order[i % len(order) :] + order[: i % len(order)]:
-                            fn, xs = runners[kname]
-                            if kname in errors:
-                                continue
-                            try:
-                                tf, tb = time_fwd_bwd(fn, xs, grads[kname], args.warmup, args.rep)
-                            except Exception as e:
-                                errors[kname] = repr(e)[:300]
-                                continue
-                            times[kname][0].append(tf)
-                            times[kname][1].append(tb)
+                    times = interleaved(list(runners), args.repeats, lambda k, _, rn=runners, g=grads: time_fwd_bwd(
+                        *rn[k], g[k], args.warmup, args.rep), errors)  # fmt: skip
                     for kname in runners:
                         r = dict(kernel=kname, mask=name, S=S, hq=hq, hk=hk, d=d, area=m.area)
                         if kname in errors:
                             r["error"] = errors[kname]
                         else:
-                            fw, bw = times[kname]
+                            fw, bw = (list(t) for t in zip(*times[kname]))
                             mf, mb = statistics.median(fw), statistics.median(bw)
                             r.update(
                                 fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
@@ -263,7 +251,7 @@ def bench(args) -> list[dict]:
                             )  # fmt: skip
                         rows.append(r)
                         print(json.dumps(r), flush=True)
-                    del runners
+                    runners.clear()
                     torch.cuda.empty_cache()
     return rows
 
@@ -420,11 +408,8 @@ def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -
         measured = (f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
                     f"{env.get('versions', '')}")  # fmt: skip
         source = measured if not source else f"{source}; {measured}"
-    table = {
-        "gpu_kind": gpu_kind(env["gpu"]) if env is not None else base_table["gpu_kind"],
-        "source": source,
-        "rows": [rows[k] for k in sorted(rows, key=lambda k: (*k[:5], k[5]))],
-    }
+    table = {"gpu_kind": gpu_kind(env["gpu"]) if env is not None else base_table["gpu_kind"], "source": source,
+             "rows": [rows[k] for k in sorted(rows, key=lambda k: (*k[:5], k[5]))]}  # fmt: skip
     Path(out).write_text(json.dumps(table, indent=1) + "\n")
     return table
 
@@ -436,11 +421,8 @@ def add_arguments(ap) -> None:
     ap.add_argument(
         "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
     )
-    ap.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="time each runtime backend's backward in deterministic mode against its default",
-    )
+    ap.add_argument("--deterministic", action="store_true", help="time each runtime backend's backward in "
+                    "deterministic mode against its default")  # fmt: skip
     ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
     ap.add_argument("--sim-masks", default="varlen_causal,full", help="`sim` case masks for --sim-cp")
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
@@ -450,11 +432,8 @@ def add_arguments(ap) -> None:
     ap.add_argument(
         "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
     )
-    ap.add_argument(
-        "--sim-sources",
-        default="",
-        help="for --write-table: simulated cp runs, backend=path,... (`sim` case JSON at --degree 0)",
-    )
+    ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "
+                    "(`sim` case JSON at --degree 0)")  # fmt: skip
     ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip
 
 

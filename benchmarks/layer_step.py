@@ -2,14 +2,13 @@
 What it measures and how to run it: docs/benchmarks/cases.md (layer-step)."""
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from benchmarks.cli import add_common, heads, ints, names, run_module, table, write_results
-from benchmarks.common import CALC_ATTN_RUNNERS, environment, sync
+from benchmarks.common import CALC_ATTN_RUNNERS, environment, interleaved, times_ms
 
 DEFAULT_RUNNERS = ("ffa_fa4", "ffa_cudnn", "auto", "calc_fa4", "calc_cudnn", "calc_triton", "fa4", "cudnn_flex")  # fmt: skip
 MODES = ("same", "new")
@@ -152,39 +151,26 @@ def layer_step(names: Sequence[str], total: int, *, heads: tuple[int, int] = (64
         masks = [docs_mask(total, 0)] * (warmup + steps) if mode == "same" else [
             docs_mask(total, 1 + i) for i in range(warmup + steps)
         ]  # fmt: skip
-        prepared, times, errors = {}, {n: [] for n in runners}, {}
+        prepared, errors = {}, {}
         if mode == "same":  # the per-mask work once, outside the timing
             for name, r in runners.items():
                 try:
                     prepared[name] = r.prepare(masks[0])
                 except Exception as e:
                     errors[name] = repr(e)[:300]
-        order = list(runners)
-        for i, mask in enumerate(masks):
-            for name in order[i % len(order) :] + order[: i % len(order)] if order else []:
-                if name in errors:
-                    continue
-                try:
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    run_step(runners[name], mask, qkvs, do, prepared.get(name))
-                    sync(dev)
-                    ms = (time.perf_counter() - t0) * 1e3
-                except Exception as e:  # a runner that fails is reported, the others go on
-                    errors[name] = repr(e)[:300]
-                    continue
-                if i >= warmup:
-                    times[name].append(ms)
+        # one step per mask, the runners interleaved; a runner that fails is reported, the others go on
+        times = interleaved(list(runners), len(masks), lambda name, i, ms=masks, p=prepared: times_ms(
+            lambda: run_step(runners[name], ms[i], qkvs, do, p.get(name)), 1, device=dev)[0], errors)  # fmt: skip
         for name in runners:
             row = dict(runner=name, mode=mode, **base)
             if name in errors:
                 row["error"] = errors[name]
             else:
-                t = times[name]
+                t = times[name][warmup:]
                 row.update(median_ms=round(statistics.median(t), 3), spread_ms=round(max(t) - min(t), 3),
                            steps=len(t), times_ms=[round(x, 3) for x in t])  # fmt: skip
             rows.append(row)
-        del prepared
+        prepared.clear()
         clear_cache()  # this mode's plans (cp 1)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
