@@ -1,9 +1,6 @@
-"""Helpers the kernel benchmarks share: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
-area; full, causal, varlen_full / varlen_causal, swa_causal_wN, varlen_block_causal, random), each kernel's
-runner on the same inputs (built outside the timing), forward / backward timing and a result file's header.
-TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
-Only torch is imported with the module (magi packages where used).
-"""
+"""Helpers the benchmarks share: their masks, each kernel's runner on the same inputs (built outside the timing),
+timing, a result file's header. FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+Only torch is imported with the module (magi packages where used)."""
 
 import datetime
 import importlib
@@ -51,11 +48,8 @@ def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
         return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
     from magi_solver import lognormal_doc_lengths
 
-    lengths = lognormal_doc_lengths(
-        total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4)
-    )
-    cu = [0, *itertools.accumulate(lengths)]
-    return [list(doc) for doc in itertools.pairwise(cu)]
+    lengths = lognormal_doc_lengths(total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4))  # fmt: skip
+    return [list(doc) for doc in itertools.pairwise([0, *itertools.accumulate(lengths)])]
 
 
 CROSS_KV_RATIO = 4
@@ -129,23 +123,6 @@ def mask_area(q_ranges, k_ranges, types) -> int:
     return SliceList.from_typed([(*q, *k, t) for q, k, t in zip(q_ranges, k_ranges, types)]).area()
 
 
-def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> int:
-    """Exact number of visible pairs (slices must have disjoint areas), counted row by row."""
-    total = 0
-    for (qs, qe), (ks, ke), t in zip(q_ranges.tolist(), k_ranges.tolist(), types.tolist()):
-        if qe <= qs or ke <= ks:
-            continue
-        r = torch.arange(qs, qe, dtype=torch.int64)
-        hi = torch.full_like(r, ke)
-        lo = torch.full_like(r, ks)
-        if t in (1, 3):
-            hi = torch.minimum(hi, r + (ke - qe) + 1)
-        if t in (2, 3):
-            lo = torch.maximum(lo, r + (ks - qs))
-        total += int((hi - lo).clamp(min=0).sum())
-    return total
-
-
 def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
     """Build mask ``name`` for ``total`` tokens (Flex mask_mod tensors live on ``device``)."""
     S = total
@@ -193,7 +170,7 @@ def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
     else:
         raise ValueError(f"unknown mask {name!r}; choose from {MASK_NAMES}")
     qr, kr, tm = _t(rows)
-    return BenchMask(name, qr, kr, tm, mod, slice_area(qr, kr, tm), cudnn)
+    return BenchMask(name, qr, kr, tm, mod, mask_area(qr.tolist(), kr.tolist(), tm.tolist()), cudnn)
 
 
 def _random_rows(S: int, seed: int) -> list[list[int]]:
@@ -230,6 +207,7 @@ def flex_setup():
 def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], flex_tools):
     """name -> (fn, inputs needing grad); every input tensor is created here, outside the timing."""
     import magi_ffa
+    from magi_attention import vendors
 
     dev, dt = "cuda", torch.bfloat16
     out = {}
@@ -265,8 +243,11 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
         out["ffa"] = ffa(magi_ffa)
     add("ffa_fa4", lambda: ffa(importlib.import_module("magi_ffa_fa4")))
     add("ffa_cudnn", ffa_cudnn)
-    for name in ("cudnn_flex", "cudnn_varlen"):
-        add(name, lambda name=name: _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen"))
+    # cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
+    # or (varlen_* masks) the THD path with one sample per document and local intervals
+    add("cudnn_flex", lambda: vendors.cudnn_flex_call(_slice_mask(m, S), q, k, v))
+    if m.name in ("varlen_full", "varlen_causal"):
+        add("cudnn_varlen", lambda: vendors.cudnn_varlen_call(_slice_mask(m, S), q, k, v))
     if "flex" in kernels:
         # FlexAttention's layout: [1, heads, tokens, head_dim]
         qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
@@ -275,12 +256,13 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
         bm = create_block_mask(m.mask_mod, 1, 1, S, S, device=dev) if m.mask_mod is not None else None
         out["flex"] = (lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=gqa), (qb, kb, vb))
     if m.cudnn_causal is not None:
-        from magi_attention.vendors import sdpa_call
-
         for name in ("sdpa_cudnn", "sdpa_flash"):
-            add(name, lambda name=name: sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")))
-    if m.name != "random":
-        add("fa4", lambda: _fa4_runner(m, q, k, v))
+            add(
+                name,
+                lambda name=name: vendors.sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")),
+            )
+    if m.name != "random":  # flash_attn.cute's native calls: full, causal, varlen, sliding window
+        add("fa4", lambda: vendors.fa4_call(_slice_mask(m, S), q, k, v))
     for name, backend in CALC_ATTN_RUNNERS.items():
         add(name, lambda backend=backend: calc_attn_runner(m, q, k, v, backend))
     return out
@@ -311,25 +293,6 @@ def _slice_mask(m: BenchMask, total: int):
     window = int(m.name.removeprefix("swa_causal_w")) - 1 if m.name.startswith("swa_causal_w") else None
     return SliceMask.of(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), total, name=m.name,
                         window=window)  # fmt: skip
-
-
-def _fa4_runner(m: BenchMask, q, k, v):
-    """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
-    from magi_attention.vendors import fa4_call
-
-    return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
-
-
-def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
-    """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
-    or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
-    from magi_attention.vendors import cudnn_flex_call, cudnn_varlen_call
-
-    if not varlen:
-        return cudnn_flex_call(_slice_mask(m, q.shape[0]), q, k, v)
-    if m.name not in ("varlen_full", "varlen_causal"):
-        return None
-    return cudnn_varlen_call(_slice_mask(m, q.shape[0]), q, k, v)
 
 
 def git_sha() -> str:
@@ -454,19 +417,15 @@ def environment() -> dict:
             versions.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             pass
-    return dict(date=datetime.date.today().isoformat(),
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
+    return dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available()
+                else "none", torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
 
 
 def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
-    """One rank's kernel calls as the runtime makes them (``magi_attention.simulate.call_slices``: at overlap
-    degree 0 one merged call, else the host call and one per remote stage) on stand-in keys: ``k`` / ``v`` the
-    rank's shard, ``rk`` / ``rv`` one buffer shared by every rank whose leading rows stand in for the received
-    keys, and at degree 0 for the merged call's own and received keys (at least shard + received rows: no
-    copy per rank). Each call ``(slices, k, v)``, ``slices`` from ``magi_attention.simulate.checked_slices`` for the
-    launchers' runtime entry (``AttnKernel.fwd_slices``: slice values checked once, as the runtime does, not
-    per call); calls without slices left out."""
+    """One rank's kernel calls ``(slices, k, v)`` as the runtime makes them (``simulate.call_slices``: at overlap
+    degree 0 one merged call, else the host call and one per remote stage; slices checked once, as the runtime
+    does), calls without slices left out. ``k`` / ``v``: the rank's shard; ``rk`` / ``rv``: one buffer for every
+    rank whose leading rows stand in for the received keys (at degree 0 the merged call's own and received)."""
     from magi_attention.simulate import call_slices, checked_slices, kernel_ranges
 
     if overlap_degree == 0:
@@ -475,11 +434,7 @@ def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
     else:
         keys = [(k, v)] + [(rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages]
     slices = call_slices(rank_plan, merged=overlap_degree == 0)
-    return [
-        (checked_slices(*kernel_ranges(sl)), kk, vv)
-        for sl, (kk, vv) in zip(slices, keys, strict=True)
-        if len(sl.types)
-    ]
+    return [(checked_slices(*kernel_ranges(sl)), kk, vv) for sl, (kk, vv) in zip(slices, keys, strict=True) if len(sl.types)]  # fmt: skip
 
 
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:
