@@ -82,10 +82,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
         def ref_step() -> torch.Tensor:
             ids, pos = batch.input_ids[0], batch.position_ids[0]
-            preds = [
-                ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None)
-                for s, e in pairwise(batch.cu_seqlens)
-            ]
+            preds = [ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None) for s, e in pairwise(batch.cu_seqlens)]  # fmt: skip
             return loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)[0]
 
         magi, reference = harness.train_pair(
