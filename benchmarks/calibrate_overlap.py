@@ -115,12 +115,10 @@ def main(a) -> int:
         write_results(a.out_dir, "calibration_fit", profiles)
         for pname, p in profiles.items():
             f = p["fit"]
-            print(
-                f"{pname}: fwd {f['fwd_tflops']:.0f} TFLOP/s + {f['fwd_fixed_s'] * 1e6:.0f} us, bwd "
-                f"{f['bwd_tflops']:.0f} + {f['bwd_fixed_s'] * 1e6:.0f} us, merge {f['merge_s_per_elem'] * 1e12:.2f} "
-                f"ps/elem, dq accum {f['dq_accum_s_per_elem'] * 1e12:.2f} ps/elem, copy {mem:.0f} GB/s, comm "
-                f"{(f'{comm[0]:.0f} GB/s + {comm[1] * 1e6:.0f} us') if comm else 'n/a (1 GPU)'}"
-            )
+            print(f"{pname}: fwd {f['fwd_tflops']:.0f} TFLOP/s + {f['fwd_fixed_s'] * 1e6:.0f} us, bwd "
+                  f"{f['bwd_tflops']:.0f} + {f['bwd_fixed_s'] * 1e6:.0f} us, merge {f['merge_s_per_elem'] * 1e12:.2f} "
+                  f"ps/elem, dq accum {f['dq_accum_s_per_elem'] * 1e12:.2f} ps/elem, copy {mem:.0f} GB/s, comm "
+                  f"{(f'{comm[0]:.0f} GB/s + {comm[1] * 1e6:.0f} us') if comm else 'n/a (1 GPU)'}")  # fmt: skip
             print(json.dumps(p["profile"]))
     dist.destroy_process_group()
     return 0

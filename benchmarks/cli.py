@@ -59,16 +59,13 @@ CASES = (
 """The registry: one entry per case (``python -m benchmarks`` lists it)."""
 
 COMMON = {
-    "masks": dict(help="comma-separated mask names"),
-    "seqlens": dict(help="comma-separated total token counts"),
-    "tokens": dict(type=int, help="total tokens"),
+    "masks": dict(help="comma-separated mask names"), "seqlens": dict(help="comma-separated total token counts"),
+    "tokens": dict(type=int, help="total tokens"), "head_dim": dict(type=int, help="head dimension"),
     "heads": dict(help="heads_q:heads_kv (comma-separated where a case runs several)"),
-    "head_dim": dict(type=int, help="head dimension"),
-    "dtype": dict(help="fp64, fp32, bf16 or fp16"),
+    "dtype": dict(help="fp64, fp32, bf16 or fp16"), "tag": dict(help="result file name stem"),
     "repeats": dict(type=int, help="interleaved rounds (each cell: the median over them)"),
     "out_dir": dict(help="folder of the result files (default benchmarks/results)"),
-    "tag": dict(help="result file name stem"),
-}
+}  # fmt: skip
 """The options several cases share: one spelling, one meaning."""
 
 
@@ -131,10 +128,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
 def case_parser(case: Case):
     """``(parser, module)`` of a registered case."""
     module = importlib.import_module(f"benchmarks.{case.module}")
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks {case.name}", description=module.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks {case.name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     module.add_arguments(parser)
     return parser, module
 

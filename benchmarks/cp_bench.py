@@ -19,16 +19,7 @@ from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
 from benchmarks.cli import add_common, run_module, table, usage_error, write_results
 from benchmarks.common import mask_area
-from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
-from magi_attention.api import (
-    calc_attn,
-    clear_cache,
-    dispatch,
-    get_dispatch_choice,
-    get_kernel_backend,
-    magi_attn_flex_key,
-    undispatch,
-)  # fmt: skip
+from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig, api
 from magi_attention.env import native_grpcoll
 
 
@@ -204,15 +195,17 @@ def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) 
 def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
     total, hq, hkv, d = q.shape[0], cfg.heads_q, cfg.heads_kv, cfg.head_dim
     config = _dist_attn_config(cfg, degree, kernel_backend)
-    key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
-    inputs = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
+    key = api.magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
+    inputs = [api.dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
-        return calc_attn(*inputs, key)[0]
+        return api.calc_attn(*inputs, key)[0]
 
-    backend = str(get_kernel_backend(key, q.dtype)[0])
+    backend = str(api.get_kernel_backend(key, q.dtype)[0])
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
-    return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
+    return _Case(
+        step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel, key=key
+    )
 
 
 def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
@@ -297,7 +290,7 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
         if failure := _agree(failure, device):
             return {**row, "skipped": failure}
         if system == System.MAGI:
-            out_g, dq_g = (undispatch(x.detach().contiguous(), case.key) for x in (out, dq))
+            out_g, dq_g = (api.undispatch(x.detach().contiguous(), case.key) for x in (out, dq))
             if not ref:
                 ref.update(out=out_g, dq=dq_g)
                 row.update(rel_out=0.0, rel_dq=0.0)
@@ -308,7 +301,7 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
                     rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
                 )
             del out_g, dq_g
-            row["degree_used"] = get_dispatch_choice(case.key).overlap_degree
+            row["degree_used"] = api.get_dispatch_choice(case.key).overlap_degree
         elif ref:
             idx = case.token_index
             if (
@@ -323,7 +316,7 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
     finally:
         case.close()
         if system == System.MAGI:
-            clear_cache()
+            api.clear_cache()
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
     flops = 4 * area * cfg.heads_q * cfg.head_dim
     row.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_iqr_ms=_quartiles(fwd), bwd_iqr_ms=_quartiles(bwd), fwd_ms_all=fwd,
@@ -398,16 +391,13 @@ def _skip_cell(reason: str) -> str:
 def markdown(meta: dict, rows: list[dict]) -> str:
     c = meta["config"]
     degrees = ",".join(str(x) for x in c["degrees"])
-    lines = [
-        f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
-        f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
-        f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
-        f"kernel backends {','.join(c['kernel_backends'])}, dK/dV reduce {c['grad_reduce']}, group collectives "
-        f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
-        f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
-        f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
-        "",
-    ]
+    lines = [f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
+             f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
+             f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
+             f"kernel backends {','.join(c['kernel_backends'])}, dK/dV reduce {c['grad_reduce']}, group collectives "
+             f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
+             f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
+             f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's", ""]  # fmt: skip
     body = []
     for r in rows:
         head = [r["tokens_per_gpu"], r["mask"], _system_cell(r), _degree_cell(r)]

@@ -38,10 +38,8 @@ def compare(folder: Path, old: str = "b36", new: str = "b40") -> dict:
             tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for v in (a[key], b[key])
         )
         kernel, mask, size, heads, d = key
-        rows.append(
-            dict(kernel=kernel, mask=mask, S=size, heads=heads, d=d, rounds=[len(a[key]), len(b[key])],
-                 fwd_ms=[fa, fb], bwd_ms=[ba, bb], fwd_ratio=round(fa / fb, 3), bwd_ratio=round(ba / bb, 3))
-        )  # fmt: skip
+        rows.append(dict(kernel=kernel, mask=mask, S=size, heads=heads, d=d, rounds=[len(a[key]), len(b[key])],
+                         fwd_ms=[fa, fb], bwd_ms=[ba, bb], fwd_ratio=round(fa / fb, 3), bwd_ratio=round(ba / bb, 3)))  # fmt: skip
     return dict(old=old, new=new, versions={old: va, new: vb}, rows=rows)
 
 

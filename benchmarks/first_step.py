@@ -307,19 +307,7 @@ def _print_breakdown(doc: dict) -> None:
     """The breakdown as a table: seconds per stage, vendors' imports apart."""
     cols = ["python_s", "import_torch_s", "import_ours_s", "cuda_start_s", "vendor_import_s", "first_key_s",
             "first_step_s", "second_key_s", "second_step_s", "ours_s", "launch_to_first_backward_s"]  # fmt: skip
-    heads = [
-        "python",
-        "torch",
-        "ours",
-        "cuda",
-        "vendors",
-        "key",
-        "fwd+bwd",
-        "key 2",
-        "step 2",
-        "OURS",
-        "total",
-    ]
+    heads = ["python", "torch", "ours", "cuda", "vendors", "key", "fwd+bwd", "key 2", "step 2", "OURS", "total"]  # fmt: skip
     if doc["breakdown"]:
         print("\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
               "launch to the end of the first backward)")  # fmt: skip

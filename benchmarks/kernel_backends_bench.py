@@ -243,12 +243,9 @@ def bench(args) -> list[dict]:
                         else:
                             fw, bw = (list(t) for t in zip(*times[kname]))
                             mf, mb = statistics.median(fw), statistics.median(bw)
-                            r.update(
-                                fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
-                                fwd_tflops=round(flops / mf / 1e9, 1), bwd_tflops=round(2.5 * flops / mb / 1e9, 1),
-                                fwd_spread=round((max(fw) - min(fw)) / mf, 3),
-                                bwd_spread=round((max(bw) - min(bw)) / mb, 3),
-                            )  # fmt: skip
+                            r.update(fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
+                                     fwd_tflops=round(flops / mf / 1e9, 1), bwd_tflops=round(2.5 * flops / mb / 1e9, 1),
+                                     fwd_spread=round((max(fw) - min(fw)) / mf, 3), bwd_spread=round((max(bw) - min(bw)) / mb, 3))  # fmt: skip
                         rows.append(r)
                         print(json.dumps(r), flush=True)
                     runners.clear()
@@ -258,13 +255,10 @@ def bench(args) -> list[dict]:
 
 def render(data: dict) -> str:
     env, rows = data["env"], data.get("rows", [])
-    lines = [
-        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['git']}"
-        f"{', ' + env['versions'] if env.get('versions') else ''}; `benchmarks/kernel_backends_bench.py`, one "
-        "process, kernels interleaved, median of the rounds (spread = (max - min) / median). Cells: fwd / bwd "
-        "TFLOP/s.",
-        "",
-    ]
+    lines = [f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['git']}"
+             f"{', ' + env['versions'] if env.get('versions') else ''}; `benchmarks/kernel_backends_bench.py`, one "
+             "process, kernels interleaved, median of the rounds (spread = (max - min) / median). Cells: fwd / bwd "
+             "TFLOP/s.", ""]  # fmt: skip
     if any(r["kernel"].endswith("_det") for r in rows):  # a --deterministic run: ms and ratios, no TFLOP/s
         lines[0] = lines[0].replace(" Cells: fwd / bwd TFLOP/s.", "")
         return "\n".join(lines[:1] + render_det(rows)) + "\n"

@@ -281,14 +281,12 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
     out = []
     for r in sim:
         singles = [o for o in sim if (o["mask"], o["cp"]) == (r["mask"], r["cp"]) and "single_fwd" in o]
-        row = {
-            "mask": r["mask"], "cp": r["cp"], "kernel_backend": r["kernel_backend"], "backend": r["backend"],
-            "chunk_size": r.get("chunk_size"), "dispatch_alg": r.get("dispatch_alg"),
+        row = {k: r.get(k) for k in ("mask", "cp", "kernel_backend", "backend", "chunk_size", "dispatch_alg",
+               "remote_kv_tokens_max", "remote_kv_tokens_mean", "timed_ranks")}  # fmt: skip
+        row |= {
             "dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG),
-            "remote_kv_tokens_max": r.get("remote_kv_tokens_max"),
-            "remote_kv_tokens_mean": r.get("remote_kv_tokens_mean"),
-            "predicted": r.get("predicted", {}), "timed_ranks": r.get("timed_ranks"),
-        }  # fmt: skip
+            "predicted": r.get("predicted", {}),
+        }
         if singles:
             one_f = max(o["single_fwd"] for o in singles)
             one_b = max(o["single_bwd"] for o in singles)
@@ -454,10 +452,8 @@ def main(args) -> int:
         for cp in map(int, args.cps.split(",")):
             rounds = args.rounds_dense if mask in ("full", "causal") and cp >= 32 else args.rounds
             for alg, backend in itertools.product(algs, backends):  # the algorithms of a mask side by side
-                r = simulate_cp(
-                    mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates, args.profile,
-                    alg,
-                )  # fmt: skip
+                r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates,
+                                args.profile, alg)  # fmt: skip
                 if not args.no_single:
                     # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
                     # family at that size stands in (its throughput has long reached the asymptote); measured
@@ -490,10 +486,9 @@ def main(args) -> int:
                     f"{r['slowest_bwd_ms']:.2f}", f"{r['tflops_fwd']:.0f}", f"{r['tflops_bwd']:.0f}", ratio,
                     auto_over_fastest(r, results["sim"]), f"{r['comm_ms_nvlink']:.2f}",
                     f"{r['comm_ms_ib']:.2f}"])  # fmt: skip
-    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "imbalance", "slowest fwd ms",
-                                   "slowest bwd ms", "fwd TFLOP/s/GPU", "bwd TFLOP/s/GPU", "vs one GPU fwd / bwd",
-                                   "auto / fastest explicit fwd / bwd", "comm ms @450GB/s", "comm ms @50GB/s"],
-                                  sim)))  # fmt: skip
+    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "imbalance", "slowest fwd ms", "slowest bwd ms",
+                                   "fwd TFLOP/s/GPU", "bwd TFLOP/s/GPU", "vs one GPU fwd / bwd", "auto / fastest "
+                                   "explicit fwd / bwd", "comm ms @450GB/s", "comm ms @50GB/s"], sim)))  # fmt: skip
     if args.scaling:
         print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.baselines import same_kernel
 from magi_attention.vendors import SliceMask, VendorUnavailable, fa4_local
 
 Ranges = Sequence[Sequence[int]]
@@ -47,41 +48,30 @@ def _cp_of(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class _AllToAll(torch.autograd.Function):
-    """``x [cp, ...]``: block j goes to rank j; returns ``[cp, ...]`` with block j from rank j. The exchange
-    is its own adjoint, so the backward sends the gradient the same way."""
+class _Exchange(torch.autograd.Function):
+    """Sequence shards <-> head shards by ``same_kernel``'s all-to-all; the backward is the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)  # contiguous like x: the collective fills it in memory order
-        dist.all_to_all_single(out, x, group=group)
-        return out
+    def forward(ctx, x: torch.Tensor, to_heads: bool, group) -> torch.Tensor:
+        ctx.to_heads, ctx.group = to_heads, group
+        move = same_kernel._seq_to_heads if to_heads else same_kernel._heads_to_seq
+        return move([x.contiguous()], dist.get_world_size(group), group)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        move = same_kernel._heads_to_seq if ctx.to_heads else same_kernel._seq_to_heads
+        return move([grad.contiguous()], dist.get_world_size(ctx.group), ctx.group)[0], None, None
 
 
 def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
     """``[t, h, d]`` (this rank's contiguous ``t`` tokens, all heads) -> ``[cp * t, h / cp, d]`` (every token,
-    this rank's group of heads). Differentiable: the backward is the inverse all-to-all."""
-    cp, _ = _cp_of(group)
-    t, h, d = x.shape
-    send = x.reshape(t, cp, h // cp, d).transpose(0, 1)  # block j: head group j, to rank j
-    return _AllToAll.apply(send, group).reshape(cp * t, h // cp, d)  # block j: tokens [j t, (j + 1) t)
+    this rank's group of heads; block j: tokens [j t, (j + 1) t)). Differentiable."""
+    return _Exchange.apply(x, True, group)
 
 
 def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads`: ``[cp * t, w, d]`` -> ``[t, cp * w, d]``."""
-    cp, _ = _cp_of(group)
-    n, w, d = x.shape
-    recv = _AllToAll.apply(x.reshape(cp, n // cp, w, d), group)  # block j: rank j's tokens, out
-    return recv.transpose(0, 1).reshape(n // cp, cp * w, d)  # recv[j]: head group j of this rank's tokens
+    """Inverse of :func:`seq_to_heads`: ``[cp * t, w, d]`` -> ``[t, cp * w, d]``. Differentiable."""
+    return _Exchange.apply(x, False, group)
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, cp: int) -> None:
