@@ -9,7 +9,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -405,18 +405,24 @@ def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object]
     return statistics.median(times_ms(fn, n, setup, device))
 
 
-def environment() -> dict:
-    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+def package_versions(names: Sequence[str]) -> dict[str, str]:
+    """The installed version of each distribution of ``names`` (one not installed is left out)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import triton
-
-    versions = []
-    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
+    out = {}
+    for name in names:
         try:
-            versions.append(f"{name} {version(name)}")
+            out[name] = version(name)
         except PackageNotFoundError:
             pass
+    return out
+
+
+def environment() -> dict:
+    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+    import triton
+
+    versions = [f"{n} {v}" for n, v in package_versions(("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl")).items()]  # fmt: skip
     return dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available()
                 else "none", torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
 

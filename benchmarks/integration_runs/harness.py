@@ -17,19 +17,16 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cli import run_module  # noqa: F401 (the runs' `python -m` entry)
-from benchmarks.common import sync
+from benchmarks.common import package_versions, sync
 
 IGNORE_INDEX = -100
 
-# bf16 tolerances (GPU). The two sides differ only in the attention kernel, so at step 0 the losses differ by
-# bf16 rounding of the activations; later steps add the divergence of two bf16 AdamW trajectories.
-BF16_STEP0_LOSS_ABS = 2e-2
-BF16_LOSS_ABS = 5e-2
-BF16_GRAD_REL = 5e-2
-# float64 tolerances (CPU smoke runs): the same math, summed in another order; Megatron computes its cross
-# entropy in float32 (its losses agree to ~5e-7, its gradients to ~1e-9)
-FP64_LOSS_ABS = 1e-5
-FP64_GRAD_REL = 1e-6
+# bf16 (GPU): the two sides differ only in the attention kernel, so at step 0 the losses differ by bf16 rounding
+# of the activations; later steps add the divergence of two bf16 AdamW trajectories. float64 (CPU smoke runs):
+# the same math, summed in another order; Megatron computes its cross entropy in float32 (its losses agree to
+# ~5e-7, its gradients to ~1e-9)
+TOLERANCES = {torch.bfloat16: {"step0_loss_abs": 2e-2, "loss_abs": 5e-2, "grad_rel": 5e-2},
+              torch.float64: {"step0_loss_abs": 1e-5, "loss_abs": 1e-5, "grad_rel": 1e-6}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -45,12 +42,6 @@ class RunConfig:
     kernel_backend: str
     tiny: bool
     out: Path | None
-
-    @property
-    def tolerances(self) -> dict[str, float]:
-        if self.dtype == torch.float64:
-            return {"step0_loss_abs": FP64_LOSS_ABS, "loss_abs": FP64_LOSS_ABS, "grad_rel": FP64_GRAD_REL}
-        return {"step0_loss_abs": BF16_STEP0_LOSS_ABS, "loss_abs": BF16_LOSS_ABS, "grad_rel": BF16_GRAD_REL}
 
     @property
     def shapes(self) -> dict[str, int]:
@@ -70,14 +61,10 @@ def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
     parser = argparse.ArgumentParser(
         prog=name, description=doc, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
-    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the packed batch (GPU: 12288)")
-    parser.add_argument(
-        "--steps", type=int, default=5, help="AdamW steps per side (the first is the warm-up)"
-    )
+    parser.add_argument("--steps", type=int, default=5, help="AdamW steps per side (the first is the warm-up)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernel-backend", default="auto", help="magi's DistAttnConfig.kernel_backend")
@@ -87,9 +74,7 @@ def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     tiny = args.tiny or device.type == "cpu"
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / f"{name}.json"
+    out = args.out or (Path(os.environ["OUT"]) / f"{name}.json" if os.environ.get("OUT") else None)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is the warm-up of the timing)")
     return RunConfig(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float64,
@@ -261,12 +246,10 @@ def compare(name: str, cfg: RunConfig, batch: PackedBatch, magi: SideResult, ref
     from magi_attention.api import get_kernel_backend
 
     backend, reason = get_kernel_backend(key, cfg.dtype)
-    tol = cfg.tolerances
+    tol = TOLERANCES[cfg.dtype]
     loss_diff = [abs(a - b) for a, b in zip(magi.losses, ref.losses)]
     grad_rel = grad_rel_err(magi.grads0, ref.grads0)
-    finite = all(math.isfinite(x) for x in magi.losses) and all(
-        bool(torch.isfinite(g).all()) for g in magi.grads0
-    )
+    finite = all(math.isfinite(x) for x in magi.losses) and all(bool(torch.isfinite(g).all()) for g in magi.grads0)  # fmt: skip
 
     def tokens_per_s(side: SideResult) -> float:
         return batch.total * (len(side.step_seconds) - 1) / sum(side.step_seconds[1:])
@@ -278,9 +261,7 @@ def compare(name: str, cfg: RunConfig, batch: PackedBatch, magi: SideResult, ref
         f"step-0 gradient rel. error <= {tol['grad_rel']:g}": grad_rel <= tol["grad_rel"],
     }
     if cfg.device.type == "cpu":  # the smoke run the integrations' tests make: it must also learn something
-        checks["the loss falls over the steps (CPU run)"] = (
-            len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]
-        )
+        checks["the loss falls over the steps (CPU run)"] = len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]  # fmt: skip
     sides = {f"{k}_{side}": v for side, r in (("magi", magi), ("ref", ref)) for k, v in (("losses", r.losses),
              ("step_seconds", r.step_seconds), ("tokens_per_s", tokens_per_s(r)), ("peak_memory_gib", r.peak_memory_gib))}  # fmt: skip
     return {"name": name, "reference": ref_label,
@@ -296,15 +277,7 @@ VERSIONED = ("transformers", "megatron-core", "torchtitan", "triton", "flash-att
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for dist_name in VERSIONED:
-        try:
-            out[dist_name] = version(dist_name)
-        except PackageNotFoundError:
-            pass
-    return out
+    return {"python": sys.version.split()[0], "torch": torch.__version__, **package_versions(VERSIONED)}
 
 
 def print_report(result: dict) -> None:
