@@ -366,6 +366,15 @@ def interleaved(
     return out
 
 
+def profile_table(fn: Callable[[], object], cuda: bool, sort: str, width: int = 70) -> tuple[str, object]:
+    """``(table, fn())``: ``fn`` under torch.profiler (CPU, and CUDA when ``cuda``), its top 25 ops by ``sort``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        out = fn()
+    return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=width), out
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
     if device.type == "cuda":

@@ -227,20 +227,17 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
 def _profile_once(case: user.UserCase, path: Path, device) -> None:
     """One forward + backward, under torch.profiler on rank 0 (the others run it plain, for the collectives);
     rank 0 writes the top 25 ops by self device time (self CPU time on a CPU run)."""
-    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        torch.autograd.grad(case.step(), case.inputs, case.dout)
+        common.sync(device)
 
     _barrier(device)
     if dist.get_rank() != 0:
-        torch.autograd.grad(case.step(), case.inputs, case.dout)
-        common.sync(device)
-        return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        torch.autograd.grad(case.step(), case.inputs, case.dout)
-        common.sync(device)
+        return step()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table, _ = common.profile_table(step, device.type == "cuda", sort, width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90)
     path.write_text(f"{path.stem}: one forward + backward, rank 0, top 25 ops by {sort}\n{table}\n")
 
 

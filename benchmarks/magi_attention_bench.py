@@ -153,14 +153,9 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
 def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern, path: str, title: str) -> None:
     """torch.profiler over three forward + backward steps of one rank: its kernels and host ops by device
     time, appended to ``path`` under ``title`` (one file for every row: the device runner returns few files)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = DEVICE == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        for _ in range(3):
-            _rank_step(q, do, calls, kern)
-    by = "cuda_time_total" if cuda else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=by, row_limit=25, max_name_column_width=70)
+    table, _ = common.profile_table(lambda: [_rank_step(q, do, calls, kern) for _ in range(3)], cuda,
+                                    "cuda_time_total" if cuda else "cpu_time_total")  # fmt: skip
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         f.write(f"== {title}\n{table}\n\n")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from benchmarks.cli import add_common, heads, run_module, write_results
-from benchmarks.common import rank_kernel_calls, times_ms
+from benchmarks.common import profile_table, rank_kernel_calls, times_ms
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -207,10 +207,6 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         (args.tokens, args.heads_kv), (args.tokens, args.heads_kv)))  # fmt: skip
     fa4_seen: set = set()
     profiled: list[str] | None = None  # --profile: each timed step's first run, profiled
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda")
 
     def step(mask) -> dict:
         if cp == 1:
@@ -228,12 +224,9 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         if profiled is None:
             seconds, rerun = (ms / 1e3 for ms in times_ms(run, 2, device=dev))
         else:  # the first run under torch.profiler: what a slow new mask spends its time on, host and device
-            with profile(activities=activities) as prof:
-                seconds = times_ms(run, 1, device=dev)[0] / 1e3
+            table, seconds = profile_table(lambda: times_ms(run, 1, device=dev)[0] / 1e3, dev.type == "cuda", "cpu_time_total")  # fmt: skip
             rerun = times_ms(run, 1, device=dev)[0] / 1e3
-            profiled.append(
-                prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
-            )
+            profiled.append(table)
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
             keys = fa4_keys(call_tables(ranks), q, dtype)
