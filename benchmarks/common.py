@@ -228,10 +228,7 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
             out[name] = runner
 
     def ffa(mod):  # a magi_ffa package's own autograd entry on the whole mask
-        return (
-            lambda: mod.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0],
-            (q, k, v),
-        )
+        return (lambda: mod.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0], (q, k, v))  # fmt: skip
 
     def ffa_cudnn():
         import magi_ffa_cudnn
@@ -257,10 +254,7 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
         out["flex"] = (lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=gqa), (qb, kb, vb))
     if m.cudnn_causal is not None:
         for name in ("sdpa_cudnn", "sdpa_flash"):
-            add(
-                name,
-                lambda name=name: vendors.sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")),
-            )
+            add(name, lambda name=name: vendors.sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")))  # fmt: skip
     if m.name != "random":  # flash_attn.cute's native calls: full, causal, varlen, sliding window
         add("fa4", lambda: vendors.fa4_call(_slice_mask(m, S), q, k, v))
     for name, backend in CALC_ATTN_RUNNERS.items():
@@ -348,9 +342,7 @@ def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:
     return start.elapsed_time(stop) / n
 
 
-def interleaved(
-    names: list[str], rounds: int, run: Callable[[str, int], object], errors: dict[str, str]
-) -> dict:
+def interleaved(names: list[str], rounds: int, run: Callable[[str, int], object], errors: dict[str, str]) -> dict:  # fmt: skip
     """``{name: [run(name, i) for each round i]}``, every name once per round, each round starting one name
     later (no name is always timed first, or always after the same neighbour); a name whose call raises is
     recorded in ``errors`` (its repr) and left out of the later rounds: reported, not hidden."""

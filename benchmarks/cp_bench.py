@@ -184,9 +184,7 @@ MAGI_KERNELS = {"auto": "FFA, kernel backend auto", "fa4": "FFA on FA4 (magi_ffa
 
 
 def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) -> DistAttnConfig:
-    overlap = OverlapConfig(
-        degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size
-    )
+    overlap = OverlapConfig(degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size)  # fmt: skip
     return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size), overlap_config=overlap,
                           kernel_backend=kernel_backend, high_precision_grad_reduce=cfg.grad_reduce == "fp32",
                           grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]))  # fmt: skip
@@ -203,9 +201,7 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
 
     backend = str(api.get_kernel_backend(key, q.dtype)[0])
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
-    return _Case(
-        step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel, key=key
-    )
+    return _Case(step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel, key=key)  # fmt: skip
 
 
 def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
@@ -518,16 +514,11 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
             ref: dict = {}
             for i, (system, degree, backend) in enumerate(runs):
                 prof = _profile_path(cfg, mask, tpg) if system == System.MAGI and i == 0 else None
-                rows.append(
-                    run_case(system, mask, tpg, data, ref, cfg, device, degree, prof, backend or "auto")
-                )
+                rows.append(run_case(system, mask, tpg, data, ref, cfg, device, degree, prof, backend or "auto"))  # fmt: skip
                 if dist.get_rank() == 0:
                     r = rows[-1]
                     name = _system_cell(r) + (f" degree {_degree_cell(r)}" if system == System.MAGI else "")
-                    status = (
-                        r.get("skipped")
-                        or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"
-                    )
+                    status = r.get("skipped") or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"  # fmt: skip
                     print(f"[cp_bench] {tpg}/GPU {mask} {name}: {status}", flush=True)
         del data
     add_speedups(rows)

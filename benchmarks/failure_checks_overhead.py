@@ -24,9 +24,7 @@ def _worker(rank: int, world: int) -> dict:
 
     def build(shift):
         cu = [0] + [c + shift for c in DOCS[1:-1]] + [TOTAL]
-        return api.magi_attn_varlen_key(
-            cu, cu, 32, 32, 128, dist.group.WORLD, causal=True, dist_attn_config=conf
-        )
+        return api.magi_attn_varlen_key(cu, cu, 32, 32, 128, dist.group.WORLD, causal=True, dist_attn_config=conf)  # fmt: skip
 
     for label, on in (("miss_with_fingerprint", True), ("miss_without_fingerprint", False)):
         shifts = iter(range(1, 21))  # a new key each call
@@ -44,9 +42,7 @@ def _worker(rank: int, world: int) -> dict:
     # the plan built on a device, with the table check (default) and without
     for label, on in (("with", True), ("without", False)):
         with failure_checks(table_check=on):
-            out[f"device_meta_{label}_table_check_ms"] = host_median_ms(
-                calls["device_plan"], 10, dist.barrier
-            )
+            out[f"device_meta_{label}_table_check_ms"] = host_median_ms(calls["device_plan"], 10, dist.barrier)  # fmt: skip
     out["calc_attn_extra_checks_us"] = 1e3 * host_median_ms(calls["local_checks"], 2000)
     out["shard"] = q.shape[0]
     return out

@@ -64,9 +64,7 @@ def bytes_rows(total: int, cps: list[int], chunk: int) -> list[BytesRow]:
                 sent.append(sum(n * len(d) for n, d in zip(ins, dsts)))
                 recv.append(sum(outs))
                 node = s // RANKS_PER_NODE
-                inter_flat.append(
-                    sum(n * sum(d // RANKS_PER_NODE != node for d in ds) for n, ds in zip(ins, dsts))
-                )
+                inter_flat.append(sum(n * sum(d // RANKS_PER_NODE != node for d in ds) for n, ds in zip(ins, dsts)))  # fmt: skip
                 inter_hier.append(sum(n * len({d // RANKS_PER_NODE for d in ds} - {node}) for n, ds in zip(ins, dsts)))  # fmt: skip
             shard = total // cp
             rows.append(BytesRow(mask, cp, max(sent), sum(sent) / cp, max(recv), (cp - 1) * shard,
@@ -199,12 +197,8 @@ def gpu_bandwidth(args) -> int:
         print("\n".join(table(["op", "MiB sent/rank", "NCCL all_to_all_single", "a2av", "native", "native / a2av",
                                 "checks"], body)))  # fmt: skip
         if args.json:
-            write_json(
-                args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results}
-            )
-    ok = all(
-        r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results
-    )
+            write_json(args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results})  # fmt: skip
+    ok = all(r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results)  # fmt: skip
     release_native_buffers()
     dist.destroy_process_group()
     return 0 if ok else 1
@@ -232,9 +226,7 @@ def main(args) -> int:
 
     brows, sha = bytes_rows(args.total, args.cp, args.chunk), git_sha()
     machine = f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"  # fmt: skip
-    print(
-        f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}"
-    )
+    print(f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}")  # fmt: skip
     print(bytes_table(brows))
     if args.json:
         write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],

@@ -58,9 +58,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     import os
     from unittest import mock
 
-    q, k, v = (
-        torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk)
-    )
+    q, k, v = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))  # fmt: skip
     ranges = (m.q_ranges, m.k_ranges, m.attn_type_map)
     out = {}
     for b in DET_BACKENDS:
@@ -73,10 +71,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
             except Exception as e:  # not installed here: reported, not hidden
                 print(f"# {name} unavailable: {e!r}"[:200])
                 continue
-            out[name] = (
-                lambda kernel=kernel, det=det: _LauncherAttn.apply(q, k, v, kernel, ranges, det),
-                (q, k, v),
-            )
+            out[name] = (lambda kernel=kernel, det=det: _LauncherAttn.apply(q, k, v, kernel, ranges, det), (q, k, v))  # fmt: skip
     for name, det in (("auto", False), ("auto_det", True)):
         if name not in kernels:
             continue
@@ -285,12 +280,8 @@ def render(data: dict) -> str:
             auto = by.get("auto")
             versus = "-"
             if calc and auto and "error" not in auto:
-                versus = " / ".join(
-                    f"{auto[f] / max(r[f] for r in calc):.2f}" for f in ("fwd_tflops", "bwd_tflops")
-                )
-            spread = max(
-                (max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0
-            )
+                versus = " / ".join(f"{auto[f] / max(r[f] for r in calc):.2f}" for f in ("fwd_tflops", "bwd_tflops"))  # fmt: skip
+            spread = max((max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0)  # fmt: skip
             body.append([f"{S // 1024}k", f"{hq}:{hk}", d, mask, *map(cell, kern),
                          *(ratio(a, b) for a, b in PAIRS), versus, f"{spread:.0%}"])  # fmt: skip
         lines += table(["S", "heads", "d", "mask", *kern, *(f"{a} / {b}" for a, b in PAIRS),
@@ -350,9 +341,7 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         _, _, f = _planned(entry["mask"], entry["cp"], S, chunk)
         busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
         if f.area != busiest["area"]:
-            raise ValueError(
-                f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}"
-            )
+            raise ValueError(f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}")  # fmt: skip
         rows[key] = {"mask": name, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
                      "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
                      "documents": f.documents, "ms": row["ms"], "source": "+".join(row["source"])}  # fmt: skip
@@ -412,9 +401,7 @@ def add_arguments(ap) -> None:
     add_common(ap, masks="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random", seqlens="8192,32768",
                heads="64:8", repeats=5, out_dir=None, tag="kernel_backends")  # fmt: skip
     ap.add_argument("--head-dims", default="128", help="comma-separated head dimensions")
-    ap.add_argument(
-        "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
-    )
+    ap.add_argument("--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})")  # fmt: skip
     ap.add_argument("--deterministic", action="store_true", help="time each runtime backend's backward in "
                     "deterministic mode against its default")  # fmt: skip
     ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
@@ -423,9 +410,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
-    ap.add_argument(
-        "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
-    )
+    ap.add_argument("--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)")  # fmt: skip
     ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "
                     "(`sim` case JSON at --degree 0)")  # fmt: skip
     ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip

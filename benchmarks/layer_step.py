@@ -79,9 +79,7 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
     device = q0.device
     if name in KERNEL_API:
         mod = importlib.import_module(KERNEL_API[name])
-        return Runner(
-            lambda m: _tables(m, device), lambda t, q, k, v: mod.flex_flash_attn_func(q, k, v, *t)[0]
-        )
+        return Runner(lambda m: _tables(m, device), lambda t, q, k, v: mod.flex_flash_attn_func(q, k, v, *t)[0])  # fmt: skip
     if name in CALC:
         from magi_attention import DistAttnConfig, calc_attn, magi_attn_flex_key
 
@@ -90,9 +88,7 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
 
         def key(m: Mask):
             docs = m.ranges()
-            return magi_attn_flex_key(
-                docs, docs, [1] * len(docs), total, total, hq, k0.shape[1], d, None, config
-            )
+            return magi_attn_flex_key(docs, docs, [1] * len(docs), total, total, hq, k0.shape[1], d, None, config)  # fmt: skip
 
         key(docs_mask(total, 0))  # a backend this machine cannot run fails here, before any timing
         return Runner(key, lambda key, q, k, v: calc_attn(q, k, v, key)[0])
@@ -103,9 +99,7 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
         vendors.import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
         return Runner(lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample),
                       lambda plan, q, k, v: vendors.cudnn_flex_attn(q, k, v, plan))  # fmt: skip
-    raise ValueError(
-        f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}"
-    )
+    raise ValueError(f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}")  # fmt: skip
 
 
 def run_step(runner: Runner, mask: Mask, layers: Sequence[Sequence[torch.Tensor]], do: torch.Tensor,

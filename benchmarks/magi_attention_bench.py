@@ -278,10 +278,7 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
         singles = [o for o in sim if (o["mask"], o["cp"]) == (r["mask"], r["cp"]) and "single_fwd" in o]
         row = {k: r.get(k) for k in ("mask", "cp", "kernel_backend", "backend", "chunk_size", "dispatch_alg",
                "remote_kv_tokens_max", "remote_kv_tokens_mean", "timed_ranks")}  # fmt: skip
-        row |= {
-            "dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG),
-            "predicted": r.get("predicted", {}),
-        }
+        row |= {"dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG), "predicted": r.get("predicted", {})}  # fmt: skip
         if singles:
             one_f = max(o["single_fwd"] for o in singles)
             one_b = max(o["single_bwd"] for o in singles)
@@ -335,9 +332,7 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         r["full_timing"] = i in full
     if profile_path:
         slowest = max(timed, key=lambda i: rows[i]["bwd_ms"])
-        _profile_rank(
-            q, do, calls[slowest], kern, profile_path, f"{mask} cp {cp} {backend.value} rank {slowest}"
-        )
+        _profile_rank(q, do, calls[slowest], kern, profile_path, f"{mask} cp {cp} {backend.value} rank {slowest}")  # fmt: skip
     total_area = sum(r["area"] for r in rows)
     flops_f = 4 * total_area * HQ * D
     worst_f = max(rows[i]["fwd_ms"] for i in timed)
@@ -397,9 +392,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds of the candidate ranks")
     ap.add_argument("--rounds-dense", type=int, default=1, help="--rounds of full and causal at cp >= 32")
     ap.add_argument("--candidates", type=int, default=2, help="quick round's slowest ranks, per way")
-    ap.add_argument(
-        "--profile", default=None, help="file: torch.profiler table of each row's slowest rank, appended"
-    )
+    ap.add_argument("--profile", default=None, help="file: torch.profiler table of each row's slowest rank, appended")  # fmt: skip
     ap.add_argument("--scaling", action="store_true", help="also print the scaling table: E = T_one_gpu / (cp x "
                     "T_slowest_rank), remote K/V per rank, the cost model's predicted step per GPU beside "
                     "MagiAttention's published H100 curve")  # fmt: skip
@@ -422,9 +415,7 @@ def main(args) -> int:
         backends = [KernelBackend.AUTO]
     explicit = [KernelBackend(b) for b in dict.fromkeys(asked + singles) if b != "auto"]
     if not explicit and not (args.no_single and args.no_cp1):
-        usage_error(
-            "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
-        )
+        usage_error("--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend")  # fmt: skip
     if args.plan_only:
         rows = []
         for mask, cp, alg in itertools.product(masks, map(int, args.cps.split(",")), algs):

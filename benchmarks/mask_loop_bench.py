@@ -41,9 +41,7 @@ def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list,
         keep = [i for i in range(len(qr)) if qr[i][1] > qr[i][0] and kr[i][1] > kr[i][0]]
         return kind, [qr[i] for i in keep], [kr[i] for i in keep], [tm[i] for i in keep]
     if kind in ("docs_causal", "docs_full", "short_docs"):
-        docs = _docs(
-            total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200)
-        )
+        docs = _docs(total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200))  # fmt: skip
         return kind, docs, docs, [0 if kind == "docs_full" else 1] * len(docs)
     if kind == "stripes":  # overlapping row bands over narrow key bands: several intervals per row
         n = rng.randint(3, 9)
@@ -240,9 +238,7 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
     if args.warmup_widths is not None:  # FA4's width buckets and varlen window kinds
         from magi_ffa_fa4._launch_meta import warmup_masks
 
-        warm_masks += [
-            (f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))
-        ]
+        warm_masks += [(f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))]  # fmt: skip
     warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
@@ -285,9 +281,7 @@ def _available(backend: str) -> str:
         ok = getattr(importlib.import_module(f"magi_ffa_{backend}"), f"{backend}_available")()
     except ImportError as e:
         return str(e)
-    return (
-        "" if ok else {"fa4": "flash-attn-4", "cudnn": "cuDNN flex_attention"}[backend] + " does not import"
-    )
+    return "" if ok else {"fa4": "flash-attn-4", "cudnn": "cuDNN flex_attention"}[backend] + " does not import"  # fmt: skip
 
 
 def add_arguments(p) -> None:
@@ -325,16 +319,11 @@ def main(args) -> int:
             continue
         rows.append(run_loop(backend, cp, args, dev))
         r = rows[-1]
-        print(
-            f"# {backend} cp{cp}: warm-up {r['warmup_seconds']:.1f} s, median {r['median_ms']:.2f} ms",
-            flush=True,
-        )
+        print(f"# {backend} cp{cp}: warm-up {r['warmup_seconds']:.1f} s, median {r['median_ms']:.2f} ms", flush=True)  # fmt: skip
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "torch": torch.__version__}  # fmt: skip
     write_results(args.out_dir, "mask_loop", {"meta": meta, "rows": rows})
-    print(
-        f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}"
-    )
+    print(f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}")  # fmt: skip
     print("backend   cp  warm-up s  first ms  median ms  worst/med  <=1.5x med  new-mask ms/rank  compiles  "
           "cache growth  new FA4 keys  pass")  # fmt: skip
     for r in rows:

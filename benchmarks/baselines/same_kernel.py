@@ -157,15 +157,12 @@ def plan_baseline(system: CPBaseline | str, q_ranges: Any, k_ranges: Any, attn_t
         raise ValueError(f"`num_heads_q` ({hq}) must be a multiple of `num_heads_kv` ({hkv})")
     parts = cp if system == CPBaseline.ULYSSES else 2 * cp
     if total % parts:
-        raise ValueError(
-            f"{system.value} cuts the sequence into {parts} equal parts: `total_seqlen` ({total}) must be a "
-            f"multiple of {parts}; pad the sequence"
-        )
+        raise ValueError(f"{system.value} cuts the sequence into {parts} equal parts: `total_seqlen` ({total}) "
+                         f"must be a multiple of {parts}; pad the sequence")  # fmt: skip
     if system == CPBaseline.ULYSSES and (hq % cp or hkv % cp):
-        raise ValueError(
-            f"ulysses splits heads across ranks: `num_heads_q` ({hq}) and `num_heads_kv` ({hkv}) must both be "
-            f"divisible by `cp_size` ({cp}); use ring_zigzag or allgather_kv, or a cp size dividing the heads"
-        )
+        raise ValueError(f"ulysses splits heads across ranks: `num_heads_q` ({hq}) and `num_heads_kv` ({hkv}) must "
+                         f"both be divisible by `cp_size` ({cp}); use ring_zigzag or allgather_kv, or a cp size "
+                         "dividing the heads")  # fmt: skip
     qp, kp = as_int_pairs(q_ranges, "q_ranges"), as_int_pairs(k_ranges, "k_ranges")
     if len(qp) != len(kp):
         raise ValueError(f"`q_ranges` has {len(qp)} slices but `k_ranges` has {len(kp)}")
@@ -173,9 +170,7 @@ def plan_baseline(system: CPBaseline | str, q_ranges: Any, k_ranges: Any, attn_t
     if len(types) != len(qp):
         raise ValueError(f"`attn_type_map` has {len(types)} entries for {len(qp)} slices")
     keep = [i for i, (q, k) in enumerate(zip(qp, kp)) if q[0] != q[1] and k[0] != k[1]]
-    slices = normalize_mask(
-        [qp[i] for i in keep], [kp[i] for i in keep], [types[i] for i in keep], total, total
-    )
+    slices = normalize_mask([qp[i] for i in keep], [kp[i] for i in keep], [types[i] for i in keep], total, total)  # fmt: skip
     return _plan(system, tuple(slices), total, cp, rank, hq, hkv)
 
 
@@ -198,9 +193,7 @@ def shard_tokens(x: torch.Tensor, plan: BaselinePlan) -> torch.Tensor:
     """This rank's rows of a global ``[total_seqlen, ...]`` tensor, in the plan's local order (a copy)."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] != plan.total_seqlen:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
-            f"`x` must be a tensor with total_seqlen={plan.total_seqlen} rows on dim 0, got {got}"
-        )
+        raise ValueError(f"`x` must be a tensor with total_seqlen={plan.total_seqlen} rows on dim 0, got {got}")  # fmt: skip
     return torch.cat([x[a:b] for a, b in plan.token_ranges]).contiguous()
 
 
@@ -413,18 +406,12 @@ _KV_SCHEMES = {CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd), CPBaseline.ALLGAT
 def _validate(q, k, v, plan: BaselinePlan, group) -> None:
     if not isinstance(plan, BaselinePlan):
         raise TypeError(f"`plan` must be a BaselinePlan (from plan_baseline), got {type(plan).__name__}")
-    for name, t, heads in (
-        ("q", q, plan.num_heads_q),
-        ("k", k, plan.num_heads_kv),
-        ("v", v, plan.num_heads_kv),
-    ):
+    for name, t, heads in zip("qkv", (q, k, v), (plan.num_heads_q, plan.num_heads_kv, plan.num_heads_kv)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 3 or t.shape[0] != plan.local_seqlen or t.shape[1] != heads:
-            raise ValueError(
-                f"`{name}` must be [local_seqlen={plan.local_seqlen}, {heads}, head_dim] (this rank's rows, "
-                f"see shard_tokens), got {tuple(t.shape)}"
-            )
+            raise ValueError(f"`{name}` must be [local_seqlen={plan.local_seqlen}, {heads}, head_dim] (this rank's "
+                             f"rows, see shard_tokens), got {tuple(t.shape)}")  # fmt: skip
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"`q` must be float16/bfloat16/float32/float64, got {q.dtype}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
@@ -435,10 +422,8 @@ def _validate(q, k, v, plan: BaselinePlan, group) -> None:
     if plan.cp_size > 1:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != plan.cp_size or rank != plan.rank:
-            raise ValueError(
-                f"`plan` is for rank {plan.rank} of cp_size {plan.cp_size}, but this process is rank {rank} of "
-                f"a group of {size}: plan with this rank and the group's size"
-            )
+            raise ValueError(f"`plan` is for rank {plan.rank} of cp_size {plan.cp_size}, but this process is rank "
+                             f"{rank} of a group of {size}: plan with this rank and the group's size")  # fmt: skip
 
 
 def baseline_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BaselinePlan,

@@ -127,9 +127,7 @@ def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
 
 # -- SDPA backend choice ----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def _sdpa_probe(
-    backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int
-) -> str | None:
+def _sdpa_probe(backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int) -> str | None:  # fmt: skip
     """None when SDPA runs forward + backward under ``backend_name`` alone on a small case of this dtype and
     head_dim with ``group_size`` q heads per kv head (``enable_gqa=True`` when > 1); else the error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -137,10 +135,7 @@ def _sdpa_probe(
     backend = getattr(SDPBackend, backend_name)
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 2 * group_size, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-    kv = [
-        torch.randn(1, 2, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-        for _ in "kv"
-    ]
+    kv = [torch.randn(1, 2, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_() for _ in "kv"]  # fmt: skip
     try:
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=group_size > 1)
@@ -212,9 +207,7 @@ def _mesh(device_type: str, size: int):
     return _MESHES[key]
 
 
-def enter_torch_cp(
-    mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool
-) -> contextlib.ExitStack:
+def enter_torch_cp(mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool) -> contextlib.ExitStack:  # fmt: skip
     """Enter ``context_parallel(mesh, buffers=..., buffer_seq_dims=...)``: each buffer becomes this rank's shard
     in place (head-tail order when ``causal``, as its ring balances only causal attention; contiguous shards
     otherwise) and SDPA is routed to the ring until the returned stack is closed, which also restores the
@@ -266,9 +259,7 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     def step() -> torch.Tensor:
         qs, ks, vs = inputs
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(
-                qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=causal
-            )
+            out = F.scaled_dot_product_attention(qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=causal)  # fmt: skip
         return out[0].transpose(0, 1)
 
     balance = "head-tail balanced" if causal and q.shape[0] % (2 * cp) == 0 else "contiguous shards"
@@ -303,9 +294,7 @@ def build_ulysses_ffa(vendor: str, q, k, v, do, mask: Mask, group=None) -> UserC
     def local(qh, kh, vh):  # the same tensors every call: the package caches its plan by their identity
         return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
 
-    return _ulysses_case(
-        q, k, v, do, group, local, f"{package} flex_flash_attn_func ({len(mask.types)} slices)"
-    )
+    return _ulysses_case(q, k, v, do, group, local, f"{package} flex_flash_attn_func ({len(mask.types)} slices)")  # fmt: skip
 
 
 BUILDERS: dict[str, Callable[..., UserCase]] = {

@@ -18,9 +18,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     freqs = 1.0 / 10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
     ang = pos.float()[:, None] * freqs[None]
     cos, sin = ang.cos().to(x.dtype)[:, None], ang.sin().to(x.dtype)[:, None]
-    return torch.cat(
-        [x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1
-    )
+    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1)  # fmt: skip
 
 
 class Block(nn.Module):
@@ -40,9 +38,7 @@ class Block(nn.Module):
         outs = []  # the model's own attention: SDPA on each document alone
         for s, e in pairwise(cu_seqlens):
             q_d, k_d, v_d = (x[s:e].transpose(0, 1) for x in (q, k, v))
-            outs.append(
-                F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True, enable_gqa=True).transpose(0, 1)
-            )
+            outs.append(F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True, enable_gqa=True).transpose(0, 1))  # fmt: skip
         return torch.cat(outs)
 
     def forward(self, x, pos, key, cu_seqlens):

@@ -58,9 +58,7 @@ class RunConfig:
 
 
 def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
-    parser = argparse.ArgumentParser(
-        prog=name, description=doc, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the packed batch (GPU: 12288)")
@@ -95,9 +93,7 @@ def init_world_1(device: torch.device) -> dist.ProcessGroup:
             rendezvous = Path(tempfile.mkdtemp(prefix="magi_int_run_")) / "store"
             dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
     if dist.get_world_size() != 1:
-        raise SystemExit(
-            "these runs compare one process against the framework's own attention: use world size 1"
-        )
+        raise SystemExit("these runs compare one process against the framework's own attention: use world size 1")  # fmt: skip
     return dist.group.WORLD
 
 
@@ -160,9 +156,7 @@ def packed_batch(total: int, vocab: int, *, seed: int, device: torch.device) -> 
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:-1] = ids[1:]
     labels[torch.tensor(cu[1:]) - 1] = IGNORE_INDEX
-    return PackedBatch(
-        ids[None].to(device), cu, torch.cat(positions)[None].to(device), labels[None].to(device)
-    )
+    return PackedBatch(ids[None].to(device), cu, torch.cat(positions)[None].to(device), labels[None].to(device))  # fmt: skip
 
 
 def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,7 @@ def _cpu_shims(device: torch.device) -> contextlib.AbstractContextManager:
 
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
-    stack.enter_context(
-        mock.patch.object(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
-    )
+    stack.enter_context(mock.patch.object(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext))  # fmt: skip
     return stack
 
 
@@ -68,9 +66,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
         model = build_model(mm.magi_gpt_layer_spec(), cfg, shapes)
         mm.use_magi_rotary(model)
         ref = build_model(get_gpt_layer_local_spec(), cfg, shapes)
-        mismatched = [
-            n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)
-        ]
+        mismatched = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]  # fmt: skip
         if mismatched:
             raise RuntimeError(f"the two models' initial weights differ: {mismatched[:4]}")
 
