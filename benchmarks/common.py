@@ -382,22 +382,27 @@ def times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lam
     times = []
     for _ in range(n):
         setup()
-        if events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-            continue
-        if device is not None:
-            sync(device)
-        t0 = time.perf_counter()
-        fn()
-        if device is not None:
-            sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append(once_ms(fn, device, events=events)[0])
     return times
+
+
+def once_ms(fn: Callable[[], object], device: torch.device | None = None, *, events: bool = False) -> tuple[float, object]:  # fmt: skip
+    """``(milliseconds, fn())`` of one call: by CUDA events (``events``), else by the host clock, ``device``'s
+    queued work waited for before and after."""
+    if events:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), out
+    if device is not None:
+        sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device is not None:
+        sync(device)
+    return (time.perf_counter() - t0) * 1e3, out
 
 
 def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,

@@ -3,8 +3,8 @@ What it measures and how to run it: docs/benchmarks/cases.md (grpcoll)."""
 
 import platform
 import sys
+from collections import namedtuple
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -42,16 +42,8 @@ def cast_tables(mask: str, total: int, cp: int, chunk: int) -> list[tuple]:
     return out
 
 
-@dataclass
-class BytesRow:
-    mask: str
-    cp: int
-    sent_max: int
-    sent_mean: float
-    recv_max: int
-    ring: int
-    inter_flat_max: int
-    inter_hier_max: int
+BytesRow = namedtuple("BytesRow", "mask cp sent_max sent_mean recv_max ring inter_flat_max inter_hier_max")
+"""One (mask, cp) row of the bytes table: tokens each rank sends / receives, the ring's, the inter-node ones."""
 
 
 def bytes_rows(total: int, cps: list[int], chunk: int) -> list[BytesRow]:
@@ -229,7 +221,7 @@ def main(args) -> int:
     print(f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}")  # fmt: skip
     print(bytes_table(brows))
     if args.json:
-        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
+        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [r._asdict() for r in brows],
                                 "args": vars(args)})  # fmt: skip
     return 0
 

@@ -7,7 +7,6 @@ import importlib
 import itertools
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -90,16 +89,7 @@ def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[fl
 
 def _once_ms(fn) -> tuple[float, object]:
     """(ms, result) of one call of ``fn``: CUDA events, or a host clock on the CPU smoke test."""
-    if DEVICE != "cuda":
-        t0 = time.perf_counter()
-        out = fn()
-        return (time.perf_counter() - t0) * 1e3, out
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end), out
+    return common.once_ms(fn, events=DEVICE == "cuda")
 
 
 def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[float, float]:
