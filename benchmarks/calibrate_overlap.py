@@ -63,10 +63,8 @@ def copy_gbps(dev) -> float:
 
 
 def comm_fit(dev, hkv: int, d: int) -> tuple[float, float] | None:
-    """(GB/s per rank sent, latency s) of all_to_all_single on the group, or None on one rank.
-
-    A fixed number of iterations on every rank (do_bench picks its own count per rank, which would leave
-    the ranks waiting in different collectives)."""
+    """(GB/s per rank sent, latency s) of all_to_all_single on the group, or None on one rank; a fixed
+    count of iterations on every rank (do_bench's count per rank would leave them in different collectives)."""
     world = dist.get_world_size()
     if world < 2:
         return None

@@ -1,11 +1,7 @@
-"""The one benchmark runner: ``python -m benchmarks <case> [args]`` runs a registered case, ``python -m
-benchmarks`` lists them, ``python -m benchmarks <case> --help`` gives a case's arguments.
-
-Every case is a module of this package with ``add_arguments(parser)`` (its options; the shared ones through
-`add_common`) and ``main(args) -> int | None`` (the exit status). Result files go under ``--out-dir``, by
-default `RESULTS` (``benchmarks/results/``), never the current directory. Under ``torchrun`` the same
-command line runs on every rank: ``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``.
-"""
+"""The one benchmark runner: ``python -m benchmarks [<case> [args | --help]]`` (no case: the list). A case
+is a module with ``add_arguments(parser)`` (shared options: `add_common`) and ``main(args) -> int | None``;
+result files go under ``--out-dir`` (default `RESULTS`), never the current directory; under ``torchrun`` the
+same command line runs on every rank (``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``)."""
 
 import argparse
 import importlib

@@ -70,12 +70,8 @@ def varlen_docs(total: int, seed: int) -> list[list[int]]:
 
 
 def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple[list, list, list]:
-    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens.
-
-    ``varlen_block_causal``: the varlen documents, cut into blocks of ``block_size`` tokens (the last one of a
-    document may be shorter); a block sees its own block and every earlier block of its document, fully. One
-    FULL slice per block: q = the block, k = document start .. block end.
-    """
+    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens. ``varlen_block_causal``: a
+    FULL slice per ``block_size`` block of each varlen document: q the block, k its document up to its end."""
     if name in ("full", "causal"):
         return [[0, total]], [[0, total]], [int(name == "causal")]
     if name in ("varlen_full", "varlen_causal"):

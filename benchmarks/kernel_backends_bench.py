@@ -307,11 +307,8 @@ def _features_at_cp1(mask: str, S: int):
 
 
 def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
-    """Table rows of the busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0`` JSON:
-    ``backend=path,...``, a file that holds several backends named once per backend): that rank's fwd / bwd
-    ms per backend, and its features as the
-    runtime computes them at that cp (its keys, then the remote keys). Rows measured for one backend only are
-    left out."""
+    """Table rows of the busiest rank of simulated cp runs (``sim --degree 0`` JSON, ``backend=path,...``):
+    its ms per backend, its features as the runtime computes them at that cp (one backend alone: left out)."""
     import re
 
     found: dict[tuple, dict] = {}

@@ -93,11 +93,9 @@ def _once_ms(fn) -> tuple[float, object]:
 
 
 def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[float, float]:
-    """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
-    launchers (`magi_attention.simulate.kernel_launchers`) through their runtime entry (slices checked once), as the runtime: one call
-    (the merged stage at degree 0) writes out / lse and the gradients itself, with the runtime's K/V
-    concatenation before it and the dK/dV it reduces after; more calls: the first writes the accumulator,
-    later stages merge, the gradients accumulate in fp32."""
+    """One forward and one backward (ms) of a rank's calls (`common.rank_kernel_calls`) on ``kern``, as the
+    runtime: one call (the merged stage) writes out / lse and the gradients itself, with the runtime's K/V
+    concatenation before it and the dK/dV it reduces after; more calls: an accumulator, fp32 gradients."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
 

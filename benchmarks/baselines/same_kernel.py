@@ -52,9 +52,8 @@ def clip_slices(slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_piece
 
 
 def _fuse_full(slices: list[TypedSlice]) -> list[TypedSlice]:
-    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k ranges and touching q.
-
-    Fewer, longer slices are cheaper for the kernel; the union (and disjointness) is unchanged."""
+    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k ranges and touching q: fewer,
+    longer slices are cheaper for the kernel; the union (and disjointness) is unchanged."""
     full = sorted(s[:4] for s in slices if s[4] == 0)
     fused: list[tuple[int, int, int, int]] = []
     for s in full:  # (qs, qe, ks, ke) order: same q range, ascending k
