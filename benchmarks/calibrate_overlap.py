@@ -64,7 +64,7 @@ def copy_gbps(dev) -> float:
 
 def comm_fit(dev, hkv: int, d: int) -> tuple[float, float] | None:
     """(GB/s per rank sent, latency s) of all_to_all_single on the group, or None on one rank; a fixed
-    count of iterations on every rank (do_bench's count per rank would leave them in different collectives)."""
+    count of iterations on every rank (do_bench's count per rank leaves them in different collectives)."""
     world = dist.get_world_size()
     if world < 2:
         return None
