@@ -410,16 +410,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def _parse_degrees(text: str) -> tuple[int | str, ...]:
-    out: list[int | str] = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item == DYNAMIC:
-            out.append(DYNAMIC)
-        elif item.isdigit():
-            out.append(int(item))
-        else:
-            raise ValueError(f"each entry must be an int >= 0 or 'dynamic', got {item!r}")
-    return tuple(out)
+    """``--degrees``: ints >= 0 and ``dynamic`` (any case), comma-separated."""
+    items = [x.strip().lower() for x in text.split(",")]
+    if bad := [x for x in items if x != DYNAMIC and not x.isdigit()]:
+        raise ValueError(f"each entry must be an int >= 0 or 'dynamic', got {bad[0]!r}")
+    return tuple(x if x == DYNAMIC else int(x) for x in items)
 
 
 def add_arguments(ap) -> None:

@@ -306,6 +306,15 @@ def _features_at_cp1(mask: str, S: int):
                                  [np.arange(S)])  # fmt: skip
 
 
+def _table_row(key: tuple, f: dict, ms: dict, source: str, det: bool = False) -> dict:
+    """A row of the auto table: the case ``key`` (S, d, hq, hk, mask), its features (``MaskFeatures.to_dict()``),
+    the ms per backend, where they were measured."""
+    S, d, hq, hk, mask = key
+    return {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}", "tile_fill": round(f["tile_fill"], 4),
+            "slices_per_row": round(f["slices_per_row"], 4), "documents": f["documents"], "ms": ms, "source": source,
+            **({"deterministic": True} if det else {})}  # fmt: skip
+
+
 def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
     """Table rows of the busiest rank of simulated cp runs (``sim --degree 0`` JSON, ``backend=path,...``):
     its ms per backend, its features as the runtime computes them at that cp (one backend alone: left out)."""
@@ -339,9 +348,7 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
         if f.area != busiest["area"]:
             raise ValueError(f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}")  # fmt: skip
-        rows[key] = {"mask": name, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
-                     "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
-                     "documents": f.documents, "ms": row["ms"], "source": "+".join(row["source"])}  # fmt: skip
+        rows[key] = _table_row(key, f.to_dict(), row["ms"], "+".join(row["source"]))
     return rows
 
 
@@ -374,12 +381,9 @@ def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -
             if "features" in r:  # a simulated rank's, as the runtime computes them at that cp
                 features[key] = r["features"]
         for key, ms in found.items():
-            S, d, hq, hk, mask, det = key
+            S, *_, mask, det = key
             f = features.get(key) or _features_at_cp1(mask, S).to_dict()
-            rows[key] = {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
-                         "tile_fill": round(f["tile_fill"], 4), "slices_per_row": round(f["slices_per_row"], 4),
-                         "documents": f["documents"], "ms": ms, "source": Path(path).name,
-                         **({"deterministic": True} if det else {})}  # fmt: skip
+            rows[key] = _table_row(key[:5], f, ms, Path(path).name, det)
     rows.update({(*k, False): v for k, v in _sim_rows(sim_sources).items()})
     if env is None and base_table is None:
         raise SystemExit("--write-table needs --sources or --base")
