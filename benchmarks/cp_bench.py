@@ -166,14 +166,6 @@ def _agree(reason: str | None, device) -> str | None:
 
 
 # -- the systems ------------------------------------------------------------------------------------------
-@dataclass(slots=True, kw_only=True)
-class _Case(user.UserCase):
-    """One system set up on one case, on this rank (a user baseline's own ``UserCase`` is one as it is)."""
-
-    key: object = None
-    """magi: the runtime key (its rows are compared through undispatch: ``token_index`` None)."""
-
-
 MAGI_KERNELS = {"auto": "FFA, kernel backend auto", "fa4": "FFA on FA4 (magi_ffa_fa4)",
                 "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)", "triton": "FFA Triton (magi_ffa)",
                 "torch": "FFA torch path (magi_ffa)"}  # fmt: skip
@@ -186,7 +178,8 @@ def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) 
                           grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]))  # fmt: skip
 
 
-def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
+def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> tuple:
+    """``(case, key)``: magi set up on this rank; its rows are compared through the key's undispatch."""
     total, hq, hkv, d = q.shape[0], cfg.heads_q, cfg.heads_kv, cfg.head_dim
     config = _dist_attn_config(cfg, degree, kernel_backend)
     key = api.magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
@@ -197,10 +190,10 @@ def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, ker
 
     backend = str(api.get_kernel_backend(key, q.dtype)[0])
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
-    return _Case(step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel, key=key)  # fmt: skip
+    return user.UserCase(step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel), key  # fmt: skip
 
 
-def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
+def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> user.UserCase:
     cp, rank, total = dist.get_world_size(), dist.get_rank(), q.shape[0]
     # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
     plan = plan_baseline(system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv)  # fmt: skip
@@ -213,7 +206,9 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
     fast = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     kernel = f"magi_ffa {forced or ('Triton' if fast else 'torch path')}"
     index = plan.token_index(device)
-    return _Case(step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel)
+    return user.UserCase(
+        step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel
+    )
 
 
 def _profile_once(case: user.UserCase, path: Path, device) -> None:
@@ -245,11 +240,11 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
     area = mask_area(qr, kr, tm)
     row = {"system": system.value, "mask": mask, "tokens_per_gpu": tpg, "cp": cp, "area": area}
     q, k, v, do = data["q"], data["k"], data["v"], data["do"]
-    case, reason = None, None
+    case, reason, key = None, None, None
     if system == System.MAGI:
         row["degree"] = DYNAMIC if degree is None else degree
         row["kernel_backend"] = kernel_backend
-        case = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"], kernel_backend)
+        case, key = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"], kernel_backend)
     elif system in SAME_KERNEL:
         try:
             case = _same_kernel_case(system, q, k, v, do, qr, kr, tm, cfg, device)
@@ -279,7 +274,7 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
         if failure := _agree(failure, device):
             return {**row, "skipped": failure}
         if system == System.MAGI:
-            out_g, dq_g = (api.undispatch(x.detach().contiguous(), case.key) for x in (out, dq))
+            out_g, dq_g = (api.undispatch(x.detach().contiguous(), key) for x in (out, dq))
             if not ref:
                 ref.update(out=out_g, dq=dq_g)
                 row.update(rel_out=0.0, rel_dq=0.0)
@@ -290,7 +285,7 @@ def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: Be
                     rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
                 )
             del out_g, dq_g
-            row["degree_used"] = api.get_dispatch_choice(case.key).overlap_degree
+            row["degree_used"] = api.get_dispatch_choice(key).overlap_degree
         elif ref:
             idx = case.token_index
             if (

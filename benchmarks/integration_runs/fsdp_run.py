@@ -101,7 +101,9 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
         logits = ref(batch.input_ids[0], batch.position_ids[0], cu_seqlens=batch.cu_seqlens)
         return harness.token_mean_loss(logits, batch.labels)
 
-    magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor)
+    magi, reference = harness.train_pair(
+        model, magi_step, ref, ref_step, cfg, grad_of=lambda g: g.full_tensor()
+    )
     mixed_precision = "bf16 params, fp32 reduce" if shard_kwargs else "none"
     result = harness.compare(
         NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document", key=keys[0],

@@ -177,11 +177,6 @@ class SideResult:
     peak_memory_gib: float | None = None
 
 
-def full_tensor(grad: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) gradient as one tensor: the `grad_of` of runs whose model is FSDP2-sharded."""
-    return grad.full_tensor()
-
-
 def train(model: torch.nn.Module, step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, steps: int,
           device: torch.device, grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
           sync_grads: Callable[[], None] = lambda: None) -> SideResult:  # fmt: skip

@@ -85,7 +85,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
             preds = [ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None) for s, e in pairwise(batch.cu_seqlens)]  # fmt: skip
             return loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)[0]
 
-        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor)  # fmt: skip
+        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=lambda g: g.full_tensor())  # fmt: skip
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label=f"torchtitan's SDPA on each document (llama3 {flavor})",
             key=keys[0], extra={"flavor": flavor,
