@@ -52,6 +52,22 @@ def _start():
         torch.ones(1, device="cuda").sum().item()
 
 
+def _key(api, backend: str, second: bool = False):
+    """The runtime key (``api``: the imported magi_attention) of the docs mask (`_Docs`) on ``backend``."""
+    m, (hq, hk, d) = _Docs(second), HEADS
+    return api.magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
+                                  api.DistAttnConfig(kernel_backend=backend))  # fmt: skip
+
+
+def _inputs(grad: bool, gen=None) -> list:
+    """Random ``[q, k, v, dout]`` of the run's shape, drawn in that order (q, k, v leaves when ``grad``)."""
+    import torch
+
+    hq, hk, d = HEADS
+    xs = [torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()) for h in (hq, hk, hk, hq)]
+    return [x.requires_grad_(grad) for x in xs[:3]] + xs[3:]
+
+
 def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], object] | None) -> dict:
     """``out`` with ``warmup_s`` (``warm``'s seconds, if given), ``first_step_s`` (the first of three calls of
     ``step``) and ``steady_step_s`` (the fastest of the other two); device work waited for."""
@@ -70,17 +86,12 @@ def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], objec
 def child_cp1(warm: bool) -> dict:
     import torch
 
-    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
+    import magi_attention
+    from magi_attention import calc_attn, get_kernel_backend, warmup
 
     _start()
-    m = _Docs()
-    hq, hk, d = HEADS
-    key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
-                             DistAttnConfig(kernel_backend="auto"))  # fmt: skip
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()).requires_grad_()
-               for h in (hq, hk, hk))  # fmt: skip
-    do = torch.randn(TOKENS, hq, d, device=DEVICE, generator=gen, dtype=_dtype())
+    key = _key(magi_attention, "auto")
+    q, k, v, do = _inputs(True, torch.Generator(device=DEVICE).manual_seed(0))
     resolved, reason = get_kernel_backend(key)
     out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
     return _timed_steps(out, lambda: calc_attn(q, k, v, key)[0].backward(do),
@@ -95,18 +106,14 @@ def child_sim8(warm: bool) -> dict:
     from magi_solver import PlanOptions, plan_attention
 
     _start()
-    m = _Docs()
-    hq, hk, d = HEADS
-    cp = 8
+    m, d, cp = _Docs(), HEADS[2], 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
     chunk = TOKENS // cp // 4  # 4 chunks per rank (512 tokens at 16k)
     options = PlanOptions(overlap_degree=2, min_chunk_size=min(256, chunk))
     plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     kern, reason = auto_launchers(qr, kr, types, rows, plan.kv_layout, d)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
-                   for h in (hq, hk, hk, hq))  # fmt: skip
+    q, k, v, do = _inputs(False, torch.Generator(device=DEVICE).manual_seed(0))
     out = {"backend": str(kern.backend), "reason": reason}
     # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
     return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=kern.backend),
@@ -149,19 +156,12 @@ def child_breakdown(backend: str) -> dict:
         state["api"] = magi_attention
 
     def key(second: bool = False):
-        m, api = _Docs(second), state["api"]
-        hq, hk, d = HEADS
-        cfg = api.DistAttnConfig(kernel_backend=backend)
-        state["key"] = api.magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d,
-                                              None, cfg)  # fmt: skip
+        state["key"] = _key(state["api"], backend, second)
 
     def inputs():  # a new q / k / v / dout (not ours: timed as a stage of its own)
         import torch
 
-        hq, hk, d = HEADS
-        state["qkv"] = [torch.randn(TOKENS, h, d, device=DEVICE, dtype=_dtype()).requires_grad_()
-                        for h in (hq, hk, hk)]  # fmt: skip
-        state["do"] = torch.randn(TOKENS, hq, d, device=DEVICE, dtype=_dtype())
+        *state["qkv"], state["do"] = _inputs(True)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 
