@@ -1,13 +1,7 @@
-"""The one benchmark runner: ``python -m benchmarks <case> [args]`` runs a registered case, ``python -m
-benchmarks`` lists them, ``python -m benchmarks <case> --help`` gives a case's arguments.
-
-Every case is a module of this package with ``add_arguments(parser)`` (its options; the shared ones through
-`add_common`) and ``main(args) -> int | None`` (the exit status). Result files go under ``--out-dir``, by
-default `RESULTS` (``benchmarks/results/``), never the current directory. Under ``torchrun`` the same
-command line runs on every rank: ``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``.
-"""
-
-from __future__ import annotations
+"""The one benchmark runner: ``python -m benchmarks [<case> [args | --help]]`` (no case: the list). A case
+is a module with ``add_arguments(parser)`` (shared options: `add_common`) and ``main(args) -> int | None``;
+result files go under ``--out-dir`` (default `RESULTS`), never the current directory; under ``torchrun`` the
+same command line runs on every rank (``torchrun --standalone --nproc-per-node 2 -m benchmarks cp ...``)."""
 
 import argparse
 import importlib
@@ -61,16 +55,13 @@ CASES = (
 """The registry: one entry per case (``python -m benchmarks`` lists it)."""
 
 COMMON = {
-    "masks": dict(help="comma-separated mask names"),
-    "seqlens": dict(help="comma-separated total token counts"),
-    "tokens": dict(type=int, help="total tokens"),
+    "masks": dict(help="comma-separated mask names"), "seqlens": dict(help="comma-separated total token counts"),
+    "tokens": dict(type=int, help="total tokens"), "head_dim": dict(type=int, help="head dimension"),
     "heads": dict(help="heads_q:heads_kv (comma-separated where a case runs several)"),
-    "head_dim": dict(type=int, help="head dimension"),
-    "dtype": dict(help="fp64, fp32, bf16 or fp16"),
+    "dtype": dict(help="fp64, fp32, bf16 or fp16"), "tag": dict(help="result file name stem"),
     "repeats": dict(type=int, help="interleaved rounds (each cell: the median over them)"),
     "out_dir": dict(help="folder of the result files (default benchmarks/results)"),
-    "tag": dict(help="result file name stem"),
-}
+}  # fmt: skip
 """The options several cases share: one spelling, one meaning."""
 
 
@@ -133,10 +124,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
 def case_parser(case: Case):
     """``(parser, module)`` of a registered case."""
     module = importlib.import_module(f"benchmarks.{case.module}")
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks {case.name}", description=module.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks {case.name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     module.add_arguments(parser)
     return parser, module
 
@@ -162,9 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_module(module: str, argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.<module> [args]``: the case that module runs, as earlier releases called it
-    (``kernel_backends_bench --layer-step [--kernels K]`` is the ``layer-step`` case with ``--runners K``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """``python -m benchmarks.<module> [args]``: the case that module (``__spec__.name``) runs, as earlier releases
+    called it (``kernel_backends_bench --layer-step [--kernels K]`` is the ``layer-step`` case with ``--runners K``)."""
+    argv, module = list(sys.argv[1:] if argv is None else argv), module.removeprefix("benchmarks.")
     (name,) = (c.name for c in CASES if c.module == module)
     if module == "kernel_backends_bench" and "--layer-step" in argv:
         argv.remove("--layer-step")

@@ -1,11 +1,6 @@
-"""Helpers the kernel benchmarks share: the benchmark masks (slices, a FlexAttention ``mask_mod``, the exact
-area; full, causal, varlen_full / varlen_causal, swa_causal_wN, varlen_block_causal, random), each kernel's
-runner on the same inputs (built outside the timing), forward / backward timing and a result file's header.
-TFLOP/s from the masked area: FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
-Only torch is imported with the module (magi packages where used).
-"""
-
-from __future__ import annotations
+"""Helpers the benchmarks share: their masks, each kernel's runner on the same inputs (built outside the timing),
+timing, a result file's header. FLOPs(fwd) = 4 * area * heads_q * head_dim, FLOPs(bwd) = 2.5 * FLOPs(fwd).
+Only torch is imported with the module (magi packages where used)."""
 
 import datetime
 import importlib
@@ -14,7 +9,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +48,8 @@ def varlen_docs(total: int, seed: int = 0, floor: int = 128) -> list[list[int]]:
         return [list(doc) for doc in itertools.pairwise(long_tailed_cu_seqlens(total, seed))]
     from magi_solver import lognormal_doc_lengths
 
-    lengths = lognormal_doc_lengths(
-        total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4)
-    )
-    cu = [0, *itertools.accumulate(lengths)]
-    return [list(doc) for doc in itertools.pairwise(cu)]
+    lengths = lognormal_doc_lengths(total, median=max(total / 16, 1.0), sigma=1.0, seed=seed, floor=floor, cap=max(1, total // 4))  # fmt: skip
+    return [list(doc) for doc in itertools.pairwise([0, *itertools.accumulate(lengths)])]
 
 
 CROSS_KV_RATIO = 4
@@ -131,23 +123,6 @@ def mask_area(q_ranges, k_ranges, types) -> int:
     return SliceList.from_typed([(*q, *k, t) for q, k, t in zip(q_ranges, k_ranges, types)]).area()
 
 
-def slice_area(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> int:
-    """Exact number of visible pairs (slices must have disjoint areas), counted row by row."""
-    total = 0
-    for (qs, qe), (ks, ke), t in zip(q_ranges.tolist(), k_ranges.tolist(), types.tolist()):
-        if qe <= qs or ke <= ks:
-            continue
-        r = torch.arange(qs, qe, dtype=torch.int64)
-        hi = torch.full_like(r, ke)
-        lo = torch.full_like(r, ks)
-        if t in (1, 3):
-            hi = torch.minimum(hi, r + (ke - qe) + 1)
-        if t in (2, 3):
-            lo = torch.maximum(lo, r + (ks - qs))
-        total += int((hi - lo).clamp(min=0).sum())
-    return total
-
-
 def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
     """Build mask ``name`` for ``total`` tokens (Flex mask_mod tensors live on ``device``)."""
     S = total
@@ -195,7 +170,7 @@ def build_mask(name: str, total: int, device: str = "cuda") -> BenchMask:
     else:
         raise ValueError(f"unknown mask {name!r}; choose from {MASK_NAMES}")
     qr, kr, tm = _t(rows)
-    return BenchMask(name, qr, kr, tm, mod, slice_area(qr, kr, tm), cudnn)
+    return BenchMask(name, qr, kr, tm, mod, mask_area(qr.tolist(), kr.tolist(), tm.tolist()), cudnn)
 
 
 def _random_rows(S: int, seed: int) -> list[list[int]]:
@@ -232,6 +207,7 @@ def flex_setup():
 def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[str], flex_tools):
     """name -> (fn, inputs needing grad); every input tensor is created here, outside the timing."""
     import magi_ffa
+    from magi_attention import vendors
 
     dev, dt = "cuda", torch.bfloat16
     out = {}
@@ -252,10 +228,7 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
             out[name] = runner
 
     def ffa(mod):  # a magi_ffa package's own autograd entry on the whole mask
-        return (
-            lambda: mod.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0],
-            (q, k, v),
-        )
+        return (lambda: mod.flex_flash_attn_func(q, k, v, m.q_ranges, m.k_ranges, m.attn_type_map)[0], (q, k, v))  # fmt: skip
 
     def ffa_cudnn():
         import magi_ffa_cudnn
@@ -267,8 +240,11 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
         out["ffa"] = ffa(magi_ffa)
     add("ffa_fa4", lambda: ffa(importlib.import_module("magi_ffa_fa4")))
     add("ffa_cudnn", ffa_cudnn)
-    for name in ("cudnn_flex", "cudnn_varlen"):
-        add(name, lambda name=name: _cudnn_runner(m, q, k, v, varlen=name == "cudnn_varlen"))
+    # cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
+    # or (varlen_* masks) the THD path with one sample per document and local intervals
+    add("cudnn_flex", lambda: vendors.cudnn_flex_call(_slice_mask(m, S), q, k, v))
+    if m.name in ("varlen_full", "varlen_causal"):
+        add("cudnn_varlen", lambda: vendors.cudnn_varlen_call(_slice_mask(m, S), q, k, v))
     if "flex" in kernels:
         # FlexAttention's layout: [1, heads, tokens, head_dim]
         qb, kb, vb = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
@@ -277,12 +253,10 @@ def kernel_runners(m: BenchMask, S: int, hq: int, hk: int, d: int, kernels: set[
         bm = create_block_mask(m.mask_mod, 1, 1, S, S, device=dev) if m.mask_mod is not None else None
         out["flex"] = (lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=gqa), (qb, kb, vb))
     if m.cudnn_causal is not None:
-        from magi_attention.vendors import sdpa_call
-
         for name in ("sdpa_cudnn", "sdpa_flash"):
-            add(name, lambda name=name: sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")))
-    if m.name != "random":
-        add("fa4", lambda: _fa4_runner(m, q, k, v))
+            add(name, lambda name=name: vendors.sdpa_call(_slice_mask(m, S), q, k, v, name.removeprefix("sdpa_")))  # fmt: skip
+    if m.name != "random":  # flash_attn.cute's native calls: full, causal, varlen, sliding window
+        add("fa4", lambda: vendors.fa4_call(_slice_mask(m, S), q, k, v))
     for name, backend in CALC_ATTN_RUNNERS.items():
         add(name, lambda backend=backend: calc_attn_runner(m, q, k, v, backend))
     return out
@@ -315,25 +289,6 @@ def _slice_mask(m: BenchMask, total: int):
                         window=window)  # fmt: skip
 
 
-def _fa4_runner(m: BenchMask, q, k, v):
-    """flash_attn.cute native calls for the masks FA4 expresses (full, causal, varlen, sliding window)."""
-    from magi_attention.vendors import fa4_call
-
-    return fa4_call(_slice_mask(m, q.shape[0]), q, k, v)
-
-
-def _cudnn_runner(m: BenchMask, q, k, v, *, varlen: bool):
-    """cuDNN's own flex_attn_func: the packed problem as one BSHD sample with the mask's global key intervals,
-    or (``varlen``, varlen_* masks) the THD path with one sample per document and local intervals."""
-    from magi_attention.vendors import cudnn_flex_call, cudnn_varlen_call
-
-    if not varlen:
-        return cudnn_flex_call(_slice_mask(m, q.shape[0]), q, k, v)
-    if m.name not in ("varlen_full", "varlen_causal"):
-        return None
-    return cudnn_varlen_call(_slice_mask(m, q.shape[0]), q, k, v)
-
-
 def git_sha() -> str:
     """The checkout's short commit (``"unknown"`` outside a git checkout): every result file records it."""
     import subprocess  # (not os.popen: its pipe stays open until collected, a ResourceWarning under pytest)
@@ -346,11 +301,27 @@ def git_sha() -> str:
     return out.strip() or "unknown"
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+"""``--dtype`` names."""
+
+
 def no_multicast() -> None:
     """NVLink multicast (NVLS) stays off in every multi-GPU run of this project: call before NCCL initialises
     (a variable already set is kept)."""
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+
+
+def join_torchrun(cuda: bool) -> torch.device:
+    """Join the process group torchrun's environment describes (NCCL on this rank's GPU, else gloo), NVLink
+    multicast off; returns this rank's device."""
+    no_multicast()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:
@@ -371,6 +342,31 @@ def events_loop_ms(fn: Callable[[], object], n: int, warmup: int) -> float:
     return start.elapsed_time(stop) / n
 
 
+def interleaved(names: list[str], rounds: int, run: Callable[[str, int], object], errors: dict[str, str]) -> dict:  # fmt: skip
+    """``{name: [run(name, i) for each round i]}``, every name once per round, each round starting one name
+    later (no name is always timed first, or always after the same neighbour); a name whose call raises is
+    recorded in ``errors`` (its repr) and left out of the later rounds: reported, not hidden."""
+    out: dict[str, list] = {n: [] for n in names}
+    for i in range(rounds if names else 0):
+        for n in names[i % len(names) :] + names[: i % len(names)]:
+            if n in errors:
+                continue
+            try:
+                out[n].append(run(n, i))
+            except Exception as e:
+                errors[n] = repr(e)[:300]
+    return out
+
+
+def profile_table(fn: Callable[[], object], cuda: bool, sort: str, width: int = 70) -> tuple[str, object]:
+    """``(table, fn())``: ``fn`` under torch.profiler (CPU, and CUDA when ``cuda``), its top 25 ops by ``sort``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        out = fn()
+    return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=width), out
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU): host clocks around GPU work need it."""
     if device.type == "cuda":
@@ -386,22 +382,27 @@ def times_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lam
     times = []
     for _ in range(n):
         setup()
-        if events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-            continue
-        if device is not None:
-            sync(device)
-        t0 = time.perf_counter()
-        fn()
-        if device is not None:
-            sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append(once_ms(fn, device, events=events)[0])
     return times
+
+
+def once_ms(fn: Callable[[], object], device: torch.device | None = None, *, events: bool = False) -> tuple[float, object]:  # fmt: skip
+    """``(milliseconds, fn())`` of one call: by CUDA events (``events``), else by the host clock, ``device``'s
+    queued work waited for before and after."""
+    if events:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), out
+    if device is not None:
+        sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device is not None:
+        sync(device)
+    return (time.perf_counter() - t0) * 1e3, out
 
 
 def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object] = lambda: None,
@@ -410,31 +411,33 @@ def host_median_ms(fn: Callable[[], object], n: int, setup: Callable[[], object]
     return statistics.median(times_ms(fn, n, setup, device))
 
 
-def environment() -> dict:
-    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+def package_versions(names: Sequence[str]) -> dict[str, str]:
+    """The installed version of each distribution of ``names`` (one not installed is left out)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import triton
-
-    versions = []
-    for name in ("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl"):
+    out = {}
+    for name in names:
         try:
-            versions.append(f"{name} {version(name)}")
+            out[name] = version(name)
         except PackageNotFoundError:
             pass
-    return dict(date=datetime.date.today().isoformat(),
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
+    return out
+
+
+def environment() -> dict:
+    """The header of a kernel result file: date, GPU, torch, triton, commit and the vendor packages' versions."""
+    import triton
+
+    versions = [f"{n} {v}" for n, v in package_versions(("nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl")).items()]  # fmt: skip
+    return dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available()
+                else "none", torch=torch.__version__, triton=triton.__version__, git=git_sha(), versions=", ".join(versions))  # fmt: skip
 
 
 def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
-    """One rank's kernel calls as the runtime makes them (``magi_attention.simulate.call_slices``: at overlap
-    degree 0 one merged call, else the host call and one per remote stage) on stand-in keys: ``k`` / ``v`` the
-    rank's shard, ``rk`` / ``rv`` one buffer shared by every rank whose leading rows stand in for the received
-    keys, and at degree 0 for the merged call's own and received keys (at least shard + received rows: no
-    copy per rank). Each call ``(slices, k, v)``, ``slices`` from ``magi_attention.simulate.checked_slices`` for the
-    launchers' runtime entry (``AttnKernel.fwd_slices``: slice values checked once, as the runtime does, not
-    per call); calls without slices left out."""
+    """One rank's kernel calls ``(slices, k, v)`` as the runtime makes them (``simulate.call_slices``: at overlap
+    degree 0 one merged call, else the host call and one per remote stage; slices checked once, as the runtime
+    does), calls without slices left out. ``k`` / ``v``: the rank's shard; ``rk`` / ``rv``: one buffer for every
+    rank whose leading rows stand in for the received keys (at degree 0 the merged call's own and received)."""
     from magi_attention.simulate import call_slices, checked_slices, kernel_ranges
 
     if overlap_degree == 0:
@@ -443,11 +446,7 @@ def rank_kernel_calls(rank_plan, overlap_degree: int, k, v, rk, rv) -> list:
     else:
         keys = [(k, v)] + [(rk[: s.num_remote_tokens], rv[: s.num_remote_tokens]) for s in rank_plan.stages]
     slices = call_slices(rank_plan, merged=overlap_degree == 0)
-    return [
-        (checked_slices(*kernel_ranges(sl)), kk, vv)
-        for sl, (kk, vv) in zip(slices, keys, strict=True)
-        if len(sl.types)
-    ]
+    return [(checked_slices(*kernel_ranges(sl)), kk, vv) for sl, (kk, vv) in zip(slices, keys, strict=True) if len(sl.types)]  # fmt: skip
 
 
 def time_fwd_bwd(fn: Callable, xs, g, warmup: int, rep: int) -> tuple[float, float]:

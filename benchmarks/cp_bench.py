@@ -1,12 +1,7 @@
 """Distributed context-parallel benchmark: magi-attention against the baselines on the same inputs.
-
-What it measures and how to run it: docs/benchmarks/cases.md (cp).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (cp)."""
 
 import argparse
-import datetime
 import math
 import os
 import statistics
@@ -22,52 +17,33 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.baselines import user
 from benchmarks.baselines.same_kernel import baseline_attn, plan_baseline, shard_tokens
-from benchmarks.cli import add_common, table, usage_error, write_results
+from benchmarks.cli import add_common, run_module, table, usage_error, write_results
 from benchmarks.common import mask_area
-from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig
-from magi_attention.api import (
-    calc_attn,
-    clear_cache,
-    dispatch,
-    get_dispatch_choice,
-    get_kernel_backend,
-    magi_attn_flex_key,
-    undispatch,
-)  # fmt: skip
+from magi_attention import DispatchConfig, DistAttnConfig, GrpCollConfig, OverlapConfig, api
 from magi_attention.env import native_grpcoll
 
 
 class System(StrEnum):
+    """magi, the same-kernel baselines (baselines/same_kernel.py) and the user baselines (baselines/user.py)."""
+
     MAGI = "magi"
-    ULYSSES = "ulysses"
-    """Same-kernel baselines (baselines/same_kernel.py, magi_ffa locally): Ulysses, zigzag ring, all-gather K/V."""
-    RING_ZIGZAG = "ring_zigzag"
-    ALLGATHER_KV = "allgather_kv"
-    ULYSSES_FA4 = "ulysses_fa4"
-    """User baselines (baselines/user.py), each with its own kernel: Ulysses + FA4 (dense / varlen)."""
-    ULYSSES_CUDNN = "ulysses_cudnn"
-    """Ulysses + cuDNN SDPA (full / causal)."""
-    TORCH_CP = "torch_cp"
-    """PyTorch native context_parallel, SDPA ring (full / causal; CUDA + NCCL)."""
-    ULYSSES_FFA_FA4 = "ulysses_ffa_fa4"
-    """Ulysses + magi_ffa_fa4 (any mask)."""
-    ULYSSES_FFA_CUDNN = "ulysses_ffa_cudnn"
-    """Ulysses + magi_ffa_cudnn (any mask)."""
+    ULYSSES, RING_ZIGZAG, ALLGATHER_KV = "ulysses", "ring_zigzag", "allgather_kv"
+    ULYSSES_FA4, ULYSSES_CUDNN, TORCH_CP = "ulysses_fa4", "ulysses_cudnn", "torch_cp"
+    ULYSSES_FFA_FA4, ULYSSES_FFA_CUDNN = "ulysses_ffa_fa4", "ulysses_ffa_cudnn"
 
 
 SAME_KERNEL = (System.ULYSSES, System.RING_ZIGZAG, System.ALLGATHER_KV)
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
 KERNEL_BACKENDS = ("auto", "fa4", "cudnn", "triton", "torch")
 DYNAMIC = "dynamic"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
-    """One run's settings (the same on every rank)."""
+    """One run's settings (the same on every rank): the options of the same names (`add_arguments`);
+    ``degrees`` and ``kernel_backends``: one magi row per entry."""
 
     device: str
-    """"cuda" (NCCL, one GPU per rank) or "cpu" (gloo)."""
     tokens_per_gpu: tuple[int, ...]
     masks: tuple[str, ...]
     systems: tuple[System, ...]
@@ -78,22 +54,14 @@ class BenchConfig:
     warmup: int
     iters: int
     chunk_size: int
-    """magi: DispatchConfig.chunk_size (tokens per dispatch chunk)."""
     degrees: tuple[int | str, ...]
-    """magi runs once per entry: OverlapConfig.degree (remote stages; 0 = no overlap) or "dynamic"."""
     min_chunk_size: int
-    """magi: OverlapConfig.min_chunk_size."""
     kernel_backends: tuple[str, ...]
-    """magi runs once per entry: DistAttnConfig.kernel_backend (each one of `KERNEL_BACKENDS`)."""
     grad_reduce: str = "fp32"
-    """magi: dtype of the partial dK/dV reduction ("fp32" or "bf16": DistAttnConfig.high_precision_grad_reduce)."""
     grpcoll: str = "env"
-    """magi: group collectives, "native" or "a2av" (GrpCollConfig.native), or "env": MAGI_ATTENTION_NATIVE_GRPCOLL."""
     block_size: int
-    """varlen_block_causal: tokens per block."""
     seed: int
     profile: str | None = None
-    """Directory for one profiled magi forward + backward per (tokens, mask) (rank 0), or None."""
 
 
 def varlen_docs(total: int, seed: int) -> list[list[int]]:
@@ -102,12 +70,8 @@ def varlen_docs(total: int, seed: int) -> list[list[int]]:
 
 
 def make_mask(name: str, total: int, seed: int, block_size: int = 2048) -> tuple[list, list, list]:
-    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens.
-
-    ``varlen_block_causal``: the varlen documents, cut into blocks of ``block_size`` tokens (the last one of a
-    document may be shorter); a block sees its own block and every earlier block of its document, fully. One
-    FULL slice per block: q = the block, k = document start .. block end.
-    """
+    """``(q_ranges, k_ranges, types)`` of a benchmark mask over ``total`` tokens. ``varlen_block_causal``: a
+    FULL slice per ``block_size`` block of each varlen document: q the block, k its document up to its end."""
     if name in ("full", "causal"):
         return [[0, total]], [[0, total]], [int(name == "causal")]
     if name in ("varlen_full", "varlen_causal"):
@@ -132,13 +96,8 @@ def _barrier(device: torch.device) -> None:
     common.sync(device)
 
 
-def _time_iters(
-    step: Callable[[], torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    do: torch.Tensor,
-    cfg: BenchConfig,
-    device,
-) -> tuple[list[float], list[float], dict]:
+def _time_iters(step: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do: torch.Tensor,
+                cfg: BenchConfig, device) -> tuple[list[float], list[float], dict]:  # fmt: skip
     """Per timed iteration: (forward ms, backward ms), each the max over ranks; and the peak memory (GiB, max
     over ranks) of the warm-up + timed iterations, absolute and above what was allocated when they started
     (None on CPU)."""
@@ -207,68 +166,37 @@ def _agree(reason: str | None, device) -> str | None:
 
 
 # -- the systems ------------------------------------------------------------------------------------------
-@dataclass(slots=True, kw_only=True)
-class _Case(user.UserCase):
-    """One system set up on one case, on this rank (a user baseline's own ``UserCase`` is one as it is)."""
-
-    key: object = None
-    """magi: the runtime key (its rows are compared through undispatch: ``token_index`` None)."""
-
-
-MAGI_KERNELS = {
-    "auto": "FFA, kernel backend auto",
-    "fa4": "FFA on FA4 (magi_ffa_fa4)",
-    "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)",
-    "triton": "FFA Triton (magi_ffa)",
-    "torch": "FFA torch path (magi_ffa)",
-}
+MAGI_KERNELS = {"auto": "FFA, kernel backend auto", "fa4": "FFA on FA4 (magi_ffa_fa4)",
+                "cudnn": "FFA on cuDNN flex_attention (magi_ffa_cudnn)", "triton": "FFA Triton (magi_ffa)",
+                "torch": "FFA torch path (magi_ffa)"}  # fmt: skip
 
 
 def _dist_attn_config(cfg: BenchConfig, degree: int | str, kernel_backend: str) -> DistAttnConfig:
-    overlap = OverlapConfig(
-        degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size
-    )
-    return DistAttnConfig(
-        dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size),
-        overlap_config=overlap,
-        kernel_backend=kernel_backend,
-        high_precision_grad_reduce=cfg.grad_reduce == "fp32",
-        grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]),
-    )
+    overlap = OverlapConfig(degree=None if degree == DYNAMIC else int(degree), min_chunk_size=cfg.min_chunk_size)  # fmt: skip
+    return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=cfg.chunk_size), overlap_config=overlap,
+                          kernel_backend=kernel_backend, high_precision_grad_reduce=cfg.grad_reduce == "fp32",
+                          grpcoll_config=GrpCollConfig(native={"env": None, "native": True, "a2av": False}[cfg.grpcoll]))  # fmt: skip
 
 
-def _grpcoll_label(cfg: BenchConfig) -> str:
-    """The group-collective implementation magi rows use ("native", "a2av"; a2av is hierarchical on a 2-D mesh)."""
-    if cfg.grpcoll != "env":
-        return cfg.grpcoll
-    return "native" if native_grpcoll() else "a2av"
-
-
-def _magi_backend(key, dtype: torch.dtype) -> str:
-    """The kernel backend the runtime resolved for this key and dtype (`get_kernel_backend`)."""
-    return str(get_kernel_backend(key, dtype)[0])
-
-
-def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> _Case:
+def _magi_case(q, k, v, do, qr, kr, tm, cfg: BenchConfig, degree: int | str, kernel_backend: str) -> tuple:
+    """``(case, key)``: magi set up on this rank; its rows are compared through the key's undispatch."""
     total, hq, hkv, d = q.shape[0], cfg.heads_q, cfg.heads_kv, cfg.head_dim
     config = _dist_attn_config(cfg, degree, kernel_backend)
-    key = magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
-    inputs = [dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
+    key = api.magi_attn_flex_key(qr, kr, tm, total, total, hq, hkv, d, dist.group.WORLD, config)
+    inputs = [api.dispatch(t, key).detach().requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
-        return calc_attn(*inputs, key)[0]
+        return api.calc_attn(*inputs, key)[0]
 
-    backend = _magi_backend(key, q.dtype)
+    backend = str(api.get_kernel_backend(key, q.dtype)[0])
     kernel = MAGI_KERNELS.get(backend, f"FFA ({backend})")
-    return _Case(step=step, inputs=inputs, dout=dispatch(do, key), token_index=None, kernel=kernel, key=key)
+    return user.UserCase(step=step, inputs=inputs, dout=api.dispatch(do, key), token_index=None, kernel=kernel), key  # fmt: skip
 
 
-def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> _Case:
+def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig, device) -> user.UserCase:
     cp, rank, total = dist.get_world_size(), dist.get_rank(), q.shape[0]
     # ValueError (e.g. Ulysses with heads not divisible by cp): the same on every rank
-    plan = plan_baseline(
-        system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv
-    )
+    plan = plan_baseline(system.value, qr, kr, tm, total, cp, rank, num_heads_q=cfg.heads_q, num_heads_kv=cfg.heads_kv)  # fmt: skip
     inputs = [shard_tokens(t, plan).requires_grad_() for t in (q, k, v)]
 
     def step() -> torch.Tensor:
@@ -278,46 +206,31 @@ def _same_kernel_case(system: System, q, k, v, do, qr, kr, tm, cfg: BenchConfig,
     fast = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     kernel = f"magi_ffa {forced or ('Triton' if fast else 'torch path')}"
     index = plan.token_index(device)
-    return _Case(step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel)
-
-
-def _user_case(system: System, q, k, v, do, qr, kr, tm) -> user.UserCase:
-    return user.build_case(system.value, q, k, v, do, user.Mask.of(qr, kr, tm, q.shape[0]))
+    return user.UserCase(
+        step=step, inputs=inputs, dout=shard_tokens(do, plan), token_index=index, kernel=kernel
+    )
 
 
 def _profile_once(case: user.UserCase, path: Path, device) -> None:
     """One forward + backward, under torch.profiler on rank 0 (the others run it plain, for the collectives);
     rank 0 writes the top 25 ops by self device time (self CPU time on a CPU run)."""
-    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        torch.autograd.grad(case.step(), case.inputs, case.dout)
+        common.sync(device)
 
     _barrier(device)
     if dist.get_rank() != 0:
-        torch.autograd.grad(case.step(), case.inputs, case.dout)
-        common.sync(device)
-        return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        torch.autograd.grad(case.step(), case.inputs, case.dout)
-        common.sync(device)
+        return step()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table, _ = common.profile_table(step, device.type == "cuda", sort, width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90)
     path.write_text(f"{path.stem}: one forward + backward, rank 0, top 25 ops by {sort}\n{table}\n")
 
 
 # -- one configuration --------------------------------------------------------------------------------------
-def run_case(
-    system: System,
-    mask: str,
-    tpg: int,
-    data: dict,
-    ref: dict,
-    cfg: BenchConfig,
-    device,
-    degree: int | str | None = None,
-    profile_path: Path | None = None,
-    kernel_backend: str = "auto",
-) -> dict:
+def run_case(system: System, mask: str, tpg: int, data: dict, ref: dict, cfg: BenchConfig, device,
+             degree: int | str | None = None, profile_path: Path | None = None, kernel_backend: str = "auto") -> dict:  # fmt: skip
     """Benchmark one system on one mask (magi: with overlap ``degree`` and ``kernel_backend``); ``ref`` holds
     the first magi row's global out/dq for the cross-check (filled by that row). A system that cannot run the
     case returns a row with ``skipped`` (every rank agrees on it)."""
@@ -327,11 +240,11 @@ def run_case(
     area = mask_area(qr, kr, tm)
     row = {"system": system.value, "mask": mask, "tokens_per_gpu": tpg, "cp": cp, "area": area}
     q, k, v, do = data["q"], data["k"], data["v"], data["do"]
-    case, reason = None, None
+    case, reason, key = None, None, None
     if system == System.MAGI:
         row["degree"] = DYNAMIC if degree is None else degree
         row["kernel_backend"] = kernel_backend
-        case = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"], kernel_backend)
+        case, key = _magi_case(q, k, v, do, qr, kr, tm, cfg, row["degree"], kernel_backend)
     elif system in SAME_KERNEL:
         try:
             case = _same_kernel_case(system, q, k, v, do, qr, kr, tm, cfg, device)
@@ -339,7 +252,7 @@ def run_case(
             reason = str(exc)
     else:
         try:
-            case = _user_case(system, q, k, v, do, qr, kr, tm)
+            case = user.build_case(system.value, q, k, v, do, user.Mask.of(qr, kr, tm, q.shape[0]))
         except user.Unavailable as exc:
             reason = str(exc)
     if reason := _agree(reason, device):
@@ -361,7 +274,7 @@ def run_case(
         if failure := _agree(failure, device):
             return {**row, "skipped": failure}
         if system == System.MAGI:
-            out_g, dq_g = (undispatch(x.detach().contiguous(), case.key) for x in (out, dq))
+            out_g, dq_g = (api.undispatch(x.detach().contiguous(), key) for x in (out, dq))
             if not ref:
                 ref.update(out=out_g, dq=dq_g)
                 row.update(rel_out=0.0, rel_dq=0.0)
@@ -372,16 +285,14 @@ def run_case(
                     rel_dq=_rel_diff(dq_g[share], ref["dq"][share], device),
                 )
             del out_g, dq_g
-            row["degree_used"] = get_dispatch_choice(case.key).overlap_degree
+            row["degree_used"] = api.get_dispatch_choice(key).overlap_degree
         elif ref:
             idx = case.token_index
             if (
                 dq.dim() == 4
             ):  # SDPA-layout leaves [1, heads, tokens, d] (torch_cp): compare as [tokens, heads, d]
                 dq = dq[0].transpose(0, 1)
-            row.update(
-                rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device)
-            )
+            row.update(rel_out=_rel_diff(out, ref["out"][idx], device), rel_dq=_rel_diff(dq, ref["dq"][idx], device))  # fmt: skip
         del out, dq
         fwd, bwd, mem = _time_iters(case.step, case.inputs, case.dout, cfg, device)
         if profile_path is not None:
@@ -389,20 +300,12 @@ def run_case(
     finally:
         case.close()
         if system == System.MAGI:
-            clear_cache()
+            api.clear_cache()
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
     flops = 4 * area * cfg.heads_q * cfg.head_dim
-    row.update(
-        fwd_ms=f_ms,
-        bwd_ms=b_ms,
-        fwd_iqr_ms=_quartiles(fwd),
-        bwd_iqr_ms=_quartiles(bwd),
-        fwd_ms_all=fwd,
-        bwd_ms_all=bwd,
-        fwd_tflops=flops / (f_ms * 1e-3 * cp) / 1e12,
-        bwd_tflops=2.5 * flops / (b_ms * 1e-3 * cp) / 1e12,
-        **mem,
-    )
+    row.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_iqr_ms=_quartiles(fwd), bwd_iqr_ms=_quartiles(bwd), fwd_ms_all=fwd,
+               bwd_ms_all=bwd, fwd_tflops=flops / (f_ms * 1e-3 * cp) / 1e12,
+               bwd_tflops=2.5 * flops / (b_ms * 1e-3 * cp) / 1e12, **mem)  # fmt: skip
     return row
 
 
@@ -412,13 +315,8 @@ def add_speedups(rows: list[dict]) -> None:
     for r in rows:
         if r["system"] != System.MAGI or "skipped" in r:
             continue
-        others = [
-            o
-            for o in rows
-            if o["system"] != System.MAGI
-            and "skipped" not in o
-            and (o["tokens_per_gpu"], o["mask"]) == (r["tokens_per_gpu"], r["mask"])
-        ]
+        others = [o for o in rows if o["system"] != System.MAGI and "skipped" not in o
+                  and (o["tokens_per_gpu"], o["mask"]) == (r["tokens_per_gpu"], r["mask"])]  # fmt: skip
         for p in ("fwd", "bwd"):
             if others:
                 best = min(others, key=lambda o: o[f"{p}_ms"])
@@ -429,7 +327,7 @@ def add_speedups(rows: list[dict]) -> None:
 def _global_data(total: int, cfg: BenchConfig, device) -> dict:
     """Global q/k/v/dout, identical on every rank (one seed), in the benchmark dtype."""
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    dt = DTYPES[cfg.dtype]
+    dt = common.DTYPES[cfg.dtype]
 
     def randn(h: int) -> torch.Tensor:
         return torch.randn(total, h, cfg.head_dim, generator=gen, device=device, dtype=torch.float32).to(dt)
@@ -440,25 +338,12 @@ def _global_data(total: int, cfg: BenchConfig, device) -> dict:
 
 # -- report ---------------------------------------------------------------------------------------------------
 def _meta(cfg: BenchConfig, device) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "n/a"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {
-        "date": datetime.date.today().isoformat(),
-        "world_size": dist.get_world_size(),
-        "device": name,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "git": common.git_sha(),
-        "grpcoll": _grpcoll_label(cfg),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-    }
+    env = common.environment()
+    return {"date": env["date"], "world_size": dist.get_world_size(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "backend": dist.get_backend(), "torch": env["torch"], "triton": env["triton"], "cuda": torch.version.cuda,
+            "git": env["git"], "grpcoll": cfg.grpcoll if cfg.grpcoll != "env" else "native" if native_grpcoll() else "a2av",
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}}  # fmt: skip
 
 
 def _ms(r: dict, p: str) -> str:
@@ -490,16 +375,13 @@ def _skip_cell(reason: str) -> str:
 def markdown(meta: dict, rows: list[dict]) -> str:
     c = meta["config"]
     degrees = ",".join(str(x) for x in c["degrees"])
-    lines = [
-        f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
-        f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
-        f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
-        f"kernel backends {','.join(c['kernel_backends'])}, dK/dV reduce {c['grad_reduce']}, group collectives "
-        f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
-        f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
-        f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's",
-        "",
-    ]
+    lines = [f"{meta['date']} | {meta['world_size']} x {meta['device']} ({meta['backend']}) | torch {meta['torch']} | "
+             f"triton {meta['triton']} | git {meta['git']} | heads {c['heads_q']}:{c['heads_kv']}, d {c['head_dim']}, "
+             f"{c['dtype']} | magi chunk {c['chunk_size']}, degrees {degrees}, min chunk {c['min_chunk_size']}, "
+             f"kernel backends {','.join(c['kernel_backends'])}, dK/dV reduce {c['grad_reduce']}, group collectives "
+             f"{meta.get('grpcoll', 'a2av')} | varlen block {c['block_size']} | ms: median [p25, p75] of "
+             f"{c['iters']} after {c['warmup'] + 1} warm-up, slowest rank per iteration | peak GiB: max over ranks "
+             f"(in brackets: above the allocation at the start) | magi speedup: fastest other row's median / magi's", ""]  # fmt: skip
     body = []
     for r in rows:
         head = [r["tokens_per_gpu"], r["mask"], _system_cell(r), _degree_cell(r)]
@@ -523,16 +405,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def _parse_degrees(text: str) -> tuple[int | str, ...]:
-    out: list[int | str] = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item == DYNAMIC:
-            out.append(DYNAMIC)
-        elif item.isdigit():
-            out.append(int(item))
-        else:
-            raise ValueError(f"each entry must be an int >= 0 or 'dynamic', got {item!r}")
-    return tuple(out)
+    """``--degrees``: ints >= 0 and ``dynamic`` (any case), comma-separated."""
+    items = [x.strip().lower() for x in text.split(",")]
+    if bad := [x for x in items if x != DYNAMIC and not x.isdigit()]:
+        raise ValueError(f"each entry must be an int >= 0 or 'dynamic', got {bad[0]!r}")
+    return tuple(x if x == DYNAMIC else int(x) for x in items)
 
 
 def add_arguments(ap) -> None:
@@ -540,42 +417,24 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens-per-gpu", default="8192,16384", help="comma-separated")
     add_common(ap, masks=",".join(MASKS), heads="64:8", head_dim=128)
     ap.add_argument("--systems", default=",".join(s.value for s in System))
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(common.DTYPES), default="bf16")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations after the checked first one")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--chunk-size", type=int, default=2048, help="magi DispatchConfig.chunk_size")
-    ap.add_argument(
-        "--degrees",
-        default=None,
-        help="magi OverlapConfig.degree, comma-separated: ints >= 0 and/or 'dynamic' (one magi row each; "
-        "default dynamic)",
-    )
     ap.add_argument("--degree", default=None, help="alias of --degrees")
+    ap.add_argument("--degrees", help="magi OverlapConfig.degree, comma-separated: ints >= 0 and/or "
+                    "'dynamic' (one magi row each; default dynamic)")  # fmt: skip
     ap.add_argument("--min-chunk-size", type=int, default=512, help="magi OverlapConfig.min_chunk_size")
-    ap.add_argument(
-        "--kernel-backend",
-        default="auto",
-        help=f"magi DistAttnConfig.kernel_backend, comma-separated (one magi row each) from {KERNEL_BACKENDS}",
-    )
-    ap.add_argument(
-        "--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype"
-    )
-    ap.add_argument(
-        "--grpcoll",
-        choices=("env", "a2av", "native"),
-        default="env",
-        help="magi group collectives: GrpCollConfig(native=...); env = MAGI_ATTENTION_NATIVE_GRPCOLL decides",
-    )
+    ap.add_argument("--kernel-backend", default="auto", help="magi DistAttnConfig.kernel_backend, comma-separated "
+                    f"(one magi row each) from {KERNEL_BACKENDS}")  # fmt: skip
+    ap.add_argument("--grad-reduce", choices=("fp32", "bf16"), default="fp32", help="magi partial dK/dV reduce dtype")  # fmt: skip
+    ap.add_argument("--grpcoll", choices=("env", "a2av", "native"), default="env", help="magi group collectives: "
+                    "GrpCollConfig(native=...); env = MAGI_ATTENTION_NATIVE_GRPCOLL decides")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=2048, help="varlen_block_causal: tokens per block")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--profile",
-        default=None,
-        metavar="DIR",
-        help="profile one magi forward + backward per (tokens, mask) (the first --degrees entry); rank 0 writes "
-        "the top 25 ops by self device time to DIR/profile_<mask>.txt (profile_<mask>_<tokens>.txt with several "
-        "--tokens-per-gpu)",
-    )
+    ap.add_argument("--profile", metavar="DIR", help="profile one magi forward + backward per (tokens, mask) (the "
+                    "first --degrees entry); rank 0 writes the top 25 ops by self device time to "
+                    "DIR/profile_<mask>.txt (profile_<mask>_<tokens>.txt with several --tokens-per-gpu)")  # fmt: skip
     ap.add_argument("--out", default=None, help="path prefix: writes <out>.json and <out>.md")
 
 
@@ -641,16 +500,11 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
             ref: dict = {}
             for i, (system, degree, backend) in enumerate(runs):
                 prof = _profile_path(cfg, mask, tpg) if system == System.MAGI and i == 0 else None
-                rows.append(
-                    run_case(system, mask, tpg, data, ref, cfg, device, degree, prof, backend or "auto")
-                )
+                rows.append(run_case(system, mask, tpg, data, ref, cfg, device, degree, prof, backend or "auto"))  # fmt: skip
                 if dist.get_rank() == 0:
                     r = rows[-1]
                     name = _system_cell(r) + (f" degree {_degree_cell(r)}" if system == System.MAGI else "")
-                    status = (
-                        r.get("skipped")
-                        or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"
-                    )
+                    status = r.get("skipped") or f"fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms ({r['kernel']})"  # fmt: skip
                     print(f"[cp_bench] {tpg}/GPU {mask} {name}: {status}", flush=True)
         del data
     add_speedups(rows)
@@ -667,13 +521,9 @@ def run(cfg: BenchConfig, out: str | None) -> list[dict]:
 def main(args) -> int:
     """``python -m benchmarks cp``: the process group (torchrun's environment) joined if not yet, then `run`."""
     cfg, out = config(args)
-    common.no_multicast()
     own_group = not dist.is_initialized()
     if own_group:  # torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        if cfg.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        common.join_torchrun(cfg.device == "cuda")
     try:
         run(cfg, out)
     finally:
@@ -683,6 +533,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("cp_bench"))
+    raise SystemExit(run_module(__spec__.name))

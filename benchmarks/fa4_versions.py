@@ -1,16 +1,12 @@
 """Two flash-attn-4 releases side by side, from interleaved ``kernel_backends_bench`` processes.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (fa4-versions)."""
 
 import json
 import re
 import statistics
 from pathlib import Path
 
-from benchmarks.cli import write_results
+from benchmarks.cli import run_module, write_results
 
 
 def collect(folder: Path, release: str) -> tuple[dict[tuple, list[tuple[float, float]]], str]:
@@ -38,14 +34,10 @@ def compare(folder: Path, old: str = "b36", new: str = "b40") -> dict:
         raise SystemExit(f"no timed rows for {old if not a else new} in {folder}")
     rows = []
     for key in sorted(a.keys() & b.keys(), key=str):
-        (fa, ba), (fb, bb) = (
-            tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for v in (a[key], b[key])
-        )
+        (fa, ba), (fb, bb) = (tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for v in (a[key], b[key]))  # fmt: skip
         kernel, mask, size, heads, d = key
-        rows.append(
-            dict(kernel=kernel, mask=mask, S=size, heads=heads, d=d, rounds=[len(a[key]), len(b[key])],
-                 fwd_ms=[fa, fb], bwd_ms=[ba, bb], fwd_ratio=round(fa / fb, 3), bwd_ratio=round(ba / bb, 3))
-        )  # fmt: skip
+        rows.append(dict(kernel=kernel, mask=mask, S=size, heads=heads, d=d, rounds=[len(a[key]), len(b[key])],
+                         fwd_ms=[fa, fb], bwd_ms=[ba, bb], fwd_ratio=round(fa / fb, 3), bwd_ratio=round(ba / bb, 3)))  # fmt: skip
     return dict(old=old, new=new, versions={old: va, new: vb}, rows=rows)
 
 
@@ -69,9 +61,7 @@ def render(table: dict) -> str:
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument(
-        "folder", type=Path, help="the folder of <release>_r<round>.json runs (the table goes there)"
-    )
+    ap.add_argument("folder", type=Path, help="the folder of <release>_r<round>.json runs (the table goes there)")  # fmt: skip
     ap.add_argument("--old", default="b36", help="the release tag to compare against (default b36)")
     ap.add_argument("--new", default="b40", help="the release tag compared (default b40)")
 
@@ -84,6 +74,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("fa4_versions"))
+    raise SystemExit(run_module(__spec__.name))

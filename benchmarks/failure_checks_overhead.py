@@ -1,9 +1,5 @@
 """Cost of the always-on failure checks (docs/failure_modes.md).
-
-What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (checks-overhead)."""
 
 import argparse
 import os
@@ -13,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import magi_attention.api as api
-from benchmarks.cli import add_common
-from benchmarks.common import host_median_ms, sync
+from benchmarks.cli import add_common, run_module, table
+from benchmarks.common import DTYPES, host_median_ms, join_torchrun, sync
 from magi_attention import config as cfg
 from magi_attention.testing import failure_check_calls, failure_checks, run_distributed
 
@@ -28,16 +24,13 @@ def _worker(rank: int, world: int) -> dict:
 
     def build(shift):
         cu = [0] + [c + shift for c in DOCS[1:-1]] + [TOTAL]
-        return api.magi_attn_varlen_key(
-            cu, cu, 32, 32, 128, dist.group.WORLD, causal=True, dist_attn_config=conf
-        )
+        return api.magi_attn_varlen_key(cu, cu, 32, 32, 128, dist.group.WORLD, causal=True, dist_attn_config=conf)  # fmt: skip
 
     for label, on in (("miss_with_fingerprint", True), ("miss_without_fingerprint", False)):
         shifts = iter(range(1, 21))  # a new key each call
         with failure_checks(key_fingerprint=on):
-            out[label + "_ms"] = host_median_ms(
-                lambda shifts=shifts: build(next(shifts)), 20, lambda: (dist.barrier(), api.clear_cache())
-            )
+            out[label + "_ms"] = host_median_ms(lambda shifts=shifts: build(next(shifts)), 20,
+                                                lambda: (dist.barrier(), api.clear_cache()))  # fmt: skip
     key = build(1)
     dist.barrier()
     out["hit_us"] = 1e3 * host_median_ms(lambda: build(1), 200)
@@ -49,16 +42,13 @@ def _worker(rank: int, world: int) -> dict:
     # the plan built on a device, with the table check (default) and without
     for label, on in (("with", True), ("without", False)):
         with failure_checks(table_check=on):
-            out[f"device_meta_{label}_table_check_ms"] = host_median_ms(
-                calls["device_plan"], 10, dist.barrier
-            )
+            out[f"device_meta_{label}_table_check_ms"] = host_median_ms(calls["device_plan"], 10, dist.barrier)  # fmt: skip
     out["calc_attn_extra_checks_us"] = 1e3 * host_median_ms(calls["local_checks"], 2000)
     out["shard"] = q.shape[0]
     return out
 
 
 # -- the status agreement of every call --------------------------------------------------------------------
-_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # host-side events that wait for the device (a blocking copy's `_local_scalar_dense` is `.item()` / `.tolist()`)
 _SYNC_EVENTS = frozenset(
     ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -69,24 +59,18 @@ _SYNC_EVENTS = frozenset(
 def _agreement_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     total, h, d = args.tokens, args.heads, args.head_dim
     cu = [0, *DOCS[1:-1], TOTAL] if total == TOTAL else [0, total]
-    conf = cfg.DistAttnConfig(
-        dispatch_config=cfg.DispatchConfig(chunk_size=512), kernel_backend="auto" if cuda else "torch"
-    )
+    conf = cfg.DistAttnConfig(dispatch_config=cfg.DispatchConfig(chunk_size=512), kernel_backend="auto" if cuda else "torch")  # fmt: skip
     key = api.magi_attn_varlen_key(cu, cu, h, h, d, dist.group.WORLD, causal=True, dist_attn_config=conf)
     gen = torch.Generator().manual_seed(rank)
-    q, k, v, do = (
-        api.dispatch(torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype), key)
-        for _ in range(4)
-    )
+    q, k, v, do = (api.dispatch(torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype), key)
+                   for _ in range(4))  # fmt: skip
     row: dict = {"world": world, "device": str(device), "dtype": args.dtype, "tokens": total, "heads": h}
     # 1. the agreement alone, as calc_attn's forward runs it (check, values, device-meta flag)
     dist.barrier()
-    row["agreement_us"] = 1e3 * host_median_ms(
-        failure_check_calls(key, q, k, v)["call_agreement"], args.agree_iters
-    )
+    row["agreement_us"] = 1e3 * host_median_ms(failure_check_calls(key, q, k, v)["call_agreement"], args.agree_iters)  # fmt: skip
 
     def step():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
@@ -136,12 +120,10 @@ def _print_agreement(rows: list[dict]) -> None:
     share = 100 * agreements * max(r["agreement_us"] for r in rows) / 1e3 / r0["step_ms_without"]
     print(f"status agreement, world {r0['world']}, {r0['device']}, {r0['dtype']}, {r0['tokens']} tokens, "
           f"{r0['heads']} heads, varlen causal (calc_attn forward + backward)")  # fmt: skip
-    print("| rank | agreement alone (us/call) | step with (ms) | step without (ms) | syncs with / without |")
-    print("|---|---|---|---|---|")
-    for rank, r in enumerate(rows):
-        syncs = f"{r['syncs_with']} / {r['syncs_without']}" if "syncs_with" in r else "n/a (CPU)"
-        print(f"| {rank} | {r['agreement_us']:.1f} | {r['step_ms_with']:.2f} | {r['step_ms_without']:.2f} | "
-              f"{syncs} |")  # fmt: skip
+    print("\n".join(table(["rank", "agreement alone (us/call)", "step with (ms)", "step without (ms)",
+                            "syncs with / without"], [[rank, f"{r['agreement_us']:.1f}", f"{r['step_ms_with']:.2f}",
+                            f"{r['step_ms_without']:.2f}", f"{r['syncs_with']} / {r['syncs_without']}"
+                            if "syncs_with" in r else "n/a (CPU)"] for rank, r in enumerate(rows)])))  # fmt: skip
     print(f"{agreements} agreements per step x the slowest rank's agreement = {share:.3f} % of the step")
     diffs = ", ".join(f"rank {i}: {r['step_ms_paired_diff']:+.2f} ms" for i, r in enumerate(rows))
     print(f"step with - without, median of the rounds' paired differences: {diffs}")
@@ -161,12 +143,7 @@ def add_arguments(p) -> None:
 
 
 def _torchrun_main(args: argparse.Namespace) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-            os.environ.setdefault(name, value)
-    dist.init_process_group(backend)
+    join_torchrun(torch.cuda.is_available())
     row = _agreement_worker(dist.get_rank(), dist.get_world_size(), args)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -183,13 +160,8 @@ def main(args) -> None:
         return _print_agreement(run_distributed(_agreement_worker, 2, args, timeout=3600))
     results = run_distributed(_worker, 2, timeout=600)
     for r, res in enumerate(results):
-        print(
-            f"rank {r}: "
-            + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
-        )
+        print(f"rank {r}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))  # fmt: skip
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("failure_checks_overhead"))
+    raise SystemExit(run_module(__spec__.name))

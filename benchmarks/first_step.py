@@ -1,9 +1,5 @@
 """How long the first training step takes in a fresh process, with a cold and a warm compile cache.
-
-What it measures and how to run it: docs/benchmarks/cases.md (first-step).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (first-step)."""
 
 import argparse
 import builtins
@@ -16,7 +12,7 @@ import time
 from collections.abc import Callable
 
 # no torch at module level: the breakdown's child times `import torch` itself (benchmarks.common imports it)
-from benchmarks.cli import ROOT, add_common, usage_error, write_results
+from benchmarks.cli import ROOT, add_common, run_module, usage_error, write_results
 
 TOKENS = 16384
 HEADS = (64, 8, 128)
@@ -56,6 +52,22 @@ def _start():
         torch.ones(1, device="cuda").sum().item()
 
 
+def _key(api, backend: str, second: bool = False):
+    """The runtime key (``api``: the imported magi_attention) of the docs mask (`_Docs`) on ``backend``."""
+    m, (hq, hk, d) = _Docs(second), HEADS
+    return api.magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
+                                  api.DistAttnConfig(kernel_backend=backend))  # fmt: skip
+
+
+def _inputs(grad: bool, gen=None) -> list:
+    """Random ``[q, k, v, dout]`` of the run's shape, drawn in that order (q, k, v leaves when ``grad``)."""
+    import torch
+
+    hq, hk, d = HEADS
+    xs = [torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()) for h in (hq, hk, hk, hq)]
+    return [x.requires_grad_(grad) for x in xs[:3]] + xs[3:]
+
+
 def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], object] | None) -> dict:
     """``out`` with ``warmup_s`` (``warm``'s seconds, if given), ``first_step_s`` (the first of three calls of
     ``step``) and ``steady_step_s`` (the fastest of the other two); device work waited for."""
@@ -74,17 +86,12 @@ def _timed_steps(out: dict, step: Callable[[], object], warm: Callable[[], objec
 def child_cp1(warm: bool) -> dict:
     import torch
 
-    from magi_attention import DistAttnConfig, calc_attn, get_kernel_backend, magi_attn_flex_key, warmup
+    import magi_attention
+    from magi_attention import calc_attn, get_kernel_backend, warmup
 
     _start()
-    m = _Docs()
-    hq, hk, d = HEADS
-    key = magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d, None,
-                             DistAttnConfig(kernel_backend="auto"))  # fmt: skip
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype()).requires_grad_()
-               for h in (hq, hk, hk))  # fmt: skip
-    do = torch.randn(TOKENS, hq, d, device=DEVICE, generator=gen, dtype=_dtype())
+    key = _key(magi_attention, "auto")
+    q, k, v, do = _inputs(True, torch.Generator(device=DEVICE).manual_seed(0))
     resolved, reason = get_kernel_backend(key)
     out = {"backend": getattr(resolved, "value", str(resolved)), "reason": reason}
     return _timed_steps(out, lambda: calc_attn(q, k, v, key)[0].backward(do),
@@ -99,18 +106,14 @@ def child_sim8(warm: bool) -> dict:
     from magi_solver import PlanOptions, plan_attention
 
     _start()
-    m = _Docs()
-    hq, hk, d = HEADS
-    cp = 8
+    m, d, cp = _Docs(), HEADS[2], 8
     qr, kr, types = [list(r) for r in m.q_ranges], [list(r) for r in m.k_ranges], list(m.types)
     chunk = TOKENS // cp // 4  # 4 chunks per rank (512 tokens at 16k)
     options = PlanOptions(overlap_degree=2, min_chunk_size=min(256, chunk))
     plan = plan_attention(qr, kr, types, TOKENS, cp, chunk_size=chunk, options=options)
     rows = [np.asarray(plan.dispatch.position_ids(r)) for r in range(cp)]
     kern, reason = auto_launchers(qr, kr, types, rows, plan.kv_layout, d)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v, do = (torch.randn(TOKENS, h, d, device=DEVICE, generator=gen, dtype=_dtype())
-                   for h in (hq, hk, hk, hq))  # fmt: skip
+    q, k, v, do = _inputs(False, torch.Generator(device=DEVICE).manual_seed(0))
     out = {"backend": str(kern.backend), "reason": reason}
     # warm: one step on other inputs, what magi_attention.warmup does on a real cp 8 key
     return _timed_steps(out, lambda: simulate_dist_attn(q, k, v, do, plan, kernel_backend=kern.backend),
@@ -153,19 +156,12 @@ def child_breakdown(backend: str) -> dict:
         state["api"] = magi_attention
 
     def key(second: bool = False):
-        m, api = _Docs(second), state["api"]
-        hq, hk, d = HEADS
-        cfg = api.DistAttnConfig(kernel_backend=backend)
-        state["key"] = api.magi_attn_flex_key(m.q_ranges, m.k_ranges, m.types, TOKENS, TOKENS, hq, hk, d,
-                                              None, cfg)  # fmt: skip
+        state["key"] = _key(state["api"], backend, second)
 
     def inputs():  # a new q / k / v / dout (not ours: timed as a stage of its own)
         import torch
 
-        hq, hk, d = HEADS
-        state["qkv"] = [torch.randn(TOKENS, h, d, device=DEVICE, dtype=_dtype()).requires_grad_()
-                        for h in (hq, hk, hk)]  # fmt: skip
-        state["do"] = torch.randn(TOKENS, hq, d, device=DEVICE, dtype=_dtype())
+        *state["qkv"], state["do"] = _inputs(True)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 
@@ -232,11 +228,8 @@ def add_arguments(parser) -> None:
                         "'' for none)")  # fmt: skip
     parser.add_argument("--breakdown", default=",".join(BREAKDOWN), help="backends of the from-launch breakdown, "
                         f"each cold then warm (default {','.join(BREAKDOWN)}; '' for none)")  # fmt: skip
-    parser.add_argument(
-        "--vendor-baseline",
-        default="cudnn.flex_attention",
-        help="module whose import after torch's is timed in a fresh process ('' for none)",
-    )
+    parser.add_argument("--vendor-baseline", default="cudnn.flex_attention",
+                        help="module whose import after torch's is timed in a fresh process ('' for none)")  # fmt: skip
 
 
 def main(args) -> None:
@@ -271,19 +264,11 @@ def main(args) -> None:
         breakdown_out = _run_breakdown(breakdown, args, tmp, shape)
     import torch
 
-    doc = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
-        "tokens": TOKENS,
-        "heads": list(HEADS),
-        "mask": "docs (packed causal documents)",
-        "runs": runs_out,
-        **breakdown_out,
-    }
+    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+           "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)", "tokens": TOKENS,
+           "heads": list(HEADS), "mask": "docs (packed causal documents)", "runs": runs_out, **breakdown_out}  # fmt: skip
     path = write_results(args.out_dir, "first_step", doc)
-    print(
-        f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}"
-    )
+    print(f"{'run':<12}{'cache':<6}{'backend':<16}{'warmup s':>9}{'first s':>9}{'steady s':>9}{'cache MiB':>10}")  # fmt: skip
     for r in runs_out:
         if "error" in r:
             print(f"{r['kind']:<12}{r['cache']:<6}error: {r['error'].splitlines()[-1][:50]}")
@@ -322,24 +307,10 @@ def _print_breakdown(doc: dict) -> None:
     """The breakdown as a table: seconds per stage, vendors' imports apart."""
     cols = ["python_s", "import_torch_s", "import_ours_s", "cuda_start_s", "vendor_import_s", "first_key_s",
             "first_step_s", "second_key_s", "second_step_s", "ours_s", "launch_to_first_backward_s"]  # fmt: skip
-    heads = [
-        "python",
-        "torch",
-        "ours",
-        "cuda",
-        "vendors",
-        "key",
-        "fwd+bwd",
-        "key 2",
-        "step 2",
-        "OURS",
-        "total",
-    ]
+    heads = ["python", "torch", "ours", "cuda", "vendors", "key", "fwd+bwd", "key 2", "step 2", "OURS", "total"]  # fmt: skip
     if doc["breakdown"]:
-        print(
-            "\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
-            "launch to the end of the first backward)"
-        )
+        print("\nfrom process launch, seconds (vendors' imports apart; OURS = ours + key + fwd+bwd; total = "
+              "launch to the end of the first backward)")  # fmt: skip
         print(f"{'backend':<16}{'cache':<6}" + "".join(f"{h:>8}" for h in heads))
     for r in doc["breakdown"]:
         name = r["kind"].partition(":")[2]
@@ -354,6 +325,4 @@ def _print_breakdown(doc: dict) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("first_step"))
+    raise SystemExit(run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """Fit the kernel law (`magi_solver.kernel_law`) to per-rank times of scaling runs and write the law file.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fit-law).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (fit-law)."""
 
 import json
 import math
@@ -12,7 +8,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.cli import write_json
+from benchmarks.cli import run_module, write_json
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
 TERMS = ("tiles", "key_columns", "rows")
@@ -33,18 +29,11 @@ def rank_records(paths: list[str]) -> list[dict]:
                     continue
                 recv = r.get("recv_tokens", sum(r.get("stage_bytes", [])) / KV_BYTES_PER_TOKEN)
                 own = r.get("local_tokens", tpg)
-                out.append({
-                    "file": os.path.basename(path),
-                    "mask": sim["mask"],
-                    "cp": sim["cp"],
-                    "fwd_backend": fwd_b,
-                    "bwd_backend": bwd_b or fwd_b,
-                    "tiles": r.get("tiles", r["area"] / 128**2),
-                    "key_columns": r.get("key_columns", (own + recv) / 128),
-                    "rows": r.get("rows", math.ceil(own / 128)),
-                    "fwd_us": r["fwd_ms"] * 1e3,
-                    "bwd_us": r["bwd_ms"] * 1e3,
-                })  # fmt: skip
+                out.append({"file": os.path.basename(path), "mask": sim["mask"], "cp": sim["cp"], "fwd_backend": fwd_b,
+                            "bwd_backend": bwd_b or fwd_b, "tiles": r.get("tiles", r["area"] / 128**2),
+                            "key_columns": r.get("key_columns", (own + recv) / 128),
+                            "rows": r.get("rows", math.ceil(own / 128)), "fwd_us": r["fwd_ms"] * 1e3,
+                            "bwd_us": r["bwd_ms"] * 1e3})  # fmt: skip
     return out
 
 
@@ -55,11 +44,7 @@ def errors(coef: dict[str, float], recs: list[dict], direction: str) -> dict[str
     p = x @ np.asarray([coef[t] for t in TERMS]) + coef.get("call", 0.0)
     rel = np.abs(p - y) / y
     r2 = 1.0 - float(((y - p) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30))
-    return {
-        "r2": round(r2, 5),
-        "median_error": round(float(np.median(rel)), 4),
-        "max_error": round(float(rel.max()), 4),
-    }
+    return {"r2": round(r2, 5), "median_error": round(float(np.median(rel)), 4), "max_error": round(float(rel.max()), 4)}  # fmt: skip
 
 
 def fit(recs: list[dict], direction: str) -> dict[str, float]:
@@ -118,10 +103,8 @@ def main(args) -> int:
                 laws[backend][direction] = fitted[backend]
             elif fitted:
                 other = sorted(fitted)[0]
-                laws[backend][direction] = {t: fitted[other][t] for t in (*TERMS, "call")} | {
-                    "estimate": True,
-                    "source": f"no {backend} ranks of two mask families in the data: {other}'s constants",
-                }
+                laws[backend][direction] = {t: fitted[other][t] for t in (*TERMS, "call")} | {"estimate": True,
+                    "source": f"no {backend} ranks of two mask families in the data: {other}'s constants"}  # fmt: skip
     out = {"gpu_kind": args.gpu, "unit": "us per tile (128^2 pairs), key column (128 keys), row (128 queries), call",
            "shape": "64:8 heads, head dim 128, bf16", "data": sorted({r["file"] for r in recs}), "laws": laws}  # fmt: skip
     write_json(args.out, out)
@@ -130,6 +113,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("fit_kernel_law"))
+    raise SystemExit(run_module(__spec__.name))

@@ -1,18 +1,14 @@
 """GroupCast benchmark: comm-plan bytes against ring / all-gather K/V, and GroupCast / GroupReduce bandwidth.
-
-What it measures and how to run it: docs/benchmarks/cases.md (grpcoll).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (grpcoll)."""
 
 import platform
 import sys
+from collections import namedtuple
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from benchmarks.cli import write_json
+from benchmarks.cli import run_module, table, write_json
 
 BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head_dim 128, bf16
 RANKS_PER_NODE = 8
@@ -46,16 +42,8 @@ def cast_tables(mask: str, total: int, cp: int, chunk: int) -> list[tuple]:
     return out
 
 
-@dataclass
-class BytesRow:
-    mask: str
-    cp: int
-    sent_max: int
-    sent_mean: float
-    recv_max: int
-    ring: int
-    inter_flat_max: int
-    inter_hier_max: int
+BytesRow = namedtuple("BytesRow", "mask cp sent_max sent_mean recv_max ring inter_flat_max inter_hier_max")
+"""One (mask, cp) row of the bytes table: tokens each rank sends / receives, the ring's, the inter-node ones."""
 
 
 def bytes_rows(total: int, cps: list[int], chunk: int) -> list[BytesRow]:
@@ -68,12 +56,8 @@ def bytes_rows(total: int, cps: list[int], chunk: int) -> list[BytesRow]:
                 sent.append(sum(n * len(d) for n, d in zip(ins, dsts)))
                 recv.append(sum(outs))
                 node = s // RANKS_PER_NODE
-                inter_flat.append(
-                    sum(n * sum(d // RANKS_PER_NODE != node for d in ds) for n, ds in zip(ins, dsts))
-                )
-                inter_hier.append(
-                    sum(n * len({d // RANKS_PER_NODE for d in ds} - {node}) for n, ds in zip(ins, dsts))
-                )
+                inter_flat.append(sum(n * sum(d // RANKS_PER_NODE != node for d in ds) for n, ds in zip(ins, dsts)))  # fmt: skip
+                inter_hier.append(sum(n * len({d // RANKS_PER_NODE for d in ds} - {node}) for n, ds in zip(ins, dsts)))  # fmt: skip
             shard = total // cp
             rows.append(BytesRow(mask, cp, max(sent), sum(sent) / cp, max(recv), (cp - 1) * shard,
                                  max(inter_flat), max(inter_hier)))  # fmt: skip
@@ -87,17 +71,10 @@ def _mib(tokens: float) -> str:
 
 
 def bytes_table(rows: list[BytesRow]) -> str:
-    lines = [
-        "| mask | cp | GroupCast sent MiB/rank max (mean) | recv max | ring = all-gather | GroupCast / ring | "
-        "inter-node MiB/rank, flat a2a | hierarchical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.mask} | {r.cp} | {_mib(r.sent_max)} ({_mib(r.sent_mean)}) | {_mib(r.recv_max)} | {_mib(r.ring)} | "
-            f"{r.sent_max / r.ring:.2f} | {_mib(r.inter_flat_max)} | {_mib(r.inter_hier_max)} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(table(["mask", "cp", "GroupCast sent MiB/rank max (mean)", "recv max", "ring = all-gather",
+                             "GroupCast / ring", "inter-node MiB/rank, flat a2a", "hierarchical"],
+                            [[r.mask, r.cp, f"{_mib(r.sent_max)} ({_mib(r.sent_mean)})", _mib(r.recv_max), _mib(r.ring),
+                              f"{r.sent_max / r.ring:.2f}", _mib(r.inter_flat_max), _mib(r.inter_hier_max)] for r in rows]))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,21 +152,15 @@ def _bandwidth_row(mb: int, world: int, rank: int, dev, row: tuple, token_bytes:
 
 
 def gpu_bandwidth(args) -> int:
-    import os
-
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import events_loop_ms, no_multicast
+    from benchmarks.common import events_loop_ms, join_torchrun
     from magi_group_collective import release_native_buffers
 
-    no_multicast()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")
+    dev = join_torchrun(cuda=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    row = (2 * 8, 128)  # K and V of 8 heads x 128, bf16: 4 KiB per token
-    token_bytes = 2 * 8 * 128 * 2
+    row = (2 * 8, 128)  # K and V of 8 heads x 128, bf16: 4 KiB per token (BYTES_PER_TOKEN)
     results = []
 
     def timed(fn) -> float:
@@ -198,37 +169,28 @@ def gpu_bandwidth(args) -> int:
         return t.item() / 1e3  # seconds per call, slowest rank
 
     for mb in (int(v) for v in args.sizes_mb.split(",")):
-        results.append(_bandwidth_row(mb, world, rank, dev, row, token_bytes, timed))
+        results.append(_bandwidth_row(mb, world, rank, dev, row, BYTES_PER_TOKEN, timed))
         torch.cuda.empty_cache()
     if rank == 0:
         import triton
 
         gbs = lambda r, k: r["bytes_sent"] / r[k] / 1e9  # noqa: E731
         name = torch.cuda.get_device_name(dev)
-        print(
-            f"group collective bandwidth: {world} x {name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"bf16 rows of 4 KiB, {args.iters} calls after {args.warmup}; GB/s = bytes each rank sends / time"
-        )
-        print("| op | MiB sent/rank | NCCL all_to_all_single | a2av | native | native / a2av | checks |")
-        print("|---|---:|---:|---:|---:|---:|---|")
+        print(f"group collective bandwidth: {world} x {name}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"bf16 rows of 4 KiB, {args.iters} calls after {args.warmup}; GB/s = bytes each rank sends / time")  # fmt: skip
+        body = []
         for r in results:
-            checks = (
-                f"cast bits {'equal' if r['cast_bitwise_equal'] else 'DIFFER'}, rendezvous {r['native_rendezvous']}, "
-                f"buffer {'stable' if r['native_buffer_stable'] else 'GREW'}"
-            )
+            checks = (f"cast bits {'equal' if r['cast_bitwise_equal'] else 'DIFFER'}, rendezvous "
+                      f"{r['native_rendezvous']}, buffer {'stable' if r['native_buffer_stable'] else 'GREW'}")  # fmt: skip
             for op in ("cast", "reduce"):
                 a, n = gbs(r, f"{op}_a2av_s"), gbs(r, f"{op}_native_s")
-                print(
-                    f"| Group{op.capitalize()} | {r['mb']} | {gbs(r, 'nccl_a2a_s'):.0f} | {a:.0f} | {n:.0f} | "
-                    f"{n / a:.2f} | {checks} |"
-                )
+                body.append([f"Group{op.capitalize()}", r["mb"], f"{gbs(r, 'nccl_a2a_s'):.0f}", f"{a:.0f}", f"{n:.0f}",
+                             f"{n / a:.2f}", checks])  # fmt: skip
+        print("\n".join(table(["op", "MiB sent/rank", "NCCL all_to_all_single", "a2av", "native", "native / a2av",
+                                "checks"], body)))  # fmt: skip
         if args.json:
-            write_json(
-                args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results}
-            )
-    ok = all(
-        r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results
-    )
+            write_json(args.json, {"device": name, "world": world, "torch": torch.__version__, "rows": results})  # fmt: skip
+    ok = all(r["cast_bitwise_equal"] and r["native_rendezvous"] == 0 and r["native_buffer_stable"] for r in results)  # fmt: skip
     release_native_buffers()
     dist.destroy_process_group()
     return 0 if ok else 1
@@ -248,27 +210,21 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     if args.gpu_bandwidth:
         return gpu_bandwidth(args)
-    brows = bytes_rows(args.total, args.cp, args.chunk)
-    from benchmarks.common import git_sha
+    import os
 
-    sha = git_sha()
     import torch
 
-    machine = (
-        f"{platform.machine()} {__import__('os').cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}"
-    )
-    print(
-        f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}"
-    )
+    from benchmarks.common import git_sha
+
+    brows, sha = bytes_rows(args.total, args.cp, args.chunk), git_sha()
+    machine = f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"  # fmt: skip
+    print(f"bytes: {args.total:,} tokens, chunk {args.chunk}, {BYTES_PER_TOKEN} B/token; git {sha}; {machine}")  # fmt: skip
     print(bytes_table(brows))
     if args.json:
-        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [asdict(r) for r in brows],
+        write_json(args.json, {"sha": sha, "machine": machine, "bytes": [r._asdict() for r in brows],
                                 "args": vars(args)})  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("group_collective_bench"))
+    raise SystemExit(run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """The kernel backends side by side on the same inputs, interleaved over ``--repeats`` rounds.
-
-What it measures and how to run it: docs/benchmarks/cases.md (kernels).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (kernels)."""
 
 import json
 import statistics
@@ -11,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cli import add_common, heads, ints, names, table, write_results
+from benchmarks.cli import add_common, heads, ints, names, run_module, table, write_results
 from benchmarks.common import (
     build_mask,
     calc_attn_runner,
     environment,
     flex_setup,
+    interleaved,
     kernel_runners,
     time_fwd_bwd,
 )
@@ -61,9 +58,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
     import os
     from unittest import mock
 
-    q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))  # fmt: skip
     ranges = (m.q_ranges, m.k_ranges, m.attn_type_map)
     out = {}
     for b in DET_BACKENDS:
@@ -76,10 +71,7 @@ def _det_runners(m, S: int, hq: int, hk: int, d: int, kernels: set[str]) -> dict
             except Exception as e:  # not installed here: reported, not hidden
                 print(f"# {name} unavailable: {e!r}"[:200])
                 continue
-            out[name] = (
-                lambda kernel=kernel, det=det: _LauncherAttn.apply(q, k, v, kernel, ranges, det),
-                (q, k, v),
-            )
+            out[name] = (lambda kernel=kernel, det=det: _LauncherAttn.apply(q, k, v, kernel, ranges, det), (q, k, v))  # fmt: skip
     for name, det in (("auto", False), ("auto_det", True)):
         if name not in kernels:
             continue
@@ -231,56 +223,37 @@ def bench(args) -> list[dict]:
                         runners = _det_runners(m, S, hq, hk, d, kernels)
                     else:
                         runners = kernel_runners(m, S, hq, hk, d, kernels, flex_tools)
-                    grads, times, errors = {}, {k: ([], []) for k in runners}, {}
+                    grads, errors = {}, {}
                     for kname, (fn, _xs) in runners.items():
                         try:
                             grads[kname] = torch.randn_like(fn())
                         except Exception as e:  # a kernel that cannot run a shape is reported, not hidden
                             errors[kname] = repr(e)[:300]
-                    order = list(runners)
-                    for i in range(args.repeats):
-                        # each round starts one kernel later: no kernel is always timed first (after the
-                        # previous round's longest backward) or always after the same neighbour
-                        for kname in order[i % len(order) :] + order[: i % len(order)]:
-                            fn, xs = runners[kname]
-                            if kname in errors:
-                                continue
-                            try:
-                                tf, tb = time_fwd_bwd(fn, xs, grads[kname], args.warmup, args.rep)
-                            except Exception as e:
-                                errors[kname] = repr(e)[:300]
-                                continue
-                            times[kname][0].append(tf)
-                            times[kname][1].append(tb)
+                    times = interleaved(list(runners), args.repeats, lambda k, _, rn=runners, g=grads: time_fwd_bwd(
+                        *rn[k], g[k], args.warmup, args.rep), errors)  # fmt: skip
                     for kname in runners:
                         r = dict(kernel=kname, mask=name, S=S, hq=hq, hk=hk, d=d, area=m.area)
                         if kname in errors:
                             r["error"] = errors[kname]
                         else:
-                            fw, bw = times[kname]
+                            fw, bw = (list(t) for t in zip(*times[kname]))
                             mf, mb = statistics.median(fw), statistics.median(bw)
-                            r.update(
-                                fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
-                                fwd_tflops=round(flops / mf / 1e9, 1), bwd_tflops=round(2.5 * flops / mb / 1e9, 1),
-                                fwd_spread=round((max(fw) - min(fw)) / mf, 3),
-                                bwd_spread=round((max(bw) - min(bw)) / mb, 3),
-                            )  # fmt: skip
+                            r.update(fwd_ms=round(mf, 4), bwd_ms=round(mb, 4), repeats=len(fw),
+                                     fwd_tflops=round(flops / mf / 1e9, 1), bwd_tflops=round(2.5 * flops / mb / 1e9, 1),
+                                     fwd_spread=round((max(fw) - min(fw)) / mf, 3), bwd_spread=round((max(bw) - min(bw)) / mb, 3))  # fmt: skip
                         rows.append(r)
                         print(json.dumps(r), flush=True)
-                    del runners
+                    runners.clear()
                     torch.cuda.empty_cache()
     return rows
 
 
 def render(data: dict) -> str:
     env, rows = data["env"], data.get("rows", [])
-    lines = [
-        f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['git']}"
-        f"{', ' + env['versions'] if env.get('versions') else ''}; `benchmarks/kernel_backends_bench.py`, one "
-        "process, kernels interleaved, median of the rounds (spread = (max - min) / median). Cells: fwd / bwd "
-        "TFLOP/s.",
-        "",
-    ]
+    lines = [f"Measured {env['date']} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['git']}"
+             f"{', ' + env['versions'] if env.get('versions') else ''}; `benchmarks/kernel_backends_bench.py`, one "
+             "process, kernels interleaved, median of the rounds (spread = (max - min) / median). Cells: fwd / bwd "
+             "TFLOP/s.", ""]  # fmt: skip
     if any(r["kernel"].endswith("_det") for r in rows):  # a --deterministic run: ms and ratios, no TFLOP/s
         lines[0] = lines[0].replace(" Cells: fwd / bwd TFLOP/s.", "")
         return "\n".join(lines[:1] + render_det(rows)) + "\n"
@@ -307,12 +280,8 @@ def render(data: dict) -> str:
             auto = by.get("auto")
             versus = "-"
             if calc and auto and "error" not in auto:
-                versus = " / ".join(
-                    f"{auto[f] / max(r[f] for r in calc):.2f}" for f in ("fwd_tflops", "bwd_tflops")
-                )
-            spread = max(
-                (max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0
-            )
+                versus = " / ".join(f"{auto[f] / max(r[f] for r in calc):.2f}" for f in ("fwd_tflops", "bwd_tflops"))  # fmt: skip
+            spread = max((max(r["fwd_spread"], r["bwd_spread"]) for r in by.values() if "error" not in r), default=0)  # fmt: skip
             body.append([f"{S // 1024}k", f"{hq}:{hk}", d, mask, *map(cell, kern),
                          *(ratio(a, b) for a, b in PAIRS), versus, f"{spread:.0%}"])  # fmt: skip
         lines += table(["S", "heads", "d", "mask", *kern, *(f"{a} / {b}" for a, b in PAIRS),
@@ -337,12 +306,18 @@ def _features_at_cp1(mask: str, S: int):
                                  [np.arange(S)])  # fmt: skip
 
 
+def _table_row(key: tuple, f: dict, ms: dict, source: str, det: bool = False) -> dict:
+    """A row of the auto table: the case ``key`` (S, d, hq, hk, mask), its features (``MaskFeatures.to_dict()``),
+    the ms per backend, where they were measured."""
+    S, d, hq, hk, mask = key
+    return {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}", "tile_fill": round(f["tile_fill"], 4),
+            "slices_per_row": round(f["slices_per_row"], 4), "documents": f["documents"], "ms": ms, "source": source,
+            **({"deterministic": True} if det else {})}  # fmt: skip
+
+
 def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
-    """Table rows of the busiest rank of simulated cp runs (``magi_attention_bench.py --degree 0`` JSON:
-    ``backend=path,...``, a file that holds several backends named once per backend): that rank's fwd / bwd
-    ms per backend, and its features as the
-    runtime computes them at that cp (its keys, then the remote keys). Rows measured for one backend only are
-    left out."""
+    """Table rows of the busiest rank of simulated cp runs (``sim --degree 0`` JSON, ``backend=path,...``):
+    its ms per backend, its features as the runtime computes them at that cp (one backend alone: left out)."""
     import re
 
     found: dict[tuple, dict] = {}
@@ -372,12 +347,8 @@ def _sim_rows(sim_sources: str) -> dict[tuple, dict]:
         _, _, f = _planned(entry["mask"], entry["cp"], S, chunk)
         busiest = max(entry["ranks"], key=lambda r: (r["area"], -r["rank"]))
         if f.area != busiest["area"]:
-            raise ValueError(
-                f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}"
-            )
-        rows[key] = {"mask": name, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
-                     "tile_fill": round(f.tile_fill, 4), "slices_per_row": round(f.slices_per_row, 4),
-                     "documents": f.documents, "ms": row["ms"], "source": "+".join(row["source"])}  # fmt: skip
+            raise ValueError(f"{name}: the planned busiest rank's area {f.area} is not the measured {busiest['area']}")  # fmt: skip
+        rows[key] = _table_row(key, f.to_dict(), row["ms"], "+".join(row["source"]))
     return rows
 
 
@@ -410,12 +381,9 @@ def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -
             if "features" in r:  # a simulated rank's, as the runtime computes them at that cp
                 features[key] = r["features"]
         for key, ms in found.items():
-            S, d, hq, hk, mask, det = key
+            S, *_, mask, det = key
             f = features.get(key) or _features_at_cp1(mask, S).to_dict()
-            rows[key] = {"mask": mask, "tokens": S, "head_dim": d, "heads": f"{hq}:{hk}",
-                         "tile_fill": round(f["tile_fill"], 4), "slices_per_row": round(f["slices_per_row"], 4),
-                         "documents": f["documents"], "ms": ms, "source": Path(path).name,
-                         **({"deterministic": True} if det else {})}  # fmt: skip
+            rows[key] = _table_row(key[:5], f, ms, Path(path).name, det)
     rows.update({(*k, False): v for k, v in _sim_rows(sim_sources).items()})
     if env is None and base_table is None:
         raise SystemExit("--write-table needs --sources or --base")
@@ -424,11 +392,8 @@ def write_table(out: str, sources: str, sim_sources: str = "", base: str = "") -
         measured = (f"benchmarks/kernel_backends_bench.py, {env['date']}, {env['gpu']}, torch {env['torch']}, "
                     f"{env.get('versions', '')}")  # fmt: skip
         source = measured if not source else f"{source}; {measured}"
-    table = {
-        "gpu_kind": gpu_kind(env["gpu"]) if env is not None else base_table["gpu_kind"],
-        "source": source,
-        "rows": [rows[k] for k in sorted(rows, key=lambda k: (*k[:5], k[5]))],
-    }
+    table = {"gpu_kind": gpu_kind(env["gpu"]) if env is not None else base_table["gpu_kind"], "source": source,
+             "rows": [rows[k] for k in sorted(rows, key=lambda k: (*k[:5], k[5]))]}  # fmt: skip
     Path(out).write_text(json.dumps(table, indent=1) + "\n")
     return table
 
@@ -437,28 +402,18 @@ def add_arguments(ap) -> None:
     add_common(ap, masks="full,varlen_causal,swa_causal_w1024,varlen_block_causal,random", seqlens="8192,32768",
                heads="64:8", repeats=5, out_dir=None, tag="kernel_backends")  # fmt: skip
     ap.add_argument("--head-dims", default="128", help="comma-separated head dimensions")
-    ap.add_argument(
-        "--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})"
-    )
-    ap.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="time each runtime backend's backward in deterministic mode against its default",
-    )
+    ap.add_argument("--kernels", default="", help=f"default: {DEFAULT_KERNELS} (--deterministic: {DET_KERNELS})")  # fmt: skip
+    ap.add_argument("--deterministic", action="store_true", help="time each runtime backend's backward in "
+                    "deterministic mode against its default")  # fmt: skip
     ap.add_argument("--sim-cp", type=int, default=0, help="--deterministic: also the busiest rank at this cp")
     ap.add_argument("--sim-masks", default="varlen_causal,full", help="`sim` case masks for --sim-cp")
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
-    ap.add_argument(
-        "--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)"
-    )
-    ap.add_argument(
-        "--sim-sources",
-        default="",
-        help="for --write-table: simulated cp runs, backend=path,... (`sim` case JSON at --degree 0)",
-    )
+    ap.add_argument("--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)")  # fmt: skip
+    ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "
+                    "(`sim` case JSON at --degree 0)")  # fmt: skip
     ap.add_argument("--base", default="", help="for --write-table: an existing table to add rows to")  # fmt: skip
 
 
@@ -476,6 +431,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("kernel_backends_bench"))
+    raise SystemExit(run_module(__spec__.name))

@@ -1,38 +1,18 @@
 """An attention-only training step of many layers on one mask: our kernel API, ``calc_attn``, the vendors.
-
-What it measures and how to run it: docs/benchmarks/cases.md (layer-step).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (layer-step)."""
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from benchmarks.cli import add_common, heads, ints, names, write_results
-from benchmarks.common import environment, sync
+from benchmarks.cli import add_common, heads, ints, names, run_module, table, write_results
+from benchmarks.common import CALC_ATTN_RUNNERS, environment, interleaved, times_ms
 
-DEFAULT_RUNNERS = (
-    "ffa_fa4",
-    "ffa_cudnn",
-    "auto",
-    "calc_fa4",
-    "calc_cudnn",
-    "calc_triton",
-    "fa4",
-    "cudnn_flex",
-)
+DEFAULT_RUNNERS = ("ffa_fa4", "ffa_cudnn", "auto", "calc_fa4", "calc_cudnn", "calc_triton", "fa4", "cudnn_flex")  # fmt: skip
 MODES = ("same", "new")
-CALC = {
-    "auto": "auto",
-    "calc_fa4": "fa4",
-    "calc_cudnn": "cudnn",
-    "calc_triton": "triton",
-    "calc_torch": "torch",
-}
+CALC = {**CALC_ATTN_RUNNERS, "calc_torch": "torch"}
 """Runner name -> ``kernel_backend`` of ``calc_attn`` at cp 1."""
 KERNEL_API = {"ffa_fa4": "magi_ffa_fa4", "ffa_cudnn": "magi_ffa_cudnn", "ffa": "magi_ffa"}
 """Runner name -> the package whose ``flex_flash_attn_func`` it calls."""
@@ -40,12 +20,7 @@ VENDOR_PAIRS = (
     ("ffa_fa4", "fa4"), ("ffa_cudnn", "cudnn_flex"),  # kernel API / vendor
     ("auto", "fa4"), ("auto", "cudnn_flex"), ("calc_fa4", "fa4"), ("calc_cudnn", "cudnn_flex"),  # calc_attn / vendor
 )  # fmt: skip
-CALC_PAIRS = (
-    ("ffa_fa4", "calc_fa4"),
-    ("ffa_cudnn", "calc_cudnn"),
-    ("ffa", "calc_triton"),
-    ("ffa", "calc_torch"),
-)
+CALC_PAIRS = (("ffa_fa4", "calc_fa4"), ("ffa_cudnn", "calc_cudnn"), ("ffa", "calc_triton"), ("ffa", "calc_torch"))  # fmt: skip
 """Kernel API / the same backend through ``calc_attn`` (``ffa`` is Triton on a GPU, torch on a CPU)."""
 
 
@@ -104,10 +79,7 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
     device = q0.device
     if name in KERNEL_API:
         mod = importlib.import_module(KERNEL_API[name])
-        return Runner(
-            lambda m: _tables(m, device),
-            lambda t, q, k, v: mod.flex_flash_attn_func(q, k, v, *t)[0],
-        )
+        return Runner(lambda m: _tables(m, device), lambda t, q, k, v: mod.flex_flash_attn_func(q, k, v, *t)[0])  # fmt: skip
     if name in CALC:
         from magi_attention import DistAttnConfig, calc_attn, magi_attn_flex_key
 
@@ -116,26 +88,18 @@ def make_runner(name: str, sample: Sequence[torch.Tensor]) -> Runner:
 
         def key(m: Mask):
             docs = m.ranges()
-            return magi_attn_flex_key(
-                docs, docs, [1] * len(docs), total, total, hq, k0.shape[1], d, None, config
-            )
+            return magi_attn_flex_key(docs, docs, [1] * len(docs), total, total, hq, k0.shape[1], d, None, config)  # fmt: skip
 
         key(docs_mask(total, 0))  # a backend this machine cannot run fails here, before any timing
         return Runner(key, lambda key, q, k, v: calc_attn(q, k, v, key)[0])
     if name == "fa4":
         fa = vendors.import_vendor("flash_attn.cute", "flash_attn.cute (FlashAttention-4)")
-        return Runner(
-            lambda m: vendors.fa4_local(m.slice_mask(), device, fa)[0], lambda attn, q, k, v: attn(q, k, v)
-        )
+        return Runner(lambda m: vendors.fa4_local(m.slice_mask(), device, fa)[0], lambda attn, q, k, v: attn(q, k, v))  # fmt: skip
     if name == "cudnn_flex":
         vendors.import_vendor("cudnn.flex_attention", "cudnn.flex_attention (nvidia-cudnn-frontend)")
-        return Runner(
-            lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample),
-            lambda plan, q, k, v: vendors.cudnn_flex_attn(q, k, v, plan),
-        )
-    raise ValueError(
-        f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}"
-    )
+        return Runner(lambda m: vendors.cudnn_mask_plan(m.slice_mask(), *sample),
+                      lambda plan, q, k, v: vendors.cudnn_flex_attn(q, k, v, plan))  # fmt: skip
+    raise ValueError(f"unknown runner {name!r}; choose from {sorted({*KERNEL_API, *CALC, 'fa4', 'cudnn_flex'})}")  # fmt: skip
 
 
 def run_step(runner: Runner, mask: Mask, layers: Sequence[Sequence[torch.Tensor]], do: torch.Tensor,
@@ -166,14 +130,10 @@ def layer_step(names: Sequence[str], total: int, *, heads: tuple[int, int] = (64
     dev = torch.device(device)
     hq, hk = heads
     gen = torch.Generator(device=dev).manual_seed(0)
-    qkvs = [
-        tuple(torch.randn(total, h, head_dim, device=dev, dtype=dtype, generator=gen) for h in (hq, hk, hk))
-        for _ in range(layers)
-    ]
+    qkvs = [tuple(torch.randn(total, h, head_dim, device=dev, dtype=dtype, generator=gen) for h in (hq, hk, hk))
+            for _ in range(layers)]  # fmt: skip
     do = torch.randn(total, hq, head_dim, device=dev, dtype=dtype, generator=gen)
-    base = dict(
-        tokens=total, heads=f"{hq}:{hk}", d=head_dim, layers=layers, dtype=str(dtype).removeprefix("torch.")
-    )
+    base = dict(tokens=total, heads=f"{hq}:{hk}", d=head_dim, layers=layers, dtype=str(dtype).removeprefix("torch."))  # fmt: skip
     runners, rows = {}, []
     for name in names:
         try:
@@ -185,39 +145,26 @@ def layer_step(names: Sequence[str], total: int, *, heads: tuple[int, int] = (64
         masks = [docs_mask(total, 0)] * (warmup + steps) if mode == "same" else [
             docs_mask(total, 1 + i) for i in range(warmup + steps)
         ]  # fmt: skip
-        prepared, times, errors = {}, {n: [] for n in runners}, {}
+        prepared, errors = {}, {}
         if mode == "same":  # the per-mask work once, outside the timing
             for name, r in runners.items():
                 try:
                     prepared[name] = r.prepare(masks[0])
                 except Exception as e:
                     errors[name] = repr(e)[:300]
-        order = list(runners)
-        for i, mask in enumerate(masks):
-            for name in order[i % len(order) :] + order[: i % len(order)] if order else []:
-                if name in errors:
-                    continue
-                try:
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    run_step(runners[name], mask, qkvs, do, prepared.get(name))
-                    sync(dev)
-                    ms = (time.perf_counter() - t0) * 1e3
-                except Exception as e:  # a runner that fails is reported, the others go on
-                    errors[name] = repr(e)[:300]
-                    continue
-                if i >= warmup:
-                    times[name].append(ms)
+        # one step per mask, the runners interleaved; a runner that fails is reported, the others go on
+        times = interleaved(list(runners), len(masks), lambda name, i, ms=masks, p=prepared: times_ms(
+            lambda: run_step(runners[name], ms[i], qkvs, do, p.get(name)), 1, device=dev)[0], errors)  # fmt: skip
         for name in runners:
             row = dict(runner=name, mode=mode, **base)
             if name in errors:
                 row["error"] = errors[name]
             else:
-                t = times[name]
+                t = times[name][warmup:]
                 row.update(median_ms=round(statistics.median(t), 3), spread_ms=round(max(t) - min(t), 3),
                            steps=len(t), times_ms=[round(x, 3) for x in t])  # fmt: skip
             rows.append(row)
-        del prepared
+        prepared.clear()
         clear_cache()  # this mode's plans (cp 1)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -241,20 +188,13 @@ def render(rows: list[dict]) -> list[str]:
         some = next(iter(by.values()))
         what = "same mask every step" if mode == "same" else "a new mask every step (per-mask work timed)"
         size = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-        lines += ["", f"{some['layers']} layers, {size} tokens, {some['heads']}, d {some['d']}, "
-                  f"{some['dtype']}: {what}", "", "| runner | median ms | spread ms |", "|---|---|---|"]  # fmt: skip
-        for name, r in by.items():
-            cells = "unavailable | -" if "error" in r else f"{r['median_ms']:.1f} | {r['spread_ms']:.1f}"
-            lines.append(f"| {name} | {cells} |")
-        ratios = [
-            (kind, f"{a} / {b}", x)
-            for kind, pairs in (("vs vendor", VENDOR_PAIRS), ("kernel API / calc_attn", CALC_PAIRS))
-            for a, b in pairs
-            if (x := _ratio(by, a, b)) is not None
-        ]
+        lines += ["", f"{some['layers']} layers, {size} tokens, {some['heads']}, d {some['d']}, {some['dtype']}: {what}",
+                  "", *table(["runner", "median ms", "spread ms"], [[name, *(["unavailable", "-"] if "error" in r else
+                  [f"{r['median_ms']:.1f}", f"{r['spread_ms']:.1f}"])] for name, r in by.items()])]  # fmt: skip
+        ratios = [(kind, f"{a} / {b}", x) for kind, pairs in (("vs vendor", VENDOR_PAIRS), ("kernel API / calc_attn",
+                  CALC_PAIRS)) for a, b in pairs if (x := _ratio(by, a, b)) is not None]  # fmt: skip
         if ratios:
-            lines += ["", "| ratio (speed) | runners | x |", "|---|---|---|"]
-            lines += [f"| {kind} | {pair} | {x} |" for kind, pair, x in ratios]
+            lines += ["", *table(["ratio (speed)", "runners", "x"], ratios)]
     return lines
 
 
@@ -287,6 +227,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("layer_step"))
+    raise SystemExit(run_module(__spec__.name))

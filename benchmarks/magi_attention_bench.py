@@ -1,23 +1,19 @@
 """Runtime measurements on one GPU: cp = 1 overhead and simulated context parallelism.
-
-What it measures and how to run it: docs/benchmarks/cases.md (sim).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (sim)."""
 
 import datetime
 import functools
+import importlib
 import itertools
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import triton
 
 from benchmarks import common
-from benchmarks.cli import table, usage_error, write_json
+from benchmarks.cli import add_common, names, run_module, table, usage_error, write_json
 from benchmarks.common import SCALING_MASKS, kv_total, make_mask
 from magi_attention import DispatchConfig, DistAttnConfig
 from magi_attention.api import calc_attn, magi_attn_flex_key
@@ -33,18 +29,10 @@ BACKENDS = ("auto", "fa4", "cudnn", "triton", "torch")
 
 
 def raw_attn_func(backend: KernelBackend):
-    """The backend's own single-call autograd entry (the cp = 1 yardstick)."""
-    if backend == KernelBackend.FA4:
-        import magi_ffa_fa4
-
-        return magi_ffa_fa4.flex_flash_attn_func
-    if backend == KernelBackend.CUDNN:
-        import magi_ffa_cudnn
-
-        return magi_ffa_cudnn.flex_flash_attn_func
-    import magi_ffa  # Triton on a GPU, its torch path on the CPU
-
-    return magi_ffa.flex_flash_attn_func
+    """The backend's own single-call autograd entry (the cp = 1 yardstick; magi_ffa: Triton on a GPU, its torch
+    path on the CPU)."""
+    name = {KernelBackend.FA4: "magi_ffa_fa4", KernelBackend.CUDNN: "magi_ffa_cudnn"}.get(backend, "magi_ffa")
+    return importlib.import_module(name).flex_flash_attn_func
 
 
 NVLINK_BPS, IB_BPS = 450e9, 50e9
@@ -59,21 +47,15 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
 
 def _events_ms(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median ms of `fn` by CUDA events (per-rank timing in the simulation: cheap enough for 64 ranks)."""
-    return (
-        statistics.median(common.times_ms(fn, iters, events=True, warmup=warmup))
-        if DEVICE == "cuda"
-        else _bench(fn)
-    )
+    return statistics.median(common.times_ms(fn, iters, events=True, warmup=warmup)) if DEVICE == "cuda" else _bench(fn)  # fmt: skip
 
 
 def _whole_mask(mask: str, total: int, requires_grad: bool = False):
     """Random bf16 ``(q, k, v, dout)`` of ``mask`` over ``total`` tokens, and its ranges and types as host int32
     tensors (no device -> host sync per call)."""
     dev, tk = torch.device(DEVICE), kv_total(mask, total)
-    q, k, v = (
-        torch.randn(n, h, D, device=dev, dtype=torch.bfloat16, requires_grad=requires_grad)
-        for n, h in ((total, HQ), (tk, HKV), (tk, HKV))
-    )
+    q, k, v = (torch.randn(n, h, D, device=dev, dtype=torch.bfloat16, requires_grad=requires_grad)
+               for n, h in ((total, HQ), (tk, HKV), (tk, HKV)))  # fmt: skip
     do = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16)
     return (q, k, v, do), [torch.tensor(x, dtype=torch.int32) for x in make_mask(mask, total)]
 
@@ -88,17 +70,9 @@ def bench_cp1_overhead(total: int, mask: str, backend: KernelBackend) -> dict:
         ours = _bench(lambda: calc_attn(q, k, v, key), warmup=20, rep=100)
     raw_fb = _bench(lambda: raw_fn(q, k, v, qr, kr, tr)[0].backward(do), warmup=10, rep=50)
     ours_fb = _bench(lambda: calc_attn(q, k, v, key)[0].backward(do), warmup=10, rep=50)
-    return {
-        "mask": mask,
-        "tokens": total,
-        "backend": backend.value,
-        "raw_ffa_ms": raw,
-        "calc_attn_ms": ours,
-        "overhead": ours / raw - 1,
-        "raw_fwd_bwd_ms": raw_fb,
-        "calc_attn_fwd_bwd_ms": ours_fb,
-        "overhead_fwd_bwd": ours_fb / raw_fb - 1,
-    }
+    return {"mask": mask, "tokens": total, "backend": backend.value, "raw_ffa_ms": raw, "calc_attn_ms": ours,
+            "overhead": ours / raw - 1, "raw_fwd_bwd_ms": raw_fb, "calc_attn_fwd_bwd_ms": ours_fb,
+            "overhead_fwd_bwd": ours_fb / raw_fb - 1}  # fmt: skip
 
 
 @functools.cache
@@ -115,24 +89,13 @@ def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[fl
 
 def _once_ms(fn) -> tuple[float, object]:
     """(ms, result) of one call of ``fn``: CUDA events, or a host clock on the CPU smoke test."""
-    if DEVICE != "cuda":
-        t0 = time.perf_counter()
-        out = fn()
-        return (time.perf_counter() - t0) * 1e3, out
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end), out
+    return common.once_ms(fn, events=DEVICE == "cuda")
 
 
 def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[float, float]:
-    """One forward and one backward (ms) of a rank's FFA calls (`common.rank_kernel_calls`) with ``kern``'s
-    launchers (`magi_attention.simulate.kernel_launchers`) through their runtime entry (slices checked once), as the runtime: one call
-    (the merged stage at degree 0) writes out / lse and the gradients itself, with the runtime's K/V
-    concatenation before it and the dK/dV it reduces after; more calls: the first writes the accumulator,
-    later stages merge, the gradients accumulate in fp32."""
+    """One forward and one backward (ms) of a rank's calls (`common.rank_kernel_calls`) on ``kern``, as the
+    runtime: one call (the merged stage) writes out / lse and the gradients itself, with the runtime's K/V
+    concatenation before it and the dK/dV it reduces after; more calls: an accumulator, fp32 gradients."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
 
@@ -178,14 +141,9 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
 def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern, path: str, title: str) -> None:
     """torch.profiler over three forward + backward steps of one rank: its kernels and host ops by device
     time, appended to ``path`` under ``title`` (one file for every row: the device runner returns few files)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = DEVICE == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        for _ in range(3):
-            _rank_step(q, do, calls, kern)
-    by = "cuda_time_total" if cuda else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=by, row_limit=25, max_name_column_width=70)
+    table, _ = common.profile_table(lambda: [_rank_step(q, do, calls, kern) for _ in range(3)], cuda,
+                                    "cuda_time_total" if cuda else "cpu_time_total")  # fmt: skip
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         f.write(f"== {title}\n{table}\n\n")
@@ -234,14 +192,10 @@ def make_plan(mask: str, cp: int, tokens_per_gpu: int, degree: int, chunk: int |
     total = tokens_per_gpu * cp
     q_ranges, k_ranges, types = make_mask(mask, total)
     asked = dispatch_alg(alg)
-    options = PlanOptions(
-        dispatch_alg=asked if asked is not None else None if chunk is None else "min_heap",
-        overlap_degree=degree,
-        min_chunk_size=512 if chunk is None else min(512, chunk),
-    )
-    cross = {}
-    if kv_total(mask, total) != total:  # key/value shards of their own, as the runtime cuts them
-        cross = {"total_seqlen_k": kv_total(mask, total)}
+    options = PlanOptions(dispatch_alg=asked if asked is not None else None if chunk is None else "min_heap",
+                          overlap_degree=degree, min_chunk_size=512 if chunk is None else min(512, chunk))  # fmt: skip
+    # cross-attention: key/value shards of their own, as the runtime cuts them
+    cross = {"total_seqlen_k": kv_total(mask, total)} if kv_total(mask, total) != total else {}
     plan = plan_attention(q_ranges, k_ranges, types, total, cp, chunk_size=chunk, options=options, **cross)
     return total, plan
 
@@ -262,16 +216,9 @@ def plan_summary(mask: str, cp: int, tokens_per_gpu: int, degree: int, alg: str 
     _, plan = make_plan(mask, cp, tokens_per_gpu, degree, alg=alg)
     areas = [r.host_area + sum(s.area for s in r.stages) for r in plan.ranks]
     worst_bytes = max(sum(s.num_remote_tokens for s in r.stages) for r in plan.ranks) * 2 * HKV * D * 2
-    return {
-        "mask": mask,
-        "cp": cp,
-        "dispatch_alg_asked": alg,
-        "dispatch_alg": plan.dispatch.alg.value,
-        "imbalance": max(areas) * cp / sum(areas),
-        "remote_mib": worst_bytes / 2**20,
-        "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
-        "comm_ms_ib": worst_bytes / IB_BPS * 1e3,
-    }
+    return {"mask": mask, "cp": cp, "dispatch_alg_asked": alg, "dispatch_alg": plan.dispatch.alg.value,
+            "imbalance": max(areas) * cp / sum(areas), "remote_mib": worst_bytes / 2**20,
+            "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3, "comm_ms_ib": worst_bytes / IB_BPS * 1e3}  # fmt: skip
 
 
 _FAMILY = {
@@ -284,13 +231,10 @@ _FAMILY = {
 # MagiAttention's published H100 curve (native group collectives, 8k tokens per GPU, heads 64:8, d 128):
 # TFLOP/s per GPU at cp 8 and cp 64, from ../shared/reference/anchors.md (B.9); other cp sizes unpublished
 PUBLISHED_H100 = {
-    ("full", "fwd"): {8: 665, 64: 628},
-    ("causal", "fwd"): {8: 645, 64: 594},
-    ("causal", "bwd"): {8: 529, 64: 529},
-    ("varlen_full", "fwd"): {8: 535, 64: 400},
-    ("varlen_causal", "fwd"): {8: 459, 64: 237},
+    ("full", "fwd"): {8: 665, 64: 628}, ("causal", "fwd"): {8: 645, 64: 594}, ("causal", "bwd"): {8: 529, 64: 529},
+    ("varlen_full", "fwd"): {8: 535, 64: 400}, ("varlen_causal", "fwd"): {8: 459, 64: 237},
     ("varlen_causal", "bwd"): {8: 360, 64: 264},
-}
+}  # fmt: skip
 
 
 def predicted_step(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict:
@@ -310,9 +254,7 @@ def predicted_step(mask: str, cp: int, tokens_per_gpu: int, degree: int) -> dict
     )  # fmt: skip
     m = rec["schemes"]["magi"]
     # the plan priced: the runtime's default dispatch, whichever --dispatch-algs entry the row measured
-    return {"dispatch_alg": rec["dispatch_alg"]} | {
-        k: m[k] for k in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu")
-    }
+    return {"dispatch_alg": rec["dispatch_alg"]} | {k: m[k] for k in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu")}  # fmt: skip
 
 
 def scaling_rows(sim: list[dict]) -> list[dict]:
@@ -322,14 +264,9 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
     out = []
     for r in sim:
         singles = [o for o in sim if (o["mask"], o["cp"]) == (r["mask"], r["cp"]) and "single_fwd" in o]
-        row = {
-            "mask": r["mask"], "cp": r["cp"], "kernel_backend": r["kernel_backend"], "backend": r["backend"],
-            "chunk_size": r.get("chunk_size"), "dispatch_alg": r.get("dispatch_alg"),
-            "dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG),
-            "remote_kv_tokens_max": r.get("remote_kv_tokens_max"),
-            "remote_kv_tokens_mean": r.get("remote_kv_tokens_mean"),
-            "predicted": r.get("predicted", {}), "timed_ranks": r.get("timed_ranks"),
-        }  # fmt: skip
+        row = {k: r.get(k) for k in ("mask", "cp", "kernel_backend", "backend", "chunk_size", "dispatch_alg",
+               "remote_kv_tokens_max", "remote_kv_tokens_mean", "timed_ranks")}  # fmt: skip
+        row |= {"dispatch_alg_asked": r.get("dispatch_alg_asked", DEFAULT_ALG), "predicted": r.get("predicted", {})}  # fmt: skip
         if singles:
             one_f = max(o["single_fwd"] for o in singles)
             one_b = max(o["single_bwd"] for o in singles)
@@ -351,14 +288,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
     dev = torch.device(DEVICE)
     shard = plan.dispatch.shard_seqlen  # the chosen chunk may pad the sequence
     kv_shard = shard if plan.kv_layout is None else plan.kv_layout.shard_seqlen
-    q = torch.randn(shard, HQ, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(kv_shard, HKV, D, device=dev, dtype=torch.bfloat16)
-    do = torch.randn_like(q)
     max_remote = max(r.num_remote_tokens for r in plan.ranks)
-    # one buffer of stand-in keys for every rank (at degree 0 the merged call's own and received keys)
-    rk = torch.randn(kv_shard + max_remote, HKV, D, device=dev, dtype=torch.bfloat16)
-    rv = torch.randn_like(rk)
+    # rk / rv: one buffer of stand-in keys for every rank (at degree 0 the merged call's own and received keys)
+    q, do, k, v, rk, rv = (torch.randn(n, h, D, device=dev, dtype=torch.bfloat16) for n, h in ((shard, HQ), (shard, HQ),
+                           (kv_shard, HKV), (kv_shard, HKV), (kv_shard + max_remote, HKV), (kv_shard + max_remote, HKV)))  # fmt: skip
     kern = auto_kernel(mask, total, plan) if backend == KernelBackend.AUTO else kernel_launchers(backend)
     resolved = kern.backend.value
     if kern.backward_backend != kern.backend:
@@ -387,42 +320,26 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         r["full_timing"] = i in full
     if profile_path:
         slowest = max(timed, key=lambda i: rows[i]["bwd_ms"])
-        _profile_rank(
-            q, do, calls[slowest], kern, profile_path, f"{mask} cp {cp} {backend.value} rank {slowest}"
-        )
+        _profile_rank(q, do, calls[slowest], kern, profile_path, f"{mask} cp {cp} {backend.value} rank {slowest}")  # fmt: skip
     total_area = sum(r["area"] for r in rows)
     flops_f = 4 * total_area * HQ * D
     worst_f = max(rows[i]["fwd_ms"] for i in timed)
     worst_b = max(rows[i]["bwd_ms"] for i in timed)
     worst_bytes = max(sum(r["stage_bytes"]) for r in rows)
-    return {
-        "mask": mask,
-        "cp": cp,
-        "kernel_backend": backend.value,
-        "backend": resolved,
-        "tokens_per_gpu": tokens_per_gpu,
-        "degree": degree,
-        "chunk_size": plan.dispatch.chunk_size,  # the runtime's choice: a later reader rebuilds this plan
-        "dispatch_alg": plan.dispatch.alg.value,
-        "dispatch_alg_asked": alg,
-        "remote_kv_tokens_max": max(plan.remote_tokens_per_rank),
-        "remote_kv_tokens_mean": sum(plan.remote_tokens_per_rank) / cp,
-        "predicted": predicted_step(mask, cp, tokens_per_gpu, degree),
-        "imbalance": max(r["area"] for r in rows) * cp / total_area,
-        "timed_ranks": timed,
-        "rounds": rounds,
-        # > 1: a rank left out of the full timing was slower in the quick round than the slowest timed one
-        "quick_max_over_slowest": max(
-            (max(f / worst_f, b / worst_b) for i, (f, b) in enumerate(quick) if i not in full), default=0.0
-        ),
-        "slowest_fwd_ms": worst_f,
-        "slowest_bwd_ms": worst_b,
-        "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
-        "tflops_bwd": 2.5 * flops_f / (worst_b * 1e-3 * cp) / 1e12,
-        "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
-        "comm_ms_ib": worst_bytes / IB_BPS * 1e3,
-        "ranks": rows,
-    }
+    # chunk_size: the runtime's choice (a later reader rebuilds this plan); quick_max_over_slowest > 1: a rank
+    # left out of the full timing was slower in the quick round than the slowest timed one
+    return {"mask": mask, "cp": cp, "kernel_backend": backend.value, "backend": resolved,
+            "tokens_per_gpu": tokens_per_gpu, "degree": degree, "chunk_size": plan.dispatch.chunk_size,
+            "dispatch_alg": plan.dispatch.alg.value, "dispatch_alg_asked": alg,
+            "remote_kv_tokens_max": max(plan.remote_tokens_per_rank),
+            "remote_kv_tokens_mean": sum(plan.remote_tokens_per_rank) / cp,
+            "predicted": predicted_step(mask, cp, tokens_per_gpu, degree),
+            "imbalance": max(r["area"] for r in rows) * cp / total_area, "timed_ranks": timed, "rounds": rounds,
+            "quick_max_over_slowest": max((max(f / worst_f, b / worst_b) for i, (f, b) in enumerate(quick)
+                                           if i not in full), default=0.0),
+            "slowest_fwd_ms": worst_f, "slowest_bwd_ms": worst_b, "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
+            "tflops_bwd": 2.5 * flops_f / (worst_b * 1e-3 * cp) / 1e12, "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
+            "comm_ms_ib": worst_bytes / IB_BPS * 1e3, "ranks": rows}  # fmt: skip
 
 
 def _case(row: dict) -> tuple:
@@ -435,10 +352,7 @@ def auto_over_fastest(row: dict, rows: list[dict]) -> str:
     (>= 1: auto is at least as fast), among the rows of the same mask, cp, degree and dispatch asked for."""
     if row["kernel_backend"] != "auto":
         return ""
-    same = [
-        o for o in rows
-        if o["kernel_backend"] != "auto" and _case(o) == _case(row)
-    ]  # fmt: skip
+    same = [o for o in rows if o["kernel_backend"] != "auto" and _case(o) == _case(row)]
     if not same:
         return "n/a"
     return " / ".join(f"{min(o[t] for o in same) / row[t]:.2f}" for t in ("slowest_fwd_ms", "slowest_bwd_ms"))
@@ -447,30 +361,17 @@ def auto_over_fastest(row: dict, rows: list[dict]) -> str:
 def add_arguments(ap) -> None:
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--cps", default="8,16,32,64")
-    ap.add_argument(
-        "--masks",
-        default="full,causal,varlen_full,varlen_causal",
-        help=f"comma-separated, from {SCALING_MASKS}",
-    )
-    ap.add_argument(
-        "--dispatch-algs",
-        "--dispatch-alg",
-        default=DEFAULT_ALG,
-        help="comma-separated dispatch algorithms, each mask and cp planned with each (a row apiece): "
-        f"'{DEFAULT_ALG}' (the runtime's choice per mask) or a DispatchAlg name "
-        f"({', '.join(a.value for a in DispatchAlg)}), its chunk size chosen",
-    )
+    add_common(ap, masks="full,causal,varlen_full,varlen_causal")
+    ap.add_argument("--dispatch-algs", "--dispatch-alg", default=DEFAULT_ALG, help="comma-separated dispatch "
+                    f"algorithms, each mask and cp planned with each (a row apiece): '{DEFAULT_ALG}' (the runtime's "
+                    f"choice per mask) or a DispatchAlg name ({', '.join(a.value for a in DispatchAlg)}), its chunk size chosen")  # fmt: skip
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--cp1-tokens", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plan-only", action="store_true", help="balance and communication only (no GPU needed)")
-    ap.add_argument(
-        "--kernel-backend",
-        default="fa4",
-        help=f"comma-separated, from {BACKENDS}: the simulated ranks run on each (auto: what the runtime would "
-        "pick for the plan); beside auto an explicit backend is only the one-GPU yardstick (and cp = 1 rows), "
-        "unless --simulate-explicit",
-    )
+    ap.add_argument("--kernel-backend", default="fa4", help=f"comma-separated, from {BACKENDS}: the simulated ranks "
+                    "run on each (auto: what the runtime would pick for the plan); beside auto an explicit backend "
+                    "is only the one-GPU yardstick (and cp = 1 rows), unless --simulate-explicit")  # fmt: skip
     ap.add_argument("--single-backend", default="", help="more one-GPU yardstick backends")
     ap.add_argument("--simulate-explicit", action="store_true", help="simulate explicit ones beside auto")
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU call on the whole mask")
@@ -479,39 +380,30 @@ def add_arguments(ap) -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds of the candidate ranks")
     ap.add_argument("--rounds-dense", type=int, default=1, help="--rounds of full and causal at cp >= 32")
     ap.add_argument("--candidates", type=int, default=2, help="quick round's slowest ranks, per way")
-    ap.add_argument(
-        "--profile", default=None, help="file: torch.profiler table of each row's slowest rank, appended"
-    )
-    ap.add_argument(
-        "--scaling",
-        action="store_true",
-        help="also print the scaling table: E = T_one_gpu / (cp x T_slowest_rank), remote K/V per rank, the "
-        "cost model's predicted step per GPU beside MagiAttention's published H100 curve",
-    )
+    ap.add_argument("--profile", default=None, help="file: torch.profiler table of each row's slowest rank, appended")  # fmt: skip
+    ap.add_argument("--scaling", action="store_true", help="also print the scaling table: E = T_one_gpu / (cp x "
+                    "T_slowest_rank), remote K/V per rank, the cost model's predicted step per GPU beside "
+                    "MagiAttention's published H100 curve")  # fmt: skip
 
 
 def main(args) -> int:
-    masks = [m.strip() for m in args.masks.split(",") if m.strip()]
+    masks, algs = names(args.masks), names(args.dispatch_algs)
     if bad := [m for m in masks if m not in SCALING_MASKS]:
         usage_error(f"--masks: unknown {bad}, choose from {SCALING_MASKS}")
-    algs = [a.strip() for a in args.dispatch_algs.split(",") if a.strip()]
     for a in algs:
         try:
             dispatch_alg(a)
         except ValueError as e:
             usage_error(f"--dispatch-algs: {a!r}: {e} (or '{DEFAULT_ALG}')")
-    names = [b.strip() for b in args.kernel_backend.split(",")]
-    singles = [b.strip() for b in args.single_backend.split(",") if b.strip()]
-    if bad := [b for b in names + singles if b not in BACKENDS]:
+    asked, singles = [b.strip() for b in args.kernel_backend.split(",")], names(args.single_backend)
+    if bad := [b for b in asked + singles if b not in BACKENDS]:
         usage_error(f"--kernel-backend: unknown {bad}, choose from {BACKENDS}")
-    backends = [KernelBackend(b) for b in names]
+    backends = [KernelBackend(b) for b in asked]
     if KernelBackend.AUTO in backends and not args.simulate_explicit:
         backends = [KernelBackend.AUTO]
-    explicit = [KernelBackend(b) for b in dict.fromkeys(names + singles) if b != "auto"]
+    explicit = [KernelBackend(b) for b in dict.fromkeys(asked + singles) if b != "auto"]
     if not explicit and not (args.no_single and args.no_cp1):
-        usage_error(
-            "--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend"
-        )
+        usage_error("--kernel-backend auto alone simulates cp only: add --no-single --no-cp1 or an explicit backend")  # fmt: skip
     if args.plan_only:
         rows = []
         for mask, cp, alg in itertools.product(masks, map(int, args.cps.split(",")), algs):
@@ -522,27 +414,20 @@ def main(args) -> int:
                                 "comm ms @450GB/s", "comm ms @50GB/s"], rows)))  # fmt: skip
         return 0
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
-    header = (
-        f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(names)}"
-    )
+    header = (f"{datetime.date.today()} | {name} | torch {torch.__version__} | triton {triton.__version__} | "
+              f"heads {HQ}:{HKV}, d {D}, bf16 | kernel backends {','.join(asked)}")  # fmt: skip
     results = {"header": header, "cp1": [], "sim": []}
     for mask, backend in itertools.product([] if args.no_cp1 else masks, explicit):
         results["cp1"].append(bench_cp1_overhead(args.cp1_tokens, mask, backend))
         r = results["cp1"][-1]
-        print(
-            f"# cp1 {mask} {backend.value}: raw {r['raw_ffa_ms']:.3f} ms, calc_attn {r['calc_attn_ms']:.3f} ms "
-            f"({r['overhead']:+.1%})",
-            flush=True,
-        )
+        print(f"# cp1 {mask} {backend.value}: raw {r['raw_ffa_ms']:.3f} ms, calc_attn {r['calc_attn_ms']:.3f} ms "
+              f"({r['overhead']:+.1%})", flush=True)  # fmt: skip
     for mask in masks:
         for cp in map(int, args.cps.split(",")):
             rounds = args.rounds_dense if mask in ("full", "causal") and cp >= 32 else args.rounds
             for alg, backend in itertools.product(algs, backends):  # the algorithms of a mask side by side
-                r = simulate_cp(
-                    mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates, args.profile,
-                    alg,
-                )  # fmt: skip
+                r = simulate_cp(mask, cp, args.tokens_per_gpu, args.degree, backend, rounds, args.candidates,
+                                args.profile, alg)  # fmt: skip
                 if not args.no_single:
                     # full/causal at cp 64 would take minutes on one GPU: past --single-max-tokens the same mask
                     # family at that size stands in (its throughput has long reached the asymptote); measured
@@ -553,13 +438,10 @@ def main(args) -> int:
                     r["single_fwd"], r["single_bwd"] = (max(x) for x in zip(*rates))
                 results["sim"].append(r)
                 _save(args.json, results)  # row by row: a run cut short keeps what it measured
-                print(
-                    f"# {mask} cp{cp} degree {args.degree} {_alg_cell(r)} {backend.value} ({r['backend']}): slowest rank "
-                    f"{r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms (ranks {r['timed_ranks']} timed "
-                    f"{rounds}x), fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the "
-                    f"whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})",
-                    flush=True,
-                )
+                print(f"# {mask} cp{cp} degree {args.degree} {_alg_cell(r)} {backend.value} ({r['backend']}): slowest "
+                      f"rank {r['slowest_fwd_ms']:.3f} / {r['slowest_bwd_ms']:.3f} ms (ranks {r['timed_ranks']} timed "
+                      f"{rounds}x), fwd {r['tflops_fwd']:.0f} bwd {r['tflops_bwd']:.0f} TFLOP/s/GPU (one GPU on the "
+                      f"whole mask: {r.get('single_fwd', 0):.0f} / {r.get('single_bwd', 0):.0f})", flush=True)  # fmt: skip
     if args.scaling:
         results["scaling"] = scaling_rows(results["sim"])
     _save(args.json, results)
@@ -578,10 +460,9 @@ def main(args) -> int:
                     f"{r['slowest_bwd_ms']:.2f}", f"{r['tflops_fwd']:.0f}", f"{r['tflops_bwd']:.0f}", ratio,
                     auto_over_fastest(r, results["sim"]), f"{r['comm_ms_nvlink']:.2f}",
                     f"{r['comm_ms_ib']:.2f}"])  # fmt: skip
-    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "imbalance", "slowest fwd ms",
-                                   "slowest bwd ms", "fwd TFLOP/s/GPU", "bwd TFLOP/s/GPU", "vs one GPU fwd / bwd",
-                                   "auto / fastest explicit fwd / bwd", "comm ms @450GB/s", "comm ms @50GB/s"],
-                                  sim)))  # fmt: skip
+    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "imbalance", "slowest fwd ms", "slowest bwd ms",
+                                   "fwd TFLOP/s/GPU", "bwd TFLOP/s/GPU", "vs one GPU fwd / bwd", "auto / fastest "
+                                   "explicit fwd / bwd", "comm ms @450GB/s", "comm ms @50GB/s"], sim)))  # fmt: skip
     if args.scaling:
         print_scaling(results["scaling"], args.tokens_per_gpu)
     return 0
@@ -610,10 +491,8 @@ def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
     def num(x, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    print(
-        f"\nScaling, {tokens_per_gpu} tokens per GPU (E measured: every rank's kernels on this GPU; predicted: "
-        "cost model, NVLink inside 8-GPU nodes, 50 GB/s per GPU between nodes; published: MagiAttention H100)"
-    )
+    print(f"\nScaling, {tokens_per_gpu} tokens per GPU (E measured: every rank's kernels on this GPU; predicted: "
+          "cost model, NVLink inside 8-GPU nodes, 50 GB/s per GPU between nodes; published: MagiAttention H100)")  # fmt: skip
     rows = []
     for r in rows_in:
         p, mean = r["predicted"], r["remote_kv_tokens_mean"]
@@ -629,6 +508,4 @@ def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("magi_attention_bench"))
+    raise SystemExit(run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """A training loop's view of the kernels: a new mask every step, step times and compiled-kernel caches.
-
-What it measures and how to run it: docs/benchmarks/cases.md (mask-loop).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (mask-loop)."""
 
 import itertools
 import math
@@ -15,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.cli import add_common, heads, write_results
-from benchmarks.common import rank_kernel_calls, times_ms
+from benchmarks.cli import add_common, heads, run_module, write_results
+from benchmarks.common import profile_table, rank_kernel_calls, times_ms
 
 KINDS = ("random", "docs_causal", "stripes", "docs_full", "window", "prefix_docs", "short_docs")
 SLOW_RATIO = 1.5  # a step slower than this times the median misses the timing target
@@ -45,9 +41,7 @@ def make_mask(step: int, total: int, seed: int, kinds=KINDS) -> tuple[str, list,
         keep = [i for i in range(len(qr)) if qr[i][1] > qr[i][0] and kr[i][1] > kr[i][0]]
         return kind, [qr[i] for i in keep], [kr[i] for i in keep], [tm[i] for i in keep]
     if kind in ("docs_causal", "docs_full", "short_docs"):
-        docs = _docs(
-            total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200)
-        )
+        docs = _docs(total, rng, rng.randint(3, 12) if kind != "short_docs" else total // rng.randint(64, 200))  # fmt: skip
         return kind, docs, docs, [0 if kind == "docs_full" else 1] * len(docs)
     if kind == "stripes":  # overlapping row bands over narrow key bands: several intervals per row
         n = rng.randint(3, 9)
@@ -136,12 +130,8 @@ def fa4_keys(calls, q, dtype) -> set:
     keys = set()
     for qr, kr, tm, k in calls:
         meta = get_launch_meta(qr, kr, tm, q.shape[0], k.shape[0], q.device)
-        keys.update(
-            compile_key(
-                meta, dtype=dtype, head_dim=q.shape[2], num_heads_q=q.shape[1], num_heads_kv=k.shape[1],
-                arch=cap[0] * 10 + cap[1],
-            )
-        )  # fmt: skip
+        keys.update(compile_key(meta, dtype=dtype, head_dim=q.shape[2], num_heads_q=q.shape[1],
+                                num_heads_kv=k.shape[1], arch=cap[0] * 10 + cap[1]))  # fmt: skip
     return keys
 
 
@@ -210,19 +200,11 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shard = args.tokens // cp
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, do = (
-        torch.randn(shard, h, args.head_dim, generator=g).to(dev, dtype)
-        for h in (args.heads_q, args.heads_kv, args.heads_kv, args.heads_q)
-    )
-    rk, rv = (
-        torch.randn(args.tokens, args.heads_kv, args.head_dim, generator=g).to(dev, dtype) for _ in range(2)
-    )
+    q, k, v, do, rk, rv = (torch.randn(n, h, args.head_dim, generator=g).to(dev, dtype) for n, h in (
+        (shard, args.heads_q), (shard, args.heads_kv), (shard, args.heads_kv), (shard, args.heads_q),
+        (args.tokens, args.heads_kv), (args.tokens, args.heads_kv)))  # fmt: skip
     fa4_seen: set = set()
     profiled: list[str] | None = None  # --profile: each timed step's first run, profiled
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda")
 
     def step(mask) -> dict:
         if cp == 1:
@@ -240,36 +222,23 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
         if profiled is None:
             seconds, rerun = (ms / 1e3 for ms in times_ms(run, 2, device=dev))
         else:  # the first run under torch.profiler: what a slow new mask spends its time on, host and device
-            with profile(activities=activities) as prof:
-                seconds = times_ms(run, 1, device=dev)[0] / 1e3
+            table, seconds = profile_table(lambda: times_ms(run, 1, device=dev)[0] / 1e3, dev.type == "cuda", "cpu_time_total")  # fmt: skip
             rerun = times_ms(run, 1, device=dev)[0] / 1e3
-            profiled.append(
-                prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
-            )
+            profiled.append(table)
         new_keys = 0
         if "fa4" in used and dev.type == "cuda":  # after the timing: the launch metadata is cached by now
             keys = fa4_keys(call_tables(ranks), q, dtype)
             new_keys = len(keys - fa4_seen)
             fa4_seen.update(keys)
-        return {
-            "kind": mask[0],
-            "slices": len(mask[1]),
-            "backend": "/".join(sorted(used)),
-            "seconds": seconds,
-            "rerun_seconds": rerun,
-            "plan_seconds": plan_s,
-            "new_fa4_keys": new_keys,
-            "cache": cache_entries(),
-        }
+        return {"kind": mask[0], "slices": len(mask[1]), "backend": "/".join(sorted(used)), "seconds": seconds,
+                "rerun_seconds": rerun, "plan_seconds": plan_s, "new_fa4_keys": new_keys, "cache": cache_entries()}  # fmt: skip
 
     t0 = time.perf_counter()
     warm_masks = [make_mask(i, args.tokens, seed=1000 + cp, kinds=args.kinds) for i in range(args.warmup)]
     if args.warmup_widths is not None:  # FA4's width buckets and varlen window kinds
         from magi_ffa_fa4._launch_meta import warmup_masks
 
-        warm_masks += [
-            (f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))
-        ]
+        warm_masks += [(f"warmup{i}", *m) for i, m in enumerate(warmup_masks(args.tokens, args.warmup_widths))]  # fmt: skip
     warm = [step(m) for m in warm_masks]
     warm_s = time.perf_counter() - t0
     cache0 = cache_entries()
@@ -292,44 +261,27 @@ def run_loop(backend: str, cp: int, args, dev: torch.device) -> dict:
                 f.write(profiled[i] + "\n\n")
     growth = {n: steps[-1]["cache"][n] - cache0[n] for n in cache0}
     grew_at = [i for i in range(len(steps)) if steps[i]["cache"] != (steps[i - 1]["cache"] if i else cache0)]
-    return {
-        "backend": backend,
-        "cp": cp,
-        "tokens": args.tokens,
-        "heads": [args.heads_q, args.heads_kv],
-        "head_dim": args.head_dim,
-        "warmup_masks": [m[0] for m in warm_masks],
-        "warmup_seconds": warm_s,
-        "warmup_steps": warm,
-        "cache_after_warmup": cache0,
-        "cache_growth": growth,
-        "cache_grew_at_steps": grew_at,
-        "new_fa4_key_steps": [i for i, s in enumerate(steps) if s["new_fa4_keys"]],
-        "first_ms": times[0] * 1e3,
-        "median_ms": med * 1e3,
-        "worst_over_median": worst,
-        "stall_steps": stalls,
-        "new_mask_ms_per_rank": new_mask_ms,
-        "within_timing_target": worst <= SLOW_RATIO,
-        "passed": not stalls and not any(growth.values()) and (worst <= SLOW_RATIO or not args.literal),
-        "steps": steps,
-    }
+    return {"backend": backend, "cp": cp, "tokens": args.tokens, "heads": [args.heads_q, args.heads_kv],
+            "head_dim": args.head_dim, "warmup_masks": [m[0] for m in warm_masks], "warmup_seconds": warm_s,
+            "warmup_steps": warm, "cache_after_warmup": cache0, "cache_growth": growth, "cache_grew_at_steps": grew_at,
+            "new_fa4_key_steps": [i for i, s in enumerate(steps) if s["new_fa4_keys"]], "first_ms": times[0] * 1e3,
+            "median_ms": med * 1e3, "worst_over_median": worst, "stall_steps": stalls,
+            "new_mask_ms_per_rank": new_mask_ms, "within_timing_target": worst <= SLOW_RATIO,
+            "passed": not stalls and not any(growth.values()) and (worst <= SLOW_RATIO or not args.literal),
+            "steps": steps}  # fmt: skip
 
 
 def _available(backend: str) -> str:
     """'' when this process can run ``backend``, else why not."""
+    import importlib
+
+    if backend not in ("fa4", "cudnn"):
+        return ""
     try:
-        if backend == "fa4":
-            import magi_ffa_fa4
-
-            return "" if magi_ffa_fa4.fa4_available() else "flash-attn-4 does not import"
-        if backend == "cudnn":
-            import magi_ffa_cudnn
-
-            return "" if magi_ffa_cudnn.cudnn_available() else "cuDNN flex_attention does not import"
+        ok = getattr(importlib.import_module(f"magi_ffa_{backend}"), f"{backend}_available")()
     except ImportError as e:
         return str(e)
-    return ""
+    return "" if ok else {"fa4": "flash-attn-4", "cudnn": "cuDNN flex_attention"}[backend] + " does not import"  # fmt: skip
 
 
 def add_arguments(p) -> None:
@@ -337,36 +289,20 @@ def add_arguments(p) -> None:
     p.add_argument("--backends", default="fa4,cudnn,triton,auto", help="comma-separated kernel backends")
     p.add_argument("--cps", default="1,8", help="cp sizes (1: one call; >1: simulated ranks)")
     p.add_argument("--steps", type=int, default=20, help="timed steps, one new mask each")
-    p.add_argument(
-        "--kinds",
-        type=lambda x: tuple(k for k in x.split(",") if k),
-        default=KINDS,
-        help=f"comma-separated mask kinds, in turn (from {','.join(KINDS)})",
-    )
+    p.add_argument("--kinds", type=lambda x: tuple(k for k in x.split(",") if k), default=KINDS,
+                   help=f"comma-separated mask kinds, in turn (from {','.join(KINDS)})")  # fmt: skip
     p.add_argument("--warmup", type=int, default=len(KINDS), help="warm-up masks (other seeds) before them")
-    p.add_argument(
-        "--same-area",
-        action="store_true",
-        help="every mask of a kind within 10%% of that kind's first mask's area (a training loop's packs)",
-    )
-    p.add_argument(
-        "--warmup-widths",
-        type=lambda x: tuple(int(w) for w in x.split(",") if w) if x != "none" else None,
-        default=(1, 2, 4, 8, 16),
-        help="and magi_ffa_fa4's warm-up masks up to these interval counts per row ('none': without)",
-    )
+    p.add_argument("--same-area", action="store_true", help="every mask of a kind within 10%% of that kind's "
+                   "first mask's area (a training loop's packs)")  # fmt: skip
+    p.add_argument("--warmup-widths", type=lambda x: tuple(int(w) for w in x.split(",") if w) if x != "none" else None,
+                   default=(1, 2, 4, 8, 16), help="and magi_ffa_fa4's warm-up masks up to these interval counts "
+                   "per row ('none': without)")  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--check", action="store_true", help="exit 1 when a run misses a target")
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="file: profile each timed step's first run (slower) and append the tables of the steps that miss",
-    )
-    p.add_argument(
-        "--literal",
-        action="store_true",
-        help="the target is every step after the first within 1.5x the median (fair on masks of equal work)",
-    )
+    p.add_argument("--profile", default=None, help="file: profile each timed step's first run (slower) and append "
+                   "the tables of the steps that miss")  # fmt: skip
+    p.add_argument("--literal", action="store_true", help="the target is every step after the first within 1.5x "
+                   "the median (fair on masks of equal work)")  # fmt: skip
 
 
 def main(args) -> int:
@@ -383,23 +319,13 @@ def main(args) -> int:
             continue
         rows.append(run_loop(backend, cp, args, dev))
         r = rows[-1]
-        print(
-            f"# {backend} cp{cp}: warm-up {r['warmup_seconds']:.1f} s, median {r['median_ms']:.2f} ms",
-            flush=True,
-        )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
+        print(f"# {backend} cp{cp}: warm-up {r['warmup_seconds']:.1f} s, median {r['median_ms']:.2f} ms", flush=True)  # fmt: skip
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__}  # fmt: skip
     write_results(args.out_dir, "mask_loop", {"meta": meta, "rows": rows})
-    print(
-        f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}"
-    )
-    print(
-        "backend   cp  warm-up s  first ms  median ms  worst/med  <=1.5x med  new-mask ms/rank  compiles  "
-        "cache growth  new FA4 keys  pass"
-    )
+    print(f"\n{meta['device']}, {args.tokens} tokens, {args.heads_q}:{args.heads_kv} heads, d {args.head_dim}")  # fmt: skip
+    print("backend   cp  warm-up s  first ms  median ms  worst/med  <=1.5x med  new-mask ms/rank  compiles  "
+          "cache growth  new FA4 keys  pass")  # fmt: skip
     for r in rows:
         if "skipped" in r:
             print(f"{r['backend']:<8} {r['cp']:>3}  skipped: {r['skipped'][:50]}")
@@ -407,18 +333,12 @@ def main(args) -> int:
         growth = ",".join(f"{n}+{d}" for n, d in r["cache_growth"].items() if d) or "none"
         new = ",".join(map(str, r["new_fa4_key_steps"])) or "-"
         stalls = ",".join(map(str, r["stall_steps"])) or "-"
-        print(
-            f"{r['backend']:<8} {r['cp']:>3}  {r['warmup_seconds']:>9.1f}  {r['first_ms']:>8.1f}  "
-            f"{r['median_ms']:>9.2f}  {r['worst_over_median']:>9.2f}  "
-            f"{'yes' if r['within_timing_target'] else 'NO':<10}  {r['new_mask_ms_per_rank']:>16.1f}  {stalls:<8}  "
-            f"{growth:<12}  {new:<12}  "
-            f"{'yes' if r['passed'] else 'NO'}"
-        )
+        print(f"{r['backend']:<8} {r['cp']:>3}  {r['warmup_seconds']:>9.1f}  {r['first_ms']:>8.1f}  "
+              f"{r['median_ms']:>9.2f}  {r['worst_over_median']:>9.2f}  {'yes' if r['within_timing_target'] else 'NO':<10}"
+              f"  {r['new_mask_ms_per_rank']:>16.1f}  {stalls:<8}  {growth:<12}  {new:<12}  {'yes' if r['passed'] else 'NO'}")  # fmt: skip
     failed = [r for r in rows if not r.get("passed", True)]
     return 1 if args.check and failed else 0
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("mask_loop_bench"))
+    raise SystemExit(run_module(__spec__.name))

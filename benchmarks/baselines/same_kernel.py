@@ -1,9 +1,5 @@
 """Context-parallel baselines on magi-attention's own local kernel (for the cp case).
-
-What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/same_kernel)."""
 
 import functools
 import os
@@ -21,16 +17,6 @@ from magi_ffa.validation import acc_dtype
 from magi_solver import SliceList
 from magi_solver.mask import normalize_mask
 
-__all__ = [
-    "BaselinePlan",
-    "CPBaseline",
-    "baseline_attn",
-    "clip_slices",
-    "plan_baseline",
-    "shard_tokens",
-    "token_ranges",
-]
-
 Piece = tuple[int, int, int]
 """``(global_start, global_end, local_start)``: a run of tokens and where it sits in a local buffer."""
 TypedSlice = tuple[int, int, int, int, int]
@@ -45,9 +31,7 @@ class CPBaseline(StrEnum):
 
 
 # -- planning (pure, host ints) -----------------------------------------------------------------------------
-def clip_slices(
-    slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_pieces: Sequence[Piece]
-) -> SliceList:
+def clip_slices(slices: Sequence[TypedSlice], q_pieces: Sequence[Piece], k_pieces: Sequence[Piece]) -> SliceList:  # fmt: skip
     """Disjoint global typed slices restricted to the q pieces x the k pieces, as disjoint typed slices in
     local (q, k) coordinates (touching FULL pieces fused)."""
     out: list[TypedSlice] = []
@@ -68,9 +52,8 @@ def clip_slices(
 
 
 def _fuse_full(slices: list[TypedSlice]) -> list[TypedSlice]:
-    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k ranges and touching q.
-
-    Fewer, longer slices are cheaper for the kernel; the union (and disjointness) is unchanged."""
+    """Fuse FULL slices with equal q ranges and touching k ranges, then equal k ranges and touching q: fewer,
+    longer slices are cheaper for the kernel; the union (and disjointness) is unchanged."""
     full = sorted(s[:4] for s in slices if s[4] == 0)
     fused: list[tuple[int, int, int, int]] = []
     for s in full:  # (qs, qe, ks, ke) order: same q range, ascending k
@@ -89,9 +72,7 @@ def _fuse_full(slices: list[TypedSlice]) -> list[TypedSlice]:
     return sorted([(*s, 0) for s in fused2] + [s for s in slices if s[4] != 0])
 
 
-def token_ranges(
-    system: CPBaseline | str, total_seqlen: int, cp_size: int, rank: int
-) -> tuple[tuple[int, int], ...]:
+def token_ranges(system: CPBaseline | str, total_seqlen: int, cp_size: int, rank: int) -> tuple[tuple[int, int], ...]:  # fmt: skip
     """Global token ranges rank ``rank`` holds, in local order: one contiguous shard (Ulysses) or the
     zigzag pair of chunks ``rank`` and ``2 cp - 1 - rank`` (ring, all-gather)."""
     if CPBaseline(system) == CPBaseline.ULYSSES:
@@ -157,18 +138,8 @@ def _types_list(attn_type_map: Any, n: int) -> list[Any]:
     return [attn_type_map] * n  # one type (name, enum or code) for every slice
 
 
-def plan_baseline(
-    system: CPBaseline | str,
-    q_ranges: Any,
-    k_ranges: Any,
-    attn_type_map: Any,
-    total_seqlen: int,
-    cp_size: int,
-    rank: int,
-    *,
-    num_heads_q: int,
-    num_heads_kv: int,
-) -> BaselinePlan:
+def plan_baseline(system: CPBaseline | str, q_ranges: Any, k_ranges: Any, attn_type_map: Any, total_seqlen: int,
+                  cp_size: int, rank: int, *, num_heads_q: int, num_heads_kv: int) -> BaselinePlan:  # fmt: skip
     """Plan one rank's share of a baseline (pure; a ``ValueError`` before any collective could start).
     ``q_ranges`` / ``k_ranges``: ``[num_slices, 2]`` global ranges; ``attn_type_map``: per-slice types, one
     type for all, or None (all FULL); ``total_seqlen``: a multiple of cp (Ulysses) or 2 cp (ring, all-gather)."""
@@ -185,15 +156,12 @@ def plan_baseline(
         raise ValueError(f"`num_heads_q` ({hq}) must be a multiple of `num_heads_kv` ({hkv})")
     parts = cp if system == CPBaseline.ULYSSES else 2 * cp
     if total % parts:
-        raise ValueError(
-            f"{system.value} cuts the sequence into {parts} equal parts: `total_seqlen` ({total}) must be a "
-            f"multiple of {parts}; pad the sequence"
-        )
+        raise ValueError(f"{system.value} cuts the sequence into {parts} equal parts: `total_seqlen` ({total}) "
+                         f"must be a multiple of {parts}; pad the sequence")  # fmt: skip
     if system == CPBaseline.ULYSSES and (hq % cp or hkv % cp):
-        raise ValueError(
-            f"ulysses splits heads across ranks: `num_heads_q` ({hq}) and `num_heads_kv` ({hkv}) must both be "
-            f"divisible by `cp_size` ({cp}); use ring_zigzag or allgather_kv, or a cp size dividing the heads"
-        )
+        raise ValueError(f"ulysses splits heads across ranks: `num_heads_q` ({hq}) and `num_heads_kv` ({hkv}) must "
+                         f"both be divisible by `cp_size` ({cp}); use ring_zigzag or allgather_kv, or a cp size "
+                         "dividing the heads")  # fmt: skip
     qp, kp = as_int_pairs(q_ranges, "q_ranges"), as_int_pairs(k_ranges, "k_ranges")
     if len(qp) != len(kp):
         raise ValueError(f"`q_ranges` has {len(qp)} slices but `k_ranges` has {len(kp)}")
@@ -201,24 +169,18 @@ def plan_baseline(
     if len(types) != len(qp):
         raise ValueError(f"`attn_type_map` has {len(types)} entries for {len(qp)} slices")
     keep = [i for i, (q, k) in enumerate(zip(qp, kp)) if q[0] != q[1] and k[0] != k[1]]
-    slices = normalize_mask(
-        [qp[i] for i in keep], [kp[i] for i in keep], [types[i] for i in keep], total, total
-    )
+    slices = normalize_mask([qp[i] for i in keep], [kp[i] for i in keep], [types[i] for i in keep], total, total)  # fmt: skip
     return _plan(system, tuple(slices), total, cp, rank, hq, hkv)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(
-    system: CPBaseline, slices: tuple[TypedSlice, ...], total: int, cp: int, rank: int, hq: int, hkv: int
-) -> BaselinePlan:
+def _plan(system: CPBaseline, slices: tuple[TypedSlice, ...], total: int, cp: int, rank: int, hq: int, hkv: int) -> BaselinePlan:  # fmt: skip
     mine = token_ranges(system, total, cp, rank)
     if system == CPBaseline.ULYSSES:
         steps = (clip_slices(slices, [(0, total, 0)], [(0, total, 0)]),)
     elif system == CPBaseline.RING_ZIGZAG:
-        steps = tuple(
-            clip_slices(slices, _pieces(mine), _pieces(token_ranges(system, total, cp, (rank - j) % cp)))
-            for j in range(cp)
-        )
+        steps = tuple(clip_slices(slices, _pieces(mine), _pieces(token_ranges(system, total, cp, (rank - j) % cp)))
+                      for j in range(cp))  # fmt: skip
     else:
         shard = total // cp
         k_all = [p for s in range(cp) for p in _pieces(token_ranges(system, total, cp, s), s * shard)]
@@ -230,9 +192,7 @@ def shard_tokens(x: torch.Tensor, plan: BaselinePlan) -> torch.Tensor:
     """This rank's rows of a global ``[total_seqlen, ...]`` tensor, in the plan's local order (a copy)."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] != plan.total_seqlen:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
-            f"`x` must be a tensor with total_seqlen={plan.total_seqlen} rows on dim 0, got {got}"
-        )
+        raise ValueError(f"`x` must be a tensor with total_seqlen={plan.total_seqlen} rows on dim 0, got {got}")  # fmt: skip
     return torch.cat([x[a:b] for a, b in plan.token_ranges]).contiguous()
 
 
@@ -242,11 +202,8 @@ def _kernel_args(sl: SliceList) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Ranges as CPU int32 tensors and types as a list, built once per slice list: FFA reads them on the
     host, and host inputs spare every kernel call a device -> host copy (a sync that would stall the queue)."""
     n = len(sl)
-    return (
-        torch.tensor(sl.q_ranges, dtype=torch.int32).reshape(n, 2),
-        torch.tensor(sl.k_ranges, dtype=torch.int32).reshape(n, 2),
-        list(sl.types),
-    )
+    q, k = (torch.tensor(r, dtype=torch.int32).reshape(n, 2) for r in (sl.q_ranges, sl.k_ranges))
+    return q, k, list(sl.types)
 
 
 def _fwd(q, k, v, sl: SliceList, out, lse, scale: float) -> None:
@@ -337,10 +294,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, plan: BaselinePlan, group,
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     if group is not None:
         nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
-    ops = [
-        dist.P2POp(dist.isend, send, nxt, group, tag),
-        dist.P2POp(dist.irecv, recv, prv, group, tag),
-    ]
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
     return dist.batch_isend_irecv(ops)
 
 
@@ -445,27 +399,18 @@ class _KVSchemeFn(torch.autograd.Function):
 
 
 # -- public entry -------------------------------------------------------------------------------------------
-_KV_SCHEMES = {
-    CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd),
-    CPBaseline.ALLGATHER_KV: (_allgather_fwd, _allgather_bwd),
-}
+_KV_SCHEMES = {CPBaseline.RING_ZIGZAG: (_ring_fwd, _ring_bwd), CPBaseline.ALLGATHER_KV: (_allgather_fwd, _allgather_bwd)}  # fmt: skip
 
 
 def _validate(q, k, v, plan: BaselinePlan, group) -> None:
     if not isinstance(plan, BaselinePlan):
         raise TypeError(f"`plan` must be a BaselinePlan (from plan_baseline), got {type(plan).__name__}")
-    for name, t, heads in (
-        ("q", q, plan.num_heads_q),
-        ("k", k, plan.num_heads_kv),
-        ("v", v, plan.num_heads_kv),
-    ):
+    for name, t, heads in zip("qkv", (q, k, v), (plan.num_heads_q, plan.num_heads_kv, plan.num_heads_kv)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 3 or t.shape[0] != plan.local_seqlen or t.shape[1] != heads:
-            raise ValueError(
-                f"`{name}` must be [local_seqlen={plan.local_seqlen}, {heads}, head_dim] (this rank's rows, "
-                f"see shard_tokens), got {tuple(t.shape)}"
-            )
+            raise ValueError(f"`{name}` must be [local_seqlen={plan.local_seqlen}, {heads}, head_dim] (this rank's "
+                             f"rows, see shard_tokens), got {tuple(t.shape)}")  # fmt: skip
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"`q` must be float16/bfloat16/float32/float64, got {q.dtype}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
@@ -476,20 +421,12 @@ def _validate(q, k, v, plan: BaselinePlan, group) -> None:
     if plan.cp_size > 1:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != plan.cp_size or rank != plan.rank:
-            raise ValueError(
-                f"`plan` is for rank {plan.rank} of cp_size {plan.cp_size}, but this process is rank {rank} of "
-                f"a group of {size}: plan with this rank and the group's size"
-            )
+            raise ValueError(f"`plan` is for rank {plan.rank} of cp_size {plan.cp_size}, but this process is rank "
+                             f"{rank} of a group of {size}: plan with this rank and the group's size")  # fmt: skip
 
 
-def baseline_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: BaselinePlan,
-    group: dist.ProcessGroup | None = None,
-    softmax_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def baseline_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BaselinePlan,
+                  group: dist.ProcessGroup | None = None, softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Differentiable ``(out, lse)`` of this rank's rows (``shard_tokens``) by ``plan.system`` over ``group``
     (None: the default group); shapes and dtypes as in the module docstring (lse fp64 for fp64 inputs)."""
     _validate(q, k, v, plan, group)

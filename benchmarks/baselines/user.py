@@ -1,9 +1,5 @@
 """Context-parallel baselines a user would pick today, each with its best local kernel (for the cp case).
-
-What it measures and how to run it: docs/benchmarks/cases.md (baselines/user).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (baselines/user)."""
 
 import contextlib
 import functools
@@ -15,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.baselines import same_kernel
 from magi_attention.vendors import SliceMask, VendorUnavailable, fa4_local
 
 Ranges = Sequence[Sequence[int]]
@@ -36,18 +33,14 @@ class UserCase:
     """One system set up on one case, on this rank."""
 
     step: Callable[[], torch.Tensor]
-    """Forward: returns this rank's output ``[local_tokens, num_heads_q, head_dim]`` (autograd to `inputs`)."""
+    """Forward: this rank's output ``[local_tokens, num_heads_q, head_dim]``, autograd to ``inputs`` (the leaf q,
+    k, v shards); ``dout`` its gradient; ``token_index`` the global token of each row (None: compared another
+    way); ``kernel`` the local kernel's label; ``close()`` undoes the setup (torch_cp's context), once."""
     inputs: tuple[torch.Tensor, ...]
-    """The leaf q, k, v shards the step reads (requires_grad)."""
     dout: torch.Tensor
-    """The output gradient for the step's output, same layout."""
     token_index: torch.Tensor | None
-    """``[local_tokens]`` int64: the global token of each output row (for the cross-check; None: compared
-    another way)."""
     kernel: str
-    """The local attention kernel, for the report."""
     close: Callable[[], None] = field(default=lambda: None)
-    """Undo anything the setup changed (torch_cp leaves its context here); call once after the last step."""
 
 
 # -- Ulysses: sequence shards <-> head shards (autograd-aware all-to-all) ------------------------------------
@@ -55,50 +48,37 @@ def _cp_of(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class _AllToAll(torch.autograd.Function):
-    """``x [cp, ...]``: block j goes to rank j; returns ``[cp, ...]`` with block j from rank j. The exchange
-    is its own adjoint, so the backward sends the gradient the same way."""
+class _Exchange(torch.autograd.Function):
+    """Sequence shards <-> head shards by ``same_kernel``'s all-to-all; the backward is the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)  # contiguous like x: the collective fills it in memory order
-        dist.all_to_all_single(out, x, group=group)
-        return out
+    def forward(ctx, x: torch.Tensor, to_heads: bool, group) -> torch.Tensor:
+        ctx.to_heads, ctx.group = to_heads, group
+        move = same_kernel._seq_to_heads if to_heads else same_kernel._heads_to_seq
+        return move([x.contiguous()], dist.get_world_size(group), group)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        move = same_kernel._heads_to_seq if ctx.to_heads else same_kernel._seq_to_heads
+        return move([grad.contiguous()], dist.get_world_size(ctx.group), ctx.group)[0], None, None
 
 
 def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
     """``[t, h, d]`` (this rank's contiguous ``t`` tokens, all heads) -> ``[cp * t, h / cp, d]`` (every token,
-    this rank's group of heads). Differentiable: the backward is the inverse all-to-all."""
-    cp, _ = _cp_of(group)
-    t, h, d = x.shape
-    send = x.reshape(t, cp, h // cp, d).transpose(0, 1)  # block j: head group j, to rank j
-    return _AllToAll.apply(send, group).reshape(cp * t, h // cp, d)  # block j: tokens [j t, (j + 1) t)
+    this rank's group of heads; block j: tokens [j t, (j + 1) t)). Differentiable."""
+    return _Exchange.apply(x, True, group)
 
 
 def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads`: ``[cp * t, w, d]`` -> ``[t, cp * w, d]``."""
-    cp, _ = _cp_of(group)
-    n, w, d = x.shape
-    recv = _AllToAll.apply(x.reshape(cp, n // cp, w, d), group)  # block j: rank j's tokens, out
-    return recv.transpose(0, 1).reshape(n // cp, cp * w, d)  # recv[j]: head group j of this rank's tokens
+    """Inverse of :func:`seq_to_heads`: ``[cp * t, w, d]`` -> ``[t, cp * w, d]``. Differentiable."""
+    return _Exchange.apply(x, False, group)
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, cp: int) -> None:
     hq, hkv = q.shape[1], k.shape[1]
     if hq % cp or hkv % cp:
-        raise Unavailable(
-            f"heads not divisible by cp: Ulysses shards heads, needs num_heads_q ({hq}) and num_heads_kv "
-            f"({hkv}) divisible by cp ({cp})"
-        )
+        raise Unavailable(f"heads not divisible by cp: Ulysses shards heads, needs num_heads_q ({hq}) and "
+                          f"num_heads_kv ({hkv}) divisible by cp ({cp})")  # fmt: skip
 
 
 def _ulysses_case(q, k, v, do, group, local_attn: Callable, kernel: str) -> UserCase:
@@ -146,27 +126,16 @@ def build_ulysses_fa4(q, k, v, do, mask: Mask, group=None) -> UserCase:
 
 
 # -- SDPA backend choice ----------------------------------------------------------------------------------------
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend
-
-    return SDPBackend
-
-
 @functools.lru_cache(maxsize=64)
-def _sdpa_probe(
-    backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int
-) -> str | None:
+def _sdpa_probe(backend_name: str, device: str, dtype: torch.dtype, head_dim: int, group_size: int) -> str | None:  # fmt: skip
     """None when SDPA runs forward + backward under ``backend_name`` alone on a small case of this dtype and
     head_dim with ``group_size`` q heads per kv head (``enable_gqa=True`` when > 1); else the error."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(_sdpa_backends(), backend_name)
+    backend = getattr(SDPBackend, backend_name)
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 2 * group_size, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-    kv = [
-        torch.randn(1, 2, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-        for _ in "kv"
-    ]
+    kv = [torch.randn(1, 2, 256, head_dim, device=device, generator=gen).to(dtype).requires_grad_() for _ in "kv"]  # fmt: skip
     try:
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=group_size > 1)
@@ -200,14 +169,14 @@ def _repeat_kv(x: torch.Tensor, g: int, head_axis: int) -> torch.Tensor:
 def build_ulysses_cudnn(q, k, v, do, mask: Mask, group=None) -> UserCase:
     """Ulysses + ``F.scaled_dot_product_attention`` under the cuDNN backend (full / causal). On a CPU run the
     math backend stands in (cuDNN needs CUDA), so the Ulysses plumbing is still exercised."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     causal = mask.dense_causal()
     if causal is None:
         raise Unavailable("mask not expressible: SDPA without an explicit mask takes full / causal only")
     _check_heads(q, k, dist.get_world_size(group))
     name, native = _sdpa_choice(["CUDNN_ATTENTION"] if q.is_cuda else ["MATH"], q, k)
-    backend = getattr(_sdpa_backends(), name)
+    backend = getattr(SDPBackend, name)
     g = q.shape[1] // k.shape[1]
 
     def local(qh, kh, vh):  # [T, h, d] -> SDPA's [1, h, T, d] (a strided view; no copy)
@@ -238,9 +207,7 @@ def _mesh(device_type: str, size: int):
     return _MESHES[key]
 
 
-def enter_torch_cp(
-    mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool
-) -> contextlib.ExitStack:
+def enter_torch_cp(mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool) -> contextlib.ExitStack:  # fmt: skip
     """Enter ``context_parallel(mesh, buffers=..., buffer_seq_dims=...)``: each buffer becomes this rank's shard
     in place (head-tail order when ``causal``, as its ring balances only causal attention; contiguous shards
     otherwise) and SDPA is routed to the ring until the returned stack is closed, which also restores the
@@ -253,9 +220,8 @@ def enter_torch_cp(
     stack.callback(setattr, options, "enable_load_balance", options.enable_load_balance)
     options.enable_load_balance = bool(causal)  # its ring refuses load balancing for non-causal SDPA
     try:
-        stack.enter_context(
-            context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers))
-        )
+        stack.enter_context(context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
+                                             no_restore_buffers=set(buffers)))  # fmt: skip
         with torch.no_grad():
             for x in buffers:  # resize_ kept the global-size storage: give each shard a storage of its own
                 x.set_(x.clone())
@@ -274,16 +240,14 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     if causal is None:
         raise Unavailable("mask not expressible: the SDPA ring takes full / causal only")
     if not q.is_cuda or dist.get_backend(group) != "nccl":
-        raise Unavailable(
-            f"needs CUDA + NCCL: torch context_parallel's SDPA ring, this run is {q.device.type} / "
-            f"{dist.get_backend(group)}"
-        )
+        raise Unavailable(f"needs CUDA + NCCL: torch context_parallel's SDPA ring, this run is {q.device.type} / "
+                          f"{dist.get_backend(group)}")  # fmt: skip
     if group not in (None, dist.group.WORLD):
         raise Unavailable("not on a sub-group: this harness builds torch_cp's mesh over the whole world")
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     name, _ = _sdpa_choice(TORCH_CP_BACKENDS, q, q)  # q as k: K/V are repeated to the q heads, no GQA call
-    backend = getattr(_sdpa_backends(), name)
+    backend = getattr(SDPBackend, name)
     cp = dist.get_world_size(group)
     g = q.shape[1] // k.shape[1]
     # the buffers are sharded in place: fresh [1, h, total, d] copies, plus token positions to learn the order
@@ -295,18 +259,14 @@ def build_torch_cp(q, k, v, do, mask: Mask, group=None) -> UserCase:
     def step() -> torch.Tensor:
         qs, ks, vs = inputs
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(
-                qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=causal
-            )
+            out = F.scaled_dot_product_attention(qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=causal)  # fmt: skip
         return out[0].transpose(0, 1)
 
     balance = "head-tail balanced" if causal and q.shape[0] % (2 * cp) == 0 else "contiguous shards"
     kernel = f"SDPA ring, {name.split('_')[0].lower()} ({'causal' if causal else 'full'}, {balance}"
     kernel += ", K/V heads repeated)" if g > 1 else ")"
     dout = do4[0].transpose(0, 1)
-    return UserCase(
-        step=step, inputs=inputs, dout=dout, token_index=pos.clone(), kernel=kernel, close=stack.close
-    )
+    return UserCase(step=step, inputs=inputs, dout=dout, token_index=pos.clone(), kernel=kernel, close=stack.close)  # fmt: skip
 
 
 # -- ulysses_ffa_fa4, ulysses_ffa_cudnn ---------------------------------------------------------------------------
@@ -325,37 +285,27 @@ def build_ulysses_ffa(vendor: str, q, k, v, do, mask: Mask, group=None) -> UserC
     available, dependency, provides = FFA_VENDORS[vendor]
     if not getattr(mod, available)():
         raise Unavailable(f"{dependency} not importable: {package} needs {provides}")
-    dev = q.device
-    qr = torch.tensor(mask.q_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    kr = torch.tensor(mask.k_ranges, dtype=torch.int32, device=dev).reshape(-1, 2)
-    tm = torch.tensor(mask.types, dtype=torch.int32, device=dev)
+    qr, kr = (
+        torch.tensor(r, dtype=torch.int32, device=q.device).reshape(-1, 2)
+        for r in (mask.q_ranges, mask.k_ranges)
+    )
+    tm = torch.tensor(mask.types, dtype=torch.int32, device=q.device)
 
     def local(qh, kh, vh):  # the same tensors every call: the package caches its plan by their identity
         return _first(mod.flex_flash_attn_func(qh, kh, vh, qr, kr, tm))
 
-    return _ulysses_case(
-        q, k, v, do, group, local, f"{package} flex_flash_attn_func ({len(mask.types)} slices)"
-    )
+    return _ulysses_case(q, k, v, do, group, local, f"{package} flex_flash_attn_func ({len(mask.types)} slices)")  # fmt: skip
 
 
 BUILDERS: dict[str, Callable[..., UserCase]] = {
-    "ulysses_fa4": build_ulysses_fa4,
-    "ulysses_cudnn": build_ulysses_cudnn,
-    "torch_cp": build_torch_cp,
+    "ulysses_fa4": build_ulysses_fa4, "ulysses_cudnn": build_ulysses_cudnn, "torch_cp": build_torch_cp,
     "ulysses_ffa_fa4": functools.partial(build_ulysses_ffa, "ffa_fa4"),
     "ulysses_ffa_cudnn": functools.partial(build_ulysses_ffa, "ffa_cudnn"),
-}
+}  # fmt: skip
 
 
-def build_case(
-    system: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    mask: Mask,
-    group: dist.ProcessGroup | None = None,
-) -> UserCase:
+def build_case(system: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mask: Mask,
+               group: dist.ProcessGroup | None = None) -> UserCase:  # fmt: skip
     """Set up ``system`` (a key of ``BUILDERS``) on this rank from the global ``[total, heads, head_dim]``
     q/k/v/dout; raises ``Unavailable`` (the reason) where it cannot run here."""
     if system not in BUILDERS:

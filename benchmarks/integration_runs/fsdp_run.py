@@ -1,9 +1,5 @@
 """FSDP2 with magi-attention against the same model's own attention (SDPA on each document), one process.
-
-What it measures and how to run it: docs/benchmarks/cases.md (fsdp).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (fsdp)."""
 
 from itertools import pairwise
 
@@ -22,9 +18,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     freqs = 1.0 / 10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
     ang = pos.float()[:, None] * freqs[None]
     cos, sin = ang.cos().to(x.dtype)[:, None], ang.sin().to(x.dtype)[:, None]
-    return torch.cat(
-        [x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1
-    )
+    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1)  # fmt: skip
 
 
 class Block(nn.Module):
@@ -44,9 +38,7 @@ class Block(nn.Module):
         outs = []  # the model's own attention: SDPA on each document alone
         for s, e in pairwise(cu_seqlens):
             q_d, k_d, v_d = (x[s:e].transpose(0, 1) for x in (q, k, v))
-            outs.append(
-                F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True, enable_gqa=True).transpose(0, 1)
-            )
+            outs.append(F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True, enable_gqa=True).transpose(0, 1))  # fmt: skip
         return torch.cat(outs)
 
     def forward(self, x, pos, key, cu_seqlens):
@@ -109,7 +101,9 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
         logits = ref(batch.input_ids[0], batch.position_ids[0], cu_seqlens=batch.cu_seqlens)
         return harness.token_mean_loss(logits, batch.labels)
 
-    magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor)
+    magi, reference = harness.train_pair(
+        model, magi_step, ref, ref_step, cfg, grad_of=lambda g: g.full_tensor()
+    )
     mixed_precision = "bf16 params, fp32 reduce" if shard_kwargs else "none"
     result = harness.compare(
         NAME, cfg, batch, magi, reference, ref_label="the model's SDPA on each document", key=keys[0],
@@ -123,6 +117,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.fsdp_run"))
+    raise SystemExit(harness.run_module(__spec__.name))

@@ -1,11 +1,8 @@
 """What the integration runs share: command line, process group, packed batch, timed loop, report.
-
-What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (integration_runs/harness)."""
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -19,19 +16,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import sync
+from benchmarks.cli import run_module  # noqa: F401 (the runs' `python -m` entry)
+from benchmarks.common import package_versions, sync
 
 IGNORE_INDEX = -100
 
-# bf16 tolerances (GPU). The two sides differ only in the attention kernel, so at step 0 the losses differ by
-# bf16 rounding of the activations; later steps add the divergence of two bf16 AdamW trajectories.
-BF16_STEP0_LOSS_ABS = 2e-2
-BF16_LOSS_ABS = 5e-2
-BF16_GRAD_REL = 5e-2
-# float64 tolerances (CPU smoke runs): the same math, summed in another order; Megatron computes its cross
-# entropy in float32 (its losses agree to ~5e-7, its gradients to ~1e-9)
-FP64_LOSS_ABS = 1e-5
-FP64_GRAD_REL = 1e-6
+# bf16 (GPU): the two sides differ only in the attention kernel, so at step 0 the losses differ by bf16 rounding
+# of the activations; later steps add the divergence of two bf16 AdamW trajectories. float64 (CPU smoke runs):
+# the same math, summed in another order; Megatron computes its cross entropy in float32 (its losses agree to
+# ~5e-7, its gradients to ~1e-9)
+TOLERANCES = {torch.bfloat16: {"step0_loss_abs": 2e-2, "loss_abs": 5e-2, "grad_rel": 5e-2},
+              torch.float64: {"step0_loss_abs": 1e-5, "loss_abs": 1e-5, "grad_rel": 1e-6}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,12 +44,6 @@ class RunConfig:
     out: Path | None
 
     @property
-    def tolerances(self) -> dict[str, float]:
-        if self.dtype == torch.float64:
-            return {"step0_loss_abs": FP64_LOSS_ABS, "loss_abs": FP64_LOSS_ABS, "grad_rel": FP64_GRAD_REL}
-        return {"step0_loss_abs": BF16_STEP0_LOSS_ABS, "loss_abs": BF16_LOSS_ABS, "grad_rel": BF16_GRAD_REL}
-
-    @property
     def shapes(self) -> dict[str, int]:
         """The decoder's sizes: a toy model, or head_dim 128 with GQA 8:2 (the shapes FA4 and cuDNN run)."""
         if self.tiny:
@@ -69,19 +58,11 @@ class RunConfig:
 
 
 def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
-    parser = argparse.ArgumentParser(
-        prog=name, description=doc, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    parser.add_argument(
-        "--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)"
-    )
+    parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="a toy model and batch (the CPU smoke test; the default on a CPU)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the packed batch (GPU: 12288)")
-    parser.add_argument(
-        "--steps", type=int, default=5, help="AdamW steps per side (the first is the warm-up)"
-    )
+    parser.add_argument("--steps", type=int, default=5, help="AdamW steps per side (the first is the warm-up)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernel-backend", default="auto", help="magi's DistAttnConfig.kernel_backend")
@@ -91,22 +72,13 @@ def parse_args(name: str, doc: str, argv: list[str] | None = None) -> RunConfig:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     tiny = args.tiny or device.type == "cpu"
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / f"{name}.json"
+    out = args.out or (Path(os.environ["OUT"]) / f"{name}.json" if os.environ.get("OUT") else None)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is the warm-up of the timing)")
-    return RunConfig(
-        device=device,
-        dtype=torch.bfloat16 if device.type == "cuda" else torch.float64,
-        tokens=args.tokens or (160 if tiny else 12288),
-        steps=args.steps,
-        lr=args.lr if device.type == "cuda" else 1e-2,
-        seed=args.seed,
-        kernel_backend=args.kernel_backend,
-        tiny=tiny,
-        out=out,
-    )
+    return RunConfig(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float64,
+                     tokens=args.tokens or (160 if tiny else 12288), steps=args.steps,
+                     lr=args.lr if device.type == "cuda" else 1e-2, seed=args.seed,
+                     kernel_backend=args.kernel_backend, tiny=tiny, out=out)  # fmt: skip
 
 
 def init_world_1(device: torch.device) -> dist.ProcessGroup:
@@ -121,30 +93,23 @@ def init_world_1(device: torch.device) -> dist.ProcessGroup:
             rendezvous = Path(tempfile.mkdtemp(prefix="magi_int_run_")) / "store"
             dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
     if dist.get_world_size() != 1:
-        raise SystemExit(
-            "these runs compare one process against the framework's own attention: use world size 1"
-        )
+        raise SystemExit("these runs compare one process against the framework's own attention: use world size 1")  # fmt: skip
     return dist.group.WORLD
 
 
-def close_world() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def main(
-    name: str, doc: str, argv: list[str] | None, body: Callable[[RunConfig, dist.ProcessGroup], list[dict]]
-) -> dict:
+def main(name: str, doc: str, argv: list[str] | None, body: Callable[[RunConfig, dist.ProcessGroup], list[dict]],
+         report: Callable[[str, RunConfig, list[dict]], dict | int] | None = None) -> dict | int:  # fmt: skip
     """A run's `main`: parse the command line, set up the world-1 group, `body(cfg, group)` (its comparisons),
-    close the group, then :func:`finish`."""
+    close the group, then `report(name, cfg, results)` (default :func:`finish`)."""
     cfg = parse_args(name, doc, argv)
     group = init_world_1(cfg.device)
     try:
         results = body(cfg, group)
     finally:
-        close_world()
-    return finish(name, cfg, results)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return (report or finish)(name, cfg, results)
 
 
 @dataclass(frozen=True)
@@ -152,13 +117,12 @@ class PackedBatch:
     """Documents packed into one row: tokens, boundaries, and per-document positions and targets."""
 
     input_ids: torch.Tensor
-    """`[1, total]` int64 token ids."""
+    """`[1, total]` int64 token ids; `cu_seqlens` `[0, ..., total]` the document boundaries; `position_ids`
+    `[1, total]` each token's index in its document; `labels` `[1, total]` the next token within the document
+    (IGNORE_INDEX at each document's last token)."""
     cu_seqlens: list[int]
-    """`[0, ..., total]` document boundaries."""
     position_ids: torch.Tensor
-    """`[1, total]` index of each token within its document."""
     labels: torch.Tensor
-    """`[1, total]` next token within the document; IGNORE_INDEX at each document's last token."""
 
     @property
     def total(self) -> int:
@@ -181,9 +145,7 @@ def packed_batch(total: int, vocab: int, *, seed: int, device: torch.device) -> 
         lengths.append(max(4, min(n, total - sum(lengths))))
     if lengths[-1] < 4 and len(lengths) > 1:  # a 1-3 token tail joins the document before it
         lengths[-2] += lengths.pop()
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(lengths)]
     docs, positions = [], []
     for n in lengths:
         start = int(torch.randint(0, vocab, (), generator=gen))
@@ -194,12 +156,7 @@ def packed_batch(total: int, vocab: int, *, seed: int, device: torch.device) -> 
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:-1] = ids[1:]
     labels[torch.tensor(cu[1:]) - 1] = IGNORE_INDEX
-    return PackedBatch(
-        input_ids=ids[None].to(device),
-        cu_seqlens=cu,
-        position_ids=torch.cat(positions)[None].to(device),
-        labels=labels[None].to(device),
-    )
+    return PackedBatch(ids[None].to(device), cu, torch.cat(positions)[None].to(device), labels[None].to(device))  # fmt: skip
 
 
 def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -220,20 +177,9 @@ class SideResult:
     peak_memory_gib: float | None = None
 
 
-def full_tensor(grad: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) gradient as one tensor: the `grad_of` of runs whose model is FSDP2-sharded."""
-    return grad.full_tensor()
-
-
-def train(
-    model: torch.nn.Module,
-    step: Callable[[], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    device: torch.device,
-    grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
-    sync_grads: Callable[[], None] = lambda: None,
-) -> SideResult:
+def train(model: torch.nn.Module, step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, steps: int,
+          device: torch.device, grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+          sync_grads: Callable[[], None] = lambda: None) -> SideResult:  # fmt: skip
     """`steps` optimizer steps of `model`: `step()` (the forward, returns the loss), its backward and
     `sync_grads()` (the integration's gradient all-reduce), each timed between synchronizations; the step-0
     gradients are kept (through `grad_of`, e.g. a DTensor's full tensor)."""
@@ -248,10 +194,8 @@ def train(
         sync_grads()
         if i == 0:
             # kept in fp32 at least (bf16 gradients would round the comparison), fp64 as they are
-            result.grads0 = [
-                grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
-                for p in model.parameters()
-            ]
+            result.grads0 = [grad_of(p.grad).detach().to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
+                             for p in model.parameters()]  # fmt: skip
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -262,15 +206,10 @@ def train(
     return result
 
 
-def train_pair(
-    model: torch.nn.Module,
-    magi_step: Callable[[], torch.Tensor],
-    ref: torch.nn.Module,
-    ref_step: Callable[[], torch.Tensor],
-    cfg: RunConfig,
-    grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
-    sync_grads: Callable[[], None] = lambda: None,
-) -> tuple[SideResult, SideResult]:
+def train_pair(model: torch.nn.Module, magi_step: Callable[[], torch.Tensor], ref: torch.nn.Module,
+               ref_step: Callable[[], torch.Tensor], cfg: RunConfig,
+               grad_of: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+               sync_grads: Callable[[], None] = lambda: None) -> tuple[SideResult, SideResult]:  # fmt: skip
     """Both sides of a run, magi's first (`sync_grads` after its backward): `cfg.steps` AdamW steps (learning
     rate `cfg.lr`) of each model from its own (equal) initial weights, through :func:`train`."""
     sides = []
@@ -289,28 +228,17 @@ def grad_rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return math.sqrt(diff) / max(math.sqrt(norm), 1e-300)
 
 
-def compare(
-    name: str,
-    cfg: RunConfig,
-    batch: PackedBatch,
-    magi: SideResult,
-    ref: SideResult,
-    *,
-    ref_label: str,
-    key: object,
-    extra: dict | None = None,
-) -> dict:
+def compare(name: str, cfg: RunConfig, batch: PackedBatch, magi: SideResult, ref: SideResult, *, ref_label: str,
+            key: object, extra: dict | None = None) -> dict:  # fmt: skip
     """The numbers of one comparison and its checks (PASS/MISS against the tolerances of the dtype); `key`:
     magi's runtime key, whose kernel backend (and the reason for it) the report names."""
     from magi_attention.api import get_kernel_backend
 
     backend, reason = get_kernel_backend(key, cfg.dtype)
-    tol = cfg.tolerances
+    tol = TOLERANCES[cfg.dtype]
     loss_diff = [abs(a - b) for a, b in zip(magi.losses, ref.losses)]
     grad_rel = grad_rel_err(magi.grads0, ref.grads0)
-    finite = all(math.isfinite(x) for x in magi.losses) and all(
-        bool(torch.isfinite(g).all()) for g in magi.grads0
-    )
+    finite = all(math.isfinite(x) for x in magi.losses) and all(bool(torch.isfinite(g).all()) for g in magi.grads0)  # fmt: skip
 
     def tokens_per_s(side: SideResult) -> float:
         return batch.total * (len(side.step_seconds) - 1) / sum(side.step_seconds[1:])
@@ -322,52 +250,23 @@ def compare(
         f"step-0 gradient rel. error <= {tol['grad_rel']:g}": grad_rel <= tol["grad_rel"],
     }
     if cfg.device.type == "cpu":  # the smoke run the integrations' tests make: it must also learn something
-        checks["the loss falls over the steps (CPU run)"] = (
-            len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]
-        )
-    return {
-        "name": name,
-        "reference": ref_label,
-        "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "cpu",
-        "dtype": str(cfg.dtype).removeprefix("torch."),
-        "kernel_backend_asked": cfg.kernel_backend,
-        "tokens": batch.total,
-        "documents": len(batch.doc_lens),
-        "doc_lens": batch.doc_lens,
-        "steps": cfg.steps,
-        "lr": cfg.lr,
-        "losses_magi": magi.losses,
-        "losses_ref": ref.losses,
-        "loss_abs_diff": loss_diff,
-        "grad_rel_err_step0": grad_rel,
-        "step_seconds_magi": magi.step_seconds,
-        "step_seconds_ref": ref.step_seconds,
-        "tokens_per_s_magi": tokens_per_s(magi),
-        "tokens_per_s_ref": tokens_per_s(ref),
-        "peak_memory_gib_magi": magi.peak_memory_gib,
-        "peak_memory_gib_ref": ref.peak_memory_gib,
-        "tolerances": tol,
-        "checks": {k: "PASS" if ok else "MISS" for k, ok in checks.items()},
-        "versions": versions(),
-        "kernel_backend": backend.value,
-        "kernel_reason": reason,
-        **(extra or {}),
-    }
+        checks["the loss falls over the steps (CPU run)"] = len(magi.losses) > 1 and magi.losses[-1] < magi.losses[0]  # fmt: skip
+    sides = {f"{k}_{side}": v for side, r in (("magi", magi), ("ref", ref)) for k, v in (("losses", r.losses),
+             ("step_seconds", r.step_seconds), ("tokens_per_s", tokens_per_s(r)), ("peak_memory_gib", r.peak_memory_gib))}  # fmt: skip
+    return {"name": name, "reference": ref_label,
+            "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "cpu",
+            "dtype": str(cfg.dtype).removeprefix("torch."), "kernel_backend_asked": cfg.kernel_backend,
+            "tokens": batch.total, "documents": len(batch.doc_lens), "doc_lens": batch.doc_lens, "steps": cfg.steps,
+            "lr": cfg.lr, **sides, "loss_abs_diff": loss_diff, "grad_rel_err_step0": grad_rel, "tolerances": tol,
+            "checks": {k: "PASS" if ok else "MISS" for k, ok in checks.items()}, "versions": versions(),
+            "kernel_backend": backend.value, "kernel_reason": reason, **(extra or {})}  # fmt: skip
 
 
 VERSIONED = ("transformers", "megatron-core", "torchtitan", "triton", "flash-attn-4", "nvidia-cudnn-frontend")
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for dist_name in VERSIONED:
-        try:
-            out[dist_name] = version(dist_name)
-        except PackageNotFoundError:
-            pass
-    return out
+    return {"python": sys.version.split()[0], "torch": torch.__version__, **package_versions(VERSIONED)}
 
 
 def print_report(result: dict) -> None:
@@ -390,13 +289,14 @@ def finish(name: str, cfg: RunConfig, results: list[dict]) -> dict:
         print_report(result)
     report = {"name": name, "runs": results}
     report["passed"] = all(v == "PASS" for r in results for v in r["checks"].values())
-    if cfg.out is not None:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        cfg.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {cfg.out}")
+    write_report(cfg, report)
     print(f"{name}: {'PASS' if report['passed'] else 'MISS'}")
     return report
 
 
-def exit_code(report: dict) -> int:
-    return 0 if report["passed"] else 1
+def write_report(cfg: RunConfig, report: dict) -> None:
+    """``report`` as JSON at ``cfg.out`` (if set), its folder made as needed."""
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {cfg.out}")

@@ -1,16 +1,11 @@
 """HF Transformers with magi-attention in deterministic mode: the same training twice gives the same bits.
-
-What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (hf-deterministic)."""
 
 import os
 
 # cuBLAS needs its workspace fixed before CUDA starts for deterministic GEMMs (torch raises otherwise)
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import json
 
 import torch
 
@@ -45,31 +40,24 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
     first_losses, first_params, backend = train_once(family, cfg, group)
     second_losses, second_params, _ = train_once(family, cfg, group)
     differing = [i for i, (a, b) in enumerate(zip(first_params, second_params)) if not torch.equal(a, b)]
-    max_diff = max(
-        ((a.double() - b.double()).abs().max().item() for a, b in zip(first_params, second_params)),
-        default=0.0,
-    )
+    max_diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(first_params, second_params)),
+                   default=0.0)  # fmt: skip
     ok = first_losses == second_losses and not differing
-    return {
-        "run": f"{NAME}/{family}",
-        "ok": ok,
-        "kernel_backend": backend,
-        "losses_first": first_losses,
-        "losses_second": second_losses,
-        "parameters": len(first_params),
-        "parameters_differing": differing,
-        "max_parameter_abs_diff": max_diff,
-    }
+    return {"run": f"{NAME}/{family}", "ok": ok, "kernel_backend": backend, "losses_first": first_losses,
+            "losses_second": second_losses, "parameters": len(first_params), "parameters_differing": differing,
+            "max_parameter_abs_diff": max_diff}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = harness.parse_args(NAME, __doc__, argv)
-    torch.use_deterministic_algorithms(True)
-    group = harness.init_world_1(cfg.device)
-    try:
-        results = [run_family(family, cfg, group) for family in hf_run.FAMILIES]
-    finally:
-        harness.close_world()
+    def body(cfg: harness.RunConfig, group) -> list[dict]:
+        torch.use_deterministic_algorithms(True)
+        return [run_family(family, cfg, group) for family in hf_run.FAMILIES]
+
+    return harness.main(NAME, __doc__, argv, body, verdicts)
+
+
+def verdicts(name: str, cfg: harness.RunConfig, results: list[dict]) -> int:
+    """Each family's verdict printed, the report written; the exit status is 1 where the two trainings differ."""
     report = {"name": NAME, "device": str(cfg.device), "dtype": str(cfg.dtype), "steps": cfg.steps,
               "tokens": cfg.tokens, "versions": harness.versions(), "results": results}  # fmt: skip
     for r in results:
@@ -78,13 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         if not r["ok"]:
             print(f"  second losses {r['losses_second']}; parameters differing: {r['parameters_differing']}"
                   f" (max |d| {r['max_parameter_abs_diff']:.3e})")  # fmt: skip
-    if cfg.out is not None:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        cfg.out.write_text(json.dumps(report, indent=1))
+    harness.write_report(cfg, report)
     return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.hf_deterministic_run"))
+    raise SystemExit(harness.run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """HF Transformers with magi-attention against Transformers' own SDPA attention, one process.
-
-What it measures and how to run it: docs/benchmarks/cases.md (hf).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (hf)."""
 
 import copy
 from collections.abc import Callable
@@ -41,9 +37,7 @@ def build_model(family: str, cfg: harness.RunConfig) -> tuple[torch.nn.Module, i
     return model, window
 
 
-def magi_step(
-    model: torch.nn.Module, batch: harness.PackedBatch, group, keys: list
-) -> tuple[Callable, Callable]:
+def magi_step(model: torch.nn.Module, batch: harness.PackedBatch, group, keys: list) -> tuple[Callable, Callable]:  # fmt: skip
     """A training step of `model` (magi attention applied) as the integration's docs show: the forward
     (`dispatch_batch`, the model, `causal_lm_loss`; each step's runtime key goes to `keys`) and the gradient
     sync after its backward (`all_reduce_gradients`)."""
@@ -73,9 +67,7 @@ def run_family(family: str, cfg: harness.RunConfig, group) -> dict:
 
     step, sync_grads = magi_step(model, batch, group, keys)
     magi, reference = harness.train_pair(model, step, ref, ref_step, cfg, sync_grads=sync_grads)
-    label = "SDPA, per-document position_ids" + (
-        f", window {window} on layer 1" if family == "qwen2_swa" else ""
-    )
+    label = "SDPA, per-document position_ids" + (f", window {window} on layer 1" if family == "qwen2_swa" else "")  # fmt: skip
     return harness.compare(
         f"{NAME}/{family}", cfg, batch, magi, reference, ref_label=label, key=keys[0], extra={"window": window},
     )  # fmt: skip
@@ -86,6 +78,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.hf_run"))
+    raise SystemExit(harness.run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """Megatron-core GPTModel with magi-attention against Megatron's local core attention per document.
-
-What it measures and how to run it: docs/benchmarks/cases.md (megatron).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (megatron)."""
 
 import contextlib
 import warnings
@@ -49,22 +45,14 @@ def _cpu_shims(device: torch.device) -> contextlib.AbstractContextManager:
 
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
-    stack.enter_context(
-        mock.patch.object(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
-    )
+    stack.enter_context(mock.patch.object(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext))  # fmt: skip
     return stack
 
 
 def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
     with warnings.catch_warnings():  # megatron-core warns at import about optional packages it lacks
         warnings.simplefilter("ignore")
-        from magi_attention_megatron import (
-            all_reduce_gradients,
-            get_batch_on_this_cp_rank_magi,
-            magi_gpt_layer_spec,
-            magi_loss,
-            use_magi_rotary,
-        )
+        import magi_attention_megatron as mm
         from megatron.core import parallel_state
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -75,12 +63,10 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     try:
         shapes = cfg.shapes
-        model = build_model(magi_gpt_layer_spec(), cfg, shapes)
-        use_magi_rotary(model)
+        model = build_model(mm.magi_gpt_layer_spec(), cfg, shapes)
+        mm.use_magi_rotary(model)
         ref = build_model(get_gpt_layer_local_spec(), cfg, shapes)
-        mismatched = [
-            n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)
-        ]
+        mismatched = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]  # fmt: skip
         if mismatched:
             raise RuntimeError(f"the two models' initial weights differ: {mismatched[:4]}")
 
@@ -93,7 +79,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
         keys = []
 
         def magi_step() -> torch.Tensor:
-            local = get_batch_on_this_cp_rank_magi(
+            local = mm.get_batch_on_this_cp_rank_magi(
                 {"tokens": batch.input_ids, "labels": labels, "loss_mask": loss_mask}, group,
                 num_heads_q=shapes["heads_q"], num_heads_kv=shapes["heads_kv"], head_dim=head_dim,
                 cu_seqlens=batch.cu_seqlens, dist_attn_config=dist_attn_config,
@@ -101,7 +87,7 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
             keys.append(local["magi_key"])
             per_token = model(input_ids=local["tokens"], position_ids=local["position_ids"],
                               attention_mask=None, labels=local["labels"])  # fmt: skip
-            return magi_loss(per_token, local)
+            return mm.magi_loss(per_token, local)
 
         def ref_step() -> torch.Tensor:
             total = 0.0
@@ -114,9 +100,8 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
                     total = total + (per_token * loss_mask[:, s:e].to(per_token.dtype)).sum()
             return total / loss_mask.sum()
 
-        magi, reference = harness.train_pair(
-            model, magi_step, ref, ref_step, cfg, sync_grads=lambda: all_reduce_gradients(model, group)
-        )
+        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg,
+                                             sync_grads=lambda: mm.all_reduce_gradients(model, group))  # fmt: skip
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label="Megatron's local DotProductAttention on each document",
             key=keys[0], extra={"layer_spec": "local (no TE)"},
@@ -131,6 +116,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.megatron_run"))
+    raise SystemExit(harness.run_module(__spec__.name))

@@ -1,9 +1,5 @@
 """torchtitan's Llama 3 debug model with magi-attention against torchtitan's own SDPA attention per document.
-
-What it measures and how to run it: docs/benchmarks/cases.md (torchtitan).
-"""
-
-from __future__ import annotations
+What it measures and how to run it: docs/benchmarks/cases.md (torchtitan)."""
 
 import copy
 import sys
@@ -86,15 +82,10 @@ def run_comparison(cfg: harness.RunConfig, group) -> list[dict]:
 
         def ref_step() -> torch.Tensor:
             ids, pos = batch.input_ids[0], batch.position_ids[0]
-            preds = [
-                ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None)
-                for s, e in pairwise(batch.cu_seqlens)
-            ]
+            preds = [ref(ids[s:e][None], positions=pos[s:e][None], attention_masks=None) for s, e in pairwise(batch.cu_seqlens)]  # fmt: skip
             return loss_fn(torch.cat(preds, dim=1), batch.labels, valid_tokens)[0]
 
-        magi, reference = harness.train_pair(
-            model, magi_step, ref, ref_step, cfg, grad_of=harness.full_tensor
-        )
+        magi, reference = harness.train_pair(model, magi_step, ref, ref_step, cfg, grad_of=lambda g: g.full_tensor())  # fmt: skip
         result = harness.compare(
             NAME, cfg, batch, magi, reference, ref_label=f"torchtitan's SDPA on each document (llama3 {flavor})",
             key=keys[0], extra={"flavor": flavor,
@@ -110,6 +101,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from benchmarks.cli import run_module
-
-    raise SystemExit(run_module("integration_runs.torchtitan_run"))
+    raise SystemExit(harness.run_module(__spec__.name))
