@@ -52,6 +52,7 @@ import numpy as np
 
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
+from .documents_orient import oriented
 from .documents_repair import ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
@@ -80,6 +81,11 @@ K/V of the base pick (`_ranked`): the links' share of a step is priced at full b
 no overlap (the runtime overlaps the fetch with the kernels), so a little of it buys a kernel balance
 that holds on every rank, while the busiest rank's received keys stay within that share."""
 _REPAIRED = 1
+_FEWER_KEYS = True
+"""Past two ranks, layouts that receive fewer keys are tried against the pick (`_best_fill`, `_no_worse`):
+the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
+remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
+first (`documents_orient.oriented`), each after the local repair."""
 _SPLIT_FILLS = True
 _PLAIN_FILLS = 4
 """The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
@@ -179,6 +185,15 @@ def _ranked(judged: list[tuple]) -> list[tuple]:
     return first + rest
 
 
+def _no_worse(pick: tuple, cands: list[tuple]) -> tuple | None:
+    """The least predicted step among `cands` (`_ranked`'s tuples) that are no worse than `pick` by either
+    price (step and kernel metric) and whose busiest rank receives at most `_BALANCE_REMOTE` times its K/V,
+    or None. Such a candidate receives fewer keys where it came from `_FEWER_KEYS`' layouts, so it replaces
+    the pick without trading balance for link time or the reverse."""
+    ok = [x for x in cands if x[0] <= pick[0] and x[1] <= pick[1] and x[4] <= pick[4] * _BALANCE_REMOTE]
+    return min(ok, key=lambda x: (x[0], x[1], x[2])) if ok else None
+
+
 def _best_fill(
     costs: _Costs,
     units: np.ndarray,
@@ -271,6 +286,32 @@ def _best_fill(
             if better:
                 best = min(better, key=lambda x: (x[1], x[0], x[2]))
                 out = [best] + [x for x in out if x is not best]
+    if _FEWER_KEYS and cp > 2 and out[0][0] > floor * (1.0 + _GOOD):
+        fewer = [
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau, True)), room
+            ),
+            lambda: _balanced_anchored(costs, units, whole, room, back=True),
+        ]
+        cands = []
+        for fill in fewer:
+            for owner in fill()[:_JUDGED]:
+                if owner.tobytes() in seen:
+                    continue
+                seen.add(owner.tobytes())
+                busiest = []
+                step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
+                cands.append((step, metric, len(judged) + len(cands), owner, busiest[0]))
+        cands = repaired(cands, _ranked(cands)[:_REPAIRED])
+        turned = oriented(out[0][3], units, cp, cp, whole > tau)
+        if not np.array_equal(turned, out[0][3]):
+            busiest = []
+            step, metric, turned = _exact_price(turned, pieces, area, c, cp, law, (lo, hi), busiest)
+            t = (step, metric, len(judged) + len(cands), turned, busiest[0])
+            cands += repaired([t], [t])
+        best = _no_worse(out[0], cands)
+        if best is not None:
+            out = [best, *out]
     return [x[3] for x in out[:keep]]
 
 
