@@ -48,6 +48,8 @@ bounded number of ranks). Self-attention only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
@@ -86,6 +88,8 @@ _FEWER_KEYS = True
 the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
 remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
 first (`documents_orient.oriented`), each after the local repair."""
+_FEWER_IMBALANCE = 0.01
+"""How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
 _PLAIN_FILLS = 4
 """The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
@@ -116,6 +120,7 @@ def _exact_price(
     law: KernelLaw,
     hull: tuple[np.ndarray, np.ndarray] | None = None,
     busiest: list[int] | None = None,
+    means: list[float] | None = None,
 ) -> tuple[float, float, np.ndarray]:
     """`(step, metric, owner)` of an assignment: past one node its ranks first renumbered so that ranks
     exchanging the most keys share a node (`node_groups.node_order`, as the choice does); the step as
@@ -123,7 +128,8 @@ def _exact_price(
     backward, kernel + dK/dV reduce, by the law on the ranks' exact key columns and the links as `pricing`
     prices them), the metric `max fwd + max bwd` of kernel time alone. `hull`: each chunk's key interval
     (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`). `busiest`:
-    a list the busiest rank's received K/V tokens is appended to."""
+    a list the busiest rank's received K/V tokens is appended to; `means`: one `mean fwd + mean bwd` is
+    appended to (the time imbalance is the metric over it)."""
     chunk, _, kl, kr = pieces
     if cp > PRICING_NODE:
         traffic = (
@@ -149,6 +155,8 @@ def _exact_price(
     step = float((fwd + comm).max() + (bwd + comm).max())
     if busiest is not None:
         busiest.append(int(remote.max()) if remote.size else 0)
+    if means is not None:
+        means.append(float(fwd.mean() + bwd.mean()))
     return step, float(fwd.max() + bwd.max()), owner
 
 
@@ -185,13 +193,19 @@ def _ranked(judged: list[tuple]) -> list[tuple]:
     return first + rest
 
 
-def _no_worse(pick: tuple, cands: list[tuple]) -> tuple | None:
+def _no_worse(pick: tuple, cands: list[tuple], imbalance: Callable[[tuple], float]) -> tuple | None:
     """The least predicted step among `cands` (`_ranked`'s tuples) that are no worse than `pick` by either
-    price (step and kernel metric) and whose busiest rank receives at most `_BALANCE_REMOTE` times its K/V,
-    or None. Such a candidate receives fewer keys where it came from `_FEWER_KEYS`' layouts, so it replaces
-    the pick without trading balance for link time or the reverse."""
+    price (step and kernel metric), whose busiest rank receives at most `_BALANCE_REMOTE` times its K/V and
+    whose time imbalance (`imbalance`: the metric over `mean fwd + mean bwd`) is at most `_FEWER_IMBALANCE`
+    above its; or None. Such a candidate receives fewer keys where it came from `_FEWER_KEYS`' layouts, so
+    it replaces the pick without trading balance for link time or the reverse (fewer received keys lower
+    the mean: a slowest rank that stays put is a worse imbalance, kept within that bound)."""
     ok = [x for x in cands if x[0] <= pick[0] and x[1] <= pick[1] and x[4] <= pick[4] * _BALANCE_REMOTE]
-    return min(ok, key=lambda x: (x[0], x[1], x[2])) if ok else None
+    if not ok:
+        return None
+    cap = imbalance(pick) + _FEWER_IMBALANCE
+    ok = [x for x in sorted(ok, key=lambda x: (x[0], x[1], x[2])) if imbalance(x) <= cap]
+    return ok[0] if ok else None
 
 
 def _best_fill(
@@ -309,7 +323,13 @@ def _best_fill(
             step, metric, turned = _exact_price(turned, pieces, area, c, cp, law, (lo, hi), busiest)
             t = (step, metric, len(judged) + len(cands), turned, busiest[0])
             cands += repaired([t], [t])
-        best = _no_worse(out[0], cands)
+
+        def imbalance(x: tuple) -> float:
+            means: list[float] = []
+            _exact_price(x[3], pieces, area, c, cp, law, (lo, hi), None, means)
+            return x[1] / means[0] if means[0] > 0 else 1.0
+
+        best = _no_worse(out[0], cands, imbalance)
         if best is not None:
             out = [best, *out]
     return [x[3] for x in out[:keep]]
