@@ -88,6 +88,9 @@ _FEWER_KEYS = True
 the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
 remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
 first (`documents_orient.oriented`), each after the local repair."""
+_FEWER_MAX_CHUNKS = 2048
+"""Past this many chunks the fewer-keys layouts are not tried: their fills and repairs would double the
+placement's time there (1M tokens at cp 64), and on the packed-document families they never won there."""
 _FEWER_IMBALANCE = 0.01
 """How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
@@ -300,7 +303,7 @@ def _best_fill(
             if better:
                 best = min(better, key=lambda x: (x[1], x[0], x[2]))
                 out = [best] + [x for x in out if x is not best]
-    if _FEWER_KEYS and cp > 2 and out[0][0] > floor * (1.0 + _GOOD):
+    if _FEWER_KEYS and 2 < cp and n <= _FEWER_MAX_CHUNKS and out[0][0] > floor * (1.0 + _GOOD):
         fewer = [
             lambda: _balanced_two_ended(
                 _Virtual(costs, _laid_out(costs, units, whole, base, tau, True)), room
