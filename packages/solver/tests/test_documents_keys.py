@@ -137,3 +137,35 @@ def test_fewer_keys_never_worsen_the_pick(name: str, cp: int, monkeypatch: pytes
     assert with_fewer[1] <= without[1] * (1 + 1e-9)
     assert with_fewer[2] <= without[2] + 0.01 + 1e-9
     assert with_fewer[3] <= 1.1 * without[3]
+
+
+@pytest.mark.parametrize(("name", "seed"), [("docs4k_causal", 1), ("short_docs_causal", 3)])
+def test_unit_by_unit_orientation_slows_no_rank_and_receives_fewer(
+    name: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the placement without its fewer-keys layouts: some cut units' short pieces sit last
+    import magi_solver.documents as documents
+    from magi_solver.documents_orient import oriented_where_no_worse
+    from magi_solver.documents_repair import ChunkTables, _State
+    from magi_solver.documents_units import _chunk_tables, _Costs, find_units
+    from magi_solver.pricing import NODE
+
+    monkeypatch.setattr(documents, "_FEWER_KEYS", False)
+    cp = 16
+    total = 4096 * cp
+    sl = _family(name, total, seed=seed)
+    law = law_for_mask(sl, total)
+    plan = documents_plans(sl, total, cp, law)[0]
+    c, n = plan.chunk_size, plan.num_chunks
+    owner = np.asarray(plan.chunk_owner, dtype=np.int64)
+    area, klo, khi, _ = _chunk_tables(sl, n, c)
+    units = find_units(sl, _Costs(area, klo, khi, c, law), n)
+    lo = np.minimum(klo, np.arange(n) * c)
+    hi = np.maximum(khi, (np.arange(n) + 1) * c)
+    tables = ChunkTables(area, lo, hi, units, c, cp, law, NODE)
+    got = oriented_where_no_worse(owner, tables)
+    for a, b in itertools.pairwise(units.tolist()):
+        assert np.array_equal(np.bincount(got[a:b], minlength=cp), np.bincount(owner[a:b], minlength=cp))
+    before, after = _State(owner.copy(), tables).metric(), _State(got.copy(), tables).metric()
+    assert after[0] <= before[0] * (1 + 1e-12) and after[1] <= before[1] * (1 + 1e-12)
+    assert _received(got, sl, c, cp) < _received(owner, sl, c, cp)

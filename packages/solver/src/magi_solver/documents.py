@@ -54,7 +54,7 @@ import numpy as np
 
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
-from .documents_orient import oriented
+from .documents_orient import oriented, oriented_where_no_worse
 from .documents_repair import ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
@@ -320,8 +320,12 @@ def _best_fill(
                 step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
                 cands.append((step, metric, len(judged) + len(cands), owner, busiest[0]))
         cands = repaired(cands, _ranked(cands)[:_REPAIRED])
-        turned = oriented(out[0][3], units, cp, cp, whole > tau)
-        if not np.array_equal(turned, out[0][3]):
+        for turned in (
+            oriented(out[0][3], units, cp, cp, whole > tau),
+            oriented_where_no_worse(out[0][3], tables, whole > tau),
+        ):
+            if np.array_equal(turned, out[0][3]):
+                continue
             busiest = []
             step, metric, turned = _exact_price(turned, pieces, area, c, cp, law, (lo, hi), busiest)
             t = (step, metric, len(judged) + len(cands), turned, busiest[0])
