@@ -39,6 +39,13 @@ full mask into equal runs); each rank boundary cuts at most the two units at the
    least kernel metric wins (a link-time gain that small is not worth a kernel imbalance), and a lower
    metric wins within `_BALANCE_STEP` of the least step and `_BALANCE_REMOTE` of that pick's busiest-rank
    K/V; the split-priced fills replace that pick only with a lower metric under the same two bounds.
+6. past two ranks (up to `_FEWER_MAX_CHUNKS` chunks), tries layouts that receive fewer keys: a cut at chunk
+   p of a causal unit costs the rank holding the later piece p chunks of keys, so the long units' time-sized
+   pieces are sized from their ends (the short remainder is the unit's first piece), and the pick's cut
+   units are reordered so the ranks holding fewer of their chunks hold the earlier ones (whole, and one
+   unit at a time where no rank gets slower: `documents_orient`). One replaces the pick only where its
+   predicted step and kernel metric are no higher, its busiest rank's K/V within `_BALANCE_REMOTE` and its
+   time imbalance within `_FEWER_IMBALANCE` (`_no_worse`).
 
 Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
 so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
@@ -55,7 +62,7 @@ import numpy as np
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
 from .documents_orient import oriented, oriented_where_no_worse
-from .documents_repair import ChunkTables, hull_traffic, repair
+from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
 from .node_groups import node_order
@@ -88,6 +95,9 @@ _FEWER_KEYS = True
 the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
 remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
 first (`documents_orient.oriented`), each after the local repair."""
+_FEWER_EVALS = 1500
+"""The repair budget (ranks priced) of each fewer-keys layout: half the pick's (`documents_repair._EVALS`),
+which keeps nearly all of their gains on the packed-document families at a fraction of the time."""
 _FEWER_MAX_CHUNKS = 2048
 """Past this many chunks the fewer-keys layouts are not tried: their fills and repairs would double the
 placement's time there (1M tokens at cp 64), and on the packed-document families they never won there."""
@@ -269,11 +279,12 @@ def _best_fill(
             break
     tables = ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE)
 
-    def repaired(cands: list[tuple], fix: list[tuple]) -> list[tuple]:
-        """`cands` and the repairs of `fix` that lower neither price (exact prices)."""
+    def repaired(cands: list[tuple], fix: list[tuple], evals: int = _EVALS) -> list[tuple]:
+        """`cands` and the repairs of `fix` that lower neither price (exact prices; `evals`: the repair's
+        budget of ranks priced)."""
         out = list(cands)
         for step, metric, i, owner, _ in fix:
-            fixed = repair(owner, tables)
+            fixed = repair(owner, tables, evals)
             if np.array_equal(fixed, owner):
                 continue
             busiest: list[int] = []
@@ -319,7 +330,7 @@ def _best_fill(
                 busiest = []
                 step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
                 cands.append((step, metric, len(judged) + len(cands), owner, busiest[0]))
-        cands = repaired(cands, _ranked(cands)[:_REPAIRED])
+        cands = repaired(cands, _ranked(cands)[:_REPAIRED], _FEWER_EVALS)
         for turned in (
             oriented(out[0][3], units, cp, cp, whole > tau),
             oriented_where_no_worse(out[0][3], tables, whole > tau),
@@ -329,7 +340,7 @@ def _best_fill(
             busiest = []
             step, metric, turned = _exact_price(turned, pieces, area, c, cp, law, (lo, hi), busiest)
             t = (step, metric, len(judged) + len(cands), turned, busiest[0])
-            cands += repaired([t], [t])
+            cands += repaired([t], [t], _FEWER_EVALS)
 
         def imbalance(x: tuple) -> float:
             means: list[float] = []
