@@ -105,12 +105,13 @@ def test_pieces_from_the_end_cut_as_early_as_the_forward_pieces_allow(scale: flo
 
 def test_received_keys_of_a_seeded_docs_mask() -> None:
     # log-normal causal documents (median 4,096), 8k tokens per rank at cp 8: the long document's pieces
-    # sized from its end receive ~9 % fewer keys than pieces sized from its start (103,237)
+    # sized from its end (and as if their ranks' fillers were thinner) receive 16 % fewer keys than pieces
+    # sized from its start at the fillers' mean density (103,237)
     total, cp = 65536, 8
     sl = _family("docs4k_causal", total, seed=0)
     law = law_for_mask(sl, total)
     plan = documents_plans(sl, total, cp, law)[0]
-    assert int(price_plan(plan, sl, law).remote.sum()) <= 96_000
+    assert int(price_plan(plan, sl, law).remote.sum()) <= 90_000
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,9 @@ _FEWER_KEYS = True
 the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
 remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
 first (`documents_orient.oriented`), each after the local repair."""
+_THIN = 0.5
+"""The third fewer-keys layout sizes the long units' pieces as if their ranks' other chunks cost this share
+of the fillers' density (`documents_fills._laid_out`): longer pieces, fewer received keys."""
 _FEWER_EVALS = 1500
 """The repair budget (ranks priced) of each fewer-keys layout: half the pick's (`documents_repair._EVALS`),
 which keeps nearly all of their gains on the packed-document families at a fraction of the time."""
@@ -320,6 +323,9 @@ def _best_fill(
                 _Virtual(costs, _laid_out(costs, units, whole, base, tau, True)), room
             ),
             lambda: _balanced_anchored(costs, units, whole, room, back=True),
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau, True, _THIN)), room
+            ),
         ]
         cands = []
         for fill in fewer:

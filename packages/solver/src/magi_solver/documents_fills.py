@@ -161,11 +161,20 @@ def _heavy_units(
 
 
 def _laid_out(
-    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float, back: bool = False
+    costs: _Costs,
+    units: np.ndarray,
+    whole: np.ndarray,
+    room: int,
+    tau: float,
+    back: bool = False,
+    thin: float = 1.0,
 ) -> list[tuple]:
     """Segments `(density, start, end, cost, unit)` of the two-ended layout: a unit that cannot sit on one
     rank (more chunks than a rank holds, or costlier than a rank's target once the rank's other chunks are
-    filled at the fillers' density) as its time-sized pieces (`_time_pieces`), any other whole."""
+    filled at the fillers' density) as its time-sized pieces (`_time_pieces`; with `back`, sized from the
+    unit's end, `_pieces`), any other whole. `thin`: the pieces are sized as if the fillers cost this share
+    of their density (below 1: longer pieces, fewer cuts, the two-ended fill pairing them with the cheapest
+    units)."""
     dens, filler, heavy = _heavy_units(units, whole, room, tau)
     segs = []
     for u in range(units.size - 1):
@@ -173,7 +182,7 @@ def _laid_out(
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        pieces = _pieces(costs, a, b, room, tau, filler, back)
+        pieces = _pieces(costs, a, b, room, tau, filler * thin, back)
         for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             segs.append((cst / (y - x), x, y, cst, u))
     return segs
