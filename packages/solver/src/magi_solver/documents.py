@@ -39,6 +39,13 @@ full mask into equal runs); each rank boundary cuts at most the two units at the
    least kernel metric wins (a link-time gain that small is not worth a kernel imbalance), and a lower
    metric wins within `_BALANCE_STEP` of the least step and `_BALANCE_REMOTE` of that pick's busiest-rank
    K/V; the split-priced fills replace that pick only with a lower metric under the same two bounds.
+6. past two ranks (up to `_FEWER_MAX_CHUNKS` chunks), tries layouts that receive fewer keys: a cut at chunk
+   p of a causal unit costs the rank holding the later piece p chunks of keys, so the long units' time-sized
+   pieces are sized from their ends (the short remainder is the unit's first piece), and the pick's cut
+   units are reordered so the ranks holding fewer of their chunks hold the earlier ones (whole, and one
+   unit at a time where no rank gets slower: `documents_orient`). One replaces the pick only where its
+   predicted step and kernel metric are no higher, its busiest rank's K/V within `_BALANCE_REMOTE` and its
+   time imbalance within `_FEWER_IMBALANCE` (`_no_worse`).
 
 Every rank ends with the same chunk count (uneven shards: counts within one, the short last chunk anywhere),
 so the result is an ordinary `DispatchPlan`. A pure function of the mask, cp size and law (every rank
@@ -48,11 +55,14 @@ bounded number of ranks). Self-attention only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
-from .documents_repair import ChunkTables, hull_traffic, repair
+from .documents_orient import oriented, oriented_where_no_worse
+from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
 from .node_groups import node_order
@@ -80,6 +90,22 @@ K/V of the base pick (`_ranked`): the links' share of a step is priced at full b
 no overlap (the runtime overlaps the fetch with the kernels), so a little of it buys a kernel balance
 that holds on every rank, while the busiest rank's received keys stay within that share."""
 _REPAIRED = 1
+_FEWER_KEYS = True
+"""Past two ranks, layouts that receive fewer keys are tried against the pick (`_best_fill`, `_no_worse`):
+the long units' time-sized pieces sized from their ends (`documents_fills._time_pieces_back`: the short
+remainder is a unit's first piece, whose keys are few), and the pick with its cut units' short pieces moved
+first (`documents_orient.oriented`), each after the local repair."""
+_THIN = 0.5
+"""The third fewer-keys layout sizes the long units' pieces as if their ranks' other chunks cost this share
+of the fillers' density (`documents_fills._laid_out`): longer pieces, fewer received keys."""
+_FEWER_EVALS = 1500
+"""The repair budget (ranks priced) of each fewer-keys layout: half the pick's (`documents_repair._EVALS`),
+which keeps nearly all of their gains on the packed-document families at a fraction of the time."""
+_FEWER_MAX_CHUNKS = 2048
+"""Past this many chunks the fewer-keys layouts are not tried: their fills and repairs would double the
+placement's time there (1M tokens at cp 64), and on the packed-document families they never won there."""
+_FEWER_IMBALANCE = 0.01
+"""How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
 _PLAIN_FILLS = 4
 """The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
@@ -110,6 +136,7 @@ def _exact_price(
     law: KernelLaw,
     hull: tuple[np.ndarray, np.ndarray] | None = None,
     busiest: list[int] | None = None,
+    means: list[float] | None = None,
 ) -> tuple[float, float, np.ndarray]:
     """`(step, metric, owner)` of an assignment: past one node its ranks first renumbered so that ranks
     exchanging the most keys share a node (`node_groups.node_order`, as the choice does); the step as
@@ -117,7 +144,8 @@ def _exact_price(
     backward, kernel + dK/dV reduce, by the law on the ranks' exact key columns and the links as `pricing`
     prices them), the metric `max fwd + max bwd` of kernel time alone. `hull`: each chunk's key interval
     (own tokens included), the cheaper traffic the renumbering is found from (`hull_traffic`). `busiest`:
-    a list the busiest rank's received K/V tokens is appended to."""
+    a list the busiest rank's received K/V tokens is appended to; `means`: one `mean fwd + mean bwd` is
+    appended to (the time imbalance is the metric over it)."""
     chunk, _, kl, kr = pieces
     if cp > PRICING_NODE:
         traffic = (
@@ -143,6 +171,8 @@ def _exact_price(
     step = float((fwd + comm).max() + (bwd + comm).max())
     if busiest is not None:
         busiest.append(int(remote.max()) if remote.size else 0)
+    if means is not None:
+        means.append(float(fwd.mean() + bwd.mean()))
     return step, float(fwd.max() + bwd.max()), owner
 
 
@@ -177,6 +207,21 @@ def _ranked(judged: list[tuple]) -> list[tuple]:
     first = sorted((x for x in judged if near(x)), key=lambda x: (x[1], x[0], x[2]))
     rest = sorted((x for x in judged if not near(x)), key=lambda x: (x[0], x[2]))
     return first + rest
+
+
+def _no_worse(pick: tuple, cands: list[tuple], imbalance: Callable[[tuple], float]) -> tuple | None:
+    """The least predicted step among `cands` (`_ranked`'s tuples) that are no worse than `pick` by either
+    price (step and kernel metric), whose busiest rank receives at most `_BALANCE_REMOTE` times its K/V and
+    whose time imbalance (`imbalance`: the metric over `mean fwd + mean bwd`) is at most `_FEWER_IMBALANCE`
+    above its; or None. Such a candidate receives fewer keys where it came from `_FEWER_KEYS`' layouts, so
+    it replaces the pick without trading balance for link time or the reverse (fewer received keys lower
+    the mean: a slowest rank that stays put is a worse imbalance, kept within that bound)."""
+    ok = [x for x in cands if x[0] <= pick[0] and x[1] <= pick[1] and x[4] <= pick[4] * _BALANCE_REMOTE]
+    if not ok:
+        return None
+    cap = imbalance(pick) + _FEWER_IMBALANCE
+    ok = [x for x in sorted(ok, key=lambda x: (x[0], x[1], x[2])) if imbalance(x) <= cap]
+    return ok[0] if ok else None
 
 
 def _best_fill(
@@ -237,11 +282,12 @@ def _best_fill(
             break
     tables = ChunkTables(area, lo, hi, units, c, cp, law, PRICING_NODE)
 
-    def repaired(cands: list[tuple], fix: list[tuple]) -> list[tuple]:
-        """`cands` and the repairs of `fix` that lower neither price (exact prices)."""
+    def repaired(cands: list[tuple], fix: list[tuple], evals: int = _EVALS) -> list[tuple]:
+        """`cands` and the repairs of `fix` that lower neither price (exact prices; `evals`: the repair's
+        budget of ranks priced)."""
         out = list(cands)
         for step, metric, i, owner, _ in fix:
-            fixed = repair(owner, tables)
+            fixed = repair(owner, tables, evals)
             if np.array_equal(fixed, owner):
                 continue
             busiest: list[int] = []
@@ -271,6 +317,45 @@ def _best_fill(
             if better:
                 best = min(better, key=lambda x: (x[1], x[0], x[2]))
                 out = [best] + [x for x in out if x is not best]
+    if _FEWER_KEYS and 2 < cp and n <= _FEWER_MAX_CHUNKS and out[0][0] > floor * (1.0 + _GOOD):
+        fewer = [
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau, True)), room
+            ),
+            lambda: _balanced_anchored(costs, units, whole, room, back=True),
+            lambda: _balanced_two_ended(
+                _Virtual(costs, _laid_out(costs, units, whole, base, tau, True, _THIN)), room
+            ),
+        ]
+        cands = []
+        for fill in fewer:
+            for owner in fill()[:_JUDGED]:
+                if owner.tobytes() in seen:
+                    continue
+                seen.add(owner.tobytes())
+                busiest = []
+                step, metric, owner = _exact_price(owner, pieces, area, c, cp, law, (lo, hi), busiest)
+                cands.append((step, metric, len(judged) + len(cands), owner, busiest[0]))
+        cands = repaired(cands, _ranked(cands)[:_REPAIRED], _FEWER_EVALS)
+        for turned in (
+            oriented(out[0][3], units, cp, cp, whole > tau),
+            oriented_where_no_worse(out[0][3], tables, whole > tau),
+        ):
+            if np.array_equal(turned, out[0][3]):
+                continue
+            busiest = []
+            step, metric, turned = _exact_price(turned, pieces, area, c, cp, law, (lo, hi), busiest)
+            t = (step, metric, len(judged) + len(cands), turned, busiest[0])
+            cands += repaired([t], [t], _FEWER_EVALS)
+
+        def imbalance(x: tuple) -> float:
+            means: list[float] = []
+            _exact_price(x[3], pieces, area, c, cp, law, (lo, hi), None, means)
+            return x[1] / means[0] if means[0] > 0 else 1.0
+
+        best = _no_worse(out[0], cands, imbalance)
+        if best is not None:
+            out = [best, *out]
     return [x[3] for x in out[:keep]]
 
 

@@ -69,6 +69,46 @@ def _time_pieces(
     return out
 
 
+def _pieces(
+    costs: _Costs, a: int, b: int, room: int, tau: float, filler: float, back: bool
+) -> list[tuple[int, int]]:
+    """The unit's time-sized pieces: with `back`, `_time_pieces_back` where it cuts the unit into no more
+    pieces than `_time_pieces`; else `_time_pieces`."""
+    fwd = _time_pieces(costs, a, b, room, tau, filler)
+    if not back:
+        return fwd
+    back = _time_pieces_back(costs, a, b, room, tau, filler)
+    return back if back is not None and len(back) <= len(fwd) else fwd
+
+
+def _time_pieces_back(
+    costs: _Costs, a: int, b: int, room: int, tau: float, filler: float
+) -> list[tuple[int, int]] | None:
+    """`_time_pieces` sized from the unit's end: each piece, from the last, starts as early as its rank's
+    test allows, so the remainder is the unit's *first* piece. A cut at chunk p of a causal unit costs the
+    later piece's rank p chunks of received keys; starting every piece as early as it can makes every cut
+    as early as it can (the same piece count, the fewest received keys). None where some piece ending at
+    a cut fits nowhere (the forward pass handles those runs)."""
+    c = costs.c
+    out = []
+    e = b
+    while e > a:
+        s0 = max(a, e - room)
+        xs = np.arange(s0, e, dtype=np.int64)  # candidate starts of the piece [x, e)
+        hi = np.maximum.accumulate(costs.khi[s0:e][::-1])[::-1]
+        lo = np.minimum.accumulate(costs.klo[s0:e][::-1])[::-1]
+        keys = np.maximum(e * c, hi) - np.minimum(xs * c, lo)
+        k = e - xs
+        pc = (costs.cum[e] - costs.cum[xs]) * costs.per_tile + keys * costs.per_col + k * c * costs.per_row
+        fits = pc + (room - k) * filler <= tau
+        if not fits.any():
+            return None
+        x = int(xs[int(np.argmax(fits))])
+        out.append((x, e))
+        e = x
+    return out[::-1]
+
+
 def _piece_costs(costs: _Costs, pieces: list[tuple[int, int]]) -> list[float]:
     """`_Costs.range_cost` of each of the contiguous `pieces` (consecutive chunk ranges), in one pass."""
     bounds = np.asarray([x for x, _ in pieces] + [pieces[-1][1]], dtype=np.int64)
@@ -120,10 +160,21 @@ def _heavy_units(
     return dens, filler, heavy
 
 
-def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, tau: float) -> list[tuple]:
+def _laid_out(
+    costs: _Costs,
+    units: np.ndarray,
+    whole: np.ndarray,
+    room: int,
+    tau: float,
+    back: bool = False,
+    thin: float = 1.0,
+) -> list[tuple]:
     """Segments `(density, start, end, cost, unit)` of the two-ended layout: a unit that cannot sit on one
     rank (more chunks than a rank holds, or costlier than a rank's target once the rank's other chunks are
-    filled at the fillers' density) as its time-sized pieces (`_time_pieces`), any other whole."""
+    filled at the fillers' density) as its time-sized pieces (`_time_pieces`; with `back`, sized from the
+    unit's end, `_pieces`), any other whole. `thin`: the pieces are sized as if the fillers cost this share
+    of their density (below 1: longer pieces, fewer cuts, the two-ended fill pairing them with the cheapest
+    units)."""
     dens, filler, heavy = _heavy_units(units, whole, room, tau)
     segs = []
     for u in range(units.size - 1):
@@ -131,7 +182,7 @@ def _laid_out(costs: _Costs, units: np.ndarray, whole: np.ndarray, room: int, ta
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        pieces = _time_pieces(costs, a, b, room, tau, filler)
+        pieces = _pieces(costs, a, b, room, tau, filler * thin, back)
         for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             segs.append((cst / (y - x), x, y, cst, u))
     return segs
@@ -377,7 +428,7 @@ def _two_ended(
 
 
 def _anchored(
-    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray, tau: float
+    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray, tau: float, back: bool = False
 ) -> tuple[np.ndarray, float, float] | None:
     """int64 `[n]`: the rank of each chunk when every costly piece sits alone on a rank of its own, or None
     when they need more ranks than there are. A unit that cannot sit on one rank is cut into time-sized
@@ -396,7 +447,7 @@ def _anchored(
         if not heavy[u]:
             segs.append((dens[u], a, b, whole[u], u))
             continue
-        pieces = _time_pieces(costs, a, b, m, tau, filler)
+        pieces = _pieces(costs, a, b, m, tau, filler, back)
         for (x, y), cst in zip(pieces, _piece_costs(costs, pieces)):
             alone = cst + (m - (y - x)) * filler >= _ANCHOR * tau  # its rank has little time left
             (anchors if alone else segs).append((cst / (y - x), x, y, cst, u))
@@ -448,7 +499,7 @@ def _anchored(
 
 
 def _balanced_anchored(
-    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray
+    costs: _Costs, units: np.ndarray, whole: np.ndarray, room: np.ndarray, back: bool = False
 ) -> list[np.ndarray]:
     """`_anchored` at targets from the mean whole-unit cost upwards, bisected towards the one where the last
     rank's rest costs what the others take: the assignments found, best predicted first."""
@@ -457,7 +508,7 @@ def _balanced_anchored(
     tried = []
     for i in range(_BISECT + 1):
         mid = lo if i == 0 else 0.5 * (lo + hi)
-        got = _anchored(costs, units, whole, room, mid)
+        got = _anchored(costs, units, whole, room, mid, back)
         if got is None:  # more anchors than ranks, or the fill ran out: a higher target
             if i == 0:
                 continue

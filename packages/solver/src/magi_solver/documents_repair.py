@@ -308,12 +308,13 @@ def _rotations(st: _State, s: int, nb: list[int]):
                             yield [(np.asarray([x]), b), (np.asarray([y]), s), (np.asarray([z]), a)]
 
 
-def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
+def repair(owner: np.ndarray, chunks: ChunkTables, evals: int = _EVALS) -> np.ndarray:
     """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the local repair (module docstring).
 
     Args:
         owner: the fill's assignment (every rank's chunk count is kept).
         chunks: the chunks' tables, the rank count, the law and the node size (`ChunkTables`).
+        evals: ranks priced at most (`_EVALS` by default).
 
     Returns:
         int64 `[n]`: the repaired owners; the metric `max fwd + max bwd` never rises and the predicted
@@ -328,7 +329,7 @@ def repair(owner: np.ndarray, chunks: ChunkTables) -> np.ndarray:
     if metric <= float(st.fwd.mean() + st.bwd.mean()) * (1.0 + _BALANCED):  # nothing worth the search
         return st.owner
     n = st.owner.size
-    budget = st.evals + _EVALS
+    budget = st.evals + evals
     for _ in range(min(_STEPS_PER_RANK * cp, _MAX_STEPS)):
         crit = sorted({int(np.argmax(st.fwd)), int(np.argmax(st.bwd))})
         best = None
