@@ -101,9 +101,11 @@ of the fillers' density (`documents_fills._laid_out`): longer pieces, fewer rece
 _FEWER_EVALS = 1500
 """The repair budget (ranks priced) of each fewer-keys layout: half the pick's (`documents_repair._EVALS`),
 which keeps nearly all of their gains on the packed-document families at a fraction of the time."""
-_FEWER_MAX_CHUNKS = 2048
-"""Past this many chunks the fewer-keys layouts are not tried: their fills and repairs would double the
-placement's time there (1M tokens at cp 64), and on the packed-document families they never won there."""
+_FEWER_MAX_CHUNKS = 1024
+"""Past this many chunks the fewer-keys layouts are not tried: their fills and repairs nearly double the
+placement's time (262k tokens at cp 32: 0.37-0.48 s -> 0.68-0.69 s of plan time per new mask on one core),
+and on the packed-document families they won nothing there (their gains, up to 5.6 % of the predicted step,
+were all at 128-1,024 chunks)."""
 _FEWER_IMBALANCE = 0.01
 """How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
