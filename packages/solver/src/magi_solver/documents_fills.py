@@ -367,6 +367,19 @@ def _split_prices(costs: _Costs) -> tuple:
     return f, b, total / whole_f, total / whole_b
 
 
+def _nearest(f, m: int, target: float) -> int:
+    """The `d` in [0, m] whose `f(d)` is nearest `target`, for `f` non-decreasing in `d`: the smallest `d` with
+    `f(d) >= target` (bisection), or the one before it when that is nearer."""
+    lo, hi = 0, m
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if f(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if lo == 0 or abs(f(lo) - target) <= abs(f(lo - 1) - target) else lo - 1
+
+
 def _snapped(v: _Virtual, front: int, back: int, m: int, d: int, score: Any) -> int:
     """Among `d` and the splits whose runs end on segment boundaries, the one of least `score(x, cuts
     inside segments)`."""
@@ -410,14 +423,7 @@ def _two_ended(
         def f(d: int, front: int = front, back: int = back, m: int = m) -> float:
             return v.pair_cost(front, front + m - d, back - d, back)
 
-        lo, hi = 0, m  # smallest d with f(d) >= target (f grows with d: the back is costlier per chunk)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if f(mid) >= target:
-                hi = mid
-            else:
-                lo = mid + 1
-        d = lo if lo == 0 or abs(f(lo) - target) <= abs(f(lo - 1) - target) else lo - 1
+        d = _nearest(f, m, target)  # f grows with d: the back is costlier per chunk
         if snap > 0:  # a cut inside a unit is worth `snap` of the target
             d = _snapped(v, front, back, m, d, lambda x, cuts: abs(f(x) - target) + snap * target * cuts)
         worst = max(worst, f(d))
@@ -482,14 +488,7 @@ def _anchored(
         ) -> float:
             return v.pair_cost(front, front + m_r - d, back - d, back, anchor)
 
-        lo_d, hi_d = 0, m_r  # the smallest costly run that reaches the target
-        while lo_d < hi_d:
-            mid = (lo_d + hi_d) // 2
-            if f(mid) >= tau:
-                hi_d = mid
-            else:
-                lo_d = mid + 1
-        d = lo_d if lo_d == 0 or abs(f(lo_d) - tau) <= abs(f(lo_d - 1) - tau) else lo_d - 1
+        d = _nearest(f, m_r, tau)  # the costly run whose rank cost is nearest the target
         d = _snapped(v, front, back, m_r, d, lambda x, cuts, f=f: abs(f(x) - tau) + _SNAP * tau * cuts)
         worst = max(worst, f(d))
         owner[v.chunks(front, front + m_r - d)] = r

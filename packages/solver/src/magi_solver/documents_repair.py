@@ -308,6 +308,18 @@ def _rotations(st: _State, s: int, nb: list[int]):
                             yield [(np.asarray([x]), b), (np.asarray([y]), s), (np.asarray([z]), a)]
 
 
+def _best_trial(st: _State, s: int, trials, best: tuple | None, metric: float, step: float, budget: int):
+    """The best of `best` and the `trials` (parts moved off rank `s`) that lower `metric` by `_GAIN` with a
+    step within `_STEP_SLACK` of `step`: `(metric, step, parts, times)`, or None; stops at the budget."""
+    for parts in trials:
+        if st.evals >= budget:
+            break
+        m, p, times = st.trial(s, parts)
+        if m < metric * (1.0 - _GAIN) and p <= step * (1.0 + _STEP_SLACK) and (best is None or m < best[0]):
+            best = (m, p, parts, times)
+    return best
+
+
 def repair(owner: np.ndarray, chunks: ChunkTables, evals: int = _EVALS) -> np.ndarray:
     """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the local repair (module docstring).
 
@@ -342,27 +354,9 @@ def repair(owner: np.ndarray, chunks: ChunkTables, evals: int = _EVALS) -> np.nd
             nb = [int(t) for t in np.unique(near) if t != s and same[t]]
             nb = sorted(nb, key=lambda t: (load[t], t))[:_NEIGHBOURS]
             light = [int(t) for t in np.argsort(load, kind="stable") if same[t] and int(t) not in nb]
-            for parts in _moves(st, s, nb + light[:_PARTNERS]):
-                if st.evals >= budget:
-                    break
-                m, p, times = st.trial(s, parts)
-                if (
-                    m < metric * (1.0 - _GAIN)
-                    and p <= step * (1.0 + _STEP_SLACK)
-                    and (best is None or m < best[0])
-                ):
-                    best = (m, p, parts, times)
+            best = _best_trial(st, s, _moves(st, s, nb + light[:_PARTNERS]), best, metric, step, budget)
             if best is None:  # no swap with one rank: a cut shifted on each side, the two others trading
-                for parts in _rotations(st, s, nb):
-                    if st.evals >= budget:
-                        break
-                    m, p, times = st.trial(s, parts)
-                    if (
-                        m < metric * (1.0 - _GAIN)
-                        and p <= step * (1.0 + _STEP_SLACK)
-                        and (best is None or m < best[0])
-                    ):
-                        best = (m, p, parts, times)
+                best = _best_trial(st, s, _rotations(st, s, nb), best, metric, step, budget)
         if best is None:
             break
         _, step, parts, times = best
