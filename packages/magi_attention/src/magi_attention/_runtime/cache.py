@@ -330,7 +330,18 @@ def _py_nbytes(obj: object, depth: int = 0) -> int:
     if isinstance(obj, tuple | list):
         if obj and all(type(x) is int for x in obj[:4]) and type(obj[-1]) is int:
             return _SEQ_BYTES + len(obj) * _INT_BYTES  # flat int tuple: skip the walk
-        return _SEQ_BYTES + sum(8 + _py_nbytes(x, depth + 1) for x in obj)
+        total = _SEQ_BYTES
+        for x in obj:  # the common items (ints, flat int pairs) counted here, as the walk would count them
+            t = type(x)
+            if t is int:
+                total += 8 + _INT_BYTES
+            elif (t is tuple or t is list) and depth < 12 and x and all(type(e) is int for e in x[:4]):
+                total += 8 + (
+                    _SEQ_BYTES + len(x) * _INT_BYTES if type(x[-1]) is int else _py_nbytes(x, depth + 1)
+                )
+            else:
+                total += 8 + _py_nbytes(x, depth + 1)
+        return total
     if isinstance(obj, dict):
         return 232 + sum(_py_nbytes(k, depth + 1) + _py_nbytes(v, depth + 1) for k, v in obj.items())
     names = _field_names(type(obj))
