@@ -12,6 +12,8 @@ all-gathers pad each rank's rows to the largest shard on the wire only, and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._runtime.cache import RUNTIME_CACHE, DistAttnRuntime
@@ -37,15 +39,15 @@ def _pad_tokens(x: torch.Tensor, padded: int, pad_value: float = 0.0) -> torch.T
 def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
     """Local shards of every rank -> the global tensor in original token order (padding removed)."""
     layout = runtime.layout
-    meta = runtime.token_meta(local.device)
+    unpermutation = runtime.unpermutation(local.device)
     group = runtime.key.cp_group.group
     gathered = all_gather_tokens(local, group, layout.cp_size, layout.shard_seqlen)
-    return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
+    return gathered.index_select(0, unpermutation[: layout.total_seqlen])
 
 
 def _select_local(x: torch.Tensor, runtime: DistAttnRuntime, pad_value: float = 0.0) -> torch.Tensor:
-    meta = runtime.token_meta(x.device)
-    return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, meta.local_ids)
+    local_ids = runtime.local_ids(x.device)
+    return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, local_ids)
 
 
 class DispatchFunction(torch.autograd.Function):
@@ -56,13 +58,20 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_local: torch.Tensor):
-        _agree_on_backward(ctx.runtime, "dispatch (backward)", grad_local)
+        _agree_on_backward(ctx.runtime, "dispatch (backward)", grad_local, DistAttnRuntime.unpermutation)
         return _gather_global(grad_local, ctx.runtime), None, None
 
 
-def _agree_on_backward(runtime: DistAttnRuntime, call: str, grad: torch.Tensor) -> None:
-    """Every rank runs this backward (a rank that skipped it, or is elsewhere, is named, not awaited)."""
-    agree_on_call(runtime.key.cp_group, call, lambda: None, same=lambda: tensor_values(grad, "grad"))
+def _agree_on_backward(runtime: DistAttnRuntime, call: str, grad: torch.Tensor, tokens=None) -> None:
+    """Every rank runs this backward (a rank that skipped it, or is elsewhere, is named, not awaited);
+    `tokens`: the token indices it reads (`DistAttnRuntime.unpermutation`), built inside the check (local: a
+    failure there raises on every rank)."""
+    agree_on_call(
+        runtime.key.cp_group,
+        call,
+        (lambda: None) if tokens is None else (lambda: tokens(runtime, grad.device)),
+        same=lambda: tensor_values(grad, "grad"),
+    )
 
 
 class UndispatchFunction(torch.autograd.Function):
@@ -82,29 +91,36 @@ def _check_pad_value(pad_value: object) -> None:
 
 
 def _agree_on_tokens(
-    key: DistAttnRuntimeKey, call: str, x: object, check, same: dict | None = None, *, tokens=True
+    key: DistAttnRuntimeKey,
+    call: str,
+    x: object,
+    check,
+    same: dict | None = None,
+    *,
+    tokens: Callable[[DistAttnRuntime, torch.device], torch.Tensor] | None = None,
 ) -> DistAttnRuntime:
     """The runtime of `key` after the status agreement of `call` on a token tensor `x`: `check` runs
     locally, then every rank agrees (dtype and trailing shape of `x`, the values of `same`); raises on every
-    rank if any failed. With `tokens`, the plan's token indices on x's device are built inside the check (a
-    local build: a failure there is agreed like a bad argument) and every rank's `plan_digest` is compared
-    (ranks that planned the key differently raise before any token moves)."""
+    rank if any failed. With `tokens` (`DistAttnRuntime.local_ids` or `.unpermutation`), the token indices
+    the call reads are built on x's device inside the check (a local build: a failure there is agreed like
+    a bad argument) and every rank's `plan_digest` is compared (ranks that planned the key differently
+    raise before any token moves)."""
     got: list[DistAttnRuntime] = []
 
     def local() -> None:
         got.append(RUNTIME_CACHE.get(key))
         check()
-        if tokens and key.cp_size > 1:
-            got[0].token_meta(x.device)
+        if tokens is not None and key.cp_size > 1:
+            tokens(got[0], x.device)
 
     flags = agree_on_call(
         key.cp_group,
         call,
         local,
         same=lambda: {**tensor_values(x, "x" if call.startswith("dispatch") else "local_x"), **(same or {})},
-        extra=lambda: [got[0].plan_digest] if tokens else [],
+        extra=lambda: [got[0].plan_digest] if tokens is not None else [],
     )
-    if tokens:
+    if tokens is not None:
         check_plan_digests([f[0] for f in flags if f])
     return got[0]
 
@@ -141,6 +157,7 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
             _check_pad_value(pad_value),
         ),
         {"pad_value": float(pad_value) if isinstance(pad_value, int | float) else 0.0},
+        tokens=DistAttnRuntime.local_ids,
     )
     if key.cp_size == 1:
         return x
@@ -169,6 +186,7 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
             _check_tokens(local_x, runtime.local_seqlen, "local_x", "this rank's shard of the key"),
             check_dispatch_tags(runtime, local_x=local_x),
         ),
+        tokens=DistAttnRuntime.unpermutation,
     )
     if key.cp_size == 1:
         return local_x
@@ -239,7 +257,6 @@ def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
         "dispatch_kv",
         x,
         lambda: _check_tokens(x, key.total_seqlen_k, "x", "the key's total_seqlen_k"),
-        tokens=False,
     )
     if key.cp_size == 1:
         return x
@@ -265,7 +282,6 @@ def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tenso
         lambda: _check_tokens(
             local_x, runtime.kv_local_seqlen, "local_x", "this rank's key/value shard of the key"
         ),
-        tokens=False,
     )
     if key.cp_size == 1:
         return local_x
