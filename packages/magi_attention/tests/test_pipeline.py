@@ -210,9 +210,15 @@ def _noncontiguous_worker(rank: int, world_size: int, total: int) -> None:
     """q, k, v as a framework hands them over: views into one fused QKV projection (strided heads) and a
     head-major buffer seen token-major (transposed strides). The result and the gradients equal those of
     contiguous copies of the same values."""
+    from magi_attention._runtime import cache
+
+    checks = []  # the runtime's slice checks: each kernel call's slices checked once, on first use
+    check_slices = cache.check_slices
+    cache.check_slices = lambda *a: checks.append(1) or check_slices(*a)
     group = dist.group.WORLD
     q_ranges, k_ranges, types = mask_cases(total)["random"]
     for overlap_name in ("od0", "od1"):
+        checks.clear()
         config = DistAttnConfig(
             dispatch_config=DispatchConfig(chunk_size=8), overlap_config=OVERLAPS[overlap_name]
         )
@@ -226,6 +232,9 @@ def _noncontiguous_worker(rank: int, world_size: int, total: int) -> None:
         q, k = fused[:, :HQ], fused[:, HQ : HQ + HKV]
         v = head_major.transpose(0, 1)  # [shard, HKV, D] with token stride D, head stride shard * D
         assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+        runtime = RUNTIME_CACHE.get(key)
+        # dispatch reads only token indices: no GroupCast plan, no kernel slices built (nor checked) yet
+        assert world_size == 1 or (not runtime._device_meta and not checks), (overlap_name, len(checks))
         out, meta = calc_attn(q, k, v, key)
         dlocal = dispatch(do, key)
         (out * dlocal).sum().backward()
@@ -247,6 +256,11 @@ def _noncontiguous_worker(rank: int, world_size: int, total: int) -> None:
         assert not fused.grad[:, HQ + HKV :].any(), (
             f"{what}: the unused part of the fused buffer got a gradient"
         )
+        # two forwards and backwards: degree 0 checks its merged call alone, else the host call and a call
+        # per stage (cp 1: the whole mask), each once
+        calls = 1 if world_size == 1 or runtime.merged_stage else 1 + runtime.num_stages
+        assert len(checks) == calls, f"{what}: {len(checks)} slice checks, expected {calls}"
+    cache.check_slices = check_slices
 
 
 @pytest.mark.parametrize("world_size", [1, 3], ids=["cp1", "cp3"])

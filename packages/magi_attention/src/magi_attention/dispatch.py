@@ -12,16 +12,16 @@ all-gathers pad each rank's rows to the largest shard on the wire only, and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ._runtime.cache import RUNTIME_CACHE, DeviceMeta, DistAttnRuntime
+from ._runtime.cache import RUNTIME_CACHE, DistAttnRuntime
 from ._runtime.checks import (
     agree_on_call,
-    build_device_meta_together,
     check_dispatch_tags,
     check_key,
-    comm_step,
-    needs_device_meta,
+    check_plan_digests,
     tag_output,
     tensor_values,
 )
@@ -39,22 +39,15 @@ def _pad_tokens(x: torch.Tensor, padded: int, pad_value: float = 0.0) -> torch.T
 def _gather_global(local: torch.Tensor, runtime: DistAttnRuntime) -> torch.Tensor:
     """Local shards of every rank -> the global tensor in original token order (padding removed)."""
     layout = runtime.layout
-    meta = _device_meta(runtime, local.device)
+    unpermutation = runtime.unpermutation(local.device)
     group = runtime.key.cp_group.group
     gathered = all_gather_tokens(local, group, layout.cp_size, layout.shard_seqlen)
-    return gathered.index_select(0, meta.unpermutation[: layout.total_seqlen])
-
-
-def _device_meta(runtime: DistAttnRuntime, device: torch.device) -> DeviceMeta:
-    """The plan's device tensors; their first build checks the GroupCast tables of every rank (a collective,
-    run by every rank together after the status agreement), so a failure there names the call and peers."""
-    with comm_step(runtime.key.cp_group, "building the plan's device tensors (tables checked across ranks)"):
-        return runtime.device_meta(device)
+    return gathered.index_select(0, unpermutation[: layout.total_seqlen])
 
 
 def _select_local(x: torch.Tensor, runtime: DistAttnRuntime, pad_value: float = 0.0) -> torch.Tensor:
-    meta = _device_meta(runtime, x.device)
-    return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, meta.local_ids)
+    local_ids = runtime.local_ids(x.device)
+    return _pad_tokens(x, runtime.layout.padded_seqlen, pad_value).index_select(0, local_ids)
 
 
 class DispatchFunction(torch.autograd.Function):
@@ -65,13 +58,20 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_local: torch.Tensor):
-        _agree_on_backward(ctx.runtime, "dispatch (backward)", grad_local)
+        _agree_on_backward(ctx.runtime, "dispatch (backward)", grad_local, DistAttnRuntime.unpermutation)
         return _gather_global(grad_local, ctx.runtime), None, None
 
 
-def _agree_on_backward(runtime: DistAttnRuntime, call: str, grad: torch.Tensor) -> None:
-    """Every rank runs this backward (a rank that skipped it, or is elsewhere, is named, not awaited)."""
-    agree_on_call(runtime.key.cp_group, call, lambda: None, same=lambda: tensor_values(grad, "grad"))
+def _agree_on_backward(runtime: DistAttnRuntime, call: str, grad: torch.Tensor, tokens=None) -> None:
+    """Every rank runs this backward (a rank that skipped it, or is elsewhere, is named, not awaited);
+    `tokens`: the token indices it reads (`DistAttnRuntime.unpermutation`), built inside the check (local: a
+    failure there raises on every rank)."""
+    agree_on_call(
+        runtime.key.cp_group,
+        call,
+        (lambda: None) if tokens is None else (lambda: tokens(runtime, grad.device)),
+        same=lambda: tensor_values(grad, "grad"),
+    )
 
 
 class UndispatchFunction(torch.autograd.Function):
@@ -91,28 +91,37 @@ def _check_pad_value(pad_value: object) -> None:
 
 
 def _agree_on_tokens(
-    key: DistAttnRuntimeKey, call: str, x: object, check, same: dict | None = None, *, device_meta=True
+    key: DistAttnRuntimeKey,
+    call: str,
+    x: object,
+    check,
+    same: dict | None = None,
+    *,
+    tokens: Callable[[DistAttnRuntime, torch.device], torch.Tensor] | None = None,
 ) -> DistAttnRuntime:
     """The runtime of `key` after the status agreement of `call` on a token tensor `x`: `check` runs
     locally, then every rank agrees (dtype and trailing shape of `x`, the values of `same`); raises on every
-    rank if any failed. With `device_meta`, a rank that must build the plan's device tensors for x's device
-    makes every rank build them (that build is collective)."""
+    rank if any failed. With `tokens` (`DistAttnRuntime.local_ids` or `.unpermutation`), the token indices
+    the call reads are built on x's device inside the check (a local build: a failure there is agreed like
+    a bad argument) and every rank's `plan_digest` is compared (ranks that planned the key differently
+    raise before any token moves)."""
     got: list[DistAttnRuntime] = []
 
     def local() -> None:
         got.append(RUNTIME_CACHE.get(key))
         check()
+        if tokens is not None and key.cp_size > 1:
+            tokens(got[0], x.device)
 
-    device = x.device if isinstance(x, torch.Tensor) else None
     flags = agree_on_call(
         key.cp_group,
         call,
         local,
         same=lambda: {**tensor_values(x, "x" if call.startswith("dispatch") else "local_x"), **(same or {})},
-        extra=lambda: needs_device_meta(got[0], device) if device_meta else [],
+        extra=lambda: [got[0].plan_digest] if tokens is not None else [],
     )
-    if device_meta:
-        build_device_meta_together(got[0], device, flags)
+    if tokens is not None:
+        check_plan_digests([f[0] for f in flags if f])
     return got[0]
 
 
@@ -148,6 +157,7 @@ def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -
             _check_pad_value(pad_value),
         ),
         {"pad_value": float(pad_value) if isinstance(pad_value, int | float) else 0.0},
+        tokens=DistAttnRuntime.local_ids,
     )
     if key.cp_size == 1:
         return x
@@ -176,6 +186,7 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
             _check_tokens(local_x, runtime.local_seqlen, "local_x", "this rank's shard of the key"),
             check_dispatch_tags(runtime, local_x=local_x),
         ),
+        tokens=DistAttnRuntime.unpermutation,
     )
     if key.cp_size == 1:
         return local_x
@@ -246,7 +257,6 @@ def dispatch_kv(x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
         "dispatch_kv",
         x,
         lambda: _check_tokens(x, key.total_seqlen_k, "x", "the key's total_seqlen_k"),
-        device_meta=False,
     )
     if key.cp_size == 1:
         return x
@@ -272,7 +282,6 @@ def undispatch_kv(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tenso
         lambda: _check_tokens(
             local_x, runtime.kv_local_seqlen, "local_x", "this rank's key/value shard of the key"
         ),
-        device_meta=False,
     )
     if key.cp_size == 1:
         return local_x

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,20 +62,69 @@ class KernelSlices:
         return cls(q, k, t, n, check_slices(q, k, t, total_q, total_k))
 
 
-@dataclass(slots=True)
-class DeviceMeta:
-    """Everything one rank needs on one device to run the plan without host work."""
+def _once(make: Callable[[], KernelSlices]) -> Callable[[], KernelSlices]:
+    """`make`, called on first use only (its result kept)."""
+    box: list[KernelSlices] = []
 
-    local_ids: torch.Tensor  # int64 [shard]: global (padded) ids of local tokens
-    # int64 [padded]: where each global token sits in an all-gather of every rank's local tokens, each rank's
-    # rows padded to the largest shard (the dispatched position, unless uneven shards)
-    unpermutation: torch.Tensor
-    host: KernelSlices
-    merged: KernelSlices
-    stages: list[KernelSlices]
-    remote_tokens: list[int]
-    cast_plans: list[GroupCastPlan]
-    reduce_plans: list[GroupReducePlan]
+    def get() -> KernelSlices:
+        if not box:
+            box.append(make())
+        return box[0]
+
+    return get
+
+
+class _LazyCalls(Sequence):
+    """Kernel calls' slices, each built (and checked) on first use."""
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, calls: list[Callable[[], KernelSlices]]) -> None:
+        self._calls = [_once(c) for c in calls]
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __getitem__(self, i):  # int or slice, as a list's
+        if isinstance(i, slice):
+            return [c() for c in self._calls[i]]
+        return self._calls[i]()
+
+
+class DeviceMeta:
+    """Everything one rank needs on one device to run the plan's attention without host work: the
+    group-collective plans of its stages and its kernel calls' slices (`host`, `merged`, `stages`). The slices
+    are built and checked on first use: a plan at overlap degree 0 runs its merged call only, so its host and
+    stage calls are never checked. (The token indices of dispatch / undispatch are the runtime's own,
+    `DistAttnRuntime.local_ids` / `unpermutation`: they need no tables.)"""
+
+    __slots__ = ("_host", "_merged", "cast_plans", "reduce_plans", "remote_tokens", "stages")
+
+    def __init__(
+        self,
+        host: Callable[[], KernelSlices],
+        merged: Callable[[], KernelSlices],
+        stages: list[Callable[[], KernelSlices]],
+        remote_tokens: list[int],
+        cast_plans: list[GroupCastPlan],
+        reduce_plans: list[GroupReducePlan],
+    ) -> None:
+        self._host = _once(host)
+        self._merged = self._host if merged is host else _once(merged)
+        self.stages: Sequence[KernelSlices] = _LazyCalls(stages)
+        self.remote_tokens = remote_tokens
+        self.cast_plans = cast_plans
+        self.reduce_plans = reduce_plans
+
+    @property
+    def host(self) -> KernelSlices:
+        """This rank's queries against its own keys (the whole mask at cp 1)."""
+        return self._host()
+
+    @property
+    def merged(self) -> KernelSlices:
+        """This rank's queries against its own and every received key (overlap degree 0)."""
+        return self._merged()
 
 
 class DistAttnRuntime:
@@ -99,6 +148,7 @@ class DistAttnRuntime:
         # degree 0 (static or chosen by the cost model): all remote K/V at once, one kernel call
         self.merged_stage = plan is not None and plan.overlap_degree == 0
         self._device_meta: dict[torch.device, DeviceMeta] = {}
+        self._token_ids: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._kernels: dict[tuple[torch.dtype, float], AttnKernel] = {}
         self.nbytes = 0  # estimated cache cost, set by RuntimeCache
 
@@ -143,6 +193,25 @@ class DistAttnRuntime:
     def num_stages(self) -> int:
         return 0 if self.plan is None else self.plan.num_stages
 
+    def local_ids(self, device: torch.device) -> torch.Tensor:
+        """int64 `[shard]` on `device`: the global (padded) ids of this rank's tokens, what `dispatch` keeps
+        (built once per device, locally: no tables, no communication)."""
+        ids = self._token_ids.get(("local", device))
+        if ids is None:
+            ids = torch.from_numpy(self.layout.local_token_ids(self.rank).astype(np.int64)).to(device)
+            self._token_ids[("local", device)] = ids
+        return ids
+
+    def unpermutation(self, device: torch.device) -> torch.Tensor:
+        """int64 `[padded]` on `device`: where each global token sits in an all-gather of every rank's local
+        tokens, each rank's rows padded to the largest shard (`gather_positions`), what `undispatch` reads
+        (built once per device, on first use, locally)."""
+        ids = self._token_ids.get(("gather", device))
+        if ids is None:
+            ids = torch.from_numpy(gather_positions(self.layout)).to(device)
+            self._token_ids[("gather", device)] = ids
+        return ids
+
     def device_meta(self, device: torch.device) -> DeviceMeta:
         meta = self._device_meta.get(device)
         if meta is None:
@@ -151,15 +220,12 @@ class DistAttnRuntime:
         return meta
 
     def _build_device_meta(self, device: torch.device) -> DeviceMeta:
-        layout = self.layout
-        local_ids = torch.from_numpy(layout.local_token_ids(self.rank).astype(np.int64)).to(device)
-        unperm = torch.from_numpy(gather_positions(layout)).to(device)
         rank_plan = self.rank_plan
         if rank_plan is None:  # cp_size 1: the key's own slices, no stages
             key = self.key
-            host = self._slices(SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type),
-                                key.total_seqlen_q, key.total_seqlen_k)  # fmt: skip
-            return DeviceMeta(local_ids, unperm, host, host, [], [], [], [])
+            whole = SliceList(key.q_ranges, key.k_ranges, key.attn_mask_type)
+            host = functools.partial(self._slices, whole, key.total_seqlen_q, key.total_seqlen_k)
+            return DeviceMeta(host, host, [], [], [], [])
         group = self.key.cp_group.mesh if self.key.cp_group.mesh is not None else self.key.cp_group.group
         choice = self.key.collective
         cast_plans, reduce_plans = [], []
@@ -179,13 +245,13 @@ class DistAttnRuntime:
         # received keys, or both together (the merged call)
         rows, local_kv = self.local_seqlen, self.kv_local_seqlen
         remote = [s.num_remote_tokens for s in rank_plan.stages]
+        call = functools.partial
         return DeviceMeta(
-            local_ids=local_ids,
-            unpermutation=unperm,
-            host=self._slices(rank_plan.host_slices, rows, local_kv),
-            merged=self._slices(rank_plan.merged_slices, rows, local_kv + sum(remote)),
+            host=call(self._slices, rank_plan.host_slices, rows, local_kv),
+            merged=call(self._slices, rank_plan.merged_slices, rows, local_kv + sum(remote)),
             stages=[
-                self._slices(s.remote_slices, rows, n) for s, n in zip(rank_plan.stages, remote, strict=True)
+                call(self._slices, s.remote_slices, rows, n)
+                for s, n in zip(rank_plan.stages, remote, strict=True)
             ],
             remote_tokens=remote,
             cast_plans=cast_plans,
@@ -217,7 +283,11 @@ def gather_positions(layout: DispatchLayout) -> np.ndarray:
     """int64 `[padded_seqlen]`: for each global token, its row in the all-gather of every rank's local
     tokens when each rank's rows are padded to `layout.shard_seqlen` (rank r's rows start at
     r * shard_seqlen). With equal shards this is the dispatched position of each token."""
-    order = np.argsort(layout.permutation, kind="stable").astype(np.int64)  # global id -> dispatched position
+    # global id -> dispatched position: the inverse of the permutation, by one scatter (an argsort is
+    # O(n log n): 4-5 ms at 64k tokens)
+    perm = layout.permutation
+    order = np.empty(len(perm), dtype=np.int64)
+    order[perm] = np.arange(len(perm), dtype=np.int64)
     shards = np.asarray(layout.shard_seqlens, dtype=np.int64)
     if (shards == shards[0]).all():
         return order
@@ -232,6 +302,15 @@ _INT_BYTES = 32  # a Python int object plus the pointer that holds it
 _SEQ_BYTES = 56  # tuple / list header
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """The field names of a dataclass type (None: not one), looked up once per type: a plan holds thousands
+    of dataclass instances of a few types."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _py_nbytes(obj: object, depth: int = 0) -> int:
     """Approximate, deterministic size of a plan's Python objects (no sys.getsizeof: same on every rank)."""
     if obj is None or isinstance(obj, bool | int | float | str):
@@ -243,13 +322,23 @@ def _py_nbytes(obj: object, depth: int = 0) -> int:
     if isinstance(obj, tuple | list):
         if obj and all(type(x) is int for x in obj[:4]) and type(obj[-1]) is int:
             return _SEQ_BYTES + len(obj) * _INT_BYTES  # flat int tuple: skip the walk
-        return _SEQ_BYTES + sum(8 + _py_nbytes(x, depth + 1) for x in obj)
+        total = _SEQ_BYTES
+        for x in obj:  # the common items (ints, flat int pairs) counted here, as the walk would count them
+            t = type(x)
+            if t is int:
+                total += 8 + _INT_BYTES
+            elif (t is tuple or t is list) and depth < 12 and x and all(type(e) is int for e in x[:4]):
+                total += 8 + (
+                    _SEQ_BYTES + len(x) * _INT_BYTES if type(x[-1]) is int else _py_nbytes(x, depth + 1)
+                )
+            else:
+                total += 8 + _py_nbytes(x, depth + 1)
+        return total
     if isinstance(obj, dict):
         return 232 + sum(_py_nbytes(k, depth + 1) + _py_nbytes(v, depth + 1) for k, v in obj.items())
-    if dataclasses.is_dataclass(obj):
-        return _SEQ_BYTES + sum(
-            8 + _py_nbytes(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)
-        )
+    names = _field_names(type(obj))
+    if names is not None:
+        return _SEQ_BYTES + sum(8 + _py_nbytes(getattr(obj, n), depth + 1) for n in names)
     slots = getattr(type(obj), "__slots__", None)
     if slots:
         return _SEQ_BYTES + sum(8 + _py_nbytes(getattr(obj, s, None), depth + 1) for s in slots)

@@ -17,6 +17,7 @@ from ._call_agreement import (
     agree_on_call,
     agree_on_checked,
     build_device_meta_together,
+    check_plan_digests,
     needs_device_meta,
     tensor_values,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "check_dispatch_tags",
     "check_dtype",
     "check_key",
+    "check_plan_digests",
     "check_scalars",
     "collective_key_build",
     "comm_step",

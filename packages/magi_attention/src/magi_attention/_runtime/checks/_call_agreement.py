@@ -104,7 +104,14 @@ def build_device_meta_together(runtime: object, device: torch.device, flags: lis
     the ranks planned different GroupCast tables for the key (checked before any table is used); if any rank
     must build the device tensors, every rank rebuilds them, so a build that communicates runs on every
     rank together (never on one rank alone, which would hang)."""
-    digests = [f[1] for f in flags if len(f) > 1]
+    check_plan_digests([f[1] for f in flags if len(f) > 1])
+    if any(f and f[0] for f in flags):
+        runtime._device_meta.pop(device, None)
+
+
+def check_plan_digests(digests: list[int]) -> None:
+    """Raise ValueError (on every rank: every rank compares the same list) when the ranks' `plan_digest`s
+    differ: the ranks planned different GroupCast tables for the same key."""
     if len(set(digests)) > 1:
         sides: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
@@ -114,5 +121,3 @@ def build_device_meta_together(runtime: object, device: torch.device, flags: lis
             + " vs ".join(str(rs) for rs in sides.values())
             + "): every rank must run the same versions of magi_attention and magi_solver"
         )
-    if any(f and f[0] for f in flags):
-        runtime._device_meta.pop(device, None)
