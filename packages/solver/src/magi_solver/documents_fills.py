@@ -240,6 +240,9 @@ class _Virtual:
             self.seg_lo[by_start] = np.minimum.reduceat(np.append(lo_tab, 0), idx)[::2]
             self.seg_hi[by_start] = np.maximum.reduceat(np.append(hi_tab, 0), idx)[::2]
         self.area_cum = np.concatenate([[0.0], np.cumsum(costs.cum[self.b] - costs.cum[self.a])])
+        # scalar copies for `pair_cost`: the segments' intervals and the running sum of their widths
+        self.seg_lo_list, self.seg_hi_list = self.seg_lo.tolist(), self.seg_hi.tolist()
+        self.width_cum = [0, *np.cumsum(self.seg_hi - self.seg_lo).tolist()]
         # per V position: its segment, its chunk's key interval, the area before it, and each segment's
         # running min / max of the intervals from its start (prefix) and to its end (suffix); the runs are
         # priced from these by scalar look-ups
@@ -254,7 +257,7 @@ class _Virtual:
         pre_hi = np.maximum.accumulate(self.hi_v + off) - off
         suf_lo = (np.minimum.accumulate((self.lo_v + off)[::-1]) - off[::-1])[::-1]
         suf_hi = (np.maximum.accumulate((self.hi_v - off)[::-1]) + off[::-1])[::-1]
-        self.seg_of = seg_of.tolist()
+        self.seg_of, self.seg_of_v = seg_of.tolist(), seg_of
         self.cum_list = self.cum.tolist()
         self.pre_lo, self.pre_hi = pre_lo.tolist(), pre_hi.tolist()
         self.suf_lo, self.suf_hi = suf_lo.tolist(), suf_hi.tolist()
@@ -266,8 +269,8 @@ class _Virtual:
 
     def _runs(self, x: int, y: int, spans: list, arrays: list) -> float:
         """Area of V positions [x, y); appends the key intervals its segment parts need (own tokens
-        included): `(lo, hi)` pairs of the partial segments to `spans`, arrays of whole segments' to
-        `arrays`. Scalar look-ups in the per-position tables (a segment's prefix and suffix reach)."""
+        included): `(lo, hi)` pairs of the partial segments to `spans`, the range `(first, end)` of the
+        whole segments between to `arrays`. Scalar look-ups in the per-position tables (a segment's prefix and suffix reach)."""
         if y <= x:
             return 0.0
         seg, cum = self.seg_of, self.cum_list
@@ -282,8 +285,8 @@ class _Virtual:
         else:
             spans.append((self.suf_lo[x], self.suf_hi[x]))
             spans.append((self.pre_lo[y - 1], self.pre_hi[y - 1]))
-            if j > i + 1:  # whole segments between: their precomputed intervals
-                arrays.append((self.seg_lo[i + 1 : j], self.seg_hi[i + 1 : j]))
+            if j > i + 1:  # whole segments between: their precomputed intervals, as a segment range
+                arrays.append((i + 1, j))
         return self.area_v[y] - self.area_v[x]
 
     def _one_unit(self, x1: int, y1: int, x2: int, y2: int) -> bool:
@@ -308,17 +311,23 @@ class _Virtual:
         if not spans and not arrays:
             return 0.0
         if not self.union and not (len(spans) == 2 and not arrays and self._one_unit(x1, y1, x2, y2)):
-            keys = float(sum(h - l for l, h in spans) + sum(int((b - a).sum()) for a, b in arrays))
-        elif arrays and sum(a.size for a, _ in arrays) > _UNION_BY_HAND:
-            lo = np.concatenate([np.asarray([s[0] for s in spans], dtype=np.int64), *(a for a, _ in arrays)])
-            hi = np.concatenate([np.asarray([s[1] for s in spans], dtype=np.int64), *(b for _, b in arrays)])
+            wc = self.width_cum
+            keys = float(sum(h - l for l, h in spans) + sum(wc[e] - wc[s] for s, e in arrays))
+        elif arrays and sum(e - s for s, e in arrays) > _UNION_BY_HAND:
+            sl, sh = self.seg_lo, self.seg_hi
+            lo = np.concatenate(
+                [np.asarray([s[0] for s in spans], dtype=np.int64), *(sl[s:e] for s, e in arrays)]
+            )
+            hi = np.concatenate(
+                [np.asarray([s[1] for s in spans], dtype=np.int64), *(sh[s:e] for s, e in arrays)]
+            )
             order = np.argsort(lo, kind="stable")
             lo, hi = lo[order], hi[order]
             reach = np.maximum.accumulate(hi)
             keys = float(reach[-1] - lo[0] - np.maximum(lo[1:] - reach[:-1], 0).sum())
         else:  # a few intervals: their union by hand
-            for a_, b_ in arrays:
-                spans.extend(zip(a_.tolist(), b_.tolist()))
+            for s_, e_ in arrays:
+                spans.extend(zip(self.seg_lo_list[s_:e_], self.seg_hi_list[s_:e_]))
             spans.sort()
             keys, reach = 0.0, None
             for lo_, hi_ in spans:
@@ -341,9 +350,8 @@ class _Virtual:
 
     def chunks(self, x: int, y: int) -> np.ndarray:
         """Global chunk ids of V positions [x, y)."""
-        pos = np.arange(x, y, dtype=np.int64)
-        seg = np.searchsorted(self.cum, pos, side="right") - 1
-        return self.a[seg] + pos - self.cum[seg]
+        seg = self.seg_of_v[x:y]
+        return self.a[seg] + np.arange(x, y, dtype=np.int64) - self.cum[seg]
 
 
 def _split_prices(costs: _Costs) -> tuple:
