@@ -125,7 +125,7 @@ class _State:
         inter = 0
         if self.cp > self.node:
             k = r // self.node
-            inside = sum(self._held(k, int(b)) - self._held(k, int(a)) for a, b in zip(starts, ends))
+            inside = sum(self._held(k, b) - self._held(k, a) for a, b in zip(starts.tolist(), ends.tolist()))
             inter = keys - inside
         a = float(self.area[idx].sum())
         nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
