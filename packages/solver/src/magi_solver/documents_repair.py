@@ -108,7 +108,8 @@ class _State:
     def rank(self, r: int) -> tuple[float, float, float]:
         """Rank r's forward and backward kernel ms and link ms on the current owners."""
         self.evals += 1
-        idx = np.flatnonzero(self.owner == r)
+        # `.nonzero()[0]` of 1-D masks here and below: `np.flatnonzero`'s ravel costs as much on these small arrays
+        idx = (self.owner == r).nonzero()[0]
         if idx.size == 0:
             return 0.0, 0.0, 0.0
         lo, hi = self.lo[idx], self.hi[idx]
@@ -118,7 +119,7 @@ class _State:
         new = np.ones(lo.size, dtype=bool)
         new[1:] = lo[1:] > reach[:-1]
         starts = lo[new]
-        ends = np.maximum.reduceat(hi, np.flatnonzero(new))
+        ends = np.maximum.reduceat(hi, new.nonzero()[0])
         keys = int((ends - starts).sum())
         own = idx.size * self.c
         remote = keys - own
@@ -211,7 +212,7 @@ class _State:
 def _edges(owner: np.ndarray, s: int, t: int) -> list[int]:
     """Chunks of s at the end of a run of s's, next in the sequence to a chunk of t (a cut point the two
     share): the chunk that moves when that cut shifts by one towards t."""
-    idx = np.flatnonzero(owner == s)
+    idx = (owner == s).nonzero()[0]
     n = owner.size
     left = idx[(idx > 0) & (owner[np.maximum(idx - 1, 0)] == t)]
     right = idx[(idx < n - 1) & (owner[np.minimum(idx + 1, n - 1)] == t)]
@@ -222,10 +223,10 @@ def _ends(owner: np.ndarray, t: int) -> list[int]:
     """The first and last chunk of each run of rank t's chunks (at most `_ENDS`, in sequence order): a
     chunk t can hand over while its other chunks stay in runs (a causal unit's first chunk needs no keys
     but its own)."""
-    idx = np.flatnonzero(owner == t)
+    idx = (owner == t).nonzero()[0]
     if idx.size == 0:
         return []
-    brk = np.flatnonzero(np.diff(idx) != 1)
+    brk = (np.diff(idx) != 1).nonzero()[0]
     firsts = idx[np.concatenate([[0], brk + 1])]
     lasts = idx[np.concatenate([brk, [idx.size - 1]])]
     return sorted(set(firsts.tolist()) | set(lasts.tolist()))[:_ENDS]
@@ -245,7 +246,7 @@ def _block(owner: np.ndarray, x: int, t: int, s: int, k: int) -> np.ndarray | No
 
 def _whole_units(st: _State, r: int) -> list[np.ndarray]:
     """The chunks of each unit held whole by rank r, the costliest per chunk first (at most `_UNITS`)."""
-    idx = np.flatnonzero(st.owner == r)
+    idx = (st.owner == r).nonzero()[0]
     if idx.size == 0:
         return []
     us = np.unique(st.unit_of[idx])
@@ -348,7 +349,7 @@ def repair(owner: np.ndarray, chunks: ChunkTables, evals: int = _EVALS) -> np.nd
         for s in crit:
             same = np.ones(cp, dtype=bool)
             same[s] = False
-            idx = np.flatnonzero(st.owner == s)
+            idx = (st.owner == s).nonzero()[0]
             near = np.concatenate([st.owner[idx[idx > 0] - 1], st.owner[idx[idx < n - 1] + 1]])
             load = st.fwd + st.bwd
             nb = [int(t) for t in np.unique(near) if t != s and same[t]]
