@@ -40,6 +40,9 @@ _SNAP_NEAR = 2
 _UNION_BY_HAND = 24
 """Up to this many whole segments in a rank's runs, their keys' union is taken in Python (numpy's calls
 cost more on so few)."""
+_SCAN_BY_HAND = 64
+"""Up to this many V positions, a run's key interval inside one segment is scanned in Python lists (numpy's
+per-call cost dominates below it)."""
 
 
 def _time_pieces(
@@ -258,6 +261,7 @@ class _Virtual:
         suf_lo = (np.minimum.accumulate((self.lo_v + off)[::-1]) - off[::-1])[::-1]
         suf_hi = (np.maximum.accumulate((self.hi_v - off)[::-1]) + off[::-1])[::-1]
         self.seg_of, self.seg_of_v = seg_of.tolist(), seg_of
+        self.lo_list, self.hi_list = self.lo_v.tolist(), self.hi_v.tolist()
         self.cum_list = self.cum.tolist()
         self.pre_lo, self.pre_hi = pre_lo.tolist(), pre_hi.tolist()
         self.suf_lo, self.suf_hi = suf_lo.tolist(), suf_hi.tolist()
@@ -280,6 +284,8 @@ class _Virtual:
                 spans.append((self.pre_lo[y - 1], self.pre_hi[y - 1]))
             elif y == cum[i + 1]:
                 spans.append((self.suf_lo[x], self.suf_hi[x]))
+            elif y - x <= _SCAN_BY_HAND:
+                spans.append((min(self.lo_list[x:y]), max(self.hi_list[x:y])))
             else:
                 spans.append((int(self.lo_v[x:y].min()), int(self.hi_v[x:y].max())))
         else:
