@@ -195,8 +195,11 @@ class _State:
         for ch, r in parts:
             if cross:
                 xs = np.atleast_1d(ch)
-                for x, to in zip(xs.tolist(), np.broadcast_to(r, xs.shape).tolist()):
-                    a, b = int(self.owner[x]) // self.node, to // self.node
+                # one rank for all (the common case) without numpy's broadcast; the old owners read at once
+                # (the owners change only after the loop)
+                tos = np.broadcast_to(r, xs.shape).tolist() if np.ndim(r) else [int(r)] * xs.size
+                for x, fr, to in zip(xs.tolist(), self.owner[xs].tolist(), tos):
+                    a, b = fr // self.node, to // self.node
                     if a != b:
                         self.npre[a, x + 1 :] -= 1
                         self.npre[b, x + 1 :] += 1
