@@ -434,8 +434,12 @@ def _two_ended(
             owner[v.chunks(front, back)] = r
             return owner, v.cost(front, back), worst
 
-        def f(d: int, front: int = front, back: int = back, m: int = m) -> float:
-            return v.pair_cost(front, front + m - d, back - d, back)
+        seen: dict[int, float] = {}  # this rank's prices: the bisection, snapping and worst ask again
+
+        def f(d: int, front: int = front, back: int = back, m: int = m, seen: dict = seen) -> float:
+            if d not in seen:
+                seen[d] = v.pair_cost(front, front + m - d, back - d, back)
+            return seen[d]
 
         d = _nearest(f, m, target)  # f grows with d: the back is costlier per chunk
         if snap > 0:  # a cut inside a unit is worth `snap` of the target
