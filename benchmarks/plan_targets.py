@@ -17,7 +17,7 @@ import time
 from benchmarks.cli import write_json
 from benchmarks.common import make_mask
 from magi_solver import OverlapCostModel, PlanOptions, default_chunk_size, get_profile, plan_attention
-from magi_solver.bounds import efficiency_bound
+from magi_solver.bounds import balance_bound, efficiency_bound
 from magi_solver.choice import clear_dispatch_cache
 from magi_solver.cli import main as plan_cli
 from magi_solver.kernel_law import get_kernel_law, law_for_mask
@@ -146,7 +146,9 @@ def bounds_rows(names: list[str], rows: list[tuple[int, int]]) -> list[dict]:
                         "plan_balanced_E_fwd": b.whole_fwd_ms / (cp * float(price.fwd_ms.mean())),
                         "plan_balanced_E_bwd": b.whole_bwd_ms / (cp * float(price.bwd_ms.mean())),
                         "plan_received_keys": int(price.remote.sum()),
-                        "plan_time_imbalance": price.time_imbalance})  # fmt: skip
+                        "plan_time_imbalance": price.time_imbalance,
+                        "plan_keys_imbalance_bound": balance_bound(plan.dispatch, price, law)
+                        / float(price.fwd_ms.mean() + price.bwd_ms.mean())})  # fmt: skip
     return out
 
 
@@ -166,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         grid = [(8192, c) for c in (8, 16, 32, 64)] + [(2048, c) for c in (8, 32)]
         rows = bounds_rows(names, grid)
         print("| mask | tok/GPU | cp | law | E bound fwd / bwd | received keys | cut units | plan | plan E fwd / bwd "
-              "| balanced plan E fwd / bwd | plan received keys | plan time imbal. |")  # fmt: skip
-        print("|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|")
+              "| balanced plan E fwd / bwd | plan received keys | plan time imbal. | its keys allow |")  # fmt: skip
+        print("|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} / "
                   f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} | {r['plan_alg']} | "
                   f"{r['plan_E_fwd']:.3f} / {r['plan_E_bwd']:.3f} | {r['plan_balanced_E_fwd']:.3f} / "
                   f"{r['plan_balanced_E_bwd']:.3f} | {r['plan_received_keys']:,} | "
-                  f"{r['plan_time_imbalance']:.3f} |", flush=True)  # fmt: skip
+                  f"{r['plan_time_imbalance']:.3f} | {r['plan_keys_imbalance_bound']:.3f} |", flush=True)  # fmt: skip
         if args.json:
             write_json(args.json, {"bounds": rows})
         return 0

@@ -132,3 +132,36 @@ def test_efficiency_bound_counts_the_keys_pieces_must_read() -> None:
     assert efficiency_bound(docs, 4096, 2, law).bwd == 1.0
     with pytest.raises(ValueError, match="cp"):
         efficiency_bound(docs, 4096, 0, law)
+
+
+def test_balance_bound_is_the_least_spread_of_the_tiles() -> None:
+    import dataclasses
+
+    from magi_solver.bounds import balance_bound
+
+    law = get_kernel_law("h200", "cudnn")
+    total, cp = 9216, 3
+    sl = normalize_mask([[0, 3072], [3072, total]], [[0, 3072], [3072, total]], "causal", total, total)
+    plan = dispatch_slices(sl, total, cp, 256, alg="min_heap")
+    price = price_plan(plan, sl, law)
+    bound = balance_bound(plan, price, law)
+    mean = float(price.fwd_ms.mean() + price.bwd_ms.mean())
+    assert mean * (1 - 1e-9) <= bound <= float(price.fwd_ms.max() + price.bwd_ms.max()) * (1 + 1e-9)
+    # brute force over the splits of the tiles (each rank's keys and rows as the plan has them)
+    tiles = sum(plan.rank_areas) / 128**2
+    cols = np.asarray(price.key_columns, dtype=np.float64)
+    rows = np.asarray(plan.shard_seqlens, dtype=np.float64)
+    grid = np.linspace(0.0, tiles, 601)
+    t1, t2 = np.meshgrid(grid, grid)
+    t3 = tiles - t1 - t2
+    ok = t3 >= 0
+    ts = [t1[ok], t2[ok], t3[ok]]
+    f = np.max([law.fwd_ms(t * 128**2, cols[r] * 128, rows[r]) for r, t in enumerate(ts)], axis=0)
+    b = np.max([law.bwd_ms(t * 128**2, cols[r] * 128, rows[r]) for r, t in enumerate(ts)], axis=0)
+    assert bound <= float((f + b).min()) * (1 + 1e-9)
+    assert bound == pytest.approx(float((f + b).min()), rel=5e-3)
+    # equal key columns and rows: the tiles split evenly, every rank at the mean
+    even = dataclasses.replace(price, key_columns=np.full(cp, cols.mean()))
+    fwd = float(law.fwd_ms(tiles * 128**2 / cp, cols.mean() * 128, rows[0]))
+    bwd = float(law.bwd_ms(tiles * 128**2 / cp, cols.mean() * 128, rows[0]))
+    assert balance_bound(plan, even, law) == pytest.approx(fwd + bwd, rel=1e-6)

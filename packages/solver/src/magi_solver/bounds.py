@@ -16,6 +16,11 @@ placement could do:
 So `E_bound = W / (W + b * extra / 128)` per direction, with `W` the whole mask's law time and `extra` the
 received keys of those pieces; it is the same for every placement with these cuts, and no placement that
 keeps every rank's tokens equal can beat it by the law.
+
+`balance_bound` answers a narrower question about one plan: with each rank's key columns and rows as the
+plan has them, how low could `max fwd + max bwd` go were the mask's tiles spread over the ranks freely
+(any real number of tiles per rank)? Below the plan's metric it says how much the placement leaves in the
+spread of its tiles; near it, that the received keys themselves set the imbalance.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
+from .dispatch import DispatchPlan
 from .documents import token_units
 from .kernel_law import TILE, KernelLaw
 from .mask import clip_region, region_of, total_area
+from .pricing import PlanPrice
 
-__all__ = ["EfficiencyBound", "efficiency_bound"]
+__all__ = ["EfficiencyBound", "balance_bound", "efficiency_bound"]
+
+_SEARCH = 60
+"""Halvings of each search in `balance_bound` (far below a microsecond at any plan's scale)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +110,50 @@ def efficiency_bound(slices: list, total: int, cp: int, law: KernelLaw) -> Effic
         extra_keys=int(extra),
         cut_units=cut,
     )
+
+
+def balance_bound(plan: DispatchPlan, price: PlanPrice, law: KernelLaw) -> float:
+    """The least `max fwd + max bwd` (ms) of `plan`'s ranks by `law` when the mask's tiles may be spread
+    over the ranks freely while each rank keeps its key columns and rows (`price.key_columns`,
+    `plan.shard_seqlens`): a linear program, solved as a convex search over the forward's level with the
+    backward's least level found by bisection for each. Dividing by `mean fwd + mean bwd` of `price` (the
+    means do not depend on where the tiles go) gives the least `time_imbalance` those key columns allow."""
+    scale = law.scale * 1e-3
+    af, ab = law.fwd.tiles * scale, law.bwd.tiles * scale
+    cols = np.asarray(price.key_columns, dtype=np.float64)
+    rows = np.ceil(np.asarray(plan.shard_seqlens, dtype=np.float64) / TILE)
+    f0 = (law.fwd.key_columns * cols + law.fwd.rows * rows + law.fwd.call) * scale
+    b0 = (law.bwd.key_columns * cols + law.bwd.rows * rows + law.bwd.call) * scale
+    tiles = float(sum(plan.rank_areas)) / (TILE * TILE)
+    if af <= 0 or ab <= 0 or tiles <= 0:
+        return float(price.fwd_ms.max() + price.bwd_ms.max())
+
+    def least_bwd(fwd: float) -> float:
+        """The least backward level at which ranks capped at `fwd` forward hold every tile."""
+        room_f = (fwd - f0) / af
+        lo, hi = float(b0.max()), float(b0.max()) + ab * tiles
+        if np.minimum(room_f, (hi - b0) / ab).sum() < tiles:
+            return float("inf")
+        for _ in range(_SEARCH):
+            mid = 0.5 * (lo + hi)
+            if np.minimum(room_f, (mid - b0) / ab).sum() >= tiles:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    lo, hi = float(f0.max()), float(f0.max()) + af * tiles
+    for _ in range(_SEARCH):  # the least forward level at which the tiles fit at all
+        mid = 0.5 * (lo + hi)
+        if np.isinf(least_bwd(mid)):
+            lo = mid
+        else:
+            hi = mid
+    lo, hi = hi, float(f0.max()) + af * tiles
+    for _ in range(_SEARCH):  # fwd + least_bwd(fwd) is convex in fwd (an LP's value): ternary search
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if a + least_bwd(a) <= b + least_bwd(b):
+            hi = b
+        else:
+            lo = a
+    return lo + least_bwd(lo)
