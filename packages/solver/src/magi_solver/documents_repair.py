@@ -50,6 +50,8 @@ share: cut points move freely, new ones only for a clear gain (a unit alone stay
 _STEP_SLACK = 1e-12
 _BALANCED = 0.005
 """An assignment whose `max fwd + max bwd` is within this share of `mean fwd + mean bwd` is not repaired."""
+_HELD_BY_HAND = 8
+"""Up to this many key intervals, a rank's tokens held by its node are summed in Python (`_State._inside`)."""
 _GAIN = 1e-6
 """A swap must lower the metric by this share at least (no churn on rounding)."""
 
@@ -85,6 +87,8 @@ class _State:
         self.fwd = np.zeros(cp)
         self.bwd = np.zeros(cp)
         self.comm = np.zeros(cp)
+        self._known: dict[int, tuple] = {}  # rank -> `_intervals` on its current chunks (`link_only`)
+        self._unit_ranks: dict[int, set[int]] = {}  # unit -> the ranks holding it (`_holders`)
         self._node_prefix()
         for r in range(cp):
             self.fwd[r], self.bwd[r], self.comm[r] = self.rank(r)
@@ -105,13 +109,13 @@ class _State:
             out += rem
         return out
 
-    def rank(self, r: int) -> tuple[float, float, float]:
-        """Rank r's forward and backward kernel ms and link ms on the current owners."""
-        self.evals += 1
+    def _intervals(self, r: int) -> tuple[list[int], list[int], int, int, float]:
+        """Rank r's key intervals on the current owners (the union of its chunks' needs, own tokens included):
+        `(starts, ends, key tokens, own tokens, area)`; empty lists where it holds no chunk."""
         # `.nonzero()[0]` of 1-D masks here and below: `np.flatnonzero`'s ravel costs as much on these small arrays
         idx = (self.owner == r).nonzero()[0]
         if idx.size == 0:
-            return 0.0, 0.0, 0.0
+            return [], [], 0, 0, 0.0
         lo, hi = self.lo[idx], self.hi[idx]
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]
@@ -121,25 +125,61 @@ class _State:
         starts = lo[new]
         ends = np.maximum.reduceat(hi, new.nonzero()[0])
         keys = int((ends - starts).sum())
-        own = idx.size * self.c
+        return starts.tolist(), ends.tolist(), keys, idx.size * self.c, float(self.area[idx].sum())
+
+    def _link_ms(self, r: int, starts: list[int], ends: list[int], keys: int, own: int) -> float:
+        """Rank r's link time (ms) for its key intervals on the current owners and node tables."""
         remote = keys - own
         inter = 0
         if self.cp > self.node:
-            k = r // self.node
-            inside = sum(self._held(k, b) - self._held(k, a) for a, b in zip(starts.tolist(), ends.tolist()))
-            inter = keys - inside
-        a = float(self.area[idx].sum())
+            inter = keys - self._inside(r // self.node, starts, ends)
         nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
         ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
+        return max(nv, ib) * 1e3
+
+    def _inside(self, k: int, starts: list[int], ends: list[int]) -> int:
+        """Tokens of the intervals `[starts[i], ends[i])` held by node k (`_held` at both ends; past
+        `_HELD_BY_HAND` intervals in numpy, the same integers)."""
+        if len(starts) <= _HELD_BY_HAND:
+            return sum(self._held(k, b) - self._held(k, a) for a, b in zip(starts, ends))
+        x = np.asarray(starts + ends, dtype=np.int64)
+        j, rem = np.divmod(x, self.c)
+        n = self.owner.size
+        held = self.npre[k, j] * self.c
+        mine = (rem > 0) & (j < n) & (self.owner[np.minimum(j, n - 1)] // self.node == k)
+        held += np.where(mine, rem, 0)
+        m = len(starts)
+        return int(held[m:].sum() - held[:m].sum())
+
+    def rank(self, r: int) -> tuple[float, float, float]:
+        """Rank r's forward and backward kernel ms and link ms on the current owners."""
+        self.evals += 1
+        starts, ends, keys, own, a = self._intervals(r)
+        if not starts:
+            return 0.0, 0.0, 0.0
+        comm = self._link_ms(r, starts, ends, keys, own)
         if a <= 0:  # no tiles: no kernel call (`kernel_law.DirectionLaw.us`)
-            return 0.0, 0.0, max(nv, ib) * 1e3
+            return 0.0, 0.0, comm
         # `law.fwd_ms` / `bwd_ms` of one rank, in scalars (this runs for every swap tried)
         t, k, q = a / (TILE * TILE), keys / TILE, -(-own // TILE)
         f, b = self.law.fwd, self.law.bwd
         ms = self.law.scale * 1e-3
         fwd = (f.tiles * t + f.key_columns * k + f.rows * q + f.call) * ms
         bwd = (b.tiles * t + b.key_columns * k + b.rows * q + b.call) * ms
-        return fwd, bwd, max(nv, ib) * 1e3
+        return fwd, bwd, comm
+
+    def link_only(self, r: int) -> tuple[float, float, float]:
+        """`rank(r)` for a rank whose chunks are those it held when last priced (another rank's chunks
+        changed node): its kernel times kept, its link time from its remembered key intervals (the same
+        arithmetic as `rank`, so the same floats); counted as one rank priced."""
+        self.evals += 1
+        iv = self._known.get(r)
+        if iv is None:
+            iv = self._known[r] = self._intervals(r)
+        starts, ends, keys, own, _ = iv
+        if not starts:
+            return 0.0, 0.0, 0.0
+        return float(self.fwd[r]), float(self.bwd[r]), self._link_ms(r, starts, ends, keys, own)
 
     def metric(self) -> tuple[float, float]:
         """(max fwd + max bwd of kernel time, the predicted step with the links)."""
@@ -153,11 +193,12 @@ class _State:
         give); the owners are left unchanged. Returns (metric, step, the changed ranks' new times)."""
         old = [self.owner[ch].copy() for ch, _ in parts]
         ranks = {s} | {r for _, r in parts} | {int(r) for o in old for r in o}
+        moved = set(ranks)  # the ranks whose chunks change (the others' kernel times cannot)
         cross = self._crossing(parts, old)
         if cross:  # chunks change node: every rank needing their keys may fetch more or less from others
             for ch, _ in parts:
-                for u in np.unique(self.unit_of[ch]):
-                    ranks |= set(np.unique(self.owner[self.units[u] : self.units[u + 1]]).tolist())
+                for u in np.unique(self.unit_of[ch]).tolist():
+                    ranks |= self._holders(u)
         at = sorted({y for ch, _ in parts for x in np.atleast_1d(ch).tolist() for y in (x, x + 1)})
         runs = self._runs(at)
         self._move(parts, cross)
@@ -165,7 +206,7 @@ class _State:
         times = {s: self.rank(s)}
         if times[s][0] < self.fwd[s] or times[s][1] < self.bwd[s]:  # else s is slower both ways: no gain
             for r in sorted(ranks - {s}):
-                times[r] = self.rank(r)
+                times[r] = self.rank(r) if r in moved else self.link_only(r)
         self._move([(ch, o) for (ch, _), o in zip(parts, old)], cross)
         if len(times) < len(ranks):
             return float("inf"), float("inf"), {}
@@ -180,9 +221,9 @@ class _State:
     def _runs(self, at: list[int]) -> int:
         """How many of the positions `at` start a run of one unit on one rank (a cut or a unit's start)."""
         o, u = self.owner, self.unit_of
-        i = np.asarray(at, dtype=np.int64)
-        i = i[(i > 0) & (i < o.size)]
-        return int(((o[i] != o[i - 1]) | (u[i] != u[i - 1])).sum())
+        n = o.size
+        # a few positions (a swap's chunks and their next ones): scalar look-ups beat numpy's array calls
+        return sum(1 for i in at if 0 < i < n and (o[i] != o[i - 1] or u[i] != u[i - 1]))
 
     def _crossing(self, parts: list, old: list) -> bool:
         """Whether any chunk of `parts` changes node (past one node)."""
@@ -205,8 +246,20 @@ class _State:
                         self.npre[b, x + 1 :] += 1
             self.owner[ch] = r
 
+    def _holders(self, u: int) -> set[int]:
+        """The ranks holding chunks of unit u on the current owners (remembered until a swap moves one)."""
+        got = self._unit_ranks.get(u)
+        if got is None:
+            got = self._unit_ranks[u] = set(np.unique(self.owner[self.units[u] : self.units[u + 1]]).tolist())
+        return got
+
     def apply(self, parts: list[tuple[np.ndarray, int]], times: dict) -> None:
         old = [self.owner[ch].copy() for ch, _ in parts]
+        for r in {r for _, r in parts} | {int(r) for o in old for r in o}:
+            self._known.pop(r, None)
+        for ch, _ in parts:
+            for u in np.unique(self.unit_of[ch]).tolist():
+                self._unit_ranks.pop(u, None)
         self._move(parts, self._crossing(parts, old))
         for r, (x, y, z) in times.items():
             self.fwd[r], self.bwd[r], self.comm[r] = x, y, z
