@@ -192,7 +192,7 @@ class _State:
         """The metric with each `(chunks, rank)` of `parts` moved to that rank (rank s among those that
         give); the owners are left unchanged. Returns (metric, step, the changed ranks' new times)."""
         old = [self.owner[ch].copy() for ch, _ in parts]
-        ranks = {s} | {r for _, r in parts} | {int(r) for o in old for r in o}
+        ranks = {s} | {r for _, r in parts} | {r for o in old for r in o.tolist()}
         moved = set(ranks)  # the ranks whose chunks change (the others' kernel times cannot)
         cross = self._crossing(parts, old)
         if cross:  # chunks change node: every rank needing their keys may fetch more or less from others
@@ -238,7 +238,7 @@ class _State:
                 xs = np.atleast_1d(ch)
                 # one rank for all (the common case) without numpy's broadcast; the old owners read at once
                 # (the owners change only after the loop)
-                tos = np.broadcast_to(r, xs.shape).tolist() if np.ndim(r) else [int(r)] * xs.size
+                tos = np.asarray(r).reshape(xs.shape).tolist() if np.ndim(r) else [int(r)] * xs.size
                 for x, fr, to in zip(xs.tolist(), self.owner[xs].tolist(), tos):
                     a, b = fr // self.node, to // self.node
                     if a != b:
@@ -255,7 +255,7 @@ class _State:
 
     def apply(self, parts: list[tuple[np.ndarray, int]], times: dict) -> None:
         old = [self.owner[ch].copy() for ch, _ in parts]
-        for r in {r for _, r in parts} | {int(r) for o in old for r in o}:
+        for r in {r for _, r in parts} | {r for o in old for r in o.tolist()}:
             self._known.pop(r, None)
         for ch, _ in parts:
             for u in np.unique(self.unit_of[ch]).tolist():
