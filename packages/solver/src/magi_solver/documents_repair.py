@@ -83,6 +83,8 @@ class _State:
         self.node = chunks.node if chunks.cp > chunks.node else chunks.cp
         cp = chunks.cp
         self.unit_of = np.searchsorted(chunks.units, np.arange(owner.size), side="right") - 1
+        # packed documents, clips and windows: each chunk's first key is at or after the previous chunk's
+        self._lo_sorted = bool((np.diff(self.lo) >= 0).all())
         self.evals = 0  # ranks priced so far (the pass's budget, `_EVALS`)
         self.fwd = np.zeros(cp)
         self.bwd = np.zeros(cp)
@@ -117,8 +119,9 @@ class _State:
         if idx.size == 0:
             return [], [], 0, 0, 0.0
         lo, hi = self.lo[idx], self.hi[idx]
-        order = np.argsort(lo, kind="stable")
-        lo, hi = lo[order], hi[order]
+        if not self._lo_sorted:  # else any rank's chunks, in sequence order, are sorted by lo already
+            order = np.argsort(lo, kind="stable")
+            lo, hi = lo[order], hi[order]
         reach = np.maximum.accumulate(hi)
         new = np.ones(lo.size, dtype=bool)
         new[1:] = lo[1:] > reach[:-1]
