@@ -66,7 +66,14 @@ from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
 from .node_groups import node_order
-from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN, rank_traffic, remote_kv_tokens
+from .pricing import (
+    INTERNODE_GBPS,
+    INTRANODE_GBPS,
+    KV_BYTES_PER_TOKEN,
+    rank_traffic,
+    remote_kv_tokens,
+    remote_kv_tokens_by_group,
+)
 from .pricing import NODE as PRICING_NODE
 
 __all__ = ["documents_granularity", "documents_plans", "find_units", "token_units"]
@@ -160,8 +167,11 @@ def _exact_price(
             renum = np.empty(cp, dtype=np.int64)
             renum[np.asarray(order, dtype=np.int64)] = np.arange(cp, dtype=np.int64)
             owner = renum[owner]
-    remote = remote_kv_tokens(owner, chunk, kl, kr, c, cp)
-    inter = remote_kv_tokens(owner, chunk, kl, kr, c, cp, PRICING_NODE) if cp > PRICING_NODE else 0 * remote
+    if cp > PRICING_NODE:
+        remote, inter = remote_kv_tokens_by_group(owner, chunk, kl, kr, c, cp, (1, PRICING_NODE))
+    else:
+        remote = remote_kv_tokens(owner, chunk, kl, kr, c, cp)
+        inter = 0 * remote
     own = np.bincount(owner, minlength=cp).astype(np.float64) * c
     rank_area = np.bincount(owner, weights=area, minlength=cp)
     keys = own + remote

@@ -17,16 +17,23 @@ def node_order(traffic: np.ndarray, cp: int, node_size: int) -> list[int] | None
     w = (traffic + traffic.T).astype(np.float64)
     free = np.ones(cp, dtype=bool)
     nodes: list[list[int]] = []
+    # running sums instead of re-summing sub-matrices: w holds token counts (integers far below 2^53), so
+    # every sum is exact in any order and the picks are those of the sums over the sub-matrices
+    to_free = w.sum(axis=1)  # each rank's ties to the ranks still free
     while free.any():
         ids = np.flatnonzero(free)
-        seed = int(ids[np.argmax(w[np.ix_(ids, ids)].sum(axis=1))])  # the rank most tied to the others
+        seed = int(ids[np.argmax(to_free[ids])])  # the rank most tied to the others
         node = [seed]
         free[seed] = False
+        to_free -= w[:, seed]
+        to_node = w[:, seed].copy()  # each rank's ties to this node
         while len(node) < node_size and free.any():
             ids = np.flatnonzero(free)
-            pick = int(ids[np.argmax(w[np.ix_(ids, node)].sum(axis=1))])  # ties: the lowest rank
+            pick = int(ids[np.argmax(to_node[ids])])  # ties: the lowest rank
             node.append(pick)
             free[pick] = False
+            to_free -= w[:, pick]
+            to_node += w[:, pick]
         nodes.append(node)
     # pairwise swaps between nodes while one keeps more traffic inside nodes (a few passes suffice)
     where = np.empty(cp, dtype=np.int64)

@@ -26,6 +26,7 @@ __all__ = [
     "price_plan",
     "rank_traffic",
     "remote_kv_tokens",
+    "remote_kv_tokens_by_group",
 ]
 
 NODE = 8
@@ -53,20 +54,38 @@ def remote_kv_tokens(
 
     With `group_size` g > 1: less the tokens of every chunk held in the rank's group of g ranks (ranks
     `g * (r // g)` onwards: a node), i.e. what the rank fetches from outside its node."""
-    out = np.zeros(cp_size, dtype=np.int64)
+    return remote_kv_tokens_by_group(owner, chunk, kl, kr, chunk_size, cp_size, (group_size,))[0]
+
+
+def remote_kv_tokens_by_group(
+    owner: np.ndarray,
+    chunk: np.ndarray,
+    kl: np.ndarray,
+    kr: np.ndarray,
+    chunk_size: int,
+    cp_size: int,
+    group_sizes: tuple[int, ...],
+) -> list[np.ndarray]:
+    """`remote_kv_tokens` for each group size of `group_sizes` (e.g. `(1, NODE)`: all received keys and
+    those from other nodes), the key unions computed once."""
     if chunk.size == 0:
-        return out
+        return [np.zeros(cp_size, dtype=np.int64) for _ in group_sizes]
     span = int(owner.size) * chunk_size + 1  # ranks' coordinates never overlap after this shift
     starts, lens, covered = _union_runs(owner, chunk, kl, kr, span)
-    np.add.at(out, starts // span, lens)  # union per rank
-    # minus the rank's own tokens inside its union
-    members = (owner // group_size * group_size)[:, None] + np.arange(group_size)[None, :]  # [n, g]
-    ok = members < cp_size
-    holder = members[ok]
-    c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
-    a = c * chunk_size + holder * span
-    np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
-    return out
+    union = np.zeros(cp_size, dtype=np.int64)
+    np.add.at(union, starts // span, lens)  # union per rank
+    outs = []
+    for g in group_sizes:
+        out = union.copy()
+        # minus the tokens of the rank's group inside its union
+        members = (owner // g * g)[:, None] + np.arange(g)[None, :]  # [n, g]
+        ok = members < cp_size
+        holder = members[ok]
+        c = np.broadcast_to(np.arange(owner.size, dtype=np.int64)[:, None], members.shape)[ok]
+        a = c * chunk_size + holder * span
+        np.subtract.at(out, holder, covered(a + chunk_size) - covered(a))
+        outs.append(out)
+    return outs
 
 
 def _union_runs(owner: np.ndarray, chunk: np.ndarray, kl: np.ndarray, kr: np.ndarray, span: int):
@@ -168,8 +187,11 @@ def price_plan(
     else:
         chunk, _, kl, kr = pieces if pieces is not None else _key_intervals(slices, plan.chunk_size)
         owner = np.asarray(plan.chunk_owner, dtype=np.int64)
-        remote = remote_kv_tokens(owner, chunk, kl, kr, plan.chunk_size, cp)
-        inter = remote_kv_tokens(owner, chunk, kl, kr, plan.chunk_size, cp, NODE) if cp > NODE else 0 * remote
+        if cp > NODE:
+            remote, inter = remote_kv_tokens_by_group(owner, chunk, kl, kr, plan.chunk_size, cp, (1, NODE))
+        else:
+            remote = remote_kv_tokens(owner, chunk, kl, kr, plan.chunk_size, cp)
+            inter = 0 * remote
     keys = own + remote
     nv = (remote - inter) * KV_BYTES_PER_TOKEN / (INTRANODE_GBPS * 1e9)
     ib = inter * KV_BYTES_PER_TOKEN / (INTERNODE_GBPS * 1e9)
