@@ -176,12 +176,17 @@ def test_explicit_fa4_that_cannot_be_deterministic_raises_naming_everything() ->
     assert describe_mask([[0, 8]], [[0, 8]], [0]) == "one full slice"
 
 
-def test_cudnn_is_deterministic_at_every_head_dim_it_takes() -> None:
-    """cuDNN's capability states no deterministic head-dim limit (its deterministic backward runs at d 256 on
-    an H200): an explicit cuDNN is accepted there and stays among auto's deterministic candidates."""
-    for d in (64, 128, 256):
-        assert resolve("cudnn", d, [ALL], deterministic=True).backend == B.CUDNN
-        assert "cudnn" in resolve("auto", d, [ALL], deterministic=True).candidates
+def test_cudnn_has_no_deterministic_backward_above_head_dim_128() -> None:
+    """cuDNN's capability (`deterministic_head_dim`, magi_ffa_cudnn.DETERMINISTIC_MAX_HEAD_DIM) refuses it."""
+    assert resolve("cudnn", 128, [ALL], deterministic=True).backend == B.CUDNN
+    with pytest.raises(
+        ValueError, match=r"kernel_backend='cudnn' has no deterministic backward at head_dim 256.*'triton'"
+    ):
+        resolve("cudnn", 256, [ALL], deterministic=True)
+    assert resolve("cudnn", 256, [ALL]).backend == B.CUDNN  # its default backward runs there
+    auto = resolve("auto", 256, [ALL], deterministic=True)
+    assert "cudnn" not in auto.candidates and "cudnn" in resolve("auto", 256, [ALL]).candidates
+    assert choose_auto(auto, 256, _features(DOCS, DOCS, [1] * 5), deterministic=True).backend == B.TRITON
 
 
 # -- on gloo ranks: the refusal before any data moves, auto's restriction, repeatable gradients ------------

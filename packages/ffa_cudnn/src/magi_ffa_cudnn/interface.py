@@ -39,6 +39,7 @@ INSTALL_HINT = (
 __all__ = [
     "BACKEND",
     "CAPABILITY",
+    "DETERMINISTIC_MAX_HEAD_DIM",
     "INSTALL_HINT",
     "CudnnMaskPlan",
     "clear_mask_plan_cache",
@@ -75,6 +76,15 @@ def cudnn_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+DETERMINISTIC_MAX_HEAD_DIM = 128
+"""The runtime runs cuDNN's deterministic backward up to this head_dim. At 256, nvidia-cudnn-frontend 1.32.0's
+deterministic dQ post-processing kernel fails to compile on some shapes ("`range_constexpr()` requires all
+arguments to be Python integers", `backward_postprocess.py:299`): packed causal documents of 4,096 tokens, 8:2
+heads, on an H200 (GPU suite of 2026-12-05), while masks of 700-2,048 tokens compiled and repeated their bits
+(2026-12-03 and 2026-12-05). The failing shapes are not characterised beyond that, so deterministic mode refuses
+d 256 (its default backward runs there; the kernel API itself accepts it)."""
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -237,11 +247,10 @@ CAPABILITY = BackendCapability(
     requires=(("nvidia-cudnn-frontend", "cudnn"), ("nvidia-cutlass-dsl", "cutlass")),
     install_hint='install row "cudnn": python scripts/install.py cudnn, docs/install.md',
     priority=10,  # auto picks cuDNN by its measured table; without a row, after FA4 and Triton
-    # deterministic at every head dim it takes: its deterministic backward compiles and repeats its bits at d 256
-    # on an H200 since the dQ write-order rewrite (GPU suite 2026-12-03, benchmarks/results)
+    deterministic_head_dim=lambda head_dim: head_dim <= DETERMINISTIC_MAX_HEAD_DIM,
 )
 """cuDNN's capability: fp16/bf16, head_dim a multiple of 8 up to 128 or 256, sm90/sm100, no softcap, max logits
-from the kernel, deterministic on every mask and head dim it takes (its deterministic backward)."""
+from the kernel, deterministic on every mask (its deterministic backward)."""
 
 BACKEND = register_backend(FFABackend(CAPABILITY, Launchers(_forward, _backward, _build_plan)))
 """The FFA contract bound to cuDNN's launchers."""
