@@ -9,7 +9,8 @@
 # Checks:   gpu-tests (python -m pytest -m gpu, as docs/development.md says; GPU_TESTS_K=<expr> selects,
 #           GPU_TESTS_ARGS adds pytest arguments, e.g. "-n 8 -p no:benchmark" for pytest-xdist, docs/development.md)
 #           info (python -m magi_attention.info --check --bench)
-# Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, TAG override)
+# Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, REP, REPEATS, TAG
+#           override; PROFILE=1 adds each runner's GPU kernels and host time per call, kernels_profile.txt)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
 #           layer-step (a 32-layer attention-only step: kernel API and calc_attn beside FA4's and cuDNN's own
 #           calls, same mask and a new mask every step; LAYER_SEQLENS, default 8192,32768)
@@ -87,7 +88,8 @@ phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
 phase_kernels() {
   run "${BENCH_S:-560}" python3 -m benchmarks kernels --seqlens "${SEQLENS:-8192,32768}" --head-dims "${HEAD_DIMS:-128}" \
     --masks "${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}" --rep "${REP:-25}" \
-    ${KERNELS:+--kernels "$KERNELS"} --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
+    ${KERNELS:+--kernels "$KERNELS"} ${REPEATS:+--repeats "$REPEATS"} ${PROFILE:+--profile "$OUT/kernels_profile.txt"} \
+    --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
 }
 phase_layer-step() {
   run "${BENCH_S:-560}" python3 -m benchmarks layer-step --seqlens "${LAYER_SEQLENS:-8192,32768}" \

@@ -3,6 +3,7 @@ What it measures and how to run it: docs/benchmarks/cases.md (kernels)."""
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -209,6 +210,35 @@ def render_det(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _profile_runners(runners: dict, grads: dict, case: str, calls: int = 5) -> str:
+    """Each runner's forward + backward under torch.profiler (``calls`` calls after one untimed): its GPU
+    kernels with their device microseconds per call, and the host time per call, so that a gap between two
+    runners of the same kernels shows whether it is the GPU's work or the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"## {case}"]
+    for kname, (fn, xs) in runners.items():
+        if kname not in grads:
+            continue
+        torch.autograd.grad(fn(), xs, grads[kname])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                torch.autograd.grad(fn(), xs, grads[kname])
+            host_ms = (time.perf_counter() - t0) * 1e3 / calls
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels.sort(key=lambda e: -e.self_device_time_total)
+        gpu_us = sum(e.self_device_time_total for e in kernels) / calls
+        lines.append(f"{kname}: GPU {gpu_us:.0f} us per call, host (enqueue) {host_ms:.2f} ms per call")
+        lines += [
+            f"    {e.self_device_time_total / calls:9.1f} us  x{e.count / calls:g}  {e.key[:110]}"
+            for e in kernels[:8]
+        ]
+    return "\n".join(lines) + "\n\n"
+
+
 def bench(args) -> list[dict]:
     kernels = set((args.kernels or (DET_KERNELS if args.deterministic else DEFAULT_KERNELS)).split(","))
     flex_tools = flex_setup() if "flex" in kernels else None
@@ -243,6 +273,9 @@ def bench(args) -> list[dict]:
                                      fwd_spread=round((max(fw) - min(fw)) / mf, 3), bwd_spread=round((max(bw) - min(bw)) / mb, 3))  # fmt: skip
                         rows.append(r)
                         print(json.dumps(r), flush=True)
+                    if args.profile:
+                        with open(args.profile, "a") as f:
+                            f.write(_profile_runners(runners, grads, f"{name} S={S} {hq}:{hk} d={d}"))
                     runners.clear()
                     torch.cuda.empty_cache()
     return rows
@@ -410,6 +443,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
+    ap.add_argument("--profile", metavar="PATH", help="also append each runner's GPU kernels and host time per "
+                    "call (torch.profiler) to PATH")  # fmt: skip
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
     ap.add_argument("--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)")  # fmt: skip
     ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "
