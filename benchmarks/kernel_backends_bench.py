@@ -3,7 +3,6 @@ What it measures and how to run it: docs/benchmarks/cases.md (kernels)."""
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from benchmarks.common import (
     flex_setup,
     interleaved,
     kernel_runners,
+    profile_table,
     time_fwd_bwd,
 )
 from magi_attention.simulate import kernel_launchers
@@ -210,33 +210,19 @@ def render_det(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _profile_runners(runners: dict, grads: dict, case: str, calls: int = 5) -> str:
-    """Each runner's forward + backward under torch.profiler (``calls`` calls after one untimed): its GPU
-    kernels with their device microseconds per call, and the host time per call, so that a gap between two
-    runners of the same kernels shows whether it is the GPU's work or the host's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    lines = [f"## {case}"]
+def _profile_runners(runners: dict, grads: dict, case: str) -> str:
+    """Each runner's forward + backward (5 calls after one untimed) under torch.profiler: its top ops by GPU
+    time beside their host time, so a gap between two runners shows whether the GPU's work or the host's."""
+    out = [f"## {case}"]
     for kname, (fn, xs) in runners.items():
-        if kname not in grads:
-            continue
-        torch.autograd.grad(fn(), xs, grads[kname])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                torch.autograd.grad(fn(), xs, grads[kname])
-            host_ms = (time.perf_counter() - t0) * 1e3 / calls
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels.sort(key=lambda e: -e.self_device_time_total)
-        gpu_us = sum(e.self_device_time_total for e in kernels) / calls
-        lines.append(f"{kname}: GPU {gpu_us:.0f} us per call, host (enqueue) {host_ms:.2f} ms per call")
-        lines += [
-            f"    {e.self_device_time_total / calls:9.1f} us  x{e.count / calls:g}  {e.key[:110]}"
-            for e in kernels[:8]
-        ]
-    return "\n".join(lines) + "\n\n"
+        if kname in grads:
+            step = lambda fn=fn, xs=xs, g=grads[kname]: torch.autograd.grad(fn(), xs, g)  # noqa: E731
+            step()
+            text, _ = profile_table(
+                lambda step=step: [step() for _ in range(5)], True, "self_cuda_time_total", 100
+            )
+            out.append(f"### {kname} (5 calls)\n{text}")
+    return "\n".join(out) + "\n"
 
 
 def bench(args) -> list[dict]:
