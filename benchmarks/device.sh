@@ -88,8 +88,7 @@ phase_info() { run 400 python3 -m magi_attention.info --check --bench; }
 phase_kernels() {
   run "${BENCH_S:-560}" python3 -m benchmarks kernels --seqlens "${SEQLENS:-8192,32768}" --head-dims "${HEAD_DIMS:-128}" \
     --masks "${MASKS:-full,varlen_causal,swa_causal_w1024,varlen_block_causal,random}" --rep "${REP:-25}" \
-    ${KERNELS:+--kernels "$KERNELS"} ${REPEATS:+--repeats "$REPEATS"} ${PROFILE:+--profile "$OUT/kernels_profile.txt"} \
-    --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
+    ${KERNELS:+--kernels "$KERNELS"} ${REPEATS:+--repeats "$REPEATS"} ${PROFILE:+--profile "$OUT/kernels_profile.txt"} --out-dir "$OUT" --tag "${TAG:-kernels_d128}"
 }
 phase_layer-step() {
   run "${BENCH_S:-560}" python3 -m benchmarks layer-step --seqlens "${LAYER_SEQLENS:-8192,32768}" \

@@ -211,18 +211,11 @@ def render_det(rows: list[dict]) -> list[str]:
 
 
 def _profile_runners(runners: dict, grads: dict, case: str) -> str:
-    """Each runner's forward + backward (5 calls after one untimed) under torch.profiler: its top ops by GPU
-    time beside their host time, so a gap between two runners shows whether the GPU's work or the host's."""
-    out = [f"## {case}"]
-    for kname, (fn, xs) in runners.items():
-        if kname in grads:
-            step = lambda fn=fn, xs=xs, g=grads[kname]: torch.autograd.grad(fn(), xs, g)  # noqa: E731
-            step()
-            text, _ = profile_table(
-                lambda step=step: [step() for _ in range(5)], True, "self_cuda_time_total", 100
-            )
-            out.append(f"### {kname} (5 calls)\n{text}")
-    return "\n".join(out) + "\n"
+    """Each runner's forward + backward, 5 calls (after its timing) under torch.profiler: its top ops by GPU time
+    beside their host time, so a gap between two runners shows whether it is the GPU's work or the host's."""
+    steps = {n: (lambda fn=fn, xs=xs, g=grads[n]: torch.autograd.grad(fn(), xs, g)) for n, (fn, xs) in runners.items() if n in grads}  # fmt: skip
+    tables = {n: profile_table(lambda s=s: [s() for _ in range(5)], True, "self_cuda_time_total", 100)[0] for n, s in steps.items()}  # fmt: skip
+    return "\n".join([f"## {case}", *(f"### {n} (5 calls)\n{t}" for n, t in tables.items())]) + "\n"
 
 
 def bench(args) -> list[dict]:
@@ -429,8 +422,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--sim-tokens-per-gpu", default="8192")
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench measurement window per round (ms)")
-    ap.add_argument("--profile", metavar="PATH", help="also append each runner's GPU kernels and host time per "
-                    "call (torch.profiler) to PATH")  # fmt: skip
+    ap.add_argument("--profile", metavar="PATH", help="append each runner's torch.profiler table to PATH")
     ap.add_argument("--write-table", metavar="OUT", help="write the auto table from --sources and exit")
     ap.add_argument("--sources", default="", help="measured JSON files for --write-table (path[:mask+mask],...)")  # fmt: skip
     ap.add_argument("--sim-sources", default="", help="for --write-table: simulated cp runs, backend=path,... "

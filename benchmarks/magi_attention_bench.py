@@ -87,15 +87,19 @@ def single_gpu_tflops(mask: str, total: int, backend: KernelBackend) -> tuple[fl
     return flops / (t_f * 1e-3) / 1e12, 2.5 * flops / (t_b * 1e-3) / 1e12
 
 
-def _once_ms(fn) -> tuple[float, object]:
-    """(ms, result) of one call of ``fn``: CUDA events, or a host clock on the CPU smoke test."""
+def _once_ms(fn, queued: bool = False) -> tuple[float, object]:
+    """(ms, result) of one call of ``fn``: CUDA events, or a host clock on the CPU smoke test. ``queued``: behind
+    about 5 ms of GPU sleep, so the host issues the call ahead of the GPU, as in a training step's later layers."""
+    if queued and DEVICE == "cuda":
+        torch.cuda._sleep(10_000_000)  # cycles, about 5 ms on an H200: longer than a rank call's host work
     return common.once_ms(fn, events=DEVICE == "cuda")
 
 
-def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[float, float]:
+def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern, queued: bool = False) -> tuple[float, float]:  # fmt: skip
     """One forward and one backward (ms) of a rank's calls (`common.rank_kernel_calls`) on ``kern``, as the
     runtime: one call (the merged stage) writes out / lse and the gradients itself, with the runtime's K/V
-    concatenation before it and the dK/dV it reduces after; more calls: an accumulator, fp32 gradients."""
+    concatenation before it and the dK/dV it reduces after; more calls: an accumulator, fp32 gradients. ``queued``:
+    each direction timed behind GPU work (`_once_ms`), the GPU's time without the host's before it."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
 
@@ -103,7 +107,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
             torch.cat([kk, vv], dim=1)  # dist_attn joins the local and received K/V: the same bytes
             return kern.fwd_slices(q, kk, vv, sl)
 
-        t_f, (out, lse) = _once_ms(fwd)
+        t_f, (out, lse) = _once_ms(fwd, queued)
 
         def bwd():
             torch.cat([kk, vv], dim=1)
@@ -115,7 +119,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
             torch.cat([dk[:n], dv[:n]], dim=1).float()
             torch.cat([dk[n:], dv[n:]], dim=1)
 
-        return t_f, _once_ms(bwd)[0]
+        return t_f, _once_ms(bwd, queued)[0]
 
     def fwd():
         sl, kk, vv = calls[0]
@@ -126,7 +130,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
             kern.fwd_slices(q, kk, vv, sl, out=out, lse=lse)
         return out, lse
 
-    t_f, (out, lse) = _once_ms(fwd)
+    t_f, (out, lse) = _once_ms(fwd, queued)
     o16 = out.to(q.dtype)
 
     def bwd():
@@ -135,7 +139,7 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern) -> tuple[fl
             dkv = [torch.zeros(kk.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
             kern.bwd_slices(do, q, kk, vv, o16, lse, sl, dq=dq, dk=dkv[0], dv=dkv[1])
 
-    return t_f, _once_ms(bwd)[0]
+    return t_f, _once_ms(bwd, queued)[0]
 
 
 def _profile_rank(q: torch.Tensor, do: torch.Tensor, calls: list, kern, path: str, title: str) -> None:
@@ -272,6 +276,8 @@ def scaling_rows(sim: list[dict]) -> list[dict]:
             one_b = max(o["single_bwd"] for o in singles)
             row["single_tokens"] = singles[0]["single_tokens"]
             row["E_fwd"], row["E_bwd"] = r["tflops_fwd"] / one_f, r["tflops_bwd"] / one_b
+            if r.get("slowest_fwd_ms_queued"):  # the same work timed queued
+                row |= {f"E_{w}_queued": row[f"E_{w}"] * r[f"slowest_{w}_ms"] / r[f"slowest_{w}_ms_queued"] for w in ("fwd", "bwd")}  # fmt: skip
         for way in ("fwd", "bwd"):
             row[f"published_h100_{way}"] = PUBLISHED_H100.get((r["mask"], way), {}).get(r["cp"])
         out.append(row)
@@ -313,10 +319,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
         _rank_step(q, do, calls[i], kern)
     for _ in range(rounds):  # interleaved: a drift of clock or temperature touches every candidate alike
         for i in timed:
-            full[i].append(_rank_step(q, do, calls[i], kern))
+            full[i].append(_rank_step(q, do, calls[i], kern) + _rank_step(q, do, calls[i], kern, queued=True))
     for i, r in enumerate(rows):
         r["quick_fwd_ms"], r["quick_bwd_ms"] = quick[i]
-        r["fwd_ms"], r["bwd_ms"] = (statistics.median(t) for t in zip(*full[i])) if i in full else quick[i]
+        r["fwd_ms"], r["bwd_ms"], r["fwd_ms_queued"], r["bwd_ms_queued"] = (statistics.median(t) for t in zip(*full[i])) if i in full else (*quick[i], None, None)  # fmt: skip
         r["full_timing"] = i in full
     if profile_path:
         slowest = max(timed, key=lambda i: rows[i]["bwd_ms"])
@@ -337,7 +343,8 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
             "imbalance": max(r["area"] for r in rows) * cp / total_area, "timed_ranks": timed, "rounds": rounds,
             "quick_max_over_slowest": max((max(f / worst_f, b / worst_b) for i, (f, b) in enumerate(quick)
                                            if i not in full), default=0.0),
-            "slowest_fwd_ms": worst_f, "slowest_bwd_ms": worst_b, "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
+            "slowest_fwd_ms": worst_f, "slowest_bwd_ms": worst_b, "slowest_fwd_ms_queued": max(rows[i]["fwd_ms_queued"]
+            for i in timed), "slowest_bwd_ms_queued": max(rows[i]["bwd_ms_queued"] for i in timed), "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
             "tflops_bwd": 2.5 * flops_f / (worst_b * 1e-3 * cp) / 1e12, "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
             "comm_ms_ib": worst_bytes / IB_BPS * 1e3, "ranks": rows}  # fmt: skip
 
@@ -497,12 +504,13 @@ def print_scaling(rows_in: list[dict], tokens_per_gpu: int) -> None:
     for r in rows_in:
         p, mean = r["predicted"], r["remote_kv_tokens_mean"]
         rows.append([r["mask"], r["cp"], _backend_cell(r), f"{r['chunk_size']} ({_alg_cell(r)})",
-                     num(r.get("E_fwd"), ".2f"), num(r.get("E_bwd"), ".2f"), num(r.get("single_tokens"), ","),
+                     num(r.get("E_fwd"), ".2f"), num(r.get("E_bwd"), ".2f"),
+                     f"{num(r.get('E_fwd_queued'), '.2f')} / {num(r.get('E_bwd_queued'), '.2f')}", num(r.get("single_tokens"), ","),
                      f"{num(r['remote_kv_tokens_max'], ',')} ({num(mean, ',.0f')})",
                      f"{num(p.get('fwd_tflops_per_gpu'), '.0f')} / {num(p.get('bwd_tflops_per_gpu'), '.0f')}",
                      f"{num(r['published_h100_fwd'], '')} / {num(r['published_h100_bwd'], '')}",
                      ",".join(map(str, r["timed_ranks"] or []))])  # fmt: skip
-    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "chunk", "E fwd", "E bwd", "one-GPU tokens",
+    print("\n" + "\n".join(table(["mask", "cp", "kernel backend", "chunk", "E fwd", "E bwd", "E queued fwd / bwd", "one-GPU tokens",
                                    "remote K/V max (mean)", "predicted fwd / bwd TFLOP/s/GPU",
                                    "published H100 fwd / bwd", "ranks timed in full"], rows)))  # fmt: skip
 

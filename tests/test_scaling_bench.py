@@ -41,6 +41,7 @@ def test_scaling_table_on_cpu(tmp_path: Path, degree: int, mask: str, algs: str)
     assert [r["dispatch_alg_asked"] for r in rows] == algs.split(",")
     for r in rows:
         assert r["E_fwd"] > 0 and r["E_bwd"] > 0  # auto takes the explicit backend's one-GPU rate
+        assert r["E_fwd_queued"] > 0 and r["E_bwd_queued"] > 0  # the same ranks timed behind GPU work
         assert r["chunk_size"] >= 1 and r["remote_kv_tokens_max"] >= r["remote_kv_tokens_mean"] >= 0
         assert r["predicted"]["fwd_ms"] > 0 and r["predicted"]["bwd_tflops_per_gpu"] > 0
         assert set(r["timed_ranks"]) <= {0, 1} and r["timed_ranks"]
