@@ -10,7 +10,7 @@
 #           GPU_TESTS_ARGS adds pytest arguments, e.g. "-n 8 -p no:benchmark" for pytest-xdist, docs/development.md)
 #           info (python -m magi_attention.info --check --bench)
 # Kernels:  kernels (every backend interleaved, d 128; SEQLENS, HEAD_DIMS, MASKS, KERNELS, REP, REPEATS, TAG
-#           override; PROFILE=1 adds each runner's GPU kernels and host time per call, kernels_profile.txt)
+#           override; PROFILE=1 adds each runner's torch.profiler table, kernels_profile.txt)
 #           kernels-det (deterministic against default backward, + the busiest rank of simulated cp 8)
 #           layer-step (a 32-layer attention-only step: kernel API and calc_attn beside FA4's and cuDNN's own
 #           calls, same mask and a new mask every step; LAYER_SEQLENS, default 8192,32768)

@@ -254,7 +254,8 @@ def bench(args) -> list[dict]:
                         print(json.dumps(r), flush=True)
                     if args.profile:
                         with open(args.profile, "a") as f:
-                            f.write(_profile_runners(runners, grads, f"{name} S={S} {hq}:{hk} d={d}"))
+                            ok = {n: r for n, r in runners.items() if n not in errors}
+                            f.write(_profile_runners(ok, grads, f"{name} S={S} {hq}:{hk} d={d}"))
                     runners.clear()
                     torch.cuda.empty_cache()
     return rows
