@@ -343,10 +343,10 @@ def simulate_cp(mask: str, cp: int, tokens_per_gpu: int, degree: int, backend: K
             "imbalance": max(r["area"] for r in rows) * cp / total_area, "timed_ranks": timed, "rounds": rounds,
             "quick_max_over_slowest": max((max(f / worst_f, b / worst_b) for i, (f, b) in enumerate(quick)
                                            if i not in full), default=0.0),
-            "slowest_fwd_ms": worst_f, "slowest_bwd_ms": worst_b, "slowest_fwd_ms_queued": max(rows[i]["fwd_ms_queued"]
-            for i in timed), "slowest_bwd_ms_queued": max(rows[i]["bwd_ms_queued"] for i in timed), "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
+            "slowest_fwd_ms": worst_f, "slowest_bwd_ms": worst_b, "tflops_fwd": flops_f / (worst_f * 1e-3 * cp) / 1e12,
             "tflops_bwd": 2.5 * flops_f / (worst_b * 1e-3 * cp) / 1e12, "comm_ms_nvlink": worst_bytes / NVLINK_BPS * 1e3,
-            "comm_ms_ib": worst_bytes / IB_BPS * 1e3, "ranks": rows}  # fmt: skip
+            "comm_ms_ib": worst_bytes / IB_BPS * 1e3, "ranks": rows,
+            **{f"slowest_{w}_ms_queued": max(rows[i][f"{w}_ms_queued"] for i in timed) for w in ("fwd", "bwd")}}  # fmt: skip
 
 
 def _case(row: dict) -> tuple:
