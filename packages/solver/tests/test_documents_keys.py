@@ -119,9 +119,10 @@ def test_received_keys_of_a_seeded_docs_mask() -> None:
 )
 def test_fewer_keys_never_worsen_the_pick(name: str, cp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the fewer-keys layouts replace the pick only where its step, kernel metric and busiest K/V are no
-    # worse and its time imbalance at most 0.01 worse
+    # worse and its time imbalance at most 0.01 worse (the pick before the polish, which runs on either)
     import magi_solver.documents as documents
 
+    monkeypatch.setattr(documents, "_POLISH", False)
     total = 2048 * cp
     sl = _family(name, total, seed=0)
     law = law_for_mask(sl, total)
@@ -144,7 +145,7 @@ def test_fewer_keys_never_worsen_the_pick(name: str, cp: int, monkeypatch: pytes
 def test_unit_by_unit_orientation_slows_no_rank_and_receives_fewer(
     name: str, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the placement without its fewer-keys layouts: some cut units' short pieces sit last
+    # the placement without its fewer-keys layouts and polish: some cut units' short pieces sit last
     import magi_solver.documents as documents
     from magi_solver.documents_orient import oriented_where_no_worse
     from magi_solver.documents_repair import ChunkTables, _State
@@ -152,6 +153,7 @@ def test_unit_by_unit_orientation_slows_no_rank_and_receives_fewer(
     from magi_solver.pricing import NODE
 
     monkeypatch.setattr(documents, "_FEWER_KEYS", False)
+    monkeypatch.setattr(documents, "_POLISH", False)
     cp = 16
     total = 4096 * cp
     sl = _family(name, total, seed=seed)

@@ -62,6 +62,7 @@ import numpy as np
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
 from .documents_orient import oriented, oriented_where_no_worse
+from .documents_polish import polish
 from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
@@ -116,6 +117,20 @@ were all at 128-1,024 chunks)."""
 _FEWER_IMBALANCE = 0.01
 """How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
+_POLISH = True
+"""Past two ranks the pick is polished last (`documents_polish`: block swaps by a smoothed slowest rank) and
+the polished assignment kept where its kernel metric is lower, its time imbalance (the metric over the
+ranks' mean) no higher, its predicted step within `_STEP_NOISE` and its busiest rank's K/V within
+`_BALANCE_REMOTE` of the pick's."""
+_POLISH_LINKS = (0.0, 2.0)
+"""The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, then, where
+that result's step or busiest rank's K/V is too high, with the links."""
+_POLISH_STEPS = 48
+_POLISH_TRIALS = 1200
+_POLISH_TOKENS = 1 << 19
+"""The polish makes at most `_POLISH_STEPS` swaps and prices at most `_POLISH_TRIALS` exactly, fewer past
+`_POLISH_TOKENS` tokens by the square of the ratio (each costs more there: more runs per rank, more ranks' links
+repriced), which keeps a 1M-token plan at cp 64 within a second on one core."""
 _PLAIN_FILLS = 4
 """The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
 """The best assignments the local repair is run on."""
@@ -368,6 +383,26 @@ def _best_fill(
         best = _no_worse(out[0], cands, imbalance)
         if best is not None:
             out = [best, *out]
+    if _POLISH and cp > 2:
+        # kernels alone first; where that buys its balance with the links, once more with them priced
+        pick = out[0]
+        share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
+        was: list[float] = []
+        _exact_price(pick[3], pieces, area, c, cp, law, (lo, hi), None, was)
+        for links in _POLISH_LINKS:
+            smooth = polish(
+                pick[3], tables, int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1, links
+            )
+            if np.array_equal(smooth, pick[3]):
+                break
+            busiest: list[int] = []
+            means: list[float] = []
+            step, metric, smooth = _exact_price(smooth, pieces, area, c, cp, law, (lo, hi), busiest, means)
+            if metric >= pick[1] or metric * was[0] > pick[1] * means[0]:
+                break  # no better balance: the links' weight would not bring one
+            if step <= pick[0] * (1.0 + _STEP_NOISE) and busiest[0] <= pick[4] * _BALANCE_REMOTE:
+                out = [(step, metric, -1, smooth, busiest[0]), *out]
+                break
     return [x[3] for x in out[:keep]]
 
 
