@@ -123,8 +123,8 @@ the polished assignment kept where its kernel metric is lower, its time imbalanc
 ranks' mean) no higher, its predicted step within `_STEP_NOISE` and its busiest rank's K/V within
 `_BALANCE_REMOTE` of the pick's."""
 _POLISH_LINKS = (0.0, 2.0)
-"""The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, then, where
-that result's step or busiest rank's K/V is too high, with the links."""
+"""The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, and the
+links priced too (which often lowers the step and the busiest rank's received keys as well)."""
 _POLISH_STEPS = 48
 _POLISH_TRIALS = 1200
 _POLISH_TOKENS = 1 << 19
@@ -384,25 +384,32 @@ def _best_fill(
         if best is not None:
             out = [best, *out]
     if _POLISH and cp > 2:
-        # kernels alone first; where that buys its balance with the links, once more with them priced
+        # the pick polished with the kernels alone and with the links priced too; a polished assignment
+        # qualifies where it balances better (lower kernel metric) at a step within `_STEP_NOISE` and a
+        # busiest rank's K/V within `_BALANCE_REMOTE` of the pick's; of those within `_FEWER_IMBALANCE` of the
+        # least time imbalance, the least step is kept
         pick = out[0]
         share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
-        was: list[float] = []
-        _exact_price(pick[3], pieces, area, c, cp, law, (lo, hi), None, was)
+        kept = []
         for links in _POLISH_LINKS:
             smooth = polish(
                 pick[3], tables, int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1, links
             )
             if np.array_equal(smooth, pick[3]):
-                break
+                continue
             busiest: list[int] = []
             means: list[float] = []
             step, metric, smooth = _exact_price(smooth, pieces, area, c, cp, law, (lo, hi), busiest, means)
-            if metric >= pick[1] or metric * was[0] > pick[1] * means[0]:
-                break  # no better balance: the links' weight would not bring one
-            if step <= pick[0] * (1.0 + _STEP_NOISE) and busiest[0] <= pick[4] * _BALANCE_REMOTE:
-                out = [(step, metric, -1, smooth, busiest[0]), *out]
-                break
+            if (
+                metric < pick[1]
+                and step <= pick[0] * (1.0 + _STEP_NOISE)
+                and busiest[0] <= pick[4] * _BALANCE_REMOTE
+            ):
+                kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
+        if kept:
+            least = min(x[0] for x in kept)
+            best = min((x[1] for x in kept if x[0] <= least + _FEWER_IMBALANCE), key=lambda x: (x[0], x[1]))
+            out = [best, *out]
     return [x[3] for x in out[:keep]]
 
 
