@@ -53,9 +53,10 @@ def test_a_single_causal_unit_is_cut_at_balanced_points() -> None:
     plan = documents_plans(sl, total, cp, LAW)[0]
     price = price_plan(plan, sl, LAW)
     assert price.time_imbalance < 1.06
-    for part in plan.partitions:  # each rank: a cheap early run and a costly late run (zigzag-like)
+    for part in plan.partitions:  # each rank: a cheap early run and a costly late run (zigzag-like), and
+        # where the balance polish moved a block, a middle one
         runs = np.split(np.asarray(part), np.flatnonzero(np.diff(part) != 1) + 1)
-        assert len(runs) <= 2
+        assert len(runs) <= 3
     # the later run is the shorter one: later rows cost more
     last = [np.split(np.asarray(p), np.flatnonzero(np.diff(p) != 1) + 1) for p in plan.partitions]
     two = [r for r in last if len(r) == 2]
@@ -75,12 +76,14 @@ def test_cuts_are_few_and_pieces_contiguous(seed: int) -> None:
         chunks = owner[a // c : -(-b // c)]
         extra += len(set(chunks.tolist())) - 1
         long_units += (b - a) > total // cp
-        # a cut unit's piece on each rank is a run of the unit's chunks (at most two: front and back)
+        # a cut unit's piece on each rank is a run of the unit's chunks (at most two: front and back; three
+        # where the balance polish moved a block)
         for r in set(chunks.tolist()):
             idx = np.flatnonzero(chunks == r)
-            assert len(np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)) <= 2
-    # each rank but the last ends two runs of the laid-out units; a long unit is laid as two segments
-    assert extra <= 2 * (cp - 1) + long_units + len(cu)  # doc boundaries inside a chunk: one more each
+            assert len(np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)) <= 3
+    # each rank but the last ends two runs of the laid-out units; a long unit is laid as two segments; the
+    # polish adds at most two (unit, rank) pairs per rank
+    assert extra <= 2 * (cp - 1) + long_units + len(cu) + 2 * cp  # doc boundaries inside a chunk: one each
     assert price_plan(plan, sl, LAW).time_imbalance < 1.25
 
 

@@ -125,6 +125,9 @@ ranks' mean) no higher, its predicted step within `_STEP_NOISE` and its busiest 
 _POLISH_LINKS = (0.0, 2.0)
 """The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, and the
 links priced too (which often lowers the step and the busiest rank's received keys as well)."""
+_POLISH_RUNS = (3, 2)
+"""Runs of one unit a rank may hold after the polish's swaps: three (a middle piece besides the early and
+late ones) first, two (as the fills lay them) where no polish with three qualifies."""
 _POLISH_STEPS = 48
 _POLISH_TRIALS = 1200
 _POLISH_TOKENS = 1 << 19
@@ -384,28 +387,33 @@ def _best_fill(
         if best is not None:
             out = [best, *out]
     if _POLISH and cp > 2:
-        # the pick polished with the kernels alone and with the links priced too; a polished assignment
-        # qualifies where it balances better (lower kernel metric) at a step within `_STEP_NOISE` and a
-        # busiest rank's K/V within `_BALANCE_REMOTE` of the pick's; of those within `_FEWER_IMBALANCE` of the
-        # least time imbalance, the least step is kept
+        # the pick polished with the kernels alone and with the links priced too (`_POLISH_RUNS` runs of a
+        # unit per rank, fewer where none qualifies); a polished assignment qualifies where it balances
+        # better (lower kernel metric) at a step within `_STEP_NOISE` and a busiest rank's K/V within
+        # `_BALANCE_REMOTE` of the pick's; of those within `_FEWER_IMBALANCE` of the least time imbalance,
+        # the least step is kept
         pick = out[0]
         share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
         kept = []
-        for links in _POLISH_LINKS:
-            smooth = polish(
-                pick[3], tables, int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1, links
-            )
-            if np.array_equal(smooth, pick[3]):
-                continue
-            busiest: list[int] = []
-            means: list[float] = []
-            step, metric, smooth = _exact_price(smooth, pieces, area, c, cp, law, (lo, hi), busiest, means)
-            if (
-                metric < pick[1]
-                and step <= pick[0] * (1.0 + _STEP_NOISE)
-                and busiest[0] <= pick[4] * _BALANCE_REMOTE
-            ):
-                kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
+        for runs in _POLISH_RUNS:
+            for links in _POLISH_LINKS:
+                steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
+                smooth = polish(pick[3], tables, steps, trials, links, runs)
+                if np.array_equal(smooth, pick[3]):
+                    continue
+                busiest: list[int] = []
+                means: list[float] = []
+                step, metric, smooth = _exact_price(
+                    smooth, pieces, area, c, cp, law, (lo, hi), busiest, means
+                )
+                if (
+                    metric < pick[1]
+                    and step <= pick[0] * (1.0 + _STEP_NOISE)
+                    and busiest[0] <= pick[4] * _BALANCE_REMOTE
+                ):
+                    kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
+            if kept:
+                break
         if kept:
             least = min(x[0] for x in kept)
             best = min((x[1] for x in kept if x[0] <= least + _FEWER_IMBALANCE), key=lambda x: (x[0], x[1]))

@@ -42,9 +42,9 @@ ranks holding the moved units): the polish's time stays within a few hundred mil
 _PARTNERS = 6
 """Ranks of least forward time and of least backward time a rank swaps with."""
 _RUNS = 2
-"""Runs of one unit a rank may hold (an early and a late piece, as the fills lay them; a unit alone stays
-cut like zigzag)."""
-_MORE_CUTS = 1.0
+"""Runs of one unit a rank may hold by default (an early and a late piece, as the fills lay them; a unit
+alone stays cut like zigzag)."""
+_MORE_CUTS = 2.0
 """(unit, rank) pairs holding chunks the polish may add, per rank: units stay whole where they were, but
 for about one more cut per rank."""
 _STEPS = 48
@@ -133,7 +133,12 @@ def _objective(fwd: np.ndarray, bwd: np.ndarray, link: np.ndarray, links: float,
 
 
 def polish(
-    owner: np.ndarray, chunks: ChunkTables, steps: int = _STEPS, trials: int = _TRIALS, links: float = 0.0
+    owner: np.ndarray,
+    chunks: ChunkTables,
+    steps: int = _STEPS,
+    trials: int = _TRIALS,
+    links: float = 0.0,
+    runs: int = _RUNS,
 ) -> np.ndarray:
     """A copy of `owner` (int64 `[n]`, the rank of each chunk) after the balance polish (module docstring).
 
@@ -145,6 +150,7 @@ def polish(
         links: weight of the slowest rank's link time in the objective, its received keys priced at the
             slower link's rate (between nodes past one node): 0 balances the kernels alone; 2 bounds the
             step's link share too (`step <= max fwd + max bwd + 2 max link`).
+        runs: runs of one unit a rank may hold after a swap (unless it held more before).
 
     Returns:
         int64 `[n]`: the polished owners. The smoothed objective never rises; the caller judges the result
@@ -170,7 +176,7 @@ def polish(
     goal = _objective(st.fwd, st.bwd, link, links, tau)
     priced = 0
     # the (unit, rank) pairs holding chunks: at most `_MORE_CUTS` per rank more than the input's
-    held, _ = _holdings(st, list(range(chunks.units.size - 1)), (0, 0))
+    held, _ = _holdings(st, list(range(chunks.units.size - 1)), ())
     cap = held + int(_MORE_CUTS * cp)
     for _ in range(steps):
         looked = list(dict.fromkeys(
@@ -183,7 +189,7 @@ def polish(
                 s, st, blocks, keys, rank_area, own, tau, goal, link, links, rate
             ):
                 priced += 1
-                times, more = _kernel_times(st, s, parts)
+                times, more = _kernel_times(st, s, parts, runs)
                 if not times or held + more > cap:  # s slower both ways, or too many units cut
                     continue
                 f, b, m = st.fwd.copy(), st.bwd.copy(), link.copy()
@@ -211,32 +217,35 @@ def polish(
     return st.owner
 
 
-def _holdings(st: _State, units: list[int], ranks: tuple[int, int]) -> tuple[int, int]:
-    """Over `units`: how many (unit, rank) pairs hold chunks, and the most runs of one unit on one of
-    `ranks` (the unit's chunks and the chunk on each side: one a unit shares with its neighbour)."""
-    held, most = 0, 0
+def _holdings(st: _State, units: list[int], ranks: tuple[int, int]) -> tuple[int, dict]:
+    """Over `units`: how many (unit, rank) pairs hold chunks, and the runs of each unit on each of `ranks`
+    (the unit's chunks and the chunk on each side: one a unit shares with its neighbour)."""
+    held, runs = 0, {}
     n = st.owner.size
     for w in units:
         held += np.unique(st.owner[st.units[w] : st.units[w + 1]]).size
         o = st.owner[max(int(st.units[w]) - 1, 0) : min(int(st.units[w + 1]) + 1, n)]
         for r in ranks:
             mine = o == r
-            most = max(most, int(mine[0]) + int((mine[1:] & ~mine[:-1]).sum()))
-    return held, most
+            runs[w, r] = int(mine[0]) + int((mine[1:] & ~mine[:-1]).sum())
+    return held, runs
 
 
-def _kernel_times(st: _State, s: int, parts: list) -> tuple[dict[int, tuple[float, float, int]], int]:
+def _kernel_times(
+    st: _State, s: int, parts: list, runs: int
+) -> tuple[dict[int, tuple[float, float, int]], int]:
     """The forward and backward kernel ms and key tokens of rank s and its partner with `parts` swapped
     (the owners are left unchanged), empty where s would be slower both ways (its kernel times) or where
-    one of the two would hold more than `_RUNS` runs of a unit (more than it did, if that was more); and
+    one of the two would hold more than `runs` runs of a unit (more than it did, if that was more); and
     the (unit, rank) pairs the swap adds."""
     (_, t), _ = parts
     units = sorted({int(w) for ch, _ in parts for w in np.unique(st.unit_of[ch]).tolist()})
     held, was = _holdings(st, units, (s, t))
     st._move(parts, False)
     try:
-        now, most = _holdings(st, units, (s, t))
-        out = {s: _rank_kernel(st, s)} if most <= max(_RUNS, was) else {}
+        now, got = _holdings(st, units, (s, t))
+        ok = all(k <= max(runs, was[key]) for key, k in got.items())
+        out = {s: _rank_kernel(st, s)} if ok else {}
         if out and (out[s][0] < st.fwd[s] or out[s][1] < st.bwd[s]):
             out[t] = _rank_kernel(st, t)
         else:
