@@ -111,3 +111,17 @@ def test_the_placement_balances_a_seeded_pack_with_the_polish(cp: int, limit: fl
         docs._POLISH = real
     assert polished <= limit
     assert polished <= bare + 1e-9
+
+
+def test_variants_share_their_set_up_and_match_single_runs() -> None:
+    # the placement polishes one pick several ways (links priced or not, runs per unit) from one set-up
+    from magi_solver.documents_polish import polish_variants
+
+    cp = 8
+    tables, _, area, _ = _tables(4096 * cp, cp, seed=5)
+    owner = np.repeat(np.arange(cp), area.size // cp)
+    variants = [(0.0, 3), (2.0, 3), (0.0, 2)]
+    together = polish_variants(owner, tables, variants)
+    for (links, runs), got in zip(variants, together, strict=True):
+        assert np.array_equal(got, polish(owner, tables, links=links, runs=runs))
+    assert not np.array_equal(together[0], owner)

@@ -62,7 +62,7 @@ import numpy as np
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
 from .documents_orient import oriented, oriented_where_no_worse
-from .documents_polish import polish
+from .documents_polish import polish_variants
 from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
@@ -395,10 +395,10 @@ def _best_fill(
         pick = out[0]
         share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
         kept = []
+        steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
         for runs in _POLISH_RUNS:
-            for links in _POLISH_LINKS:
-                steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
-                smooth = polish(pick[3], tables, steps, trials, links, runs)
+            variants = [(links, runs) for links in _POLISH_LINKS]
+            for smooth in polish_variants(pick[3], tables, variants, steps, trials):
                 if np.array_equal(smooth, pick[3]):
                     continue
                 busiest: list[int] = []

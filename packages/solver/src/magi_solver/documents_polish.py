@@ -10,12 +10,16 @@ direction, so a sequence of swaps can lower the second slowest before the slowes
 received keys even out together (both directions balance only where both do).
 
 A move swaps a block of k chunks at an end of one of rank s's runs (k in `_SIZES`, or the whole run) with a
-block of as many chunks at an end of one of another rank's runs, so every rank keeps its chunk count; s is
-among the `_CRITICAL` slowest ranks of each direction. Every such swap with every other rank is screened at
-once (numpy): its two ranks' new times by the law from the blocks' areas (exact) and key columns (a block's
-removal exact, its insertion against the other rank's key union before the swap); the `_SCREENED` best are
-priced exactly (the union of the keys their rows need) and the best that lowers the objective is made.
-At most `_STEPS` swaps; a pure, deterministic function of the assignment (every rank polishes alike).
+block of as many chunks at an end of one of a partner's runs, so every rank keeps its chunk count; s is
+among the `_CRITICAL` slowest ranks of each direction, the partners the `_PARTNERS` least loaded ranks of
+each. Every such swap is screened at once (numpy): its two ranks' new times by the law from the blocks'
+areas (exact) and key columns (a block's removal exact, its insertion against the other rank's key union
+before the swap); the `_SCREENED` best are priced exactly (the union of the keys their rows need) and the
+best that lowers the objective is made. The pieces stay pieces: no swap leaves a rank with more than `runs`
+runs of a unit (or more than it had), and all swaps together add at most `_MORE_CUTS` (unit, rank) pairs
+per rank. With `links` > 0 the objective also counts the slowest rank's received keys at the slower link's
+rate, so the balance is not bought with link time. At most `steps` swaps and `trials` exact prices; a pure,
+deterministic function of the assignment (every rank polishes alike).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 from .documents_repair import ChunkTables, _State
 from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN
 
-__all__ = ["polish"]
+__all__ = ["polish", "polish_variants"]
 
 _TAU = 0.005
 """The objective's temperature, as a share of the mean rank's forward + backward time: small enough that the
@@ -37,16 +41,15 @@ _CRITICAL = 2
 _SCREENED = 4
 """Screened swaps priced exactly per rank looked from."""
 _TRIALS = 1200
-"""Swaps priced exactly at most in all (each reprices its two ranks, and past one node the link times of the
-ranks holding the moved units): the polish's time stays within a few hundred milliseconds at 1M tokens."""
+"""Swaps priced exactly at most in all (each reprices the key unions of its two ranks)."""
 _PARTNERS = 6
 """Ranks of least forward time and of least backward time a rank swaps with."""
 _RUNS = 2
 """Runs of one unit a rank may hold by default (an early and a late piece, as the fills lay them; a unit
 alone stays cut like zigzag)."""
 _MORE_CUTS = 2.0
-"""(unit, rank) pairs holding chunks the polish may add, per rank: units stay whole where they were, but
-for about one more cut per rank."""
+"""(unit, rank) pairs holding chunks the polish may add, per rank: units stay whole where they were, and a
+cut unit spreads over a few more ranks at most."""
 _STEPS = 48
 """Swaps made at most (the polish stops earlier where none lowers the objective)."""
 
@@ -82,7 +85,6 @@ class _Blocks:
                  ordered: bool) -> None:  # fmt: skip
         idx = (owner == r).nonzero()[0]
         self.starts, self.ends = _union(lo[idx], hi[idx], ordered)
-        keys = int((self.ends - self.starts).sum())
         first, size = [], []
         if idx.size:
             brk = (np.diff(idx) != 1).nonzero()[0]
@@ -100,20 +102,24 @@ class _Blocks:
         self.first = np.asarray(first, dtype=np.int64)
         self.size = np.asarray(size, dtype=np.int64)
         self.area = area_cum[self.first + self.size] - area_cum[self.first]
-        rem, seg_of, seg_lo, seg_hi = [], [], [], []
+        # every block at once on the rank's key segments (between consecutive interval ends): a segment
+        # leaves the rank's union with a block when the block's chunks are all that cover it
+        l, h = lo[idx], hi[idx]
+        pts = np.unique(np.concatenate([l, h, [0]]))  # never empty (a rank without chunks has no blocks)
+        cover = (l[:, None] <= pts[None, :-1]) & (h[:, None] >= pts[None, 1:])  # chunk x segment
+        below = np.zeros((idx.size + 1, pts.size - 1), dtype=np.int64)
+        np.cumsum(cover, axis=0, out=below[1:])
         pos = np.searchsorted(idx, self.first)
-        for i, (p, x, k) in enumerate(zip(pos.tolist(), first, size)):
-            rest = np.concatenate([idx[:p], idx[p + k :]])
-            s, e = _union(lo[rest], hi[rest], ordered)
-            rem.append(int((e - s).sum()) - keys)
-            s, e = _union(lo[x : x + k], hi[x : x + k], ordered)
-            seg_of += [i] * s.size
-            seg_lo.append(s)
-            seg_hi.append(e)
-        self.rem = np.asarray(rem, dtype=np.int64)
-        self.seg_of = np.asarray(seg_of, dtype=np.int64)
-        self.seg_lo = np.concatenate(seg_lo) if seg_lo else np.zeros(0, dtype=np.int64)
-        self.seg_hi = np.concatenate(seg_hi) if seg_hi else np.zeros(0, dtype=np.int64)
+        mine = below[pos + self.size] - below[pos]  # block x segment: the block's chunks covering it
+        width = np.diff(pts)
+        self.rem = -(((mine == below[-1]) & (mine > 0)) * width).sum(axis=1)
+        # each block's own key intervals: its covered segments, touching ones merged
+        held = np.zeros((self.first.size, pts.size + 1), dtype=bool)
+        held[:, 1:-1] = mine > 0
+        step = np.diff(held.astype(np.int8), axis=1)
+        self.seg_of, at = (step == 1).nonzero()  # row-major: each block's starts in order, as its ends
+        self.seg_lo = pts[at]
+        self.seg_hi = pts[(step == -1).nonzero()[1]]
 
     def inserted(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Key tokens each block adds to a rank whose key union is `(starts, ends)`."""
@@ -156,16 +162,37 @@ def polish(
         int64 `[n]`: the polished owners. The smoothed objective never rises; the caller judges the result
         by its exact price (the links included) before keeping it.
     """
+    return polish_variants(owner, chunks, [(links, runs)], steps, trials)[0]
+
+
+def polish_variants(
+    owner: np.ndarray, chunks: ChunkTables, variants: list[tuple[float, int]], steps: int = _STEPS,
+    trials: int = _TRIALS,
+) -> list[np.ndarray]:  # fmt: skip
+    """`polish(owner, chunks, steps, trials, links, runs)` for each `(links, runs)` of `variants`, the ranks'
+    blocks (`_Blocks`, most of the set-up) built once for all."""
+    if chunks.cp <= 2:
+        return [owner.copy() for _ in variants]
+    lo, hi = chunks.lo, chunks.hi
+    ordered = bool((np.diff(lo) >= 0).all())
+    area_cum = np.concatenate([[0.0], np.cumsum(chunks.area, dtype=np.float64)])
+    blocks = [_Blocks(r, owner, lo, hi, area_cum, ordered) for r in range(chunks.cp)]
+    return [
+        _polish(owner, chunks, steps, trials, links, runs, list(blocks), area_cum, ordered)
+        for links, runs in variants
+    ]
+
+
+def _polish(
+    owner: np.ndarray, chunks: ChunkTables, steps: int, trials: int, links: float, runs: int,
+    blocks: list[_Blocks], area_cum: np.ndarray, ordered: bool,
+) -> np.ndarray:  # fmt: skip
+    """`polish` from the ranks' blocks of `owner` (replaced in `blocks` as swaps are made)."""
     cp = chunks.cp
-    if cp <= 2:
-        return owner.copy()
     st = _State(owner.copy(), chunks)
     lo, hi = chunks.lo, chunks.hi
-    ordered = st._lo_sorted
-    area_cum = np.concatenate([[0.0], np.cumsum(chunks.area, dtype=np.float64)])
     own = np.bincount(st.owner, minlength=cp).astype(np.float64) * chunks.tokens_per_chunk
     rank_area = np.bincount(st.owner, weights=chunks.area, minlength=cp)
-    blocks = [_Blocks(r, st.owner, lo, hi, area_cum, ordered) for r in range(cp)]
     keys = np.asarray([float((b.ends - b.starts).sum()) for b in blocks])
     tau = _TAU * float(st.fwd.mean() + st.bwd.mean())
     if tau <= 0:
@@ -295,11 +322,22 @@ def _screened_swaps(
     t_size = np.concatenate([blocks[t].size for t in others])
     t_area = np.concatenate([blocks[t].area for t in others])
     t_rem = np.concatenate([blocks[t].rem for t in others])
-    # keys each partner block adds to s; keys each of s's blocks adds to each partner
-    into_s = np.concatenate([blocks[t].inserted(mine.starts, mine.ends) for t in others])
+    # keys each partner block adds to s; keys each of s's blocks adds to each partner (one array op each)
+    base = np.cumsum([0] + [blocks[t].first.size for t in others])
+    seg_of = np.concatenate([blocks[t].seg_of + b for t, b in zip(others, base[:-1].tolist())])
+    seg_lo = np.concatenate([blocks[t].seg_lo for t in others])
+    seg_hi = np.concatenate([blocks[t].seg_hi for t in others])
+    new = (seg_hi - seg_lo) - _overlap(seg_lo, seg_hi, mine.starts, mine.ends)
+    into_s = np.bincount(seg_of, weights=new, minlength=int(base[-1]))
+    u_lo = np.concatenate([blocks[t].starts for t in others])
+    u_hi = np.concatenate([blocks[t].ends for t in others])
+    u_of = np.concatenate([np.full(blocks[t].starts.size, t, dtype=np.int64) for t in others])
+    inner = np.minimum(mine.seg_hi[:, None], u_hi[None, :]) - np.maximum(mine.seg_lo[:, None], u_lo[None, :])
+    covered = np.zeros((mine.seg_of.size, cp))
+    np.add.at(covered.T, u_of, np.maximum(inner, 0).T)  # segment x partner: its keys the partner holds
+    new = (mine.seg_hi - mine.seg_lo)[:, None] - covered
     into_t = np.zeros((cp, mine.first.size))
-    for t in others:
-        into_t[t] = mine.inserted(blocks[t].starts, blocks[t].ends)
+    np.add.at(into_t.T, mine.seg_of, new)
     ui, vi = [], []
     for k in np.unique(mine.size).tolist():
         a = (mine.size == k).nonzero()[0]
