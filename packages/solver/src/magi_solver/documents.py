@@ -398,9 +398,11 @@ def _best_fill(
         steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
         for runs in _POLISH_RUNS:
             variants = [(links, runs) for links in _POLISH_LINKS]
+            moved = False
             for smooth in polish_variants(pick[3], tables, variants, steps, trials):
                 if np.array_equal(smooth, pick[3]):
                     continue
+                moved = True
                 busiest: list[int] = []
                 means: list[float] = []
                 step, metric, smooth = _exact_price(
@@ -412,7 +414,7 @@ def _best_fill(
                     and busiest[0] <= pick[4] * _BALANCE_REMOTE
                 ):
                     kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
-            if kept:
+            if kept or not moved:  # fewer runs allowed cannot move what more runs did not
                 break
         if kept:
             least = min(x[0] for x in kept)
