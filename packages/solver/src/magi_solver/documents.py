@@ -118,10 +118,10 @@ _FEWER_IMBALANCE = 0.01
 """How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
 _POLISH = True
-"""Past two ranks the pick is polished last (`documents_polish`: block swaps by a smoothed slowest rank) and
-the polished assignment kept where its kernel metric is lower, its time imbalance (the metric over the
-ranks' mean) no higher, its predicted step within `_STEP_NOISE` and its busiest rank's K/V within
-`_BALANCE_REMOTE` of the pick's."""
+"""Past two ranks the pick is polished last (`documents_polish`: block swaps by a smoothed slowest rank); a
+polished assignment qualifies where its kernel metric is lower, its predicted step within `_STEP_NOISE` and
+its busiest rank's K/V within `_BALANCE_REMOTE` of the pick's, and of those within `_FEWER_IMBALANCE` of the
+least time imbalance the least step replaces the pick."""
 _POLISH_LINKS = (0.0, 2.0)
 """The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, and the
 links priced too (which often lowers the step and the busiest rank's received keys as well)."""
@@ -132,8 +132,8 @@ _POLISH_STEPS = 48
 _POLISH_TRIALS = 1200
 _POLISH_TOKENS = 1 << 19
 """The polish makes at most `_POLISH_STEPS` swaps and prices at most `_POLISH_TRIALS` exactly, fewer past
-`_POLISH_TOKENS` tokens by the square of the ratio (each costs more there: more runs per rank, more ranks' links
-repriced), which keeps a 1M-token plan at cp 64 within a second on one core."""
+`_POLISH_TOKENS` tokens by the square of the ratio (each swap costs more there: more runs and blocks per
+rank), which keeps a 1M-token plan at cp 64 within a second on one core."""
 _PLAIN_FILLS = 4
 """The sum-priced fills (the first in `_best_fill`); past two ranks two split-priced fills follow."""
 """The best assignments the local repair is run on."""

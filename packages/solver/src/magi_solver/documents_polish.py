@@ -121,11 +121,6 @@ class _Blocks:
         self.seg_lo = pts[at]
         self.seg_hi = pts[(step == -1).nonzero()[1]]
 
-    def inserted(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Key tokens each block adds to a rank whose key union is `(starts, ends)`."""
-        new = (self.seg_hi - self.seg_lo) - _overlap(self.seg_lo, self.seg_hi, starts, ends)
-        return np.bincount(self.seg_of, weights=new, minlength=self.first.size)
-
 
 def _lse(x: np.ndarray, tau: float) -> float:
     m = float(x.max())
