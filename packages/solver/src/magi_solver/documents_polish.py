@@ -326,13 +326,13 @@ def _screened_swaps(
     into_s = np.bincount(seg_of, weights=new, minlength=int(base[-1]))
     u_lo = np.concatenate([blocks[t].starts for t in others])
     u_hi = np.concatenate([blocks[t].ends for t in others])
-    u_of = np.concatenate([np.full(blocks[t].starts.size, t, dtype=np.int64) for t in others])
+    u_at = np.cumsum([0] + [blocks[t].starts.size for t in others[:-1]])  # each partner's first interval
     inner = np.minimum(mine.seg_hi[:, None], u_hi[None, :]) - np.maximum(mine.seg_lo[:, None], u_lo[None, :])
-    covered = np.zeros((mine.seg_of.size, cp))
-    np.add.at(covered.T, u_of, np.maximum(inner, 0).T)  # segment x partner: its keys the partner holds
+    covered = np.add.reduceat(np.maximum(inner, 0), u_at, axis=1)  # segment x partner: keys it holds
     new = (mine.seg_hi - mine.seg_lo)[:, None] - covered
+    # a block's segments are consecutive (`_Blocks`) and every block has one at least (its own keys)
     into_t = np.zeros((cp, mine.first.size))
-    np.add.at(into_t.T, mine.seg_of, new)
+    into_t[others] = np.add.reduceat(new, np.searchsorted(mine.seg_of, np.arange(mine.first.size)), axis=0).T
     ui, vi = [], []
     for k in np.unique(mine.size).tolist():
         a = (mine.size == k).nonzero()[0]
