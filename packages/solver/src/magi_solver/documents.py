@@ -62,6 +62,7 @@ import numpy as np
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
 from .documents_orient import oriented, oriented_where_no_worse
+from .documents_polish import _BALANCED as POLISH_BALANCED
 from .documents_polish import polish_variants
 from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
@@ -386,7 +387,10 @@ def _best_fill(
         best = _no_worse(out[0], cands, imbalance)
         if best is not None:
             out = [best, *out]
+    was: list[float] = []
     if _POLISH and cp > 2:
+        _exact_price(out[0][3], pieces, area, c, cp, law, (lo, hi), None, was)
+    if _POLISH and cp > 2 and out[0][1] > was[0] * (1.0 + POLISH_BALANCED):
         # the pick polished with the kernels alone and with the links priced too (`_POLISH_RUNS` runs of a
         # unit per rank, fewer where none qualifies); a polished assignment qualifies where it balances
         # better (lower kernel metric) at a step within `_STEP_NOISE` and a busiest rank's K/V within

@@ -50,6 +50,9 @@ alone stays cut like zigzag)."""
 _MORE_CUTS = 2.0
 """(unit, rank) pairs holding chunks the polish may add, per rank: units stay whole where they were, and a
 cut unit spreads over a few more ranks at most."""
+_BALANCED = 0.01
+"""The polish stops once `max fwd + max bwd` is within this share of `mean fwd + mean bwd` (the caller does
+not start it there): a step's worth of planning per new mask is not spent on less."""
 _STEPS = 48
 """Swaps made at most (the polish stops earlier where none lowers the objective)."""
 
@@ -201,6 +204,8 @@ def _polish(
     held, _ = _holdings(st, list(range(chunks.units.size - 1)), ())
     cap = held + int(_MORE_CUTS * cp)
     for _ in range(steps):
+        if st.fwd.max() + st.bwd.max() <= (st.fwd.mean() + st.bwd.mean()) * (1.0 + _BALANCED):
+            break  # balanced: what is left to gain is below the law's error
         looked = list(dict.fromkeys(
             [int(x) for x in np.argsort(-st.fwd, kind="stable")[:_CRITICAL]]
             + [int(x) for x in np.argsort(-st.bwd, kind="stable")[:_CRITICAL]]
@@ -211,15 +216,18 @@ def _polish(
                 s, st, blocks, keys, rank_area, own, tau, goal, link, links, rate
             ):
                 priced += 1
-                times, more = _kernel_times(st, s, parts, runs)
-                if not times or held + more > cap:  # s slower both ways, or too many units cut
+                times = _kernel_times(st, s, parts)
+                if not times:  # s slower both ways
                     continue
                 f, b, m = st.fwd.copy(), st.bwd.copy(), link.copy()
                 for r, (x, y, k) in times.items():
                     f[r], b[r], m[r] = x, y, max(k - own[r], 0.0) * rate
                 got = _objective(f, b, m, links, tau)
                 if got < goal * (1.0 - 1e-9) and (best is None or got < best[0]):
-                    best = (got, s, parts[0][1], parts, times, more)
+                    # the pieces' limits, checked only for a swap that would be made
+                    more = _cuts_added(st, s, parts, runs)
+                    if more is not None and held + more <= cap:
+                        best = (got, s, parts[0][1], parts, times, more)
         if best is None:
             break
         goal, s, t, parts, times, more = best
@@ -253,36 +261,40 @@ def _holdings(st: _State, units: list[int], ranks: tuple[int, int]) -> tuple[int
     return held, runs
 
 
-def _kernel_times(
-    st: _State, s: int, parts: list, runs: int
-) -> tuple[dict[int, tuple[float, float, int]], int]:
+def _kernel_times(st: _State, s: int, parts: list) -> dict[int, tuple[float, float, int]]:
     """The forward and backward kernel ms and key tokens of rank s and its partner with `parts` swapped
-    (the owners are left unchanged), empty where s would be slower both ways (its kernel times) or where
-    one of the two would hold more than `runs` runs of a unit (more than it did, if that was more); and
-    the (unit, rank) pairs the swap adds."""
+    (the owners are left unchanged); empty where s would be slower both ways (its kernel times)."""
+    (_, t), _ = parts
+    st._move(parts, False)
+    try:
+        out = {s: _rank_kernel(st, s)}
+        if out[s][0] < st.fwd[s] or out[s][1] < st.bwd[s]:
+            out[t] = _rank_kernel(st, t)
+        else:
+            out = {}
+    finally:
+        st._move([(ch, r) for (ch, _), r in zip(parts, (s, t))], False)
+    return out
+
+
+def _cuts_added(st: _State, s: int, parts: list, runs: int) -> int | None:
+    """The (unit, rank) pairs holding chunks that swapping `parts` adds, or None where rank s or its
+    partner would hold more than `runs` runs of a unit (more than it did, if that was more)."""
     (_, t), _ = parts
     units = sorted({int(w) for ch, _ in parts for w in np.unique(st.unit_of[ch]).tolist()})
     held, was = _holdings(st, units, (s, t))
     st._move(parts, False)
     try:
         now, got = _holdings(st, units, (s, t))
-        ok = all(k <= max(runs, was[key]) for key, k in got.items())
-        out = {s: _rank_kernel(st, s)} if ok else {}
-        if out and (out[s][0] < st.fwd[s] or out[s][1] < st.bwd[s]):
-            out[t] = _rank_kernel(st, t)
-        else:
-            out = {}
     finally:
         st._move([(ch, r) for (ch, _), r in zip(parts, (s, t))], False)
-    return out, now - held
+    return now - held if all(k <= max(runs, was[key]) for key, k in got.items()) else None
 
 
 def _rank_kernel(st: _State, r: int) -> tuple[float, float, int]:
     """Rank r's forward and backward kernel ms and key tokens (own included) on the current owners."""
     _, _, keys, own, a = st._intervals(r)
-    if a <= 0:
-        return 0.0, 0.0, keys
-    return float(st.law.fwd_ms(a, keys, own)), float(st.law.bwd_ms(a, keys, own)), keys
+    return (*st.kernel_ms(a, keys, own), keys)
 
 
 def _screened_swaps(

@@ -161,15 +161,19 @@ class _State:
         if not starts:
             return 0.0, 0.0, 0.0
         comm = self._link_ms(r, starts, ends, keys, own)
-        if a <= 0:  # no tiles: no kernel call (`kernel_law.DirectionLaw.us`)
-            return 0.0, 0.0, comm
-        # `law.fwd_ms` / `bwd_ms` of one rank, in scalars (this runs for every swap tried)
+        return (*self.kernel_ms(a, keys, own), comm)
+
+    def kernel_ms(self, a: float, keys: int, own: int) -> tuple[float, float]:
+        """`law.fwd_ms` / `bwd_ms` of one rank (area, key tokens, own tokens), in scalars: this runs for
+        every swap tried. No tiles: no kernel call (`kernel_law.DirectionLaw.us`)."""
+        if a <= 0:
+            return 0.0, 0.0
         t, k, q = a / (TILE * TILE), keys / TILE, -(-own // TILE)
         f, b = self.law.fwd, self.law.bwd
         ms = self.law.scale * 1e-3
         fwd = (f.tiles * t + f.key_columns * k + f.rows * q + f.call) * ms
         bwd = (b.tiles * t + b.key_columns * k + b.rows * q + b.call) * ms
-        return fwd, bwd, comm
+        return fwd, bwd
 
     def link_only(self, r: int) -> tuple[float, float, float]:
         """`rank(r)` for a rank whose chunks are those it held when last priced (another rank's chunks
