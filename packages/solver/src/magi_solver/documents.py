@@ -62,8 +62,7 @@ import numpy as np
 from .dispatch import PLACEMENTS, DispatchAlg, DispatchPlan, dispatch_lower_bound, padded_seqlen
 from .documents_fills import _balanced_anchored, _balanced_two_ended, _halved, _laid_out, _Virtual
 from .documents_orient import oriented, oriented_where_no_worse
-from .documents_polish import _BALANCED as POLISH_BALANCED
-from .documents_polish import polish_variants
+from .documents_polish import BALANCED, polish_variants
 from .documents_repair import _EVALS, ChunkTables, hull_traffic, repair
 from .documents_units import _chunk_tables, _Costs, find_units, token_units
 from .kernel_law import KernelLaw, law_for_mask
@@ -387,44 +386,49 @@ def _best_fill(
         best = _no_worse(out[0], cands, imbalance)
         if best is not None:
             out = [best, *out]
-    was: list[float] = []
     if _POLISH and cp > 2:
-        _exact_price(out[0][3], pieces, area, c, cp, law, (lo, hi), None, was)
-    if _POLISH and cp > 2 and out[0][1] > was[0] * (1.0 + POLISH_BALANCED):
-        # the pick polished with the kernels alone and with the links priced too (`_POLISH_RUNS` runs of a
-        # unit per rank, fewer where none qualifies); a polished assignment qualifies where it balances
-        # better (lower kernel metric) at a step within `_STEP_NOISE` and a busiest rank's K/V within
-        # `_BALANCE_REMOTE` of the pick's; of those within `_FEWER_IMBALANCE` of the least time imbalance,
-        # the least step is kept
-        pick = out[0]
-        share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
-        kept = []
-        steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
-        for runs in _POLISH_RUNS:
-            variants = [(links, runs) for links in _POLISH_LINKS]
-            moved = False
-            for smooth in polish_variants(pick[3], tables, variants, steps, trials):
-                if np.array_equal(smooth, pick[3]):
-                    continue
-                moved = True
-                busiest: list[int] = []
-                means: list[float] = []
-                step, metric, smooth = _exact_price(
-                    smooth, pieces, area, c, cp, law, (lo, hi), busiest, means
-                )
-                if (
-                    metric < pick[1]
-                    and step <= pick[0] * (1.0 + _STEP_NOISE)
-                    and busiest[0] <= pick[4] * _BALANCE_REMOTE
-                ):
-                    kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
-            if kept or not moved:  # fewer runs allowed cannot move what more runs did not
-                break
-        if kept:
-            least = min(x[0] for x in kept)
-            best = min((x[1] for x in kept if x[0] <= least + _FEWER_IMBALANCE), key=lambda x: (x[0], x[1]))
-            out = [best, *out]
+        out = _polished(out, tables, pieces, area, law, (lo, hi))
     return [x[3] for x in out[:keep]]
+
+
+def _polished(out: list[tuple], tables: ChunkTables, pieces: tuple, area: np.ndarray, law: KernelLaw,
+              hull: tuple[np.ndarray, np.ndarray]) -> list[tuple]:  # fmt: skip
+    """`out` (`_ranked`'s tuples, the pick first) with the pick's best polish first where one qualifies: the
+    pick polished with the kernels alone and with the links priced too (`_POLISH_RUNS` runs of a unit per
+    rank, fewer where none qualifies); a polished assignment qualifies where it balances better (lower
+    kernel metric) at a step within `_STEP_NOISE` and a busiest rank's K/V within `_BALANCE_REMOTE` of the
+    pick's; of those within `_FEWER_IMBALANCE` of the least time imbalance, the least step is kept. A pick
+    already within `documents_polish.BALANCED` of balanced is left as it is."""
+    pick = out[0]
+    c, cp, n = tables.tokens_per_chunk, tables.cp, area.size
+    was: list[float] = []
+    _exact_price(pick[3], pieces, area, c, cp, law, hull, None, was)
+    if pick[1] <= was[0] * (1.0 + BALANCED):
+        return out
+    share = min(1.0, _POLISH_TOKENS / max(n * c, 1)) ** 2
+    steps, trials = int(_POLISH_STEPS * share) or 1, int(_POLISH_TRIALS * share) or 1
+    kept = []
+    for runs in _POLISH_RUNS:
+        moved = False
+        for smooth in polish_variants(pick[3], tables, [(x, runs) for x in _POLISH_LINKS], steps, trials):
+            if np.array_equal(smooth, pick[3]):
+                continue
+            moved = True
+            busiest: list[int] = []
+            means: list[float] = []
+            step, metric, smooth = _exact_price(smooth, pieces, area, c, cp, law, hull, busiest, means)
+            if (
+                metric < pick[1]
+                and step <= pick[0] * (1.0 + _STEP_NOISE)
+                and busiest[0] <= pick[4] * _BALANCE_REMOTE
+            ):
+                kept.append((metric / means[0], (step, metric, -1 - len(kept), smooth, busiest[0])))
+        if kept or not moved:  # fewer runs allowed cannot move what more runs did not
+            break
+    if not kept:
+        return out
+    least = min(x[0] for x in kept)
+    return [min((x[1] for x in kept if x[0] <= least + _FEWER_IMBALANCE), key=lambda x: (x[0], x[1])), *out]
 
 
 def documents_plans(

@@ -29,7 +29,7 @@ import numpy as np
 from .documents_repair import ChunkTables, _State
 from .pricing import INTERNODE_GBPS, INTRANODE_GBPS, KV_BYTES_PER_TOKEN
 
-__all__ = ["polish", "polish_variants"]
+__all__ = ["BALANCED", "polish", "polish_variants"]
 
 _TAU = 0.005
 """The objective's temperature, as a share of the mean rank's forward + backward time: small enough that the
@@ -50,7 +50,7 @@ alone stays cut like zigzag)."""
 _MORE_CUTS = 2.0
 """(unit, rank) pairs holding chunks the polish may add, per rank: units stay whole where they were, and a
 cut unit spreads over a few more ranks at most."""
-_BALANCED = 0.01
+BALANCED = 0.01
 """The polish stops once `max fwd + max bwd` is within this share of `mean fwd + mean bwd` (the caller does
 not start it there): a step's worth of planning per new mask is not spent on less."""
 _STEPS = 48
@@ -204,7 +204,7 @@ def _polish(
     held, _ = _holdings(st, list(range(chunks.units.size - 1)), ())
     cap = held + int(_MORE_CUTS * cp)
     for _ in range(steps):
-        if st.fwd.max() + st.bwd.max() <= (st.fwd.mean() + st.bwd.mean()) * (1.0 + _BALANCED):
+        if st.fwd.max() + st.bwd.max() <= (st.fwd.mean() + st.bwd.mean()) * (1.0 + BALANCED):
             break  # balanced: what is left to gain is below the law's error
         looked = list(dict.fromkeys(
             [int(x) for x in np.argsort(-st.fwd, kind="stable")[:_CRITICAL]]
