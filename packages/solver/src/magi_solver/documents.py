@@ -118,10 +118,7 @@ _FEWER_IMBALANCE = 0.01
 """How much worse a fewer-keys layout's time imbalance may be than the pick's (`_no_worse`)."""
 _SPLIT_FILLS = True
 _POLISH = True
-"""Past two ranks the pick is polished last (`documents_polish`: block swaps by a smoothed slowest rank); a
-polished assignment qualifies where its kernel metric is lower, its predicted step within `_STEP_NOISE` and
-its busiest rank's K/V within `_BALANCE_REMOTE` of the pick's, and of those within `_FEWER_IMBALANCE` of the
-least time imbalance the least step replaces the pick."""
+"""Past two ranks the pick is polished last (`_polished`)."""
 _POLISH_LINKS = (0.0, 2.0)
 """The polish's weights of the slowest link time (`documents_polish.polish`): the kernels alone, and the
 links priced too (which often lowers the step and the busiest rank's received keys as well)."""
