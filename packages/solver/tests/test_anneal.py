@@ -7,24 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from magi_solver.builders import make_family_mask
-from magi_solver.documents import documents_plans
 from magi_solver.documents_repair import _State
-from magi_solver.kernel_law import law_for_mask
-from magi_solver.tools.anneal import anneal, main, placement_tables
+from magi_solver.tools.anneal import anneal, family_placement, main
 
 
 def _case(name: str = "docs4k_causal", total: int = 8192, cp: int = 4, seed: int = 1):
-    spec = make_family_mask(name, total, seed)
-    sl = [
-        (*q, *k, t.code) for q, k, t in zip(spec.q_ranges.to_tuples(), spec.k_ranges.to_tuples(), spec.types)
-    ]
-    law = law_for_mask(sl, total)
-    plan = documents_plans(sl, total, cp, law)[0]
-    tables = placement_tables(sl, plan.total_seqlen, cp, law, plan.chunk_size)
-    owner = np.empty(plan.num_chunks, dtype=np.int64)
-    for r, part in enumerate(plan.partitions):
-        owner[list(part)] = r
+    _, tables, owner = family_placement(name, total, cp, seed)
     return tables, owner
 
 

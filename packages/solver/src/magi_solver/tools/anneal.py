@@ -33,13 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..builders import FAMILY_MASKS, make_family_mask
+from ..dispatch import DispatchPlan
 from ..documents import documents_plans
 from ..documents_repair import ChunkTables, _State
 from ..documents_units import _chunk_tables, _Costs, find_units
 from ..kernel_law import KernelLaw, law_for_mask
 from ..pricing import NODE
 
-__all__ = ["AnnealResult", "anneal", "main", "placement_tables"]
+__all__ = ["AnnealResult", "anneal", "family_placement", "main", "placement_tables"]
 
 _STARTS = ("plan", "contiguous")
 """`--start`: the documents placement's assignment, or rank r holding the r-th equal run of chunks."""
@@ -82,6 +83,23 @@ def placement_tables(
     at = np.arange(n, dtype=np.int64) * chunk_size
     lo, hi = np.minimum(klo, at), np.maximum(khi, at + chunk_size)
     return ChunkTables(area, lo, hi, units, chunk_size, cp, law, NODE)
+
+
+def family_placement(
+    name: str, total: int, cp: int, seed: int = 0
+) -> tuple[DispatchPlan, ChunkTables, np.ndarray]:
+    """The documents placement of mask family `name` (`FAMILY_MASKS`, documents of `seed`) over `total` tokens
+    at `cp` ranks, priced by the law `auto` would pick: `(plan, its tables, int64 [n] owner of each chunk)`."""
+    spec = make_family_mask(name, total, seed)
+    sl = [
+        (*q, *k, t.code) for q, k, t in zip(spec.q_ranges.to_tuples(), spec.k_ranges.to_tuples(), spec.types)
+    ]
+    law = law_for_mask(sl, total)
+    plan = documents_plans(sl, total, cp, law)[0]
+    owner = np.empty(plan.num_chunks, dtype=np.int64)
+    for r, part in enumerate(plan.partitions):
+        owner[list(part)] = r
+    return plan, placement_tables(sl, plan.total_seqlen, cp, law, plan.chunk_size), owner
 
 
 def _rank_times(st: _State, r: int) -> tuple[float, float]:
@@ -175,16 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.mask.split(","):
         for tpg in (int(x) for x in args.tokens_per_gpu.split(",")):
             for cp in (int(x) for x in args.cp.split(",")):
-                total = tpg * cp
-                spec = make_family_mask(name, total, args.seed)
-                sl = [(*q, *k, t.code) for q, k, t in
-                      zip(spec.q_ranges.to_tuples(), spec.k_ranges.to_tuples(), spec.types)]  # fmt: skip
-                law = law_for_mask(sl, total)
-                plan = documents_plans(sl, total, cp, law)[0]
-                tables = placement_tables(sl, plan.total_seqlen, cp, law, plan.chunk_size)
-                owner = np.empty(plan.num_chunks, dtype=np.int64)
-                for r, part in enumerate(plan.partitions):
-                    owner[list(part)] = r
+                plan, tables, owner = family_placement(name, tpg * cp, cp, args.seed)
+                law = tables.law
                 plan_metric = anneal(owner, tables, swaps=1, temperature=0.0).start_metric_ms
                 for start in starts:
                     first = (
