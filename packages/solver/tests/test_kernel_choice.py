@@ -157,6 +157,10 @@ def test_shipped_table_loads_and_unknown_kinds_have_none() -> None:
     assert table is not None and table.gpu_kind == "h200" and len(table.rows) >= 10
     assert {b for r in table.rows for b in r["ms"]} >= {"fa4", "cudnn"}
     assert load_kernel_table("b200") is None
+    # Hopper kinds without a table of their own read the H200's (the same kernels and tiles)
+    for kind in ("h100", "h800"):
+        hopper = load_kernel_table(kind)
+        assert hopper is not None and hopper.gpu_kind == "h200" and hopper.rows == table.rows
     with pytest.raises(ValueError, match="lacks"):
         KernelTable.from_dict({"gpu_kind": "x", "rows": [{"mask": "full", "tokens": 1}]})
 
@@ -281,6 +285,8 @@ def test_advise_kernel_asks_the_table_once_and_the_features_only_when_two_candid
     assert advice.reason == "" and advice.pick == pick_kernel(
         load_kernel_table("h200"), problems.features(), 128, ["cudnn", "fa4"]
     )
+    h100 = advise_kernel("h100", 128, ("cudnn", "fa4"), problems)  # the H200's table, said in the reason
+    assert h100 == advice and "h200 table" in h100.pick.reason
     det = advise_kernel("h200", 128, ("cudnn", "triton"), problems, deterministic=True)
     assert det.pick == pick_kernel(
         load_kernel_table("h200"), problems.features(), 128, ["cudnn", "triton"], deterministic=True

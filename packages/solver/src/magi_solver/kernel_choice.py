@@ -69,6 +69,7 @@ from .kv_layout import KVLayout
 from .mask import AttnSlice, SliceList
 
 __all__ = [
+    "SAME_ARCHITECTURE",
     "SPLIT_GAIN",
     "TILE",
     "KernelAdvice",
@@ -338,14 +339,24 @@ class KernelTable:
         return cls(str(data["gpu_kind"]), str(data.get("source", "")), tuple(rows))
 
 
+SAME_ARCHITECTURE: dict[str, str] = {"h100": "h200", "h800": "h200", "h20": "h200", "gh200": "h200"}
+"""GPU kinds with no table of their own that read the table of a kind of the same architecture (Hopper,
+sm90: the same kernels, the same tiles). Which backend is faster follows the architecture more than the
+memory: on an H100 (2026-12-05, the slowest ranks of the documents placement at 8k tokens per GPU, cp 8-64,
+four packed-document families) cuDNN, the H200 table's pick for them, ran the backward 1.4-2.4x and the
+forward 1.06-1.28x as fast as FA4, which the capability rule picks (`docs/benchmarks/scaling.md`)."""
+
+
 @cache
 def load_kernel_table(gpu_kind: str) -> KernelTable | None:
-    """The shipped table of ``gpu_kind`` ("h200", ...), or None when none was measured for it."""
-    name = f"{gpu_kind}.json"
+    """The shipped table of ``gpu_kind`` ("h200", ...), else that of its architecture's measured kind
+    (`SAME_ARCHITECTURE`: an H100 reads the H200's; the table's ``gpu_kind`` says whose it is), or None when
+    neither was measured."""
     folder = resources.files("magi_solver").joinpath("kernel_tables")
-    if not folder.joinpath(name).is_file():
-        return None
-    return KernelTable.from_dict(json.loads(folder.joinpath(name).read_text()))
+    for kind in dict.fromkeys((gpu_kind, SAME_ARCHITECTURE.get(gpu_kind, gpu_kind))):
+        if folder.joinpath(f"{kind}.json").is_file():
+            return KernelTable.from_dict(json.loads(folder.joinpath(f"{kind}.json").read_text()))
+    return None
 
 
 def _distance(f: MaskFeatures, row: dict) -> float:

@@ -88,10 +88,11 @@ def _auto_table() -> dict:
 
     kind = local_gpu_kind()
     table = load_kernel_table(kind)
-    path = resources.files("magi_solver").joinpath("kernel_tables", f"{kind}.json")
     if table is None:
         return {"gpu_kind": kind, "path": None, "rows": 0,
                 "note": f"no table for {kind!r}: auto uses the capability rule"}  # fmt: skip
+    # an H100 reads the H200's table (`kernel_choice.SAME_ARCHITECTURE`): the file is the table's own kind's
+    path = resources.files("magi_solver").joinpath("kernel_tables", f"{table.gpu_kind}.json")
     return {"gpu_kind": kind, "path": str(path), "rows": len(table.rows), "source": table.source}
 
 
