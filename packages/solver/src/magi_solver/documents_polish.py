@@ -267,9 +267,9 @@ def _kernel_times(st: _State, s: int, parts: list) -> dict[int, tuple[float, flo
     (_, t), _ = parts
     st._move(parts, False)
     try:
-        out = {s: _rank_kernel(st, s)}
+        out = {s: st.kernel(s)}
         if out[s][0] < st.fwd[s] or out[s][1] < st.bwd[s]:
-            out[t] = _rank_kernel(st, t)
+            out[t] = st.kernel(t)
         else:
             out = {}
     finally:
@@ -289,12 +289,6 @@ def _cuts_added(st: _State, s: int, parts: list, runs: int) -> int | None:
     finally:
         st._move([(ch, r) for (ch, _), r in zip(parts, (s, t))], False)
     return now - held if all(k <= max(runs, was[key]) for key, k in got.items()) else None
-
-
-def _rank_kernel(st: _State, r: int) -> tuple[float, float, int]:
-    """Rank r's forward and backward kernel ms and key tokens (own included) on the current owners."""
-    _, _, keys, own, a = st._intervals(r)
-    return (*st.kernel_ms(a, keys, own), keys)
 
 
 def _screened_swaps(

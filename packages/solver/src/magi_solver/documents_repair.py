@@ -163,6 +163,12 @@ class _State:
         comm = self._link_ms(r, starts, ends, keys, own)
         return (*self.kernel_ms(a, keys, own), comm)
 
+    def kernel(self, r: int) -> tuple[float, float, int]:
+        """Rank r's forward and backward kernel ms and key tokens (own included) on the current owners (not
+        counted in `evals`: the polish and the annealing check price with it)."""
+        _, _, keys, own, a = self._intervals(r)
+        return (*self.kernel_ms(a, keys, own), keys)
+
     def kernel_ms(self, a: float, keys: int, own: int) -> tuple[float, float]:
         """`law.fwd_ms` / `bwd_ms` of one rank (area, key tokens, own tokens), in scalars: this runs for
         every swap tried. No tiles: no kernel call (`kernel_law.DirectionLaw.us`)."""

@@ -102,11 +102,6 @@ def family_placement(
     return plan, placement_tables(sl, plan.total_seqlen, cp, law, plan.chunk_size), owner
 
 
-def _rank_times(st: _State, r: int) -> tuple[float, float]:
-    _, _, keys, own, a = st._intervals(r)
-    return st.kernel_ms(a, keys, own)
-
-
 def anneal(
     owner: np.ndarray, tables: ChunkTables, *, swaps: int = 200_000, temperature: float = 0.003, seed: int = 0
 ) -> AnnealResult:
@@ -152,8 +147,8 @@ def anneal(
         x, y = members[s][i], members[t][j]
         was = (f[s], b[s], f[t], b[t])
         st.owner[x], st.owner[y] = t, s
-        f[s], b[s] = _rank_times(st, s)
-        f[t], b[t] = _rank_times(st, t)
+        f[s], b[s], _ = st.kernel(s)
+        f[t], b[t], _ = st.kernel(t)
         new = float(f.max() + b.max())
         if new <= cur or (heat > 0 and rng.random() < math.exp(-(new - cur) / heat)):
             members[s][i], members[t][j] = y, x
