@@ -87,8 +87,11 @@ def test_docs_block(page: str, kind: str, code: str, tmp_path: Path) -> None:
             str(script),
         ]
     r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    if kind.startswith("torchrun") and r.returncode != 0 and GLOO_TEARDOWN_ABORT in r.stderr:
-        # gloo's rare abort in C++ teardown after the script finished (see magi_attention.testing)
+    for _ in range(2):
+        if not (kind.startswith("torchrun") and r.returncode != 0 and GLOO_TEARDOWN_ABORT in r.stderr):
+            break
+        # gloo's rare abort in C++ teardown after the script finished (see magi_attention.testing); it has
+        # hit two runs in a row on a busy 2-core machine, so a third run is allowed
         r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (
         f"{page} ({kind}) failed:\n{code}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
