@@ -20,9 +20,10 @@ from magi_solver import (
     DispatchChoice,
     DispatchPlan,
     KVLayout,
+    PreparedDispatch,
     default_chunk_size,
-    dispatch_choice,
     padded_seqlen,
+    prepare_dispatch,
 )
 
 from ._lru import remember
@@ -89,41 +90,62 @@ def _padded(total: int, cp: int, chunk: int, uneven: bool) -> int:
     return total if uneven or cp == 1 else padded_seqlen(total, cp, chunk)
 
 
+def _kv_layout(total_k: int, cp: int, dispatch_cfg: Any) -> KVLayout:
+    """Cross-attention's keys/values: contiguous shards of their own (padded) sequence, balanced by token
+    count."""
+    uneven = dispatch_cfg.uneven_shard
+    kv_chunk = total_k if cp == 1 else choose_chunk_size(total_k, cp, dispatch_cfg.chunk_size)
+    if uneven and cp > 1:  # no padding: a short key/value sequence still needs a chunk on every rank
+        kv_chunk = min(kv_chunk, max(1, math.ceil(total_k / cp)))
+    try:
+        return KVLayout(_padded(total_k, cp, kv_chunk, uneven), cp, kv_chunk, uneven and cp > 1)
+    except ValueError as exc:  # the solver names its own argument, `total_seqlen`
+        raise ValueError(f"key/value side (total_seqlen_k={total_k}): {exc}") from None
+
+
+def _solve(mask: Any, total: int, cp: int, dispatch_cfg: Any, kv: KVLayout | None) -> PreparedDispatch:
+    """The dispatch of `mask` (`(q_ranges, k_ranges, types)`) as the runtime solves it (magi_solver caches it
+    per mask, cp size and config, and the plan reuses it; an adopted `prepare_dispatch` answers it)."""
+    q_ranges, k_ranges, types = mask
+    return prepare_dispatch(
+        [list(r) for r in q_ranges],
+        [list(r) for r in k_ranges],
+        list(types),
+        total,
+        cp,
+        chunk_size=dispatch_cfg.chunk_size,
+        dispatch_alg=dispatch_cfg.alg,  # None: chosen (with an explicit chunk size: min_heap, in the solver)
+        uneven_shard=dispatch_cfg.uneven_shard,
+        total_seqlen_k=None if kv is None else kv.total_seqlen,
+    )
+
+
+def solve_dispatch_ahead(
+    mask: Any, total_q: int, total_k: int, cp: int, dispatch_cfg: Any
+) -> PreparedDispatch:
+    """What `build_layout` solves for a key of this mask (`(q_ranges, k_ranges, types)`, as a key holds it),
+    sizes, cp size and dispatch config, as a value another process can adopt (`magi_solver.adopt_dispatch`).
+    """
+    kv = _kv_layout(total_k, cp, dispatch_cfg) if total_k != total_q else None
+    return _solve(mask, total_q, cp, dispatch_cfg, kv)
+
+
 def build_layout(key: Any) -> DispatchLayout:
     """Dispatch of the key's own mask (`key`: a root `DistAttnRuntimeKey`, read by attribute: this module sits
     below `key.py`). A pure function of the key: no communication."""
     cp = key.cp_size
     total = key.total_seqlen_q
     dispatch_cfg = key.config.dispatch_config
-    uneven = dispatch_cfg.uneven_shard
     kv, kv_total = None, None
     if key.is_cross_attention:
-        # keys/values: contiguous shards of their own (padded) sequence, balanced by token count
         kv_total = key.total_seqlen_k
-        kv_chunk = kv_total if cp == 1 else choose_chunk_size(kv_total, cp, dispatch_cfg.chunk_size)
-        if uneven and cp > 1:  # no padding: a short key/value sequence still needs a chunk on every rank
-            kv_chunk = min(kv_chunk, max(1, math.ceil(kv_total / cp)))
-        try:
-            kv = KVLayout(_padded(kv_total, cp, kv_chunk, uneven), cp, kv_chunk, uneven and cp > 1)
-        except ValueError as exc:  # the solver names its own argument, `total_seqlen`
-            raise ValueError(f"key/value side (total_seqlen_k={kv_total}): {exc}") from None
+        kv = _kv_layout(kv_total, cp, dispatch_cfg)
     if cp == 1:
         return DispatchLayout(
             total, total, (total,), 1, total, np.arange(total, dtype=np.int64), None, kv, kv_total
         )
-    # one solve per mask, cp size and config: magi_solver caches it, and the plan reuses this dispatch
-    alg = dispatch_cfg.alg  # None: chosen (with an explicit chunk size: min_heap, in the solver)
-    choice, dplan = dispatch_choice(
-        [list(r) for r in key.q_ranges],
-        [list(r) for r in key.k_ranges],
-        list(key.attn_mask_type),
-        total,
-        cp,
-        chunk_size=dispatch_cfg.chunk_size,
-        dispatch_alg=alg,
-        uneven_shard=uneven,
-        total_seqlen_k=None if kv is None else kv.total_seqlen,
-    )
+    solved = _solve((key.q_ranges, key.k_ranges, key.attn_mask_type), total, cp, dispatch_cfg, kv)
+    dplan = solved.plan
     return DispatchLayout(
         total,
         dplan.total_seqlen,
@@ -134,7 +156,7 @@ def build_layout(key: Any) -> DispatchLayout:
         dplan,
         kv,
         kv_total,
-        choice,
+        solved.choice,
     )
 
 

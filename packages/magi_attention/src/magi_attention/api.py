@@ -21,8 +21,16 @@ import torch
 import torch.distributed as dist
 
 from magi_group_collective import as_device_mesh
-from magi_solver import AttnMaskType, AttnRanges, DispatchChoice, make_sliding_window_mask
+from magi_solver import (
+    AttnMaskType,
+    AttnRanges,
+    DispatchChoice,
+    PreparedDispatch,
+    adopt_dispatch,
+    make_sliding_window_mask,
+)
 
+from ._layout import solve_dispatch_ahead
 from ._runtime.cache import RUNTIME_CACHE
 from ._runtime.checks import CommError, agree_on_call, agree_on_key, collective_key_build
 from ._runtime.checks._arguments import CALC_ATTN_DTYPES
@@ -54,6 +62,8 @@ __all__ = [
     "CommError",
     "DispatchChoice",
     "DistAttnRuntimeKey",
+    "PreparedDispatch",
+    "adopt_dispatch",
     "calc_attn",
     "clear_cache",
     "compute_pad_size",
@@ -71,6 +81,8 @@ __all__ = [
     "magi_attn_varlen_key",
     "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch",
+    "prepare_flex_dispatch",
+    "prepare_varlen_dispatch",
     "roll",
     "squash_batch_dim",
     "undispatch",
@@ -136,6 +148,38 @@ def _drop_empty_slices(q_ranges, k_ranges, types):
     return tuple(q_ranges[i] for i in keep), tuple(k_ranges[i] for i in keep), tuple(types[i] for i in keep)
 
 
+def _flex_mask(q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k) -> tuple:
+    """The mask a key holds: `(q_ranges, k_ranges, types, total_q, total_k)`, checked, empty slices dropped."""
+    q = normalize_ranges(q_ranges, "q_ranges")
+    k = normalize_ranges(k_ranges, "k_ranges")
+    types = normalize_mask_types(attn_mask_type, len(q))
+    total_q = _positive_int(total_seqlen_q, "total_seqlen_q")
+    total_k = _positive_int(total_seqlen_k, "total_seqlen_k")
+    _check_mask_bounds(q, k, total_q, total_k)
+    return (*_drop_empty_slices(q, k, types), total_q, total_k)
+
+
+def _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal: bool, window_size) -> tuple:
+    """The packed-documents mask `magi_attn_varlen_key` builds: `(q_ranges, k_ranges, types, total_q,
+    total_k)` as `magi_attn_flex_key` takes them."""
+    cu_q = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    window = _window_pair(window_size, causal)
+    if cu_q == cu_k:
+        mask = make_sliding_window_mask(cu_q, window)
+        return mask.q_ranges, mask.k_ranges, mask.types, cu_q[-1], cu_k[-1]
+    # cross-attention between documents: query document i sees key document i
+    q_ranges, k_ranges, types, _, _ = infer_attn_mask_from_cu_seqlens(cu_q, cu_k, causal, window_size)
+    return q_ranges, k_ranges, types, cu_q[-1], cu_k[-1]
+
+
+def _key_config(dist_attn_config: Any, chunk_size: int | None) -> DistAttnConfig:
+    config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
+    if not isinstance(config, DistAttnConfig):
+        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
+    return _with_chunk_size(config, chunk_size)
+
+
 @collective_key_build(_cp_group_arg)
 def magi_attn_flex_key(
     q_ranges: Any,
@@ -175,22 +219,15 @@ def magi_attn_flex_key(
 
     The plan is built on first use and cached per group; it is identical on every rank.
     """
-    q = normalize_ranges(q_ranges, "q_ranges")
-    k = normalize_ranges(k_ranges, "k_ranges")
-    types = normalize_mask_types(attn_mask_type, len(q))
-    total_q = _positive_int(total_seqlen_q, "total_seqlen_q")
-    total_k = _positive_int(total_seqlen_k, "total_seqlen_k")
+    q, k, types, total_q, total_k = _flex_mask(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k
+    )
     hq = _positive_int(num_heads_q, "num_heads_q")
     hkv = _positive_int(num_heads_kv, "num_heads_kv")
     if hq % hkv:
         raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hkv})")
     d = _positive_int(head_dim, "head_dim")
-    _check_mask_bounds(q, k, total_q, total_k)
-    q, k, types = _drop_empty_slices(q, k, types)
-    config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
-    if not isinstance(config, DistAttnConfig):
-        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(config).__name__}")
-    config = _with_chunk_size(config, chunk_size)
+    config = _key_config(dist_attn_config, chunk_size)
     _check_uneven_pad_size(config, pad_size)
     cp_group = _resolve_cp_group(cp_group_or_mesh)
     cp_group.local_rank()  # raises if this process is not in the group
@@ -267,20 +304,15 @@ def magi_attn_varlen_key(
         dist_attn_config: dispatch and overlap settings (`DistAttnConfig()` if None).
         pad_size, chunk_size: as in `magi_attn_flex_key`.
     """
-    cu_q = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
-    window = _window_pair(window_size, causal)
-    if cu_q == cu_k:
-        mask = make_sliding_window_mask(cu_q, window)
-        q_ranges, k_ranges, types = mask.q_ranges, mask.k_ranges, mask.types
-    else:  # cross-attention between documents: query document i sees key document i
-        q_ranges, k_ranges, types, _, _ = infer_attn_mask_from_cu_seqlens(cu_q, cu_k, causal, window_size)
+    q_ranges, k_ranges, types, total_q, total_k = _varlen_mask(
+        cu_seqlens_q, cu_seqlens_k, causal, window_size
+    )
     return magi_attn_flex_key(
         q_ranges,
         k_ranges,
         types,
-        cu_q[-1],
-        cu_k[-1],
+        total_q,
+        total_k,
         num_heads_q,
         num_heads_kv,
         head_dim,
@@ -288,6 +320,69 @@ def magi_attn_varlen_key(
         dist_attn_config,
         pad_size=pad_size,
         chunk_size=chunk_size,
+    )
+
+
+def prepare_flex_dispatch(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen_q: int,
+    total_seqlen_k: int,
+    cp_size: int,
+    dist_attn_config: DistAttnConfig | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> PreparedDispatch:
+    """Solve, ahead of time and without a process group, the dispatch a `magi_attn_flex_key` of this mask
+    will need over `cp_size` ranks: the part of a new key's planning that grows with the mask (hundreds of
+    milliseconds per new mask past a few ranks, docs/packages/magi_attention.md). Run it where that time is
+    hidden, e.g. in a data-loader worker for the next batch, and pass the result to `adopt_dispatch` in the
+    training process before that batch's key is built; the key then takes it instead of solving. A pure
+    function of its arguments (no torch, no communication); the result is picklable.
+
+    Args:
+        q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k: the mask and sizes, as
+            `magi_attn_flex_key` takes them.
+        cp_size: ranks of the cp group the key will be built on.
+        dist_attn_config, chunk_size: as `magi_attn_flex_key` (only the dispatch settings matter here).
+
+    Returns:
+        A `PreparedDispatch` (`magi_solver`): the chosen chunk size and algorithm and the solved placement.
+
+    Raises the key's own errors for a bad mask, size or config. Every rank may adopt it or not: a rank that
+    does not solves the same placement itself.
+    """
+    q, k, types, total_q, total_k = _flex_mask(
+        q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k
+    )
+    config = _key_config(dist_attn_config, chunk_size)
+    cp = _positive_int(cp_size, "cp_size")
+    return solve_dispatch_ahead((q, k, types), total_q, total_k, cp, config.dispatch_config)
+
+
+def prepare_varlen_dispatch(
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    cp_size: int,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    dist_attn_config: DistAttnConfig | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> PreparedDispatch:
+    """`prepare_flex_dispatch` for the packed-documents mask of `magi_attn_varlen_key`.
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k, causal, window_size, dist_attn_config, chunk_size: as
+            `magi_attn_varlen_key`.
+        cp_size: ranks of the cp group the key will be built on.
+    """
+    q_ranges, k_ranges, types, total_q, total_k = _varlen_mask(
+        cu_seqlens_q, cu_seqlens_k, causal, window_size
+    )
+    return prepare_flex_dispatch(
+        q_ranges, k_ranges, types, total_q, total_k, cp_size, dist_attn_config, chunk_size=chunk_size
     )
 
 

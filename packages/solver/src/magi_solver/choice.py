@@ -66,6 +66,8 @@ __all__ = [
     "default_chunk_size",
     "mask_digest",
     "predicted_choice_times",
+    "prepare_choice",
+    "remember_choice",
     "remote_kv_tokens",
 ]
 
@@ -220,20 +222,53 @@ def choose_dispatch(
         `(choice, dispatch)`; `choice.overlap_degree` is -1 (the plan sets it). Raises ValueError on bad
         geometry (naming the argument).
     """
+    _, choice, plan = prepare_choice(
+        slices,
+        total_seqlen,
+        cp_size,
+        chunk_size=chunk_size,
+        alg=alg,
+        uneven_shard=uneven_shard,
+        cross_attention=cross_attention,
+        digest=digest,
+    )
+    return choice, plan
+
+
+def prepare_choice(
+    slices: list[tuple[int, int, int, int, int]],
+    total_seqlen: int,
+    cp_size: int,
+    *,
+    chunk_size: int | None = None,
+    alg: DispatchAlg | str | None = None,
+    uneven_shard: bool = False,
+    cross_attention: bool = False,
+    digest: str | None = None,
+) -> tuple[tuple, DispatchChoice, DispatchPlan]:
+    """`(request, choice, plan)`: `choose_dispatch`'s answer with the request it answered (the cache's key:
+    mask digest, total, cp size, chunk size, algorithm asked, uneven shards, cross-attention), taken from
+    the cache (solved or remembered before) or solved and cached. Arguments as `choose_dispatch`."""
     digest = digest or mask_digest(slices)
     alg_req = None if alg is None else DispatchAlg(alg)
     key = (digest, int(total_seqlen), int(cp_size), chunk_size, alg_req, bool(uneven_shard), cross_attention)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
-        return hit
-    result = _choose(
-        slices, int(total_seqlen), int(cp_size), chunk_size, alg_req, uneven_shard, cross_attention
-    )
-    _CACHE[key] = result
+    else:
+        hit = _choose(
+            slices, int(total_seqlen), int(cp_size), chunk_size, alg_req, uneven_shard, cross_attention
+        )
+        remember_choice(key, hit)
+    return (key, *hit)
+
+
+def remember_choice(request: tuple, result: tuple[DispatchChoice, DispatchPlan]) -> None:
+    """Cache `(choice, plan)` as the answer to `request` (a `prepare_choice` request)."""
+    _CACHE[request] = result
+    _CACHE.move_to_end(request)
     while len(_CACHE) > _CHOICE_CACHE_SIZE:
         _CACHE.popitem(last=False)
-    return result
 
 
 def chosen_times(

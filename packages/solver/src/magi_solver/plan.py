@@ -15,11 +15,12 @@ from ._assemble import Dispatched, build_plan
 from ._plan_types import DistAttnPlan, PlanOptions, RankPlan, StagePlan, _check_uneven, _parse_alg
 from .choice import (
     DispatchChoice,
-    choose_dispatch,
     chosen_times,
     default_chunk_size,
     mask_digest,
     predicted_choice_times,
+    prepare_choice,
+    remember_choice,
 )
 from .cost_model import OverlapCostModel
 from .dispatch import DispatchAlg, DispatchPlan, padded_seqlen, redispatch_areas, validate_geometry
@@ -32,12 +33,15 @@ from .ranges import _check_int, _check_positive
 __all__ = [
     "DistAttnPlan",
     "PlanOptions",
+    "PreparedDispatch",
     "RankPlan",
     "StagePlan",
+    "adopt_dispatch",
     "dispatch_choice",
     "plan_attention",
     "plan_dist_attn",
     "plan_with_options",
+    "prepare_dispatch",
 ]
 
 #: the release that removes `plan_dist_attn` and `plan_with_options` (docs/migration.md)
@@ -142,6 +146,24 @@ def _key_layout(kv_layout: Any, total_seqlen_k: Any, cp_size: int, uneven: bool)
     return kv_layout
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedDispatch:
+    """A solved dispatch choice that one process hands to another (e.g. a data-loader worker to the
+    training loop: `prepare_dispatch`, then `adopt_dispatch` where the plan is built), so the solve is not
+    repeated there. Picklable; compared by value.
+
+    Attributes:
+        request: what it was solved for: `(mask digest, total_seqlen, cp_size, chunk_size, algorithm asked,
+            uneven_shard, cross_attention)` (the planner cache's key).
+        choice: the `DispatchChoice` the solve made.
+        plan: the solved `DispatchPlan`.
+    """
+
+    request: tuple
+    choice: DispatchChoice
+    plan: DispatchPlan
+
+
 def dispatch_choice(
     q_ranges: Any,
     k_ranges: Any,
@@ -171,28 +193,88 @@ def dispatch_choice(
     Returns:
         `(choice, dispatch)`; `choice.overlap_degree` is -1 until a plan is built.
     """
-    dispatch, _, choice = _dispatch_step(
-        _Request(
-            q_ranges=q_ranges,
-            k_ranges=k_ranges,
-            attn_mask_type=attn_mask_type,
-            total_seqlen=total_seqlen,
-            cp_size=cp_size,
-            chunk_size=chunk_size,
-            dispatch_alg=_parse_alg(dispatch_alg),
-            uneven_shard=_check_uneven(uneven_shard),
-            total_seqlen_k=total_seqlen_k,
-        )
+    prepared = prepare_dispatch(
+        q_ranges,
+        k_ranges,
+        attn_mask_type,
+        total_seqlen,
+        cp_size,
+        chunk_size=chunk_size,
+        dispatch_alg=dispatch_alg,
+        uneven_shard=uneven_shard,
+        total_seqlen_k=total_seqlen_k,
     )
-    return choice, dispatch
+    return prepared.choice, prepared.plan
+
+
+def prepare_dispatch(
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_mask_type: Any,
+    total_seqlen: int,
+    cp_size: int,
+    *,
+    chunk_size: int | None = None,
+    dispatch_alg: DispatchAlg | str | None = None,
+    uneven_shard: bool = False,
+    total_seqlen_k: int | None = None,
+) -> PreparedDispatch:
+    """`dispatch_choice` as a value to hand to another process: solve a mask's dispatch where its time is
+    hidden (a data-loader worker preparing the next batch) and `adopt_dispatch` it where the plan is built,
+    so that process finds it cached instead of solving. Arguments as `dispatch_choice` (the same checks and
+    errors); the result is picklable and also cached here."""
+    request = _Request(
+        q_ranges=q_ranges,
+        k_ranges=k_ranges,
+        attn_mask_type=attn_mask_type,
+        total_seqlen=total_seqlen,
+        cp_size=cp_size,
+        chunk_size=chunk_size,
+        dispatch_alg=_parse_alg(dispatch_alg),
+        uneven_shard=_check_uneven(uneven_shard),
+        total_seqlen_k=total_seqlen_k,
+    )
+    return _prepared_step(request)[1]
 
 
 _Step = tuple[DispatchPlan, list[tuple[int, int, int, int, int]], DispatchChoice]
 """`(dispatch, slices, choice)`: a dispatch step's result (the `Dispatched` of a plan, less its key layout)."""
 
 
-def _dispatch_step(request: _Request) -> _Step:
-    """Check the request, normalise its mask and choose (or take) the chunk size and algorithm."""
+def adopt_dispatch(prepared: PreparedDispatch) -> None:
+    """Put a dispatch solved elsewhere (`magi_solver.prepare_dispatch`, in this or another process) into this
+    process's planner cache: the next `dispatch_choice` / `plan_attention` of the same request (mask, sizes,
+    cp size, chunk size, algorithm, uneven shards) takes it instead of solving. The solve is a pure function
+    of the request, so an adopted dispatch equals the one this process would solve with the same code.
+
+    Raises:
+        TypeError: `prepared` is not a `PreparedDispatch`.
+        ValueError: its plan does not fit its request (cp size, or a padded length / chunk size it cannot
+            have been solved for).
+    """
+    if not isinstance(prepared, PreparedDispatch):
+        raise TypeError(f"`prepared` must be a PreparedDispatch, got {type(prepared).__name__}")
+    request, choice, plan = prepared.request, prepared.choice, prepared.plan
+    if not (isinstance(request, tuple) and len(request) == 7 and isinstance(plan, DispatchPlan)):
+        raise ValueError("`prepared` holds no solved request (build it with magi_solver.prepare_dispatch)")
+    _, total, cp, chunk, _, uneven, _ = request
+    if (
+        plan.cp_size != cp
+        or bool(plan.uneven_shard) != bool(uneven)
+        or plan.total_seqlen < total
+        or (chunk is not None and plan.chunk_size != chunk)
+        or choice.chunk_size != plan.chunk_size
+    ):
+        raise ValueError(
+            f"`prepared`'s plan (cp {plan.cp_size}, {plan.total_seqlen} tokens, chunk {plan.chunk_size}) does "
+            f"not answer its request (cp {cp}, {total} tokens, chunk {chunk})"
+        )
+    remember_choice(request, (choice, plan))
+
+
+def _prepared_step(request: _Request) -> tuple[list[tuple[int, int, int, int, int]], PreparedDispatch]:
+    """Check the request, normalise its mask and choose (or take) the chunk size and algorithm: the
+    normalised slices and the solved request."""
     total_seqlen = _check_positive(request.total_seqlen, "total_seqlen")
     cp_size = _check_positive(request.cp_size, "cp_size")
     chunk_size, alg, uneven = request.chunk_size, request.dispatch_alg, request.uneven_shard
@@ -208,7 +290,7 @@ def _dispatch_step(request: _Request) -> _Step:
     if chunk_size is not None:  # a named error for a geometry that cannot hold cp chunks
         padded = total_seqlen if uneven else padded_seqlen(total_seqlen, cp_size, chunk_size)
         validate_geometry(padded, cp_size, chunk_size, uneven_shard=uneven)
-    choice, dispatch = choose_dispatch(
+    request, choice, dispatch = prepare_choice(
         slices,
         total_seqlen,
         cp_size,
@@ -217,7 +299,13 @@ def _dispatch_step(request: _Request) -> _Step:
         uneven_shard=uneven,
         cross_attention=cross,
     )
-    return dispatch, slices, choice
+    return slices, PreparedDispatch(request, choice, dispatch)
+
+
+def _dispatch_step(request: _Request) -> _Step:
+    """Check the request, normalise its mask and choose (or take) the chunk size and algorithm."""
+    slices, prepared = _prepared_step(request)
+    return prepared.plan, slices, prepared.choice
 
 
 def _given_dispatch(request: _Request, dispatch: Any) -> _Step:
