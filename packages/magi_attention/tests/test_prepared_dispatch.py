@@ -89,6 +89,9 @@ def test_prepared_equals_the_keys_own_solve() -> None:
                                   "causal", 2048, 2048, 4, conf)  # fmt: skip
     assert a == b and a.choice.algorithm == "documents" and a.plan.cp_size == 4
     assert api.prepare_varlen_dispatch(cu, cu, 4, causal=True, chunk_size=128).plan.chunk_size == 128
+    # cross-attention: the chunk dispatch over the query sequence (the documents placement is self-attention only)
+    cross = api.prepare_varlen_dispatch(cu, [0, 300, 700, 1000], 2)
+    assert cross.choice.algorithm != "documents" and cross.plan.cp_size == 2 and cross.request[-1]
 
 
 def test_prepare_refuses_bad_arguments_by_name() -> None:

@@ -339,7 +339,7 @@ def prepare_flex_dispatch(
     milliseconds per new mask past a few ranks, docs/packages/magi_attention.md). Run it where that time is
     hidden, e.g. in a data-loader worker for the next batch, and pass the result to `adopt_dispatch` in the
     training process before that batch's key is built; the key then takes it instead of solving. A pure
-    function of its arguments (no torch, no communication); the result is picklable.
+    function of its arguments (no tensors, no communication); the result is picklable.
 
     Args:
         q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k: the mask and sizes, as
