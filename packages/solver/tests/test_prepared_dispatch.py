@@ -91,3 +91,10 @@ def test_adopt_refuses_what_is_not_a_solved_request() -> None:
         adopt_dispatch(wrong_cp)
     with pytest.raises(ValueError, match="no solved request"):
         adopt_dispatch(dataclasses.replace(prepared, request=("x",)))
+
+
+def test_adopting_what_is_cached_keeps_the_cached_plan() -> None:
+    q, k, t = _mask(4)
+    _, plan = dispatch_choice(q, k, t, 4096, 4)
+    adopt_dispatch(pickle.loads(pickle.dumps(prepare_dispatch(q, k, t, 4096, 4))))
+    assert dispatch_choice(q, k, t, 4096, 4)[1] is plan

@@ -264,8 +264,9 @@ def prepare_choice(
 
 
 def remember_choice(request: tuple, result: tuple[DispatchChoice, DispatchPlan]) -> None:
-    """Cache `(choice, plan)` as the answer to `request` (a `prepare_choice` request)."""
-    _CACHE[request] = result
+    """Cache `(choice, plan)` as the answer to `request` (a `prepare_choice` request); an answer cached already
+    stays (plans built on it find it by identity, `chosen_times`)."""
+    _CACHE.setdefault(request, result)
     _CACHE.move_to_end(request)
     while len(_CACHE) > _CHOICE_CACHE_SIZE:
         _CACHE.popitem(last=False)
