@@ -237,10 +237,6 @@ def prepare_dispatch(
     return _prepared_step(request)[1]
 
 
-_Step = tuple[DispatchPlan, list[tuple[int, int, int, int, int]], DispatchChoice]
-"""`(dispatch, slices, choice)`: a dispatch step's result (the `Dispatched` of a plan, less its key layout)."""
-
-
 def adopt_dispatch(prepared: PreparedDispatch) -> None:
     """Put a dispatch solved elsewhere (`magi_solver.prepare_dispatch`, in this or another process) into this
     process's planner cache: the next `dispatch_choice` / `plan_attention` of the same request (mask, sizes,
@@ -290,7 +286,7 @@ def _prepared_step(request: _Request) -> tuple[list[tuple[int, int, int, int, in
     if chunk_size is not None:  # a named error for a geometry that cannot hold cp chunks
         padded = total_seqlen if uneven else padded_seqlen(total_seqlen, cp_size, chunk_size)
         validate_geometry(padded, cp_size, chunk_size, uneven_shard=uneven)
-    request, choice, dispatch = prepare_choice(
+    solved, choice, dispatch = prepare_choice(
         slices,
         total_seqlen,
         cp_size,
@@ -299,7 +295,11 @@ def _prepared_step(request: _Request) -> tuple[list[tuple[int, int, int, int, in
         uneven_shard=uneven,
         cross_attention=cross,
     )
-    return slices, PreparedDispatch(request, choice, dispatch)
+    return slices, PreparedDispatch(solved, choice, dispatch)
+
+
+_Step = tuple[DispatchPlan, list[tuple[int, int, int, int, int]], DispatchChoice]
+"""`(dispatch, slices, choice)`: a dispatch step's result (the `Dispatched` of a plan, less its key layout)."""
 
 
 def _dispatch_step(request: _Request) -> _Step:
