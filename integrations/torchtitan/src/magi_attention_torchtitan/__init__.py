@@ -7,8 +7,8 @@ The main entry point is the command line, through this package's config function
 
 Pieces, for your own config functions: `magi_model_spec` (torchtitan's model config with `MagiAttention` as
 inner attention, `parallelize_magi` as parallelize function), `MagiTrainer` (dispatches each batch with
-`dispatch_batch`: one magi key per batch from its documents), `SyntheticDocumentsDataLoader` and
-`tokenizer_path` (offline data).
+`dispatch_batch`: one magi key per batch from its documents), `plan_in_dataloader` (each batch's dispatch
+solved in the dataloader's workers), `SyntheticDocumentsDataLoader` and `tokenizer_path` (offline data).
 """
 
 from importlib.metadata import version as _version
@@ -16,7 +16,17 @@ from importlib.metadata import version as _version
 # first: on a torch too old for torchtitan 0.3.0 this raises before any module below imports torchtitan
 from . import _torch_requirement  # noqa: F401
 from .attention import MagiAttention, MagiAttentionConverter, MagiAttentionMask
-from .batch import IGNORE_INDEX, MagiBatch, RopePositions, dispatch_batch, document_cu_seqlens
+from .batch import (
+    IGNORE_INDEX,
+    MAGI_PREPARED,
+    MagiBatch,
+    PlanAheadCollate,
+    RopePositions,
+    dispatch_batch,
+    document_cu_seqlens,
+    plan_batch_ahead,
+    plan_in_dataloader,
+)
 from .data import SyntheticDocumentsDataLoader, SyntheticDocumentsDataset, synthetic_document, tokenizer_path
 from .models import MODELS, magi_model_spec, model_flavors
 from .parallelize import apply_magi_fsdp, fsdp_mesh, parallelize_magi
@@ -26,6 +36,7 @@ __version__ = _version("magi-attention-torchtitan")
 
 __all__ = [
     "IGNORE_INDEX",
+    "MAGI_PREPARED",
     "MODELS",
     "MagiAttention",
     "MagiAttentionConfig",
@@ -33,6 +44,7 @@ __all__ = [
     "MagiAttentionMask",
     "MagiBatch",
     "MagiTrainer",
+    "PlanAheadCollate",
     "RopePositions",
     "SyntheticDocumentsDataLoader",
     "SyntheticDocumentsDataset",
@@ -45,6 +57,8 @@ __all__ = [
     "magi_model_spec",
     "model_flavors",
     "parallelize_magi",
+    "plan_batch_ahead",
+    "plan_in_dataloader",
     "prepare_magi_input",
     "synthetic_document",
     "tokenizer_path",

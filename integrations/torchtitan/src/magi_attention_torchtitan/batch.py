@@ -4,24 +4,51 @@ torchtitan's dataloaders yield `({"input": [B, L], "positions": [B, L]}, labels 
 next token inside each document (-100 where there is none), and `positions` restart at 0 where a document
 starts. The B rows are packed into one sequence of B * L tokens (no document crosses a row), planned once with
 `magi_attn_varlen_key` (causal inside each document) and dispatched over the cp group.
+
+The key's dispatch solve (which tokens each rank owns) is a pure function of the documents, the cp size and the
+config, so it can run ahead, in the dataloader's worker processes: `plan_in_dataloader` makes a dataloader's
+batches carry it (`plan_batch_ahead`, under `MAGI_PREPARED` in the input dict) and `dispatch_batch(...,
+prepared=...)` adopts it, so the training process builds the key without solving.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, default_collate
 
-from magi_attention.api import dispatch, magi_attn_varlen_key
+from magi_attention.api import (
+    PreparedDispatch,
+    adopt_dispatch,
+    dispatch,
+    magi_attn_varlen_key,
+    prepare_varlen_dispatch,
+)
 from magi_attention.config import DistAttnConfig
 
 from .attention import MagiAttentionMask
 
-__all__ = ["IGNORE_INDEX", "MagiBatch", "RopePositions", "dispatch_batch", "document_cu_seqlens"]
+__all__ = [
+    "IGNORE_INDEX",
+    "MAGI_PREPARED",
+    "MagiBatch",
+    "PlanAheadCollate",
+    "RopePositions",
+    "dispatch_batch",
+    "document_cu_seqlens",
+    "plan_batch_ahead",
+    "plan_in_dataloader",
+]
 
 IGNORE_INDEX = -100
 """Label of tokens without a target (torchtitan's and PyTorch's cross-entropy ignore index)."""
+
+MAGI_PREPARED = "magi_prepared"
+"""Input-dict key of a batch's dispatch solved ahead (a `PreparedDispatch`; see `plan_in_dataloader`)."""
 
 RopePositions = Literal["document", "global"]
 """RoPE positions: "document" (the dataloader's positions, restarting at each document) or "global" (the
@@ -61,6 +88,139 @@ def document_cu_seqlens(positions: torch.Tensor | None, batch: int, seq_len: int
     return (*starts.flatten().nonzero().flatten().tolist(), batch * seq_len)
 
 
+def plan_batch_ahead(
+    positions: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    *,
+    cp_size: int,
+    dist_attn_config: DistAttnConfig | None = None,
+) -> PreparedDispatch:
+    """Solve, without a process group, the dispatch that `dispatch_batch` of this batch will need over `cp_size`
+    ranks: the request of its key exactly (the documents of `document_cu_seqlens`, causal, this config).
+
+    Run it where its time is hidden (a dataloader worker: `plan_in_dataloader`) and pass the result to
+    `dispatch_batch(..., prepared=...)`; the key then takes it instead of solving. A pure function of its
+    arguments.
+
+    Args:
+        positions: `[batch, seq_len]` integer positions, 0 where a document starts; None: one document per row.
+        batch, seq_len: the batch shape.
+        cp_size: ranks of the cp group `dispatch_batch` will run on.
+        dist_attn_config: the config `dispatch_batch` will get (`DistAttnConfig()` if None; only its dispatch
+            settings matter here).
+
+    Returns:
+        A picklable `PreparedDispatch` for the batch's `batch * seq_len` packed tokens.
+    """
+    cu_seqlens = list(document_cu_seqlens(positions, batch, seq_len))
+    return prepare_varlen_dispatch(
+        cu_seqlens, cu_seqlens, cp_size, causal=True, dist_attn_config=dist_attn_config
+    )
+
+
+class PlanAheadCollate:
+    """A dataloader's `collate_fn` that also solves each batch's dispatch (`plan_batch_ahead`), in the worker
+    process that collates it, and adds it to the batch's input dict under `MAGI_PREPARED`.
+
+    Args:
+        collate_fn: the collate function to wrap; it must return `(input_dict, labels)` with `input_dict["input"]`
+            `[B, L]` and, optionally, `input_dict["positions"]` `[B, L]` (torchtitan's text dataloaders).
+        cp_size, dist_attn_config: as `plan_batch_ahead`: the cp size and config the training loop's
+            `dispatch_batch` uses.
+    """
+
+    def __init__(
+        self,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        *,
+        cp_size: int,
+        dist_attn_config: DistAttnConfig | None = None,
+    ) -> None:
+        self.collate_fn = collate_fn
+        self.cp_size = cp_size
+        self.dist_attn_config = dist_attn_config
+
+    def __call__(self, samples: list[Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        input_dict, labels = self.collate_fn(samples)
+        if not isinstance(input_dict, dict) or "input" not in input_dict:
+            raise TypeError(
+                f"PlanAheadCollate needs batches ({{'input': [B, L], ...}}, labels), got a "
+                f"{type(input_dict).__name__} first"
+            )
+        inputs = input_dict["input"]
+        if inputs.ndim != 2:
+            raise ValueError(f"input must be [batch, seq_len], got {tuple(inputs.shape)}")
+        input_dict[MAGI_PREPARED] = plan_batch_ahead(
+            input_dict.get("positions"),
+            *inputs.shape,
+            cp_size=self.cp_size,
+            dist_attn_config=self.dist_attn_config,
+        )
+        return input_dict, labels
+
+
+def plan_in_dataloader(
+    dataloader: DataLoader, *, cp_size: int, dist_attn_config: DistAttnConfig | None = None
+) -> None:
+    """Make a dataloader's worker processes solve each batch's dispatch: its `collate_fn` becomes a
+    `PlanAheadCollate` around the one it has, so its batches carry a `PreparedDispatch` under `MAGI_PREPARED`
+    (which `prepare_magi_input` passes to `dispatch_batch`). Call it before iterating the dataloader.
+
+    Args:
+        dataloader: a torch `DataLoader` (torchtitan's `ParallelAwareDataloader` is one) with `num_workers >= 1`.
+        cp_size, dist_attn_config: as `plan_batch_ahead`.
+
+    Raises:
+        TypeError: `dataloader` is not a torch `DataLoader`.
+        ValueError: it has no worker process (the solve would stay in the training process).
+    """
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"plan_in_dataloader needs a torch DataLoader (a collate_fn run in worker processes), got "
+            f"{type(dataloader).__name__}"
+        )
+    if dataloader.num_workers < 1:
+        raise ValueError(
+            "plan_in_dataloader needs a dataloader with worker processes (num_workers >= 1, "
+            "--dataloader.num_workers 1 on torchtitan's command line), got num_workers=0: the solve would "
+            "stay in the training process"
+        )
+    collate_fn = dataloader.collate_fn
+    if isinstance(collate_fn, PlanAheadCollate):  # planned already: plan once, with these settings
+        collate_fn = collate_fn.collate_fn
+    # a DataLoader's iterators read collate_fn when they are created, so this holds from the next iterator on
+    dataloader.collate_fn = PlanAheadCollate(collate_fn, cp_size=cp_size, dist_attn_config=dist_attn_config)
+
+
+def _cp_size(cp_mesh: Any) -> int | None:
+    """Ranks of the cp group `cp_mesh` names as magi resolves it (None: the default group, or this process
+    alone); None for a type magi will reject itself."""
+    if cp_mesh is None:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    size = getattr(cp_mesh, "size", None)  # DeviceMesh.size(): all its ranks; ProcessGroup.size()
+    return size() if callable(size) else None
+
+
+def _check_prepared(prepared: Any, *, cp_size: int | None, tokens: int) -> None:
+    if not isinstance(prepared, PreparedDispatch):
+        raise TypeError(
+            f"prepared must be a PreparedDispatch (plan_batch_ahead), got {type(prepared).__name__}"
+        )
+    # `request` is (mask digest, total_seqlen, cp_size, ...): the unpadded token count it was solved for
+    planned_tokens, planned_cp = prepared.request[1], prepared.plan.cp_size
+    if cp_size is not None and planned_cp != cp_size:
+        raise ValueError(
+            f"prepared was solved for cp size {planned_cp}, but the cp group has {cp_size} ranks: plan the "
+            f"batches with cp_size={cp_size}"
+        )
+    if planned_tokens != tokens:
+        raise ValueError(
+            f"prepared was solved for {planned_tokens} tokens, but this batch packs {tokens}: it belongs to "
+            "another batch"
+        )
+
+
 def _check_batch(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None) -> None:
     if inputs.ndim != 2 or inputs.numel() == 0 or inputs.is_floating_point():
         raise ValueError(
@@ -87,6 +247,7 @@ def dispatch_batch(
     head_dim: int,
     rope_positions: RopePositions = "document",
     dist_attn_config: DistAttnConfig | None = None,
+    prepared: PreparedDispatch | None = None,
 ) -> MagiBatch:
     """Plan causal per-document attention for a packed batch and keep this cp rank's share of it.
 
@@ -101,14 +262,24 @@ def dispatch_batch(
         num_heads_q, num_heads_kv, head_dim: the model's attention shapes.
         rope_positions: "document" or "global" (see `RopePositions`).
         dist_attn_config: magi-attention settings (`DistAttnConfig()` if None).
+        prepared: this batch's dispatch solved ahead (`plan_batch_ahead` of the same positions, cp size and
+            config), adopted before the key is built so the key does not solve it; None: the key solves.
+            One solved for another batch of the same size or another config is not used (the key solves
+            its own placement; the result is the same).
 
     Returns:
         A `MagiBatch`; its tensors are on the device of `inputs`.
+
+    Raises:
+        ValueError: `prepared` was solved for another cp size or another number of tokens.
     """
     _check_batch(inputs, labels, positions)
     if rope_positions not in ("document", "global"):
         raise ValueError(f"rope_positions must be 'document' or 'global', got {rope_positions!r}")
     batch, seq_len = inputs.shape
+    if prepared is not None:
+        _check_prepared(prepared, cp_size=_cp_size(cp_mesh), tokens=batch * seq_len)
+        adopt_dispatch(prepared)
     cu_seqlens = document_cu_seqlens(positions, batch, seq_len)
     key = magi_attn_varlen_key(
         list(cu_seqlens),

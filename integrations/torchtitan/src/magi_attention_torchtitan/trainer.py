@@ -4,7 +4,8 @@
 data-parallel replica read the same batch; FSDP shards over dp_shard x cp; the loss is reduced over both), but
 torchtitan's own context parallelism (its load balancers, its wrapping of Flex / SDPA attention) is never
 applied: the model spec's `parallelize_magi` skips it and `post_dataloading_process` dispatches the batch with
-magi instead of sharding it.
+magi instead of sharding it. With `--magi.plan_in_dataloader` the dataloader's workers solve each batch's dispatch
+ahead (`plan_in_dataloader`), so the training process only adopts it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torchtitan.trainer import Trainer
 
 from magi_attention.config import DispatchAlg, DispatchConfig, DistAttnConfig
 
-from .batch import RopePositions, dispatch_batch
+from .batch import MAGI_PREPARED, RopePositions, dispatch_batch, plan_in_dataloader
 
 __all__ = ["MagiAttentionConfig", "MagiTrainer", "attention_shapes", "prepare_magi_input"]
 
@@ -37,6 +38,11 @@ class MagiAttentionConfig:
     """The placement of the tokens over the cp ranks, a `magi_attention.config.DispatchAlg` name:
     "documents" (whole documents on as few ranks as balance allows), or a chunk dispatch ("min_heap",
     "affinity", ...); None: magi chooses per batch (`DispatchConfig.alg`)."""
+    plan_in_dataloader: bool = False
+    """Solve each batch's dispatch (which tokens each cp rank owns) in the dataloader's worker processes,
+    while the previous steps train, instead of in the training process when the batch's key is built (that
+    solve takes hundreds of milliseconds per batch past a few cp ranks). Needs a torch DataLoader with
+    workers (`--dataloader.num_workers 1`); see `plan_in_dataloader`."""
 
     def __post_init__(self) -> None:
         if self.rope_positions not in ("document", "global"):
@@ -83,7 +89,8 @@ def prepare_magi_input(
 
     Args:
         input_dict: `{"input": [B, L], "positions": [B, L]}` from a torchtitan dataloader ("positions" optional:
-            without it each sample is one document).
+            without it each sample is one document), and optionally the batch's dispatch solved ahead under
+            `MAGI_PREPARED` (`plan_in_dataloader`), which `dispatch_batch` adopts.
         labels: `[B, L]` next-token targets.
         cp_mesh: the context-parallel DeviceMesh (size 1 at cp degree 1).
         model_config: the model's config (a torchtitan decoder config with `GQAttention` layers).
@@ -93,10 +100,11 @@ def prepare_magi_input(
         `(input_ids [1, T], labels [1, T], {"positions": [1, T], "attention_masks": MagiAttentionMask})` for this
         rank's T dispatched tokens: the arguments of the model's forward and of the loss.
     """
-    other = sorted(set(input_dict) - {"input", "positions"})
+    other = sorted(set(input_dict) - {"input", "positions", MAGI_PREPARED})
     if other:
         raise NotImplementedError(
-            f"magi dispatch takes 'input' and 'positions' from the dataloader, got also {other}"
+            f"magi dispatch takes 'input', 'positions' and {MAGI_PREPARED!r} from the dataloader, got also "
+            f"{other}"
         )
     num_heads_q, num_heads_kv, head_dim = attention_shapes(model_config)
     batch = dispatch_batch(
@@ -109,6 +117,7 @@ def prepare_magi_input(
         head_dim=head_dim,
         rope_positions=magi_config.rope_positions,
         dist_attn_config=magi_config.dist_attn_config(),
+        prepared=input_dict.get(MAGI_PREPARED),
     )
     return (
         batch.input_ids,
@@ -126,6 +135,17 @@ class MagiTrainer(Trainer):
         """magi-attention settings."""
 
     config: Config
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if config.magi.plan_in_dataloader:
+            # torchtitan builds the dataloader without the cp degree or magi's settings; it has no iterator yet,
+            # so its workers pick up the planning collate from the first step on
+            plan_in_dataloader(
+                self.dataloader,
+                cp_size=self.parallel_dims.cp,
+                dist_attn_config=config.magi.dist_attn_config(),
+            )
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
