@@ -90,6 +90,9 @@ def test_config_functions_parse_on_torchtitans_command_line(config: str) -> None
             "512",
             "--magi.dispatch_alg",
             "documents",
+            "--magi.plan_in_dataloader",
+            "--dataloader.num_workers",
+            "1",
         ]
     )
     assert isinstance(parsed, MagiTrainer.Config)
@@ -98,6 +101,7 @@ def test_config_functions_parse_on_torchtitans_command_line(config: str) -> None
     assert parsed.magi.rope_positions == "global"
     assert parsed.magi.dist_attn_config().dispatch_config.chunk_size == 512
     assert parsed.magi.dist_attn_config().dispatch_config.alg == "documents"
+    assert parsed.magi.plan_in_dataloader and parsed.dataloader.num_workers == 1
     inner = [layer.attention.inner_attention for layer in parsed.model_spec.model.layers]
     assert all(isinstance(a, MagiAttention.Config) for a in inner)
     # the model and the tokenizer agree

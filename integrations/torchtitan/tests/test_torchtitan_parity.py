@@ -10,7 +10,8 @@ is the same weights in the same torchtitan model with SDPA (causal) as inner att
 alone. Compared: the first step's logits (undispatched), loss and gradients (full tensors of FSDP's shards), the
 loss of every step and the final weights. A third launch forces the documents placement
 (`MagiAttentionConfig(dispatch_alg="documents")`: these batches are too small for magi to choose it) and checks
-every step's key used it.
+every step's key used it; its batches come from the dataloader with `plan_in_dataloader`, so their dispatch is
+solved in its worker process, and the ranks' keys must take it without solving (a solve there fails the run).
 """
 
 from __future__ import annotations
@@ -62,9 +63,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | None) -> dict:
+def _magi_config(rope_positions: str, alg: str | None):
+    from magi_attention_torchtitan import MagiAttentionConfig
+
+    return MagiAttentionConfig(rope_positions=rope_positions, chunk_size=16, dispatch_alg=alg)
+
+
+def _planned_batches(cp: int, alg: str | None, tokenizer) -> list:
+    """The STEPS batches `_case` reads, from the dataloader with each batch's dispatch solved in its worker."""
+    from magi_attention_torchtitan import SyntheticDocumentsDataLoader, plan_in_dataloader
+
+    loader = SyntheticDocumentsDataLoader.Config(seed=7, min_doc_len=3, max_doc_len=60, num_workers=1).build(
+        dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=BATCH
+    )
+    # rope positions do not change the dispatch
+    plan_in_dataloader(loader, cp_size=cp, dist_attn_config=_magi_config("document", alg).dist_attn_config())
+    return [batch for _, batch in zip(range(STEPS), loader)]
+
+
+def _case(
+    model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | None, batches: list | None
+) -> dict:
     from magi_attention_torchtitan import (
-        MagiAttentionConfig,
         SyntheticDocumentsDataset,
         apply_magi_fsdp,
         magi_model_spec,
@@ -82,7 +102,7 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | N
     apply_magi_fsdp(model, cp_mesh, param_dtype=torch.float64, reduce_dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    magi = MagiAttentionConfig(rope_positions=rope_positions, chunk_size=16, dispatch_alg=alg)
+    magi = _magi_config(rope_positions, alg)
     data = iter(
         SyntheticDocumentsDataset(
             tokenizer, seq_len=SEQ_LEN, seed=7, dp_rank=0, min_doc_len=3, max_doc_len=60
@@ -90,9 +110,13 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | N
     )
     out = {"losses": [], "ref_losses": [], "algs": set()}
     for step in range(STEPS):
-        samples = [next(data) for _ in range(BATCH)]
-        input_dict = {k: torch.stack([s[0][k] for s in samples]) for k in ("input", "positions")}
-        labels = torch.stack([s[1] for s in samples])
+        if batches is None:
+            samples = [next(data) for _ in range(BATCH)]
+            input_dict = {k: torch.stack([s[0][k] for s in samples]) for k in ("input", "positions")}
+            labels = torch.stack([s[1] for s in samples])
+        else:  # the same samples, batched by the dataloader, with their dispatch solved in its worker
+            input_dict, labels = batches[step]
+            input_dict = dict(input_dict)
         global_valid_tokens = (labels != -100).sum()
         inputs, local_labels, extra = prepare_magi_input(
             input_dict, labels, cp_mesh=cp_mesh, model_config=spec.model, magi_config=magi
@@ -131,7 +155,7 @@ def _case(model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | N
     return out
 
 
-def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None, batches: list | None) -> dict:
     from magi_attention_torchtitan import tokenizer_path
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -139,13 +163,30 @@ def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
     torch.set_default_dtype(torch.float64)
     cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     tokenizer = HuggingFaceTokenizer(tokenizer_path=tokenizer_path())
-    return {f"{m}-{r}": _case(m, r, cp_mesh, tokenizer, alg) for m, r in CASES}
+    if batches is not None:
+        import magi_solver.choice as choice
+
+        def no_solve(*args, **kwargs):
+            raise AssertionError("a key solved a dispatch the dataloader's worker had solved")
+
+        choice.clear_dispatch_cache()
+        choice._choose = no_solve  # this forked rank's planner only
+    return {f"{m}-{r}": _case(m, r, cp_mesh, tokenizer, alg, batches) for m, r in CASES}
 
 
-# magi's own choice at cp 2 and 3; the documents placement forced once
-@pytest.mark.parametrize(("cp", "alg"), [(2, None), (3, None), (2, "documents")])
-def test_magi_cp_matches_single_process_per_document(cp: int, alg: str | None) -> None:
-    results = run_distributed(_rank_main, cp, alg)
+# magi's own choice at cp 2 and 3; the documents placement forced once, with the dispatch planned in the
+# dataloader's worker
+@pytest.mark.parametrize(
+    ("cp", "alg", "plan_ahead"), [(2, None, False), (3, None, False), (2, "documents", True)]
+)
+def test_magi_cp_matches_single_process_per_document(cp: int, alg: str | None, plan_ahead: bool) -> None:
+    batches = None
+    if plan_ahead:
+        from magi_attention_torchtitan import tokenizer_path
+        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+        batches = _planned_batches(cp, alg, HuggingFaceTokenizer(tokenizer_path=tokenizer_path()))
+    results = run_distributed(_rank_main, cp, alg, batches)
     for name in (f"{m}-{r}" for m, r in CASES):
         runs = [r[name] for r in results]
         r0 = runs[0]
