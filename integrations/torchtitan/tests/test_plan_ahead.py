@@ -1,13 +1,17 @@
 """Each batch's dispatch solved ahead in a dataloader worker (`plan_in_dataloader`, `plan_batch_ahead`) and adopted
-by `dispatch_batch(..., prepared=...)`: the worker's solve is the key's own placement, the key built on it does
-not solve and gives the tensors it gives without it, a dispatch solved for another batch of the same size is
-not used (the key solves its own, with the same result), one for another cp size or token count is refused,
-and `MagiTrainer` with `plan_in_dataloader` on plans in its dataloader's workers and dispatches those batches.
+by `dispatch_batch(..., prepared=...)`: the worker's solve is the key's own placement, the key takes the
+placement it is given, with it the batch's tensors are those without it, a dispatch solved for another batch of
+the same size is not used, one for another cp size or token count is refused, and `MagiTrainer` with
+`plan_in_dataloader` plans in its dataloader's workers and hands each batch's dispatch to `dispatch_batch`.
 
-Solves are counted by wrapping `magi_solver.choice._choose`, the function every cache miss of the planner runs.
+That a key takes the dispatch it is given is seen by giving it a valid placement no solve makes (the solved
+one with each rank's chunks moved to the next rank) and finding this placement in the key. Each kind of
+dispatch is given in a launch of its own: a process keeps the first answer its planner has for a mask.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,8 +19,11 @@ import torch.distributed as dist
 
 from magi_attention.testing import run_distributed
 
-SEQ_LEN, BATCH, STEPS, CP = 100, 2, 3, 3
+SEQ_LEN, BATCH, STEPS = 100, 2, 3
 HEADS_Q, HEADS_KV, HEAD_DIM = 2, 1, 8
+# the single-process checks plan at cp 2 (seed 7), the ranks at cp 3 (seed 11): no mask the ranks plan is in
+# the planner's cache they inherit from this process
+LOCAL_CP, RANKS, RANKS_SEED = 2, 3, 11
 
 
 def _tokenizer():
@@ -26,14 +33,14 @@ def _tokenizer():
     return HuggingFaceTokenizer(tokenizer_path=tokenizer_path())
 
 
-def _loader(num_workers: int, seq_len: int = SEQ_LEN):
+def _loader(num_workers: int, seed: int = 7):
     from magi_attention_torchtitan import SyntheticDocumentsDataLoader
 
     config = SyntheticDocumentsDataLoader.Config(
-        seed=7, min_doc_len=3, max_doc_len=60, num_workers=num_workers
+        seed=seed, min_doc_len=3, max_doc_len=60, num_workers=num_workers
     )
     return config.build(
-        dp_world_size=1, dp_rank=0, tokenizer=_tokenizer(), seq_len=seq_len, local_batch_size=BATCH
+        dp_world_size=1, dp_rank=0, tokenizer=_tokenizer(), seq_len=SEQ_LEN, local_batch_size=BATCH
     )
 
 
@@ -43,30 +50,13 @@ def _dist_attn_config():
     return MagiAttentionConfig(chunk_size=16).dist_attn_config()
 
 
-def _planned_batches(cp_size: int) -> list:
-    """STEPS batches of a one-worker dataloader that plans them for `cp_size` ranks."""
+def _planned_batches(cp_size: int, count: int = STEPS, seed: int = 7) -> list:
+    """`count` batches of a one-worker dataloader that plans them for `cp_size` ranks."""
     from magi_attention_torchtitan import plan_in_dataloader
 
-    loader = _loader(num_workers=1)
+    loader = _loader(num_workers=1, seed=seed)
     plan_in_dataloader(loader, cp_size=cp_size, dist_attn_config=_dist_attn_config())
-    return [batch for _, batch in zip(range(STEPS), loader)]
-
-
-class _SolveCounter:
-    """Counts the planner's solves (cache misses) in this process, from now on (for a forked rank: the patch
-    ends with the process)."""
-
-    def __init__(self) -> None:
-        import magi_solver.choice as choice
-
-        self.calls = 0
-        solve = choice._choose
-
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return solve(*args, **kwargs)
-
-        choice._choose = counting
+    return [batch for _, batch in zip(range(count), loader)]
 
 
 def test_batches_from_a_worker_carry_the_dispatch_their_key_will_solve() -> None:
@@ -76,7 +66,7 @@ def test_batches_from_a_worker_carry_the_dispatch_their_key_will_solve() -> None
 
     from magi_attention.api import prepare_varlen_dispatch
 
-    planned = _planned_batches(CP)
+    planned = _planned_batches(LOCAL_CP)
     plain = [batch for _, batch in zip(range(STEPS), _loader(num_workers=0))]
     config = _dist_attn_config()
     for (input_dict, labels), (plain_dict, plain_labels) in zip(planned, plain):
@@ -86,10 +76,12 @@ def test_batches_from_a_worker_carry_the_dispatch_their_key_will_solve() -> None
             assert torch.equal(input_dict[name], plain_dict[name])
         prepared = input_dict[MAGI_PREPARED]
         positions = input_dict["positions"]
-        assert prepared == plan_batch_ahead(positions, BATCH, SEQ_LEN, cp_size=CP, dist_attn_config=config)
+        assert prepared == plan_batch_ahead(
+            positions, BATCH, SEQ_LEN, cp_size=LOCAL_CP, dist_attn_config=config
+        )
         cu = list(document_cu_seqlens(positions, BATCH, SEQ_LEN))
-        assert prepared == prepare_varlen_dispatch(cu, cu, CP, causal=True, dist_attn_config=config)
-        assert (prepared.plan.cp_size, prepared.plan.chunk_size) == (CP, 16)
+        assert prepared == prepare_varlen_dispatch(cu, cu, LOCAL_CP, causal=True, dist_attn_config=config)
+        assert (prepared.plan.cp_size, prepared.plan.chunk_size) == (LOCAL_CP, 16)
     # each batch its own documents, so its own dispatch
     assert len({batch[0][MAGI_PREPARED].request for batch in planned}) == STEPS
 
@@ -130,86 +122,95 @@ def test_dispatch_batch_refuses_a_dispatch_solved_for_another_cp_size_or_batch_s
         assert torch.equal(getattr(taken, name), getattr(plain, name)), name
 
 
-def _rank_main(rank: int, world_size: int, batches: list) -> list[str]:
+def _rotated(prepared):
+    """`prepared` with each rank's chunks (and their area) moved to the next rank: a valid placement of the
+    same request that no solve makes."""
+    plan = prepared.plan
+    moved = dataclasses.replace(
+        plan,
+        partitions=plan.partitions[-1:] + plan.partitions[:-1],
+        rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
+    )
+    return dataclasses.replace(prepared, plan=moved)
+
+
+def _token_ids(prepared, rank: int) -> list[int]:
+    """Global token ids of `rank`'s tokens under `prepared`'s placement, as `get_position_ids` reports them
+    (padding repeats the last token id)."""
+    plan, last = prepared.plan, BATCH * SEQ_LEN - 1
+    return [min(c * plan.chunk_size + i, last) for c in plan.partitions[rank] for i in range(plan.chunk_size)]
+
+
+def _rank_main(rank: int, world_size: int, batches: list, given: str, other) -> list[dict]:
+    """Each batch dispatched with `given` ("none", "own": its prepared dispatch, "rotated": that moved by one
+    rank, "other": another batch's, moved): its tensors and the key's token ids."""
     from magi_attention_torchtitan import MAGI_PREPARED, dispatch_batch, plan_batch_ahead
     from torch.distributed.device_mesh import init_device_mesh
 
     from magi_attention import api
-    from magi_solver.choice import clear_dispatch_cache
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     config = _dist_attn_config()
-    counter = _SolveCounter()
-    checked = []
-
-    def fresh(input_dict, labels, prepared=None):
-        """The batch dispatched from empty caches (magi's keys and the planner's solves): `(batch, solves)`."""
-        api.clear_cache(mesh)
-        clear_dispatch_cache()
-        counter.calls = 0
-        batch = dispatch_batch(
-            input_dict["input"],
-            labels,
+    out = []
+    for input_dict, labels in batches:
+        prepared = {
+            "none": None,
+            "own": input_dict[MAGI_PREPARED],
+            "rotated": _rotated(input_dict[MAGI_PREPARED]),
+            "other": other,
+        }[given]
+        kwargs = dict(
             positions=input_dict["positions"],
             cp_mesh=mesh,
             num_heads_q=HEADS_Q,
             num_heads_kv=HEADS_KV,
             head_dim=HEAD_DIM,
             dist_attn_config=config,
-            prepared=prepared,
         )
-        return batch, counter.calls
-
-    def same(a, b) -> bool:
-        keys = (a.attention_masks.key, b.attention_masks.key)
-        ids = [api.get_position_ids(k) for k in keys]
-        return torch.equal(*ids) and all(
-            torch.equal(getattr(a, n), getattr(b, n)) for n in ("input_ids", "labels", "positions")
+        if given == "none":  # another cp size's dispatch: refused on every rank before the key's collective
+            wrong_cp = plan_batch_ahead(
+                input_dict["positions"], BATCH, SEQ_LEN, cp_size=world_size + 1, dist_attn_config=config
+            )
+            with pytest.raises(ValueError, match=f"solved for cp size {world_size + 1}, but the cp group"):
+                dispatch_batch(input_dict["input"], labels, **kwargs, prepared=wrong_cp)
+        batch = dispatch_batch(input_dict["input"], labels, **kwargs, prepared=prepared)
+        out.append(
+            {
+                "input_ids": batch.input_ids,
+                "labels": batch.labels,
+                "positions": batch.positions,
+                "token_ids": api.get_position_ids(batch.attention_masks.key).tolist(),
+            }
         )
-
-    for step, (input_dict, labels) in enumerate(batches):
-        prepared = input_dict[MAGI_PREPARED]
-        own, own_solves = fresh(input_dict, labels)
-        assert own_solves >= 1, "the key found a dispatch it should have solved"
-        # the worker's placement is the key's own: this rank holds the prepared plan's chunks, in order
-        plan, total = prepared.plan, BATCH * SEQ_LEN
-        chunks = [
-            min(c * plan.chunk_size + i, total - 1)  # padding reuses the last valid token id
-            for c in plan.partitions[rank]
-            for i in range(plan.chunk_size)
-        ]
-        assert api.get_position_ids(own.attention_masks.key).tolist() == chunks, f"step {step}"
-        # adopted: no solve, the same tensors and placement
-        adopted, adopted_solves = fresh(input_dict, labels, prepared)
-        assert adopted_solves == 0, f"step {step}: the key solved a dispatch it was given"
-        assert same(adopted, own), f"step {step}: the adopted dispatch changed the batch"
-        assert api.get_dispatch_choice(adopted.attention_masks.key) == api.get_dispatch_choice(
-            own.attention_masks.key
-        )
-        # another batch's dispatch of the same size: not used (solved anew), the same tensors
-        other = batches[(step + 1) % len(batches)][0][MAGI_PREPARED]
-        mismatched, mismatched_solves = fresh(input_dict, labels, other)
-        assert mismatched_solves >= 1, f"step {step}: another batch's dispatch answered this batch's key"
-        assert same(mismatched, own), f"step {step}: another batch's dispatch changed the batch"
-        # another cp size: refused on every rank before the key's collective
-        wrong_cp = plan_batch_ahead(
-            input_dict["positions"], BATCH, SEQ_LEN, cp_size=world_size + 1, dist_attn_config=config
-        )
-        try:
-            fresh(input_dict, labels, wrong_cp)
-        except ValueError as exc:
-            assert f"solved for cp size {world_size + 1}" in str(exc), exc
-        else:
-            raise AssertionError("a dispatch solved for another cp size was taken")
-        checked.append(f"step {step}: {len(chunks)} tokens, {plan.alg}")
     dist.barrier()
-    return checked
+    return out
 
 
-def test_prepared_dispatch_is_the_keys_own_and_is_adopted_without_a_solve() -> None:
-    batches = _planned_batches(CP)  # solved in the dataloader's worker process, as in training
-    results = run_distributed(_rank_main, CP, batches)
-    assert all(len(r) == STEPS for r in results), results
+def test_prepared_dispatch_is_the_keys_own_and_is_the_one_it_takes() -> None:
+    from magi_attention_torchtitan import MAGI_PREPARED
+
+    # solved in the dataloader's worker process, as in training; the last batch only lends its dispatch
+    *batches, spare = _planned_batches(RANKS, STEPS + 1, seed=RANKS_SEED)
+    other = _rotated(spare[0][MAGI_PREPARED])
+    runs = {given: run_distributed(_rank_main, RANKS, batches, given, other) for given in
+            ("none", "own", "rotated", "other")}  # fmt: skip
+    for step, (input_dict, _) in enumerate(batches):
+        prepared = input_dict[MAGI_PREPARED]
+        for rank in range(RANKS):
+            alone, own, rotated, another = (runs[g][rank][step] for g in ("none", "own", "rotated", "other"))
+            where = f"step {step}, rank {rank}"
+            # the worker's placement is the one the key solves without it
+            assert alone["token_ids"] == _token_ids(prepared, rank), where
+            # the key takes the placement it is given ...
+            assert rotated["token_ids"] == _token_ids(_rotated(prepared), rank) != alone["token_ids"], where
+            # ... so with the worker's, the batch is dispatched as without it
+            for name in ("input_ids", "labels", "positions", "token_ids"):
+                assert torch.equal(torch.as_tensor(own[name]), torch.as_tensor(alone[name])), (where, name)
+                # another batch's dispatch is not used: the key solves its own
+                assert torch.equal(torch.as_tensor(another[name]), torch.as_tensor(alone[name])), (
+                    where,
+                    name,
+                )
 
 
 def test_magi_trainer_plans_in_its_dataloader_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,9 @@ is the same weights in the same torchtitan model with SDPA (causal) as inner att
 alone. Compared: the first step's logits (undispatched), loss and gradients (full tensors of FSDP's shards), the
 loss of every step and the final weights. A third launch forces the documents placement
 (`MagiAttentionConfig(dispatch_alg="documents")`: these batches are too small for magi to choose it) and checks
-every step's key used it; its batches come from the dataloader with `plan_in_dataloader`, so their dispatch is
-solved in its worker process, and the ranks' keys must take it without solving (a solve there fails the run).
+every step's key used it; its batches come from the dataloader with `plan_in_dataloader`, each carrying its
+dispatch solved in the dataloader's worker process, which `prepare_magi_input` hands to the key
+(tests/test_plan_ahead.py checks that the key takes it).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def _case(
     model_name: str, rope_positions: str, cp_mesh, tokenizer, alg: str | None, batches: list | None
 ) -> dict:
     from magi_attention_torchtitan import (
+        MAGI_PREPARED,
         SyntheticDocumentsDataset,
         apply_magi_fsdp,
         magi_model_spec,
@@ -116,7 +118,7 @@ def _case(
             labels = torch.stack([s[1] for s in samples])
         else:  # the same samples, batched by the dataloader, with their dispatch solved in its worker
             input_dict, labels = batches[step]
-            input_dict = dict(input_dict)
+            assert set(input_dict) == {"input", "positions", MAGI_PREPARED}, sorted(input_dict)
         global_valid_tokens = (labels != -100).sum()
         inputs, local_labels, extra = prepare_magi_input(
             input_dict, labels, cp_mesh=cp_mesh, model_config=spec.model, magi_config=magi
@@ -163,14 +165,6 @@ def _rank_main(rank: int, world_size: int, alg: str | None, batches: list | None
     torch.set_default_dtype(torch.float64)
     cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     tokenizer = HuggingFaceTokenizer(tokenizer_path=tokenizer_path())
-    if batches is not None:
-        import magi_solver.choice as choice
-
-        def no_solve(*args, **kwargs):
-            raise AssertionError("a key solved a dispatch the dataloader's worker had solved")
-
-        choice.clear_dispatch_cache()
-        choice._choose = no_solve  # this forked rank's planner only
     return {f"{m}-{r}": _case(m, r, cp_mesh, tokenizer, alg, batches) for m, r in CASES}
 
 
