@@ -271,6 +271,7 @@ def dispatch_batch(
         A `MagiBatch`; its tensors are on the device of `inputs`.
 
     Raises:
+        TypeError: `prepared` is not a `PreparedDispatch`.
         ValueError: `prepared` was solved for another cp size or another number of tokens.
     """
     _check_batch(inputs, labels, positions)
