@@ -140,12 +140,12 @@ def bounds_rows(names: list[str], rows: list[tuple[int, int]]) -> list[dict]:
             price = price_plan(plan.dispatch, sl, law)
             out.append({"mask": name, "tokens_per_gpu": tpg, "cp": cp, "law": law.backend, "E_fwd": b.fwd,
                         "E_bwd": b.bwd, "extra_keys": b.extra_keys, "cut_units": b.cut_units,
-                        "plan_alg": plan.dispatch.alg.value,
+                        "plan_alg": plan.dispatch.alg.value, "E_fwd_capacity": b.fwd_capacity,
                         "plan_E_fwd": b.whole_fwd_ms / (cp * float(price.fwd_ms.max())),
                         "plan_E_bwd": b.whole_bwd_ms / (cp * float(price.bwd_ms.max())),
                         "plan_balanced_E_fwd": b.whole_fwd_ms / (cp * float(price.fwd_ms.mean())),
                         "plan_balanced_E_bwd": b.whole_bwd_ms / (cp * float(price.bwd_ms.mean())),
-                        "plan_received_keys": int(price.remote.sum()),
+                        "plan_received_keys": int(price.remote.sum()), "E_bwd_capacity": b.bwd_capacity,
                         "plan_time_imbalance": price.time_imbalance,
                         "plan_keys_imbalance_bound": balance_bound(plan.dispatch, price, law)
                         / float(price.fwd_ms.mean() + price.bwd_ms.mean())})  # fmt: skip
@@ -167,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.bounds:
         grid = [(8192, c) for c in (8, 16, 32, 64)] + [(2048, c) for c in (8, 32)]
         rows = bounds_rows(names, grid)
-        print("| mask | tok/GPU | cp | law | E bound fwd / bwd | received keys | cut units | plan | plan E fwd / bwd "
-              "| balanced plan E fwd / bwd | plan received keys | plan time imbal. | its keys allow |")  # fmt: skip
-        print("|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        print("| mask | tok/GPU | cp | law | E bound fwd / bwd (capacity) | received keys | cut units | plan | plan E fwd / "
+              "bwd | balanced plan E fwd / bwd | plan received keys | plan time imbal. | its keys allow |\n"
+              "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
         for r in rows:
             print(f"| {r['mask']} | {r['tokens_per_gpu']} | {r['cp']} | {r['law']} | {r['E_fwd']:.3f} / "
-                  f"{r['E_bwd']:.3f} | {r['extra_keys']:,} | {r['cut_units']} | {r['plan_alg']} | "
+                  f"{r['E_bwd']:.3f} ({r['E_fwd_capacity']:.3f} / {r['E_bwd_capacity']:.3f}) | "
+                  f"{r['extra_keys']:,} | {r['cut_units']} | {r['plan_alg']} | "
                   f"{r['plan_E_fwd']:.3f} / {r['plan_E_bwd']:.3f} | {r['plan_balanced_E_fwd']:.3f} / "
                   f"{r['plan_balanced_E_bwd']:.3f} | {r['plan_received_keys']:,} | "
                   f"{r['plan_time_imbalance']:.3f} | {r['plan_keys_imbalance_bound']:.3f} |", flush=True)  # fmt: skip

@@ -14,8 +14,20 @@ placement could do:
   its last rows needs all its earlier keys.
 
 So `E_bound = W / (W + b * extra / 128)` per direction, with `W` the whole mask's law time and `extra` the
-received keys of those pieces; it is the same for every placement with these cuts, and no placement that
-keeps every rank's tokens equal can beat it by the law.
+received keys of those pieces; it is the same for every placement with these cuts. It is an estimate, not a
+ceiling: balance may force a unit onto more ranks than its length needs (a long causal document whose tiles
+are several ranks' share), and every extra rank holding its late rows reads all its earlier keys.
+
+The *capacity bound* (`EfficiencyBound.fwd_capacity` / `bwd_capacity`) is a ceiling: no placement that
+gives every rank `total / N` tokens beats it by the law. For a time `T` per rank, a rank holding a row
+that attends `k` keys reads at least `max(k, total / N)` key columns, so it has `T` minus that column cost
+(and its rows and call) left for tiles. The rows of a unit that attend `k` keys or more therefore sit on at
+least `n(k) = ceil(their tile time / that room)` ranks (and at least `ceil(their count / (total / N))`),
+and those ranks read at least `sum over k of n(k)` of the unit's keys in all (each counted once per rank:
+a rank reads a key once). Summing over units, `N * T` must cover every rank's tiles, rows and calls plus
+those columns; the least such `T` (bisection: the columns only fall as `T` grows) over the mean rank of
+the whole mask gives the bound. It ignores that tokens come in chunks and that a rank's units share its
+room, so real placements sit below it.
 
 `balance_bound` answers a narrower question about one plan: with each rank's key columns and rows as the
 plan has them, how low could `max fwd + max bwd` go were the mask's tiles spread over the ranks freely
@@ -32,7 +44,7 @@ import numpy as np
 
 from .dispatch import DispatchPlan
 from .documents import token_units
-from .kernel_law import TILE, KernelLaw
+from .kernel_law import TILE, DirectionLaw, KernelLaw
 from .mask import clip_region, region_of, total_area
 from .pricing import PlanPrice
 
@@ -51,6 +63,8 @@ class EfficiencyBound:
         whole_fwd_ms, whole_bwd_ms: the law's one-GPU time of the whole mask.
         extra_keys: keys received by all ranks together under the fewest cuts.
         cut_units: units longer than a rank (cut into pieces).
+        fwd_capacity, bwd_capacity: the capacity bound of each direction (module docstring): no placement
+            with equal tokens per rank reaches a higher E by the law.
     """
 
     fwd: float
@@ -59,6 +73,8 @@ class EfficiencyBound:
     whole_bwd_ms: float
     extra_keys: int
     cut_units: int
+    fwd_capacity: float = 1.0
+    bwd_capacity: float = 1.0
 
 
 def _needed_outside(slices: list, a: int, b: int) -> int:
@@ -102,6 +118,9 @@ def efficiency_bound(slices: list, total: int, cp: int, law: KernelLaw) -> Effic
         extra += sum(_needed_outside(members, x, y) for x, y in itertools.pairwise(edges))
     col_f = law.fwd.key_columns * law.scale * 1e-3 * extra / TILE
     col_b = law.bwd.key_columns * law.scale * 1e-3 * extra / TILE
+    rows = _unit_rows(slices)
+    cap_f = _capacity_ms(rows, area, total, cp, law.fwd, law.scale)
+    cap_b = _capacity_ms(rows, area, total, cp, law.bwd, law.scale)
     return EfficiencyBound(
         fwd=whole_f / (whole_f + col_f) if whole_f > 0 else 1.0,
         bwd=whole_b / (whole_b + col_b) if whole_b > 0 else 1.0,
@@ -109,7 +128,73 @@ def efficiency_bound(slices: list, total: int, cp: int, law: KernelLaw) -> Effic
         whole_bwd_ms=whole_b,
         extra_keys=int(extra),
         cut_units=cut,
+        fwd_capacity=min(1.0, whole_f / (cp * cap_f)) if whole_f > 0 else 1.0,
+        bwd_capacity=min(1.0, whole_b / (cp * cap_b)) if whole_b > 0 else 1.0,
     )
+
+
+def _unit_rows(slices: list) -> list[tuple[np.ndarray, int]]:
+    """Per unit: its rows' key counts (int64, descending; rows attending nothing left out) and the count of
+    keys its slices read. `slices` are disjoint (as `normalize_mask` returns them), so a row's keys are the
+    sum over the slices it is in."""
+    out = []
+    for a, b in token_units(slices):
+        keys = np.zeros(b - a, dtype=np.int64)
+        spans = []
+        for s in slices:
+            if s[0] >= b or s[1] <= a:
+                continue
+            qs, qe, ks, ke, lo, hi = region_of(*s)
+            q = np.arange(max(qs, a), min(qe, b))
+            keys[q - a] += np.maximum(np.minimum(ke - 1, q + hi) - np.maximum(ks, q + lo) + 1, 0)
+            spans.append((ks, ke))
+        read, end = 0, -1
+        for ks, ke in sorted(spans):  # the union of the key ranges
+            read += max(0, ke - max(ks, end))
+            end = max(end, ke)
+        out.append((-np.sort(-keys[keys > 0]), read))
+    return out
+
+
+def _capacity_ms(rows: list, area: int, total: int, cp: int, law: DirectionLaw, scale: float) -> float:
+    """The least per-rank time (ms) of the capacity bound (module docstring) for one direction's law."""
+    us = scale
+    a, b = law.tiles * us, law.key_columns * us
+    share = total / cp
+    fixed = (law.rows * np.ceil(share / TILE) + law.call) * us  # every rank holds `share` rows
+    ks = [k for k, _ in rows if k.size]
+    if a <= 0 or not ks:
+        return (a * area / TILE**2 + b * total / TILE) / cp * 1e-3 + fixed * 1e-3
+    # the rows attending >= k keys, for every k: their count and tile time (k from 1 to the unit's most)
+    levels = []
+    for k, read in rows:
+        if k.size:
+            kappa = np.arange(1, int(k[0]) + 1)
+            count = np.searchsorted(-k, -kappa, side="right")
+            levels.append((kappa, count, np.cumsum(a * k / TILE**2)[count - 1], read))
+    base = a * area / TILE**2 + cp * fixed
+
+    def columns(t: float) -> float:
+        cols = 0.0
+        for kappa, count, work, read in levels:
+            room = t - fixed - b * np.maximum(kappa, share) / TILE
+            if room.min() <= 0:
+                return float("inf")
+            n = np.maximum(np.ceil(work / room - 1e-9), np.ceil(count / share - 1e-9))
+            cols += max(float(np.maximum(n, 1).sum()), read)  # every key it reads is read somewhere
+        return max(cols, total)  # and every rank reads its own tokens
+
+    lo = base / cp
+    hi = lo + b * (total + sum(int(k[0]) for k in ks) * cp) / TILE  # every rank reads every unit: room
+    while cp * hi < base + b * columns(hi) / TILE:
+        hi *= 2
+    for _ in range(_SEARCH):
+        mid = 0.5 * (lo + hi)
+        if cp * mid >= base + b * columns(mid) / TILE:
+            hi = mid
+        else:
+            lo = mid
+    return hi * 1e-3
 
 
 def balance_bound(plan: DispatchPlan, price: PlanPrice, law: KernelLaw) -> float:
