@@ -160,11 +160,13 @@ def _capacity_ms(rows: list, area: int, total: int, cp: int, law: DirectionLaw, 
     """The least per-rank time (ms) of the capacity bound (module docstring) for one direction's law."""
     us = scale
     a, b = law.tiles * us, law.key_columns * us
-    share = total / cp
-    fixed = (law.rows * np.ceil(share / TILE) + law.call) * us  # every rank holds `share` rows
+    least, most = total // cp, -(-total // cp)  # a rank's tokens (uneven shards differ by one)
+    fixed = (law.rows * np.ceil(least / TILE) + law.call) * us  # a rank with tiles pays its rows and call
     ks = [k for k, _ in rows if k.size]
+    # a rank whose rows attend nothing costs nothing: only the ranks the attending rows fill surely run
+    active = min(cp, -(-sum(k.size for k in ks) // most))
     if a <= 0 or not ks:
-        return (a * area / TILE**2 + b * total / TILE) / cp * 1e-3 + fixed * 1e-3
+        return (a * area / TILE**2 + b * total / TILE + active * fixed) / cp * 1e-3
     # the rows attending >= k keys, for every k: their count and tile time (k from 1 to the unit's most)
     levels = []
     for k, read in rows:
@@ -172,15 +174,15 @@ def _capacity_ms(rows: list, area: int, total: int, cp: int, law: DirectionLaw, 
             kappa = np.arange(1, int(k[0]) + 1)
             count = np.searchsorted(-k, -kappa, side="right")
             levels.append((kappa, count, np.cumsum(a * k / TILE**2)[count - 1], read))
-    base = a * area / TILE**2 + cp * fixed
+    base = a * area / TILE**2 + active * fixed
 
     def columns(t: float) -> float:
         cols = 0.0
         for kappa, count, work, read in levels:
-            room = t - fixed - b * np.maximum(kappa, share) / TILE
+            room = t - fixed - b * np.maximum(kappa, least) / TILE
             if room.min() <= 0:
                 return float("inf")
-            n = np.maximum(np.ceil(work / room - 1e-9), np.ceil(count / share - 1e-9))
+            n = np.maximum(np.ceil(work / room - 1e-9), np.ceil(count / most - 1e-9))
             cols += max(float(np.maximum(n, 1).sum()), read)  # every key it reads is read somewhere
         return max(cols, total)  # and every rank reads its own tokens
 
