@@ -13,6 +13,9 @@ on every family, the sliding-window keys included, and checks each key really us
 from __future__ import annotations
 
 import copy
+import dataclasses
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from itertools import pairwise
 
 import pytest
@@ -86,7 +89,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _rank_main(rank: int, world_size: int, alg: str | None = None) -> dict:
+def _rank_main(rank: int, world_size: int, alg: str | None = None, ahead: list | None = None) -> dict:
     from magi_attention_transformers import (
         _core,
         all_reduce_gradients,
@@ -101,9 +104,7 @@ def _rank_main(rank: int, world_size: int, alg: str | None = None) -> dict:
     world = dist.group.WORLD
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     ids, cu = packed_batch(seed=1)
-    # alg="documents": every batch forced onto the documents placement, at chunk 8 (the placement would
-    # pick 32 for this pack: two chunks per rank, nothing to place)
-    base = None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=8, alg=alg))
+    base = _base_config(alg)
     report: dict = {}
     for family in FAMILIES:
         model = make_model(family)
@@ -144,28 +145,71 @@ def _rank_main(rank: int, world_size: int, alg: str | None = None) -> dict:
                 "local_tokens": batch.input_ids.shape[1],
             }
     report["train"] = _train_loop(
-        rank, world, base, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
+        rank, world, base, ahead, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
     )
     return report
 
 
+def _base_config(alg: str | None) -> DistAttnConfig | None:
+    """alg="documents": every batch forced onto the documents placement, at chunk 8 (the placement would
+    pick 32 for this pack: two chunks per rank, nothing to place)"""
+    return None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=8, alg=alg))
+
+
+TRAIN_DOC_LENS = [[20, 9, 31], [5, 40, 15], [60], [7, 7, 30, 16]]
+
+
+def _solved_ahead(cp: int, alg: str | None) -> list:
+    """Per training step: None on even steps; on odd steps its dispatch solved in another process (as a
+    data-loader worker would) with each rank's chunks then moved to the next rank, a valid placement no solve
+    makes, so the key shows whether it adopted it (the results must not change). Solved in a fresh process:
+    the ranks, forked from this one, must not find those masks solved already."""
+    from magi_attention.api import prepare_varlen_dispatch
+
+    cus = [packed_batch(seed=10 + step, doc_lens=lens)[1] for step, lens in enumerate(TRAIN_DOC_LENS)]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        solved = [
+            pool.submit(prepare_varlen_dispatch, cu, cu, cp, True, dist_attn_config=_base_config(alg))
+            if step % 2
+            else None
+            for step, cu in enumerate(cus)
+        ]
+        solved = [None if f is None else f.result() for f in solved]
+    out = []
+    for prepared in solved:
+        if prepared is not None:
+            plan = prepared.plan
+            moved = dataclasses.replace(
+                plan,
+                partitions=plan.partitions[-1:] + plan.partitions[:-1],
+                rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
+            )
+            prepared = dataclasses.replace(prepared, plan=moved)
+        out.append(prepared)
+    return out
+
+
 def _train_loop(
-    rank, group, config, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
+    rank, group, config, ahead, apply_magi_attention, dispatch_batch, causal_lm_loss, all_reduce_gradients
 ):
-    """Four AdamW steps of Mistral (sliding window) on packed batches of different documents."""
+    """Four AdamW steps of Mistral (sliding window) on packed batches of different documents, the odd steps'
+    dispatch handed over as solved ahead (`_solved_ahead`)."""
     model = make_model("mistral", seed=3)
     ref = copy.deepcopy(model)
     apply_magi_attention(model, group, dist_attn_config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     from magi_attention import get_dispatch_choice
+    from magi_attention.api import get_position_ids
 
     losses, ref_losses, algs = [], [], set()
-    for step in range(4):
-        ids, cu = packed_batch(
-            seed=10 + step, doc_lens=[[20, 9, 31], [5, 40, 15], [60], [7, 7, 30, 16]][step]
-        )
-        batch = dispatch_batch(ids, group, cu_seqlens=cu)
+    for step, prepared in enumerate(ahead):
+        ids, cu = packed_batch(seed=10 + step, doc_lens=TRAIN_DOC_LENS[step])
+        batch = dispatch_batch(ids, group, cu_seqlens=cu, prepared=prepared)
+        if prepared is not None:
+            total = int(cu[-1])
+            mine = [min(int(x), total - 1) for x in prepared.plan.position_ids(dist.get_rank())]
+            assert get_position_ids(batch.key).tolist() == mine, step
         algs.add(get_dispatch_choice(batch.key).algorithm)
         loss = causal_lm_loss(model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch)
         loss.backward()
@@ -184,7 +228,7 @@ def _train_loop(
 # the planner's own choice at cp 2 and 3; the documents placement forced once (cp 3: a cut per boundary)
 @pytest.mark.parametrize(("cp", "alg"), [(2, None), (3, None), (3, "documents")])
 def test_cp_matches_single_process(cp: int, alg: str | None) -> None:
-    report = run_ranks(_rank_main, cp, alg)[0]
+    report = run_ranks(_rank_main, cp, alg, _solved_ahead(cp, alg))[0]
     for family in FAMILIES:
         r = report[family]
         print(f"cp={cp} alg={alg} {family}: {r}")

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from magi_attention.api import (
+    PreparedDispatch,
+    adopt_dispatch,
     calc_attn,
     dispatch,
     get_most_recent_key,
@@ -164,6 +166,7 @@ def dispatch_batch(
     cu_seqlens: Any = None,
     labels: torch.Tensor | None = None,
     dist_attn_config: DistAttnConfig | None = None,
+    prepared: PreparedDispatch | None = None,
 ) -> DispatchedBatch:
     """Plan attention for one packed batch and keep this rank's tokens.
 
@@ -175,6 +178,11 @@ def dispatch_batch(
         labels: `[1, total_tokens]` Transformers-style labels aligned with `input_ids` (-100 = ignore); the
             targets are shifted here, within each document. None: `input_ids`.
         dist_attn_config: overrides the config given to `apply_magi_attention` for this batch.
+        prepared: this batch's dispatch solved ahead, e.g. in a data-loader worker:
+            `magi_attention.api.prepare_varlen_dispatch(cu_seqlens, cu_seqlens, cp_size, causal=True,
+            dist_attn_config=...)` with the config this call uses. It is adopted (`adopt_dispatch`) before
+            the key is built, so the key takes it instead of solving; one solved for another batch, cp size
+            or config is not used (the key solves its own, with the same result).
 
     Returns:
         a `DispatchedBatch`; afterwards `model(input_ids=batch.input_ids, position_ids=batch.position_ids)`
@@ -192,6 +200,8 @@ def dispatch_batch(
         raise ValueError("input_ids is empty")
     cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
     config = dist_attn_config if dist_attn_config is not None else state.dist_attn_config
+    if prepared is not None:
+        adopt_dispatch(prepared)  # a TypeError for anything else, before the key's collectives
     key = magi_attn_varlen_key(
         cu, cu, state.num_heads_q, state.num_heads_kv, state.head_dim, cp_group_or_mesh,
         causal=True, dist_attn_config=config,
