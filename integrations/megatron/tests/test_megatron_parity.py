@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from magi_attention.config import DispatchConfig, DistAttnConfig
+from magi_attention.testing import moved_to_next_rank, solved_elsewhere
 from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
@@ -55,17 +56,23 @@ def make_batch(seed: int, doc_lens):
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}, cu
 
 
-def step(model, batch, cu, group, config=None, algs=None):
+def step(model, batch, cu, group, config=None, algs=None, prepared=None):
     """One forward/backward; `config` is the cp side's `DistAttnConfig`; `algs` (a set) collects the
-    algorithm that placed the batch's key."""
+    algorithm that placed the batch's key; `prepared`: the batch's dispatch solved ahead (checked to be the
+    key's placement)."""
     from magi_attention_megatron import get_batch_on_this_cp_rank_magi, magi_loss
 
     from magi_attention import get_dispatch_choice
+    from magi_attention.api import get_position_ids
 
     local = get_batch_on_this_cp_rank_magi(
         batch, group, num_heads_q=HQ, num_heads_kv=HKV, head_dim=DIM // HQ, cu_seqlens=cu,
-        dist_attn_config=config,
+        dist_attn_config=config, prepared=prepared,
     )  # fmt: skip
+    if prepared is not None:
+        last = cu[-1] - 1
+        mine = [min(int(x), last) for x in prepared.plan.position_ids(dist.get_rank())]
+        assert get_position_ids(local["magi_key"]).tolist() == mine
     if algs is not None:
         algs.add(get_dispatch_choice(local["magi_key"]).algorithm)
     per_token = model(
@@ -83,7 +90,24 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
+TRAIN_DOC_LENS = [[20, 40, 9], [64, 5], [3, 3, 50, 10]]
+
+
+def _config(alg: str | None) -> DistAttnConfig | None:
+    return None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(alg=alg))
+
+
+def _solved_ahead(cp: int, alg: str | None) -> dict:
+    """The second training step's dispatch solved in another process (as a data-loader worker would), moved
+    one rank on (a placement no solve makes, so the key shows whether it adopted it)."""
+    from magi_attention.api import prepare_varlen_dispatch
+
+    cu = make_batch(seed=101, doc_lens=TRAIN_DOC_LENS[1])[1]
+    solved = solved_elsewhere(prepare_varlen_dispatch, cu, cu, cp, True, dist_attn_config=_config(alg))
+    return {1: moved_to_next_rank(solved)}
+
+
+def _rank_main(rank: int, world_size: int, alg: str | None, ahead: dict) -> dict:
     warnings.simplefilter("ignore")
     from magi_attention_megatron import all_reduce_gradients
     from megatron.core import parallel_state
@@ -91,7 +115,7 @@ def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
     parallel_state.initialize_model_parallel(1, 1)
     singles = [dist.new_group([r]) for r in range(world_size)]  # every rank takes part in new_group
     world = dist.group.WORLD
-    config = None if alg is None else DistAttnConfig(dispatch_config=DispatchConfig(alg=alg))
+    config = _config(alg)
     algs: set = set()  # the algorithms of the cp side's keys
     report = {}
     cases = {"packed": ([33, 1, 18, 52], True), "one_sequence": ([80], False)}
@@ -115,8 +139,8 @@ def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
     losses, ref_losses = [], []
     for s in range(3):
-        batch, cu = make_batch(seed=100 + s, doc_lens=[[20, 40, 9], [64, 5], [3, 3, 50, 10]][s])
-        losses.append(step(model, batch, cu, world, config, algs).item())
+        batch, cu = make_batch(seed=100 + s, doc_lens=TRAIN_DOC_LENS[s])
+        losses.append(step(model, batch, cu, world, config, algs, ahead.get(s)).item())
         all_reduce_gradients(model, world)
         opt.step()
         opt.zero_grad()
@@ -136,7 +160,7 @@ def _rank_main(rank: int, world_size: int, alg: str | None) -> dict:
 
 @pytest.mark.parametrize("alg", [None, "documents"], ids=["auto", "documents"])
 def test_megatron_cp2_matches_cp1(alg: str | None) -> None:
-    report = run_ranks(_rank_main, 2, alg)[0]
+    report = run_ranks(_rank_main, 2, alg, _solved_ahead(2, alg))[0]
     print(report)
     if alg is not None:
         assert report["algs"] == {alg}, report["algs"]

@@ -11,13 +11,11 @@ dispatch is given in a launch of its own: a process keeps the first answer its p
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from magi_attention.testing import run_distributed
+from magi_attention.testing import moved_to_next_rank, run_distributed
 
 SEQ_LEN, BATCH, STEPS = 100, 2, 3
 HEADS_Q, HEADS_KV, HEAD_DIM = 2, 1, 8
@@ -122,18 +120,6 @@ def test_dispatch_batch_refuses_a_dispatch_solved_for_another_cp_size_or_batch_s
         assert torch.equal(getattr(taken, name), getattr(plain, name)), name
 
 
-def _rotated(prepared):
-    """`prepared` with each rank's chunks (and their area) moved to the next rank: a valid placement of the
-    same request that no solve makes."""
-    plan = prepared.plan
-    moved = dataclasses.replace(
-        plan,
-        partitions=plan.partitions[-1:] + plan.partitions[:-1],
-        rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
-    )
-    return dataclasses.replace(prepared, plan=moved)
-
-
 def _token_ids(prepared, rank: int) -> list[int]:
     """Global token ids of `rank`'s tokens under `prepared`'s placement, as `get_position_ids` reports them
     (padding repeats the last token id)."""
@@ -156,7 +142,7 @@ def _rank_main(rank: int, world_size: int, batches: list, given: str, other) -> 
         prepared = {
             "none": None,
             "own": input_dict[MAGI_PREPARED],
-            "rotated": _rotated(input_dict[MAGI_PREPARED]),
+            "rotated": moved_to_next_rank(input_dict[MAGI_PREPARED]),
             "other": other,
         }[given]
         kwargs = dict(
@@ -191,7 +177,7 @@ def test_prepared_dispatch_is_the_keys_own_and_is_the_one_it_takes() -> None:
 
     # solved in the dataloader's worker process, as in training; the last batch only lends its dispatch
     *batches, spare = _planned_batches(RANKS, STEPS + 1, seed=RANKS_SEED)
-    other = _rotated(spare[0][MAGI_PREPARED])
+    other = moved_to_next_rank(spare[0][MAGI_PREPARED])
     runs = {given: run_distributed(_rank_main, RANKS, batches, given, other) for given in
             ("none", "own", "rotated", "other")}  # fmt: skip
     for step, (input_dict, _) in enumerate(batches):
@@ -202,7 +188,9 @@ def test_prepared_dispatch_is_the_keys_own_and_is_the_one_it_takes() -> None:
             # the worker's placement is the one the key solves without it
             assert alone["token_ids"] == _token_ids(prepared, rank), where
             # the key takes the placement it is given ...
-            assert rotated["token_ids"] == _token_ids(_rotated(prepared), rank) != alone["token_ids"], where
+            assert (
+                rotated["token_ids"] == _token_ids(moved_to_next_rank(prepared), rank) != alone["token_ids"]
+            ), where
             # ... so with the worker's, the batch is dispatched as without it
             for name in ("input_ids", "labels", "positions", "token_ids"):
                 assert torch.equal(torch.as_tensor(own[name]), torch.as_tensor(alone[name])), (where, name)

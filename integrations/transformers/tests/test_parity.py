@@ -13,9 +13,6 @@ on every family, the sliding-window keys included, and checks each key really us
 from __future__ import annotations
 
 import copy
-import dataclasses
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from itertools import pairwise
 
 import pytest
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
+from magi_attention.testing import moved_to_next_rank, solved_elsewhere
 from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
@@ -161,31 +159,19 @@ TRAIN_DOC_LENS = [[20, 9, 31], [5, 40, 15], [60], [7, 7, 30, 16]]
 
 def _solved_ahead(cp: int, alg: str | None) -> list:
     """Per training step: None on even steps; on odd steps its dispatch solved in another process (as a
-    data-loader worker would) with each rank's chunks then moved to the next rank, a valid placement no solve
-    makes, so the key shows whether it adopted it (the results must not change). Solved in a fresh process:
-    the ranks, forked from this one, must not find those masks solved already."""
+    data-loader worker would), then moved one rank on (`moved_to_next_rank`: a placement no solve makes, so
+    the key shows whether it adopted it; the results must not change)."""
     from magi_attention.api import prepare_varlen_dispatch
 
-    cus = [packed_batch(seed=10 + step, doc_lens=lens)[1] for step, lens in enumerate(TRAIN_DOC_LENS)]
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        solved = [
-            pool.submit(prepare_varlen_dispatch, cu, cu, cp, True, dist_attn_config=_base_config(alg))
-            if step % 2
-            else None
-            for step, cu in enumerate(cus)
-        ]
-        solved = [None if f is None else f.result() for f in solved]
     out = []
-    for prepared in solved:
-        if prepared is not None:
-            plan = prepared.plan
-            moved = dataclasses.replace(
-                plan,
-                partitions=plan.partitions[-1:] + plan.partitions[:-1],
-                rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
-            )
-            prepared = dataclasses.replace(prepared, plan=moved)
-        out.append(prepared)
+    for step, lens in enumerate(TRAIN_DOC_LENS):
+        if step % 2 == 0:
+            out.append(None)
+            continue
+        cu = packed_batch(seed=10 + step, doc_lens=lens)[1]
+        config = _base_config(alg)
+        solved = solved_elsewhere(prepare_varlen_dispatch, cu, cu, cp, True, dist_attn_config=config)
+        out.append(moved_to_next_rank(solved))
     return out
 
 

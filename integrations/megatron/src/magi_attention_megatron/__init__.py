@@ -23,7 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from magi_attention.api import calc_attn, dispatch, get_position_ids, magi_attn_varlen_key, undispatch
+from magi_attention.api import (
+    PreparedDispatch,
+    adopt_dispatch,
+    calc_attn,
+    dispatch,
+    get_position_ids,
+    magi_attn_varlen_key,
+    undispatch,
+)
 from magi_attention.config import DistAttnConfig
 from magi_attention.helpers import all_reduce_gradients as _all_reduce_gradients
 from magi_attention.helpers import cu_seqlens_list
@@ -167,6 +175,7 @@ def get_batch_on_this_cp_rank_magi(
     head_dim: int,
     cu_seqlens: Any = None,
     dist_attn_config: DistAttnConfig | None = None,
+    prepared: PreparedDispatch | None = None,
 ) -> dict[str, Any]:
     """Replace Megatron's `get_batch_on_this_cp_rank`: plan attention and keep this rank's tokens.
 
@@ -178,6 +187,12 @@ def get_batch_on_this_cp_rank_magi(
         cu_seqlens: document boundaries of a packed sequence (`[0, ..., seq]`): each document causal and
             alone, RoPE positions restart per document (`labels`/`loss_mask` should then ignore document
             ends, as Megatron's datasets do with `eod_mask_loss`). None: one causal sequence, global positions.
+        dist_attn_config: magi-attention settings (`DistAttnConfig()` if None).
+        prepared: this batch's dispatch solved ahead, e.g. in a data-loader worker:
+            `magi_attention.api.prepare_varlen_dispatch(cu, cu, cp_size, causal=True, dist_attn_config=...)`
+            with `cu` = `cu_seqlens` (or `[0, seq]`) and this call's config. Adopted before the key is built,
+            so the key takes it instead of solving; one solved for another batch, cp size or config is not
+            used (the key solves its own, with the same result).
 
     Returns the batch with local `[1, local_tokens]` tensors (padding: token 0, loss_mask 0), `position_ids`,
     `num_tokens` (loss_mask sum of the whole batch) and `magi_key`.
@@ -187,6 +202,8 @@ def get_batch_on_this_cp_rank_magi(
         raise ValueError(f"tokens must be [1, seq] (micro-batch size 1), got {tuple(tokens.shape)}")
     total = tokens.shape[1]
     cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
+    if prepared is not None:
+        adopt_dispatch(prepared)  # a TypeError for anything else, before the key's collectives
     key = magi_attn_varlen_key(
         cu, cu, num_heads_q, num_heads_kv, head_dim, cp_group, causal=True, dist_attn_config=dist_attn_config
     )

@@ -8,6 +8,11 @@ is killed after `timeout` seconds and reported, so a test fails instead of hangi
 Forking is ~50x cheaper than spawning; it is safe because callers export OMP_NUM_THREADS=1 before Python
 starts (scripts/dev.sh does), so the parent holds no OpenMP thread pool.
 
+`solved_elsewhere(fn, *args)` runs a dispatch solve (`prepare_varlen_dispatch`, ...) in a freshly spawned
+process, as a data-loader worker would, so neither this process nor ranks forked from it learn the answer;
+`moved_to_next_rank(prepared)` turns it into a valid placement no solve makes, so a test sees whether a key
+took what it was handed.
+
 `failure_checks` turns the always-on failure checks off inside a block and `failure_check_calls` gives each
 of them as a call of its own, so their cost can be measured (`python -m benchmarks checks-overhead`).
 """
@@ -89,6 +94,31 @@ def run_distributed(
     if failures:
         raise AssertionError(f"distributed run (world_size={world_size}) failed:\n" + "\n".join(failures))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def solved_elsewhere(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a freshly spawned process (`fn` importable by name, e.g.
+    `magi_attention.api.prepare_varlen_dispatch`): the planner cache of this process, and of ranks it forks
+    later, does not learn what it solved (a process keeps the first answer it has for a mask)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def moved_to_next_rank(prepared: Any) -> Any:
+    """A `PreparedDispatch` with each rank's chunks (and their areas) moved to the next rank: a valid
+    placement of the same request that no solve makes. A key built after adopting it holds rank r's tokens
+    of `prepared` on rank r + 1."""
+    import dataclasses
+
+    plan = prepared.plan
+    moved = dataclasses.replace(
+        plan,
+        partitions=plan.partitions[-1:] + plan.partitions[:-1],
+        rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
+    )
+    return dataclasses.replace(prepared, plan=moved)
 
 
 def run_docs_example(
