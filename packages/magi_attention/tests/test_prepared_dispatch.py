@@ -106,3 +106,17 @@ def test_prepare_refuses_bad_arguments_by_name() -> None:
         api.prepare_varlen_dispatch([5, 10], [5, 10], 2)
     with pytest.raises(TypeError, match="prepared"):
         api.adopt_dispatch(object())
+
+
+def test_a_solve_elsewhere_and_a_placement_no_solve_makes() -> None:
+    from magi_attention.testing import moved_to_next_rank, solved_elsewhere
+
+    cu = long_tailed_cu_seqlens(3000, seed=5)
+    here = api.prepare_varlen_dispatch(cu, cu, 3, causal=True)
+    there = solved_elsewhere(api.prepare_varlen_dispatch, cu, cu, 3, causal=True)
+    assert there.request == here.request and there.plan == here.plan  # a pure function of its arguments
+    moved = moved_to_next_rank(there)
+    parts = here.plan.partitions
+    assert moved.plan.partitions == (parts[2], parts[0], parts[1]) and moved.request == here.request
+    assert sum(moved.plan.rank_areas) == sum(here.plan.rank_areas)
+    api.adopt_dispatch(moved)  # a valid placement: adoptable
