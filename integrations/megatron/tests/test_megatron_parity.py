@@ -133,6 +133,17 @@ def _rank_main(rank: int, world_size: int, alg: str | None, ahead: dict) -> dict
                 "grad": max(rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
                 "values": (loss.item(), ref_loss.item()),
             }
+    # a dispatch solved for another cp size is refused on every rank, before any collective
+    from magi_attention_megatron import get_batch_on_this_cp_rank_magi
+
+    from magi_attention.api import prepare_varlen_dispatch
+
+    batch, cu = make_batch(seed=7, doc_lens=[10, 20])
+    wrong = prepare_varlen_dispatch(cu, cu, world_size + 1, True)
+    with pytest.raises(ValueError, match=f"cp size {world_size + 1}, but the cp group has {world_size}"):
+        get_batch_on_this_cp_rank_magi(
+            batch, world, num_heads_q=HQ, num_heads_kv=HKV, head_dim=DIM // HQ, cu_seqlens=cu, prepared=wrong
+        )
     # training: 3 Adam steps on different packs
     model = build_model()
     ref = build_model()

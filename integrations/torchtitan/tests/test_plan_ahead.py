@@ -110,9 +110,9 @@ def test_dispatch_batch_refuses_a_dispatch_solved_for_another_cp_size_or_batch_s
     kwargs = dict(positions=positions, cp_mesh=None, num_heads_q=2, num_heads_kv=1, head_dim=8)
     with pytest.raises(ValueError, match="solved for cp size 2, but the cp group has 1 ranks"):
         dispatch_batch(ids, ids, **kwargs, prepared=plan_batch_ahead(positions, 2, 5, cp_size=2))
-    with pytest.raises(ValueError, match="solved for 20 tokens, but this batch packs 10"):
+    with pytest.raises(ValueError, match="solved for 20 tokens, but this batch has 10"):
         dispatch_batch(ids, ids, **kwargs, prepared=plan_batch_ahead(None, 2, 10, cp_size=1))
-    with pytest.raises(TypeError, match="prepared must be a PreparedDispatch"):
+    with pytest.raises(TypeError, match="`prepared` must be a PreparedDispatch"):
         dispatch_batch(ids, ids, **kwargs, prepared="magi")
     plain = dispatch_batch(ids, ids + 100, **kwargs)
     taken = dispatch_batch(ids, ids + 100, **kwargs, prepared=plan_batch_ahead(positions, 2, 5, cp_size=1))

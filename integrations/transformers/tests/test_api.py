@@ -62,5 +62,14 @@ def test_argument_errors() -> None:
         dispatch_batch(torch.zeros(2, 8, dtype=torch.long), None)
     with pytest.raises(TypeError, match="ProcessGroup"):
         dispatch_batch(ids, "world")
+    from magi_attention.api import prepare_varlen_dispatch
+
+    # a dispatch solved for another cp size or another batch length is refused, naming what differs
+    with pytest.raises(ValueError, match="cp size 2, but the cp group has 1"):
+        dispatch_batch(ids, None, prepared=prepare_varlen_dispatch([0, 8], [0, 8], 2, causal=True))
+    with pytest.raises(ValueError, match="solved for 6 tokens, but this batch has 8"):
+        dispatch_batch(ids, None, prepared=prepare_varlen_dispatch([0, 6], [0, 6], 1, causal=True))
+    with pytest.raises(TypeError, match="PreparedDispatch"):
+        dispatch_batch(ids, None, prepared="solved")
     with pytest.raises(TypeError, match="PreTrainedModel"):
         apply_magi_attention(torch.nn.Linear(2, 2), None)

@@ -71,6 +71,12 @@ def test_prepared_dispatch_answers_only_its_request() -> None:
     assert dispatch_choice(*other, 4096, 4, dispatch_alg="documents")[1] is not prepared.plan
     assert dispatch_choice(q, k, t, 4096, 4, dispatch_alg="min_heap")[1] is not prepared.plan
     assert dispatch_choice(q, k, t, 4096, 4, dispatch_alg="documents")[1] is prepared.plan
+    # told the caller's cp size and tokens, it refuses one solved for others, naming them
+    adopt_dispatch(prepared, cp_size=4, total_seqlen=4096)
+    with pytest.raises(ValueError, match="cp size 4, but the cp group has 2"):
+        adopt_dispatch(prepared, cp_size=2)
+    with pytest.raises(ValueError, match="4096 tokens, but this batch has 4000"):
+        adopt_dispatch(prepared, total_seqlen=4000)
 
 
 def test_prepare_checks_like_dispatch_choice() -> None:

@@ -191,8 +191,9 @@ def get_batch_on_this_cp_rank_magi(
         prepared: this batch's dispatch solved ahead, e.g. in a data-loader worker:
             `magi_attention.api.prepare_varlen_dispatch(cu, cu, cp_size, causal=True, dist_attn_config=...)`
             with `cu` = `cu_seqlens` (or `[0, seq]`) and this call's config. Adopted before the key is built,
-            so the key takes it instead of solving; one solved for another batch, cp size or config is not
-            used (the key solves its own, with the same result).
+            so the key takes it instead of solving. One solved for another cp size or token count raises
+            `ValueError`; one for another batch of the same size or another config is not used (the key
+            solves its own, with the same result).
 
     Returns the batch with local `[1, local_tokens]` tensors (padding: token 0, loss_mask 0), `position_ids`,
     `num_tokens` (loss_mask sum of the whole batch) and `magi_key`.
@@ -202,8 +203,11 @@ def get_batch_on_this_cp_rank_magi(
         raise ValueError(f"tokens must be [1, seq] (micro-batch size 1), got {tuple(tokens.shape)}")
     total = tokens.shape[1]
     cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
-    if prepared is not None:
-        adopt_dispatch(prepared)  # a TypeError for anything else, before the key's collectives
+    if prepared is not None:  # errors before the key's collectives
+        cp_size = (
+            dist.get_world_size(_group(cp_group)) if dist.is_available() and dist.is_initialized() else 1
+        )
+        adopt_dispatch(prepared, cp_size=cp_size, total_seqlen=total)
     key = magi_attn_varlen_key(
         cu, cu, num_heads_q, num_heads_kv, head_dim, cp_group, causal=True, dist_attn_config=dist_attn_config
     )

@@ -202,25 +202,6 @@ def _cp_size(cp_mesh: Any) -> int | None:
     return size() if callable(size) else None
 
 
-def _check_prepared(prepared: Any, *, cp_size: int | None, tokens: int) -> None:
-    if not isinstance(prepared, PreparedDispatch):
-        raise TypeError(
-            f"prepared must be a PreparedDispatch (plan_batch_ahead), got {type(prepared).__name__}"
-        )
-    # `request` is (mask digest, total_seqlen, cp_size, ...): the unpadded token count it was solved for
-    planned_tokens, planned_cp = prepared.request[1], prepared.plan.cp_size
-    if cp_size is not None and planned_cp != cp_size:
-        raise ValueError(
-            f"prepared was solved for cp size {planned_cp}, but the cp group has {cp_size} ranks: plan the "
-            f"batches with cp_size={cp_size}"
-        )
-    if planned_tokens != tokens:
-        raise ValueError(
-            f"prepared was solved for {planned_tokens} tokens, but this batch packs {tokens}: it belongs to "
-            "another batch"
-        )
-
-
 def _check_batch(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None) -> None:
     if inputs.ndim != 2 or inputs.numel() == 0 or inputs.is_floating_point():
         raise ValueError(
@@ -279,8 +260,7 @@ def dispatch_batch(
         raise ValueError(f"rope_positions must be 'document' or 'global', got {rope_positions!r}")
     batch, seq_len = inputs.shape
     if prepared is not None:
-        _check_prepared(prepared, cp_size=_cp_size(cp_mesh), tokens=batch * seq_len)
-        adopt_dispatch(prepared)
+        adopt_dispatch(prepared, cp_size=_cp_size(cp_mesh), total_seqlen=batch * seq_len)
     cu_seqlens = document_cu_seqlens(positions, batch, seq_len)
     key = magi_attn_varlen_key(
         list(cu_seqlens),

@@ -181,8 +181,9 @@ def dispatch_batch(
         prepared: this batch's dispatch solved ahead, e.g. in a data-loader worker:
             `magi_attention.api.prepare_varlen_dispatch(cu_seqlens, cu_seqlens, cp_size, causal=True,
             dist_attn_config=...)` with the config this call uses. It is adopted (`adopt_dispatch`) before
-            the key is built, so the key takes it instead of solving; one solved for another batch, cp size
-            or config is not used (the key solves its own, with the same result).
+            the key is built, so the key takes it instead of solving. One solved for another cp size or
+            token count raises `ValueError`; one for another batch of the same size or another config is
+            not used (the key solves its own, with the same result).
 
     Returns:
         a `DispatchedBatch`; afterwards `model(input_ids=batch.input_ids, position_ids=batch.position_ids)`
@@ -200,8 +201,8 @@ def dispatch_batch(
         raise ValueError("input_ids is empty")
     cu = [0, total] if cu_seqlens is None else cu_seqlens_list(cu_seqlens, total=total)
     config = dist_attn_config if dist_attn_config is not None else state.dist_attn_config
-    if prepared is not None:
-        adopt_dispatch(prepared)  # a TypeError for anything else, before the key's collectives
+    if prepared is not None:  # errors before the key's collectives
+        adopt_dispatch(prepared, cp_size=max(len(gid), 1), total_seqlen=total)  # gid: the group's ranks
     key = magi_attn_varlen_key(
         cu, cu, state.num_heads_q, state.num_heads_kv, state.head_dim, cp_group_or_mesh,
         causal=True, dist_attn_config=config,

@@ -237,16 +237,24 @@ def prepare_dispatch(
     return _prepared_step(request)[1]
 
 
-def adopt_dispatch(prepared: PreparedDispatch) -> None:
+def adopt_dispatch(
+    prepared: PreparedDispatch, *, cp_size: int | None = None, total_seqlen: int | None = None
+) -> None:
     """Put a dispatch solved elsewhere (`magi_solver.prepare_dispatch`, in this or another process) into this
     process's planner cache: the next `dispatch_choice` / `plan_attention` of the same request (mask, sizes,
     cp size, chunk size, algorithm, uneven shards) takes it instead of solving. The solve is a pure function
     of the request, so an adopted dispatch equals the one this process would solve with the same code.
 
+    Args:
+        prepared: the solved dispatch.
+        cp_size, total_seqlen: where given, the cp size and (unpadded) token count the caller will plan with:
+            a dispatch solved for others would never be taken, so it is refused instead (a loader that
+            planned for the wrong group or batch fails at once rather than solving again unseen).
+
     Raises:
         TypeError: `prepared` is not a `PreparedDispatch`.
         ValueError: its plan does not fit its request (cp size, or a padded length / chunk size it cannot
-            have been solved for).
+            have been solved for), or it was solved for another `cp_size` / `total_seqlen` than given.
     """
     if not isinstance(prepared, PreparedDispatch):
         raise TypeError(f"`prepared` must be a PreparedDispatch, got {type(prepared).__name__}")
@@ -264,6 +272,12 @@ def adopt_dispatch(prepared: PreparedDispatch) -> None:
         raise ValueError(
             f"`prepared`'s plan (cp {plan.cp_size}, {plan.total_seqlen} tokens, chunk {plan.chunk_size}) does "
             f"not answer its request (cp {cp}, {total} tokens, chunk {chunk})"
+        )
+    if cp_size is not None and cp_size != cp:
+        raise ValueError(f"`prepared` was solved for cp size {cp}, but the cp group has {cp_size} ranks")
+    if total_seqlen is not None and total_seqlen != total:
+        raise ValueError(
+            f"`prepared` was solved for {total} tokens, but this batch has {total_seqlen}: another batch's"
         )
     remember_choice(request, (choice, plan))
 
