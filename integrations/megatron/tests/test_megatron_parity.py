@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from magi_attention.config import DispatchConfig, DistAttnConfig
-from magi_attention.testing import moved_to_next_rank, solved_elsewhere
+from magi_attention.testing import moved_to_next_rank, solved_elsewhere, token_ids_on_rank
 from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
@@ -70,9 +70,7 @@ def step(model, batch, cu, group, config=None, algs=None, prepared=None):
         dist_attn_config=config, prepared=prepared,
     )  # fmt: skip
     if prepared is not None:
-        last = cu[-1] - 1
-        mine = [min(int(x), last) for x in prepared.plan.position_ids(dist.get_rank())]
-        assert get_position_ids(local["magi_key"]).tolist() == mine
+        assert get_position_ids(local["magi_key"]).tolist() == token_ids_on_rank(prepared, dist.get_rank())
     if algs is not None:
         algs.add(get_dispatch_choice(local["magi_key"]).algorithm)
     per_token = model(

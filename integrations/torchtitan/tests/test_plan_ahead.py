@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from magi_attention.testing import moved_to_next_rank, run_distributed
+from magi_attention.testing import moved_to_next_rank, run_distributed, token_ids_on_rank
 
 SEQ_LEN, BATCH, STEPS = 100, 2, 3
 HEADS_Q, HEADS_KV, HEAD_DIM = 2, 1, 8
@@ -120,13 +120,6 @@ def test_dispatch_batch_refuses_a_dispatch_solved_for_another_cp_size_or_batch_s
         assert torch.equal(getattr(taken, name), getattr(plain, name)), name
 
 
-def _token_ids(prepared, rank: int) -> list[int]:
-    """Global token ids of `rank`'s tokens under `prepared`'s placement, as `get_position_ids` reports them
-    (padding repeats the last token id)."""
-    plan, last = prepared.plan, BATCH * SEQ_LEN - 1
-    return [min(c * plan.chunk_size + i, last) for c in plan.partitions[rank] for i in range(plan.chunk_size)]
-
-
 def _rank_main(rank: int, world_size: int, batches: list, given: str, other) -> list[dict]:
     """Each batch dispatched with `given` ("none", "own": its prepared dispatch, "rotated": that moved by one
     rank, "other": another batch's, moved): its tensors and the key's token ids."""
@@ -186,10 +179,12 @@ def test_prepared_dispatch_is_the_keys_own_and_is_the_one_it_takes() -> None:
             alone, own, rotated, another = (runs[g][rank][step] for g in ("none", "own", "rotated", "other"))
             where = f"step {step}, rank {rank}"
             # the worker's placement is the one the key solves without it
-            assert alone["token_ids"] == _token_ids(prepared, rank), where
+            assert alone["token_ids"] == token_ids_on_rank(prepared, rank), where
             # the key takes the placement it is given ...
             assert (
-                rotated["token_ids"] == _token_ids(moved_to_next_rank(prepared), rank) != alone["token_ids"]
+                rotated["token_ids"]
+                == token_ids_on_rank(moved_to_next_rank(prepared), rank)
+                != alone["token_ids"]
             ), where
             # ... so with the worker's, the batch is dispatched as without it
             for name in ("input_ids", "labels", "positions", "token_ids"):

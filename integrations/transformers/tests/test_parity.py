@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
-from magi_attention.testing import moved_to_next_rank, solved_elsewhere
+from magi_attention.testing import moved_to_next_rank, solved_elsewhere, token_ids_on_rank
 from magi_attention.testing import run_distributed as run_ranks
 
 TOL = 1e-6
@@ -193,9 +193,7 @@ def _train_loop(
         ids, cu = packed_batch(seed=10 + step, doc_lens=TRAIN_DOC_LENS[step])
         batch = dispatch_batch(ids, group, cu_seqlens=cu, prepared=prepared)
         if prepared is not None:
-            total = int(cu[-1])
-            mine = [min(int(x), total - 1) for x in prepared.plan.position_ids(dist.get_rank())]
-            assert get_position_ids(batch.key).tolist() == mine, step
+            assert get_position_ids(batch.key).tolist() == token_ids_on_rank(prepared, dist.get_rank()), step
         algs.add(get_dispatch_choice(batch.key).algorithm)
         loss = causal_lm_loss(model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch)
         loss.backward()

@@ -109,7 +109,7 @@ def test_prepare_refuses_bad_arguments_by_name() -> None:
 
 
 def test_a_solve_elsewhere_and_a_placement_no_solve_makes() -> None:
-    from magi_attention.testing import moved_to_next_rank, solved_elsewhere
+    from magi_attention.testing import moved_to_next_rank, solved_elsewhere, token_ids_on_rank
 
     cu = long_tailed_cu_seqlens(3000, seed=5)
     here = api.prepare_varlen_dispatch(cu, cu, 3, causal=True)
@@ -120,3 +120,7 @@ def test_a_solve_elsewhere_and_a_placement_no_solve_makes() -> None:
     assert moved.plan.partitions == (parts[2], parts[0], parts[1]) and moved.request == here.request
     assert sum(moved.plan.rank_areas) == sum(here.plan.rank_areas)
     api.adopt_dispatch(moved)  # a valid placement: adoptable
+    # the tokens a key that took it holds: rank r's of `here` now on rank r + 1, padding as the last token
+    held = [token_ids_on_rank(moved, r) for r in range(3)]
+    assert held[1] == token_ids_on_rank(here, 0) and held[0] == token_ids_on_rank(here, 2)
+    assert sorted({t for ids in held for t in ids}) == list(range(cu[-1]))

@@ -10,7 +10,8 @@ starts (scripts/dev.sh does), so the parent holds no OpenMP thread pool.
 
 `solved_elsewhere(fn, *args)` runs a dispatch solve (`prepare_varlen_dispatch`, ...) in a freshly spawned
 process, as a data-loader worker would, so neither this process nor ranks forked from it learn the answer;
-`moved_to_next_rank(prepared)` turns it into a valid placement no solve makes, so a test sees whether a key
+`moved_to_next_rank(prepared)` turns it into a valid placement no solve makes, and
+`token_ids_on_rank(prepared, rank)` gives the tokens a key that took it holds, so a test sees whether a key
 took what it was handed.
 
 `failure_checks` turns the always-on failure checks off inside a block and `failure_check_calls` gives each
@@ -119,6 +120,13 @@ def moved_to_next_rank(prepared: Any) -> Any:
         rank_areas=plan.rank_areas[-1:] + plan.rank_areas[:-1],
     )
     return dataclasses.replace(prepared, plan=moved)
+
+
+def token_ids_on_rank(prepared: Any, rank: int) -> list[int]:
+    """Global token ids of `rank`'s tokens under `prepared`'s placement, as `get_position_ids` of a key that
+    took it reports them (a padding token repeats the last real token's id)."""
+    last = int(prepared.request[1]) - 1  # the request's unpadded token count
+    return [min(int(x), last) for x in prepared.plan.position_ids(rank)]
 
 
 def run_docs_example(
