@@ -23,7 +23,7 @@
 #           LOOP_BACKENDS, LOOP_CPS), first-step (first step against steady step, cold and warm;
 #           the breakdown of a fresh process from launch for auto, fa4, cudnn)
 #           sim (simulated cp ranks on one GPU, auto beside each backend), scaling (the scaling table;
-#           TOKENS, SCALING_MASKS, SCALING_CPS, SINGLE, DISPATCH_ALGS override)
+#           TOKENS, SCALING_MASKS, SCALING_CPS, SINGLE, DISPATCH_ALGS, KERNEL (the ranks' backend, auto) override)
 #           cp (the cp case over every GPU, 16k tokens per GPU, 64:8; CP_ARGS adds arguments)
 #           grpcoll (GroupCast / GroupReduce bandwidth, native and all-to-all-v; 2+ GPUs)
 #           checks-overhead (the status agreement of every call, NCCL at cp 2 and cp 1)
@@ -148,7 +148,7 @@ phase_sim() {
 }
 phase_scaling() {
   run "${BENCH_S:-590}" python3 -m benchmarks sim --tokens-per-gpu "${TOKENS:-8192}" --cps "${SCALING_CPS:-8,16,32,64}" \
-    --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend auto \
+    --masks "${SCALING_MASKS:-full,causal,varlen_full,varlen_causal,video_block_causal}" --degree 0 --kernel-backend "${KERNEL:-auto}" \
     --single-backend "${SINGLE:-fa4}" --no-cp1 --single-max-tokens 131072 --scaling --json "$OUT/scaling_${TOKENS:-8192}.json" \
     --dispatch-algs "${DISPATCH_ALGS:-default}" \
     --profile "$OUT/profile_${TOKENS:-8192}.txt"
