@@ -102,21 +102,22 @@ def _rank_step(q: torch.Tensor, do: torch.Tensor, calls: list, kern, queued: boo
     each direction timed behind GPU work (`_once_ms`), the GPU's time without the host's before it."""
     if len(calls) == 1:
         sl, kk, vv = calls[0]
+        # own keys: the query shard's count, as in self-attention (a cross-attention mask's key shard differs,
+        # which moves only these copies' share of rows)
+        n = min(q.shape[0], kk.shape[0])
 
         def fwd():
-            torch.cat([kk, vv], dim=1)  # dist_attn joins the local and received K/V: the same bytes
+            torch.cat([kk[:n], vv[:n]], dim=1)  # dist_attn joins the own K/V; the received rows land behind
             return kern.fwd_slices(q, kk, vv, sl)
 
         t_f, (out, lse) = _once_ms(fwd, queued)
 
         def bwd():
-            torch.cat([kk, vv], dim=1)
+            torch.cat([kk[:n], vv[:n]], dim=1)
             _, dk, dv = kern.bwd_slices(do, q, kk, vv, out, lse, sl)
             # as dist_attn: the own keys' dK/dV become the fp32 sum the owners reduce into; the received
-            # keys' go back in the kernel's dtype (own keys: the query shard's count, as in self-attention; a
-            # cross-attention mask's key shard differs, which moves only this cast's share of rows)
-            n = min(q.shape[0], kk.shape[0])
-            torch.cat([dk[:n], dv[:n]], dim=1).float()
+            # keys' go back in the kernel's dtype
+            torch.cat([dk[:n], dv[:n]], dim=1, out=dk.new_empty((n, 2 * dk.shape[1], dk.shape[2]), dtype=torch.float32))  # fmt: skip
             torch.cat([dk[n:], dv[n:]], dim=1)
 
         return t_f, _once_ms(bwd, queued)[0]

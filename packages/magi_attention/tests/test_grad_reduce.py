@@ -12,7 +12,7 @@ from magi_attention.api import calc_attn, clear_cache, dispatch, magi_attn_flex_
 from magi_attention.config import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_attention.testing import run_distributed
 from magi_ffa.testing import make_attn_mask, ref_attn
-from magi_group_collective import GroupReducePlan
+from magi_group_collective import GroupCastPlan, GroupReducePlan
 
 TOTAL, HQ, HKV, D = 96, 4, 2, 16
 # two causal documents and a full band across them: every rank holds keys that other ranks' queries read
@@ -45,8 +45,20 @@ def _degree0_worker(rank: int, world: int) -> int:
         seen.append((input.dtype, output.dtype))
         return real_reduce(self, input.to(output.dtype) if widen else input, output, *args, **kwargs)
 
+    real_cast = GroupCastPlan.cast
+    casts: list[bool] = []
+
+    def recording_cast(self, input, output, *args, **kwargs):
+        # the received rows follow the own rows in the same storage
+        behind = input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr() and (
+            output.data_ptr() == input.data_ptr() + input.numel() * input.element_size()
+        )
+        casts.append(behind)
+        return real_cast(self, input, output, *args, **kwargs)
+
     checks = 0
     GroupReducePlan.reduce = recording_reduce
+    GroupCastPlan.cast = recording_cast
     try:
         for det in (False, True):
             config = DistAttnConfig(
@@ -58,9 +70,10 @@ def _degree0_worker(rank: int, world: int) -> int:
             key = magi_attn_flex_key(
                 Q_RANGES, K_RANGES, TYPES, TOTAL, TOTAL, HQ, HKV, D, dist.group.WORLD, config
             )
-            widen, seen[:] = False, []
+            widen, seen[:], casts[:] = False, [], []
             sent = _grads(key, x, dout)
             assert seen == [(torch.bfloat16, torch.float32)], f"degree 0 reduce got {seen}"
+            assert casts == [True, True], f"forward / backward GroupCast outputs behind the own K/V: {casts}"
             widen = True
             widened = _grads(key, x, dout)  # the reduce of fp32 values: the runtime's earlier wire format
             for name, a, b, r in zip(("dq", "dk", "dv"), sent, widened, (t.grad for t in xr), strict=True):
@@ -72,6 +85,7 @@ def _degree0_worker(rank: int, world: int) -> int:
             checks += 1
     finally:
         GroupReducePlan.reduce = real_reduce
+        GroupCastPlan.cast = real_cast
         clear_cache(dist.group.WORLD)
     return checks
 

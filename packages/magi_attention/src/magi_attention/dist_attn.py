@@ -93,6 +93,17 @@ def _split_kv(kv: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tens
     return kv[:, :heads_kv], kv[:, heads_kv:]
 
 
+def _joined_kv(k: torch.Tensor, v: torch.Tensor, remote_tokens: int) -> torch.Tensor:
+    """``[own + remote_tokens, 2*hkv, d]`` in k's dtype: this rank's K and V joined in the leading rows, the
+    rest left for the GroupCast to write. The merged call reads own and received keys as one buffer, so the
+    received rows land in place: one copy of the own rows, none of the received ones (which outnumber them
+    several times on a rank holding pieces of long documents)."""
+    n = k.shape[0]
+    kv = k.new_empty((n + remote_tokens, 2 * k.shape[1], k.shape[2]))
+    torch.cat([k, v], dim=1, out=kv[:n])
+    return kv
+
+
 class _KVFetcher:
     """Issues the GroupCast of stage i's remote K/V and hands the buffer over when it has arrived."""
 
@@ -107,17 +118,18 @@ class _KVFetcher:
     def _what(self, stage: int) -> str:
         return f"GroupCast of stage {stage} (remote K/V) in the {self.phase} of calc_attn"
 
-    def start(self, stage: int) -> None:
+    def start(self, stage: int, out: torch.Tensor | None = None) -> None:
+        """Issue stage ``stage``'s GroupCast into ``out`` (None: a new buffer)."""
         if stage >= len(self.meta.stages) or stage in self.pending:
             return
         shape = (self.meta.remote_tokens[stage], *self.kv_local.shape[1:])
-        buf = self.kv_local.new_empty(shape)
+        buf = self.kv_local.new_empty(shape) if out is None else out
         with comm_step(self.cp_group, self._what(stage)):
             work = self.meta.cast_plans[stage].cast(self.kv_local, buf, async_op=True)
         self.pending[stage] = (buf, work)
 
-    def get(self, stage: int) -> torch.Tensor:
-        self.start(stage)
+    def get(self, stage: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.start(stage, out)
         buf, work = self.pending.pop(stage)
         with comm_step(self.cp_group, self._what(stage)):
             work.wait()
@@ -163,16 +175,17 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
     cp_group = runtime.key.cp_group
     with comm_step(cp_group, "building the GroupCast plans (tables checked across ranks) of calc_attn"):
         meta = runtime.device_meta(q.device)
-    hkv = k.shape[1]
-    kv_local = torch.cat([k, v], dim=1)  # K and V travel as one tensor: one collective per stage
-    fetcher = _KVFetcher(meta, kv_local, cp_group, "forward")
+    hkv, n = k.shape[1], k.shape[0]
     if runtime.merged_stage:
-        kv_all = torch.cat([kv_local, fetcher.get(0)], dim=0)
+        # K and V travel as one tensor (one collective per stage), received behind the own rows
+        kv_all = _joined_kv(k, v, meta.remote_tokens[0])
+        _KVFetcher(meta, kv_all[:n], cp_group, "forward").get(0, out=kv_all[n:])
         out, lse = _fwd_call(
             kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap, extras,
             deterministic=det,
         )  # fmt: skip
     else:
+        fetcher = _KVFetcher(meta, torch.cat([k, v], dim=1), cp_group, "forward")
         fetcher.start(0)
         # The host call writes the accumulator itself (no zero-fill). With one remote stage the merge can
         # write q's dtype directly (the same single rounding as an fp32 accumulator cast at the end); with
@@ -205,12 +218,11 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
     acc = acc_dtype(q.dtype)
     hkv = k.shape[1]
     do = do.contiguous()
-    kv_local = torch.cat([k, v], dim=1)
     cp_group = runtime.key.cp_group
-    fetcher = _KVFetcher(meta, kv_local, cp_group, "backward")
+    n = k.shape[0]
     if runtime.merged_stage:
-        kv_remote = fetcher.get(0)
-        kv_all = torch.cat([kv_local, kv_remote], dim=0)
+        kv_all = _joined_kv(k, v, meta.remote_tokens[0])
+        _KVFetcher(meta, kv_all[:n], cp_group, "backward").get(0, out=kv_all[n:])
         # one call, no accumulators: the kernel writes dq, dk, dv itself (no zero-filled fp32 buffers)
         dq, dk_all, dv_all = _bwd_call(
             kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap,
@@ -219,12 +231,14 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
         if dq is None:  # no slice touches this rank's queries
             dq = torch.zeros_like(q)
             dk_all, dv_all = (torch.zeros_like(x) for x in _split_kv(kv_all, hkv))
-        n = k.shape[0]
         # partial dK/dV of remote keys go back to their owners and are summed there (fp32 by default). They
         # travel in the kernel's dtype: the owner's GroupReduce widens them exactly into `red`, the same bits
         # as widening before sending, with half the bytes for bf16 / fp16
         red = acc if runtime.key.config.high_precision_grad_reduce else k.dtype
-        dkv_local = torch.cat([dk_all[:n], dv_all[:n]], dim=1).to(red)
+        # joined and widened in one pass (cat writes its `out` dtype)
+        dkv_local = torch.cat(
+            [dk_all[:n], dv_all[:n]], dim=1, out=k.new_empty((n, 2 * hkv, k.shape[2]), dtype=red)
+        )
         dkv_remote = torch.cat([dk_all[n:], dv_all[n:]], dim=1)
         with comm_step(cp_group, "GroupReduce of stage 0 (remote dK/dV) in the backward of calc_attn"):
             meta.reduce_plans[0].reduce(
@@ -232,7 +246,8 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
             )
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv_local = torch.zeros((k.shape[0], 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
+        dkv_local = torch.zeros((n, 2 * hkv, k.shape[2]), dtype=acc, device=k.device)
+        fetcher = _KVFetcher(meta, torch.cat([k, v], dim=1), cp_group, "backward")
         fetcher.start(0)
         _bwd_call(
             kernel, do, q, k, v, out, lse, meta.host, dq, *_split_kv(dkv_local, hkv), scale, softcap, dlse,
