@@ -248,10 +248,10 @@ def _stalled_peer_worker(rank: int, world: int, phase: str, where: str) -> str:
 
             real_start = da._KVFetcher.start
 
-            def stalled_start(self, stage):
+            def stalled_start(self, stage, *args, **kwargs):
                 if self.phase == phase:
                     time.sleep(8)
-                return real_start(self, stage)
+                return real_start(self, stage, *args, **kwargs)
 
             da._KVFetcher.start = stalled_start
             try:

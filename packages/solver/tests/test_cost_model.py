@@ -223,10 +223,11 @@ def test_degree_zero_schedule_by_hand() -> None:
     m = _unit_model()
     # host area 10, all remote: area 6, 3 tokens; 4 local tokens
     fwd = m.schedule_time(0, 10, [6], [3], 4)
-    assert fwd == pytest.approx((0.25 + 3) + (4 + 3) + (0.5 + 16))  # fetch + copy + one kernel
+    # fetch + copy of the 4 local tokens (the received ones land in place) + one kernel
+    assert fwd == pytest.approx((0.25 + 3) + 4 + (0.5 + 16))
     bwd = m.schedule_time(0, 10, [6], [3], 4, backward=True)
     # ... + the blocking dK/dV reduce, which sends the kernel's dtype (K/V's bytes, not the fp32 of d >= 1)
-    assert bwd == pytest.approx((0.25 + 3) + 7 + (0.5 + 16) + (0.25 + 3))
+    assert bwd == pytest.approx((0.25 + 3) + 4 + (0.5 + 16) + (0.25 + 3))
     assert m.total_time(0, 10, [6], [3], 4) == pytest.approx(fwd + bwd)
 
 
@@ -294,11 +295,12 @@ def test_degree_zero_wins_when_stage_costs_outweigh_the_hidden_fetch() -> None:
     assert sorted(plan.degree_costs) == list(range(9))
     assert plan.degree_costs[0] < plan.degree_costs[1] < plan.degree_costs[2]
     assert max(plan.predicted_times) == plan.degree_costs[0]
-    # per rank: fetch 16k tokens, copy 32k tokens of K/V, one kernel over 16k x 32k pairs; backward the same
-    # plus the dK/dV reduce, which at degree 0 sends the kernel's bf16 dK/dV: as many bytes as the fetch
+    # per rank: fetch 16k tokens (into place), copy the 16k local tokens of K/V, one kernel over 16k x 32k
+    # pairs; backward the same plus the dK/dV reduce, which at degree 0 sends the kernel's bf16 dK/dV: as
+    # many bytes as the fetch
     flops = 4 * 16384 * 32768 * 64 * 128
     fetch = reduce = 30e-6 + 16384 * 4096 / 200e9
-    copy = 2 * 32768 * 4096 / 3000e9
+    copy = 2 * 16384 * 4096 / 3000e9
     fwd = fetch + copy + 30e-6 + flops / 600e12
     bwd = fetch + copy + 30e-6 + 2.5 * flops / 450e12 + reduce
     assert plan.degree_costs[0] == pytest.approx(fwd + bwd, rel=1e-9)

@@ -21,8 +21,9 @@ is self-attention), `Hq`, `Hkv`, `D` heads and head dim. Building blocks (`p` = 
   accumulator, `p.kernel_fixed_s + bytes * L * Hq * D / (p.mem_gbps * 1e9)` with `bytes` =
   `p.fwd_merge_bytes_per_elem` (forward: partial output into out/lse) or `p.bwd_accum_bytes_per_elem`
   (backward: dQ into the fp32 accumulator).
-* degree 0 concatenates local and remote K/V into one buffer (`copy`): a read and a write of every byte,
-  `2 * (L + T_r) * 2 * Hkv * D * bytes_per_elem / (p.mem_gbps * 1e9)`.
+* degree 0 receives the remote K/V behind the local rows of one buffer and copies only the local K/V into
+  it (`copy`): a read and a write of every local byte, `2 * L * 2 * Hkv * D * bytes_per_elem / (p.mem_gbps *
+  1e9)`.
 
 Schedules (`schedule_time`):
 
@@ -344,7 +345,7 @@ class OverlapCostModel:
             )
         if degree == 0:
             remote = stage_tokens[0]
-            t = self.fetch(remote) + self.copy(local_q_tokens + remote)
+            t = self.fetch(remote) + self.copy(local_q_tokens)
             L = local_q_tokens
             t += self.kernel(host_area + stage_areas[0], backward, keys=L + remote, rows=L)
             return t + (self.reduce(remote, merged=True) if backward else 0.0)
