@@ -93,14 +93,15 @@ def _split_kv(kv: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tens
     return kv[:, :heads_kv], kv[:, heads_kv:]
 
 
-def _joined_kv(k: torch.Tensor, v: torch.Tensor, remote_tokens: int) -> torch.Tensor:
-    """``[own + remote_tokens, 2*hkv, d]`` in k's dtype: this rank's K and V joined in the leading rows, the
-    rest left for the GroupCast to write. The merged call reads own and received keys as one buffer, so the
-    received rows land in place: one copy of the own rows, none of the received ones (which outnumber them
-    several times on a rank holding pieces of long documents)."""
+def _merged_kv(k: torch.Tensor, v: torch.Tensor, meta: DeviceMeta, cp_group, phase: str) -> torch.Tensor:
+    """The merged call's keys (overlap degree 0), ``[own + received tokens, 2*hkv, d]`` in k's dtype: this
+    rank's K and V joined in the leading rows, the GroupCast's received K/V written behind them. One copy of
+    the own rows and none of the received ones (which outnumber them several times on a rank holding pieces
+    of long documents). K and V travel as one tensor: one collective."""
     n = k.shape[0]
-    kv = k.new_empty((n + remote_tokens, 2 * k.shape[1], k.shape[2]))
+    kv = k.new_empty((n + meta.remote_tokens[0], 2 * k.shape[1], k.shape[2]))
     torch.cat([k, v], dim=1, out=kv[:n])
+    _KVFetcher(meta, kv[:n], cp_group, phase).get(0, out=kv[n:])
     return kv
 
 
@@ -175,11 +176,9 @@ def dist_attn_fwd(q, k, v, runtime: DistAttnRuntime, scale: float, softcap: floa
     cp_group = runtime.key.cp_group
     with comm_step(cp_group, "building the GroupCast plans (tables checked across ranks) of calc_attn"):
         meta = runtime.device_meta(q.device)
-    hkv, n = k.shape[1], k.shape[0]
+    hkv = k.shape[1]
     if runtime.merged_stage:
-        # K and V travel as one tensor (one collective per stage), received behind the own rows
-        kv_all = _joined_kv(k, v, meta.remote_tokens[0])
-        _KVFetcher(meta, kv_all[:n], cp_group, "forward").get(0, out=kv_all[n:])
+        kv_all = _merged_kv(k, v, meta, cp_group, "forward")
         out, lse = _fwd_call(
             kernel, q, *_split_kv(kv_all, hkv), meta.merged, None, None, scale, softcap, extras,
             deterministic=det,
@@ -221,8 +220,7 @@ def dist_attn_bwd(do, q, k, v, out, lse, runtime: DistAttnRuntime, scale: float,
     cp_group = runtime.key.cp_group
     n = k.shape[0]
     if runtime.merged_stage:
-        kv_all = _joined_kv(k, v, meta.remote_tokens[0])
-        _KVFetcher(meta, kv_all[:n], cp_group, "backward").get(0, out=kv_all[n:])
+        kv_all = _merged_kv(k, v, meta, cp_group, "backward")
         # one call, no accumulators: the kernel writes dq, dk, dv itself (no zero-filled fp32 buffers)
         dq, dk_all, dv_all = _bwd_call(
             kernel, do, q, *_split_kv(kv_all, hkv), out, lse, meta.merged, None, None, None, scale, softcap,
